@@ -1,0 +1,260 @@
+"""Placement: which logical expert each physical slot holds, per MoE layer.
+
+Legend: L = MoE layers, E = logical experts, P = physical slots, G = GPUs (ranks),
+X = most replicas any expert has. Slot p lives on GPU p // (P // G).
+
+Glossary (the words every engine uses):
+- logical expert: one of the model's E routed experts, as the router sees it.
+- physical slot: a place for one expert's weights on one GPU; P = G x slots per GPU.
+- replica: a copy of a logical expert in a physical slot; every expert has >= 1.
+- redundant slots: P - E, the slots that hold extra replicas of hot experts.
+Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 slots per GPU.
+
+`-1` in `log2phy_LEX` means "no replica" (padding).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.topology import Topology
+
+FORMAT_VERSION = 1
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """An expert-to-slot map for every MoE layer, with optional per-replica token shares."""
+
+    phy2log_LP: np.ndarray
+    """Logical expert held by each physical slot, int64 [L, P]."""
+    num_gpus: int
+    """G: GPUs (ranks); slot p lives on GPU p // (P // G)."""
+    num_logical_experts: int
+    """E: routed experts of the model."""
+    num_nodes: int = 1
+    """N: nodes; GPU g lives on node g // (G // N)."""
+    layer_ids: np.ndarray | None = None
+    """Hidden-layer index of each MoE layer, int64 [L]; default 0..L-1."""
+    dispatch_weights_LP: np.ndarray | None = None
+    """Share of its expert's tokens each replica takes, float64 [L, P]; the shares of one
+    expert in one layer sum to 1. None means an even split among replicas."""
+    planner: str = ""
+    """Name of the planner that made it (informational)."""
+    metrics: dict = field(default_factory=dict)
+    """Free-form metrics recorded by the planner (informational, JSON-serialisable)."""
+
+    def __post_init__(self) -> None:
+        phy = np.asarray(self.phy2log_LP)
+        if phy.ndim != 2:
+            raise EplbError(f"physical_to_logical map must be 2-D [layers, slots], got shape {phy.shape}")
+        if not np.issubdtype(phy.dtype, np.integer):
+            raise EplbError(f"physical_to_logical map must hold integers, got dtype {phy.dtype}")
+        L, P = phy.shape
+        G, E, N = int(self.num_gpus), int(self.num_logical_experts), int(self.num_nodes)
+        if G < 1 or E < 1 or N < 1:
+            raise EplbError(f"num_gpus ({G}), num_logical_experts ({E}) and num_nodes ({N}) must be >= 1")
+        if P % G:
+            raise EplbError(f"{P} physical slots do not split evenly over {G} GPUs")
+        if G % N:
+            raise EplbError(f"num_gpus ({G}) must be divisible by num_nodes ({N})")
+        if L and (phy.min() < 0 or phy.max() >= E):
+            bad = phy[(phy < 0) | (phy >= E)][0]
+            raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
+        count_LE = np.zeros((L, E), dtype=np.int64)
+        np.add.at(count_LE, (np.arange(L)[:, None], phy), 1)
+        if L and count_LE.min() == 0:
+            layer, expert = np.argwhere(count_LE == 0)[0]
+            raise EplbError(f"logical expert {expert} has no replica in layer index {layer}")
+        object.__setattr__(self, "phy2log_LP", _readonly(phy.astype(np.int64)))
+        object.__setattr__(self, "num_gpus", G)
+        object.__setattr__(self, "num_logical_experts", E)
+        object.__setattr__(self, "num_nodes", N)
+        object.__setattr__(self, "_count_LE", _readonly(count_LE))
+        ids = np.arange(L) if self.layer_ids is None else np.asarray(self.layer_ids)
+        if ids.shape != (L,) or not np.issubdtype(ids.dtype, np.integer):
+            raise EplbError(f"layer_ids must be {L} integers, got shape {ids.shape} dtype {ids.dtype}")
+        if L and (ids.min() < 0 or len(np.unique(ids)) != L):
+            raise EplbError(f"layer_ids must be distinct non-negative integers, got {ids.tolist()}")
+        object.__setattr__(self, "layer_ids", _readonly(ids.astype(np.int64)))
+        if self.dispatch_weights_LP is not None:
+            w = np.asarray(self.dispatch_weights_LP, dtype=np.float64)
+            if w.shape != (L, P):
+                raise EplbError(f"dispatch_weights must have shape {(L, P)}, got {w.shape}")
+            if not np.all(np.isfinite(w)) or w.min() < 0:
+                raise EplbError("dispatch_weights must be finite and non-negative")
+            sums_LE = np.zeros((L, E))
+            np.add.at(sums_LE, (np.arange(L)[:, None], phy), w)
+            if not np.allclose(sums_LE, 1.0, atol=1e-6):
+                layer, expert = np.argwhere(~np.isclose(sums_LE, 1.0, atol=1e-6))[0]
+                raise EplbError(
+                    f"dispatch_weights of expert {expert} in layer index {layer} sum to "
+                    f"{sums_LE[layer, expert]:.6f}, not 1"
+                )
+            object.__setattr__(self, "dispatch_weights_LP", _readonly(w))
+
+    # Derived shapes -------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.phy2log_LP.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log_LP.shape[1]
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.num_slots // self.num_gpus
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(gpus=self.num_gpus, slots_per_gpu=self.slots_per_gpu, nodes=self.num_nodes)
+
+    @property
+    def replica_count_LE(self) -> np.ndarray:
+        """Replicas of each logical expert, int64 [L, E]."""
+        return self._count_LE  # type: ignore[attr-defined]
+
+    @property
+    def log2phy_LEX(self) -> np.ndarray:
+        """Physical slots of each logical expert, int64 [L, E, X], padded with -1."""
+        L, P = self.phy2log_LP.shape
+        E = self.num_logical_experts
+        X = int(self.replica_count_LE.max()) if L else 1
+        out = np.full((L, E, X), -1, dtype=np.int64)
+        order_LP = np.argsort(self.phy2log_LP, axis=1, kind="stable")
+        sorted_LP = np.take_along_axis(self.phy2log_LP, order_LP, axis=1)
+        # rank of each slot among the replicas of its expert (0, 1, ...), in slot order
+        first_LE = np.cumsum(self.replica_count_LE, axis=1) - self.replica_count_LE
+        rank_LP = np.arange(P)[None, :] - np.take_along_axis(first_LE, sorted_LP, axis=1)
+        out[np.arange(L)[:, None], sorted_LP, rank_LP] = order_LP
+        return out
+
+    def gpu_of_slot(self) -> np.ndarray:
+        """gpu_P: the GPU each physical slot lives on."""
+        return np.arange(self.num_slots) // self.slots_per_gpu
+
+    def replica_weights(self) -> np.ndarray:
+        """Share of its expert's tokens each slot takes, float64 [L, P] (even split if unset)."""
+        if self.dispatch_weights_LP is not None:
+            return self.dispatch_weights_LP
+        cnt_LP = np.take_along_axis(self.replica_count_LE, self.phy2log_LP, axis=1)
+        return 1.0 / cnt_LP
+
+    def slot_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
+        """Tokens each physical slot serves, float64 [L, P], for logical loads [L, E]."""
+        load_LE = np.asarray(load_LE, dtype=np.float64)
+        if load_LE.shape != (self.num_layers, self.num_logical_experts):
+            raise EplbError(
+                f"loads have shape {load_LE.shape}, but the placement needs "
+                f"{(self.num_layers, self.num_logical_experts)} [layers, logical experts]"
+            )
+        w_LP = self.replica_weights() if weights_LP is None else weights_LP
+        return np.take_along_axis(load_LE, self.phy2log_LP, axis=1) * w_LP
+
+    def gpu_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
+        """Tokens each GPU serves, float64 [L, G]."""
+        slot_LP = self.slot_loads(load_LE, weights_LP)
+        return slot_LP.reshape(self.num_layers, self.num_gpus, self.slots_per_gpu).sum(axis=2)
+
+    def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> "Placement":
+        return Placement(
+            self.phy2log_LP, self.num_gpus, self.num_logical_experts, self.num_nodes,
+            self.layer_ids, dispatch_weights_LP, self.planner, dict(self.metrics),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        same_w = (self.dispatch_weights_LP is None) == (other.dispatch_weights_LP is None) and (
+            self.dispatch_weights_LP is None
+            or np.allclose(self.dispatch_weights_LP, other.dispatch_weights_LP)
+        )
+        return (
+            self.num_gpus == other.num_gpus
+            and self.num_nodes == other.num_nodes
+            and self.num_logical_experts == other.num_logical_experts
+            and np.array_equal(self.phy2log_LP, other.phy2log_LP)
+            and np.array_equal(self.layer_ids, other.layer_ids)
+            and same_w
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # Native JSON file -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": "eplb.placement",
+            "version": FORMAT_VERSION,
+            "physical_to_logical_map": self.phy2log_LP.tolist(),
+            "layer_ids": self.layer_ids.tolist(),
+            "num_gpus": self.num_gpus,
+            "num_nodes": self.num_nodes,
+            "num_logical_experts": self.num_logical_experts,
+            "planner": self.planner,
+            "metrics": self.metrics,
+        }
+        if self.dispatch_weights_LP is not None:
+            d["dispatch_weights"] = self.dispatch_weights_LP.tolist()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "placement") -> "Placement":
+        if not isinstance(d, dict):
+            raise EplbError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        missing = [k for k in ("physical_to_logical_map", "num_gpus", "num_logical_experts") if k not in d]
+        if missing:
+            raise EplbError(f"{source}: missing key(s) {', '.join(missing)} (not an eplb placement file?)")
+        try:
+            phy = np.asarray(d["physical_to_logical_map"])
+            if phy.dtype == object or not np.issubdtype(phy.dtype, np.number):
+                raise ValueError("ragged or non-numeric")
+            if phy.size and not np.all(phy == np.round(phy)):
+                raise ValueError("non-integer ids")
+            phy = phy.astype(np.int64)
+        except (ValueError, TypeError) as exc:
+            raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
+        weights = d.get("dispatch_weights")
+        try:
+            return cls(
+                phy2log_LP=phy,
+                num_gpus=int(d["num_gpus"]),
+                num_logical_experts=int(d["num_logical_experts"]),
+                num_nodes=int(d.get("num_nodes", 1)),
+                layer_ids=None if d.get("layer_ids") is None else np.asarray(d["layer_ids"], dtype=np.int64),
+                dispatch_weights_LP=None if weights is None else np.asarray(weights, dtype=np.float64),
+                planner=str(d.get("planner", "")),
+                metrics=dict(d.get("metrics") or {}),
+            )
+        except EplbError as exc:
+            raise EplbError(f"{source}: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise EplbError(f"{source}: malformed placement ({exc})") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Placement":
+        path = Path(path)
+        if not path.is_file():
+            raise EplbError(f"placement file {str(path)!r} does not exist")
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EplbError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(d, source=str(path))

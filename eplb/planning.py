@@ -1,0 +1,247 @@
+"""Planning front door: the Planner protocol, the registry, PlanResult and `plan()`.
+
+Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
+
+Planners live in the top-level `planners/` package, one module per algorithm, each class
+registered by name with `@register("name")`. A planner's constructor only stores settings;
+`plan(request) -> Solution` does the work on numpy arrays and a Topology, never files or
+torch. `plan()` below is the one front door: it normalises input, sizes the topology, runs
+the planner, times it and scores the result against the contiguous (no-EPLB) baseline and
+the lower bound.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from eplb import stats
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.topology import Topology
+from eplb.trace import Trace
+
+STATUSES = ("OPTIMAL", "FEASIBLE", "HEURISTIC", "FALLBACK")
+
+
+@dataclass(frozen=True, eq=False)
+class PlanRequest:
+    """Everything a planner may look at."""
+
+    load_LE: np.ndarray
+    """Planning load (windows aggregated), float64 [L, E]."""
+    topology: Topology
+    """GPUs, nodes and slots per GPU."""
+    history_TLE: np.ndarray | None = None
+    """The individual windows the load was aggregated from, float64 [T, L, E] (robust planners)."""
+    layer_ids: np.ndarray | None = None
+    """Hidden-layer index of each MoE layer [L]."""
+    num_groups: int | None = None
+    """Expert groups of group-limited routing (DeepSeek-V3: 8), for node-aware planners."""
+    previous: Placement | None = None
+    """The placement now being served (migration-aware planners keep its replicas in place)."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.load_LE.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.load_LE.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Solution:
+    """What a planner returns."""
+
+    phy2log_LP: np.ndarray
+    """Logical expert in each physical slot, [L, P]."""
+    dispatch_weights_LP: np.ndarray | None = None
+    """Per-replica token shares, or None for an even split."""
+    status: str = "HEURISTIC"
+    """OPTIMAL (proven), FEASIBLE (solver stopped early), HEURISTIC, or FALLBACK (the
+    planner could not do its own job and returned another planner's answer; see message)."""
+    message: str = ""
+    info: dict = field(default_factory=dict)
+    """Planner-specific numbers (gaps, solver statistics), JSON-serialisable."""
+
+
+class Planner(Protocol):
+    name: str
+
+    def plan(self, request: PlanRequest) -> Solution: ...
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make a planner available under `name` everywhere (API and CLI)."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise RuntimeError(f"planner name {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def _load_builtin() -> None:
+    importlib.import_module("planners")
+
+
+def planner_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_planner(name: str, **settings: Any) -> Planner:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
+    try:
+        return _REGISTRY[name](**settings)
+    except TypeError as exc:
+        raise EplbError(f"planner {name!r} does not take these settings: {exc}") from None
+
+
+@dataclass(frozen=True, eq=False)
+class PlanResult:
+    """A placement plus how it was made and how good it is (scored on the planning load)."""
+
+    placement: Placement
+    planner: str
+    status: str
+    success: bool
+    message: str
+    seconds: float
+    """Wall time of the planner alone."""
+    load_LE: np.ndarray
+    """The load the plan was scored on, [L, E]."""
+    lower_bound_L: np.ndarray
+    """Lower bound on the busiest GPU's load per layer, [L]."""
+    before: stats.LoadReport
+    """Contiguous placement (no EPLB) on the same GPUs."""
+    after: stats.LoadReport
+    info: dict = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (what `eplb plan --json` prints)."""
+        return {
+            "planner": self.planner,
+            "status": self.status,
+            "success": self.success,
+            "message": self.message,
+            "seconds": self.seconds,
+            "num_layers": self.placement.num_layers,
+            "num_logical_experts": self.placement.num_logical_experts,
+            "num_gpus": self.placement.num_gpus,
+            "num_nodes": self.placement.num_nodes,
+            "num_slots": self.placement.num_slots,
+            "before": self.before.summary(),
+            "after": self.after.summary(),
+            "info": self.info,
+        }
+
+
+def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict]:
+    """Normalise a Trace, [L, E] or [T, L, E] array into (history_TLE, layer_ids, meta)."""
+    if isinstance(loads_or_trace, Trace):
+        return loads_or_trace.counts_TLE.astype(np.float64), loads_or_trace.layer_ids, loads_or_trace.meta
+    a = np.asarray(loads_or_trace, dtype=np.float64)
+    if a.ndim == 2:
+        a = a[None]
+    if a.ndim != 3:
+        raise EplbError(f"loads must be [layers, experts] or [windows, layers, experts], got shape {a.shape}")
+    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
+        raise EplbError("loads must be finite and non-negative")
+    if 0 in a.shape:
+        raise EplbError(f"loads must not be empty, got shape {a.shape}")
+    return a, None, {}
+
+
+def plan(
+    loads_or_trace: Any,
+    *,
+    gpus: int,
+    nodes: int = 1,
+    redundant: int | None = None,
+    slots_per_gpu: int | None = None,
+    planner: str = "greedy",
+    aggregate: str = "sum",
+    window: int | None = None,
+    alpha: float | None = None,
+    num_groups: int | None = None,
+    previous: Placement | None = None,
+    settings: dict | None = None,
+) -> PlanResult:
+    """Plan an expert placement: the one front door for the API and the CLI.
+
+    loads_or_trace: a Trace, or counts [L, E] / [T, L, E]. Windows are history: they are
+    aggregated with `aggregate` ("sum", "mean", "last", "window", "ema") into the planning
+    load, and passed whole to planners that plan against every window (robust ones).
+    Topology: `gpus`, `nodes`, and `redundant` slots in total or `slots_per_gpu` (default one
+    redundant slot per GPU). `num_groups` defaults to the trace's `num_expert_groups`.
+    """
+    history_TLE, layer_ids, meta = as_history(loads_or_trace)
+    load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
+    L, E = load_LE.shape
+    topo = Topology.for_experts(E, gpus=gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu)
+    if num_groups is None and meta.get("num_expert_groups"):
+        num_groups = int(meta["num_expert_groups"])
+    if previous is not None:
+        if previous.phy2log_LP.shape != (L, topo.num_slots) or previous.num_logical_experts != E:
+            raise EplbError(
+                f"previous placement is {previous.num_layers} layers x {previous.num_slots} slots of "
+                f"{previous.num_logical_experts} experts; this plan needs {L} x {topo.num_slots} of {E}"
+            )
+    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_groups, previous)
+    impl = get_planner(planner, **(settings or {}))
+    t0 = time.perf_counter()
+    sol = impl.plan(request)
+    seconds = time.perf_counter() - t0
+    return finish(request, sol, planner, seconds)
+
+
+def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) -> PlanResult:
+    """Wrap a planner's Solution into a scored PlanResult."""
+    topo = request.topology
+    if sol.status not in STATUSES:
+        raise AssertionError(f"planner {planner} returned unknown status {sol.status!r}")
+    placement = Placement(
+        phy2log_LP=sol.phy2log_LP,
+        num_gpus=topo.gpus,
+        num_logical_experts=request.num_experts,
+        num_nodes=topo.nodes,
+        layer_ids=request.layer_ids,
+        dispatch_weights_LP=sol.dispatch_weights_LP,
+        planner=planner,
+    )
+    from planners.contiguous import contiguous_map
+
+    baseline = Placement(contiguous_map(request.num_experts, topo, request.num_layers), topo.gpus,
+                         request.num_experts, topo.nodes, request.layer_ids)
+    before = stats.evaluate(baseline, request.load_LE)
+    after = stats.evaluate(placement, request.load_LE)
+    lb = stats.lower_bound(request.load_LE, topo.gpus, topo.num_slots)
+    metrics = {
+        "imbalance_median": float(np.median(after.imbalance_L)),
+        "imbalance_max": float(np.max(after.imbalance_L)),
+        "bound_ratio_max": float(np.max(after.bound_ratio_L)),
+        "balancedness": after.balancedness,
+        "contiguous_imbalance_median": float(np.median(before.imbalance_L)),
+    }
+    placement = Placement(placement.phy2log_LP, placement.num_gpus, placement.num_logical_experts,
+                          placement.num_nodes, placement.layer_ids, placement.dispatch_weights_LP,
+                          planner, metrics)
+    return PlanResult(
+        placement=placement, planner=planner, status=sol.status,
+        success=sol.status != "FALLBACK", message=sol.message, seconds=seconds,
+        load_LE=request.load_LE, lower_bound_L=lb, before=before, after=after, info=dict(sol.info),
+    )

@@ -1,0 +1,174 @@
+"""Load statistics: window aggregation, skew metrics, lower bounds, GPU-load evaluation.
+
+Legend: T = time windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
+Loads are token-slot counts (one token routed to K experts counts K times), as float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eplb.errors import EplbError
+
+AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
+
+
+def _as_counts_TLE(counts) -> np.ndarray:
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim == 2:
+        c = c[None]
+    if c.ndim != 3:
+        raise EplbError(f"counts must be [windows, layers, experts] or [layers, experts], got shape {c.shape}")
+    return c
+
+
+def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha: float | None = None) -> np.ndarray:
+    """Collapse windows into one load [L, E].
+
+    how: "sum" (all windows), "mean", "last" (newest window), "window" (sum of the newest
+    `window` windows), "ema" (exponential moving average with weight `alpha` on the newest
+    window, computed oldest to newest, so the result is on the scale of one window).
+    """
+    c = _as_counts_TLE(counts_TLE)
+    if how == "sum":
+        return c.sum(axis=0)
+    if how == "mean":
+        return c.mean(axis=0)
+    if how == "last":
+        return c[-1].copy()
+    if how == "window":
+        if window is None or int(window) < 1:
+            raise EplbError(f"aggregation 'window' needs window >= 1, got {window!r}")
+        return c[-int(window):].sum(axis=0)
+    if how == "ema":
+        return ema(c, 0.3 if alpha is None else alpha)[-1]
+    raise EplbError(f"unknown aggregation {how!r}: choose one of {', '.join(AGGREGATIONS)}")
+
+
+def sliding_sum(counts_TLE, size: int) -> np.ndarray:
+    """Sum over each run of `size` consecutive windows, [T - size + 1, L, E]."""
+    c = _as_counts_TLE(counts_TLE)
+    if not 1 <= size <= c.shape[0]:
+        raise EplbError(f"sliding window size must be in 1..{c.shape[0]} (the number of windows), got {size}")
+    cs = np.concatenate([np.zeros_like(c[:1]), np.cumsum(c, axis=0)])
+    return cs[size:] - cs[:-size]
+
+
+def ema(counts_TLE, alpha: float) -> np.ndarray:
+    """Exponential moving average over windows, [T, L, E]: m_t = alpha x_t + (1 - alpha) m_{t-1}."""
+    if not 0.0 < float(alpha) <= 1.0:
+        raise EplbError(f"EMA alpha must be in (0, 1], got {alpha}")
+    c = _as_counts_TLE(counts_TLE)
+    out = np.empty_like(c)
+    m = c[0]
+    for t in range(c.shape[0]):
+        m = c[t] if t == 0 else alpha * c[t] + (1.0 - alpha) * m
+        out[t] = m
+    return out
+
+
+# Skew of the logical load ---------------------------------------------------------------------
+
+def hot_ratio(load_LE) -> np.ndarray:
+    """Hottest expert / mean expert load per layer, [L] (1 = perfectly even; 0-load layers give 1)."""
+    load = np.asarray(load_LE, dtype=np.float64)
+    mean = load.mean(axis=-1)
+    return np.where(mean > 0, load.max(axis=-1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+def gini(load_LE) -> np.ndarray:
+    """Gini coefficient of expert loads per layer, [L] (0 = even, -> 1 = one expert takes all)."""
+    x = np.sort(np.asarray(load_LE, dtype=np.float64), axis=-1)
+    n = x.shape[-1]
+    total = x.sum(axis=-1)
+    ranks = np.arange(1, n + 1)
+    g = (2 * (ranks * x).sum(axis=-1) / np.where(total > 0, total, 1) - (n + 1)) / n
+    return np.where(total > 0, g, 0.0)
+
+
+# GPU-level balance ----------------------------------------------------------------------------
+
+def imbalance(gpu_load_LG) -> np.ndarray:
+    """Busiest GPU / mean GPU load per layer, [L] (1 = perfect; idle layers give 1)."""
+    g = np.asarray(gpu_load_LG, dtype=np.float64)
+    mean = g.mean(axis=-1)
+    return np.where(mean > 0, g.max(axis=-1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+def balancedness(gpu_load_LG) -> float:
+    """vLLM's balancedness: sum over layers of mean GPU load / sum of max GPU load (1 = perfect)."""
+    g = np.asarray(gpu_load_LG, dtype=np.float64)
+    mx = g.max(axis=-1).sum()
+    return float(g.mean(axis=-1).sum() / mx) if mx > 0 else 1.0
+
+
+def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
+    """Replica counts r [L, E] (sum P, each >= 1) minimising max_e load_e / r_e, per layer.
+
+    Giving each next slot to the expert with the highest load per replica is optimal for this
+    min-max objective (exchange argument). `max_replicas` caps r_e (e.g. at G, since two
+    replicas of one expert on one GPU never help).
+    """
+    load = np.asarray(load_LE, dtype=np.float64)
+    L, E = load.shape
+    if num_slots < E:
+        raise EplbError(f"{num_slots} physical slots cannot hold {E} logical experts")
+    cap = num_slots if max_replicas is None else int(max_replicas)
+    if cap * E < num_slots:
+        raise EplbError(f"{num_slots} slots need more than {cap} replicas of some of the {E} experts")
+    r = np.ones((L, E), dtype=np.int64)
+    rows = np.arange(L)
+    # Ties (e.g. all-zero layers) go to the lower expert id: a tiny id-dependent bonus.
+    key_LE = load + 1e-9 * np.maximum(load.max(axis=1, keepdims=True), 1.0) * (E - np.arange(E)) / E
+    per_LE = np.where(r >= cap, -np.inf, key_LE)
+    for _ in range(num_slots - E):
+        e = np.argmax(per_LE, axis=1)
+        r[rows, e] += 1
+        re = r[rows, e]
+        per_LE[rows, e] = np.where(re >= cap, -np.inf, key_LE[rows, e] / re)
+    return r
+
+
+def lower_bound(load_LE, gpus: int, num_slots: int) -> np.ndarray:
+    """Lower bound on the busiest GPU's load per layer, [L].
+
+    max(total / G, min over replica counts r (sum r = P, r_e >= 1) of max_e load_e / r_e):
+    no placement, however tokens are split among replicas, can beat either term.
+    """
+    load = np.asarray(load_LE, dtype=np.float64)
+    r = replica_counts_minmax(load, num_slots)
+    return np.maximum(load.sum(axis=1) / gpus, (load / r).max(axis=1))
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """How a placement balances a given logical load, per layer."""
+
+    gpu_load_LG: np.ndarray
+    """Tokens per GPU, [L, G]."""
+    imbalance_L: np.ndarray
+    """Busiest GPU / mean GPU, [L]."""
+    bound_ratio_L: np.ndarray
+    """Busiest GPU / lower bound, [L] (>= 1)."""
+    balancedness: float
+    """vLLM's balancedness over all layers."""
+
+    def summary(self) -> dict:
+        """min / median / max of the per-layer ratios, and the overall balancedness."""
+        def mmm(a):
+            return {"min": float(np.min(a)), "median": float(np.median(a)), "max": float(np.max(a)),
+                    "mean": float(np.mean(a))}
+        return {"imbalance": mmm(self.imbalance_L), "bound_ratio": mmm(self.bound_ratio_L),
+                "balancedness": self.balancedness}
+
+
+def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None) -> LoadReport:
+    """Score a placement on a logical load [L, E] (dispatch weights of the plan unless given)."""
+    load = np.asarray(load_LE, dtype=np.float64)
+    gpu_LG = placement.gpu_loads(load, weights_LP)
+    lb = lower_bound(load, placement.num_gpus, placement.num_slots)
+    mx = gpu_LG.max(axis=1)
+    ratio = np.where(lb > 0, mx / np.where(lb > 0, lb, 1), 1.0)
+    return LoadReport(gpu_LG, imbalance(gpu_LG), ratio, balancedness(gpu_LG))

@@ -1,0 +1,208 @@
+"""Trace: router statistics over time, the input of every planner.
+
+Legend: T = time windows, L = MoE layers, E = logical experts, N = tokens, K = top-k.
+
+Native file (`.npz`, schema in traces/README.md):
+- `counts`    int64 [T, L, E]  token-slots routed to each logical expert per window and layer
+- `layer_ids` int64 [L]        hidden-layer index of each MoE layer in the model
+- `meta`      JSON text        model, num_hidden_layers, num_experts, top_k,
+                               num_expert_groups, tokens_per_window, source, synthetic
+- optional per-token data: `topk_ids` int16 [N, L, K] (expert ids each token chose) and
+  `token_window` int32 [N] (window index of each token, non-decreasing).
+Files are read with `allow_pickle=False`; nothing in a trace can execute code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eplb.errors import EplbError
+
+REQUIRED_META = (
+    "model", "num_hidden_layers", "num_experts", "top_k", "num_expert_groups",
+    "tokens_per_window", "source", "synthetic",
+)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def default_meta(num_layers_total: int, num_experts: int, **overrides: Any) -> dict[str, Any]:
+    """Meta for a trace whose origin says little: unknown fields are None."""
+    meta: dict[str, Any] = {
+        "model": None,
+        "num_hidden_layers": int(num_layers_total),
+        "num_experts": int(num_experts),
+        "top_k": None,
+        "num_expert_groups": None,
+        "tokens_per_window": None,
+        "source": None,
+        "synthetic": False,
+    }
+    meta.update(overrides)
+    return meta
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Per-window, per-layer, per-expert token counts of one model, with provenance."""
+
+    counts_TLE: np.ndarray
+    """Token-slots routed to each logical expert, int64 [T, L, E]."""
+    layer_ids: np.ndarray
+    """Hidden-layer index of each MoE layer, int64 [L], strictly increasing."""
+    meta: dict = field(default_factory=dict)
+    """Provenance and model shape; keys in REQUIRED_META (unknown values are None)."""
+    topk_ids_NLK: np.ndarray | None = None
+    """Optional per-token expert choices, int16 [N, L, K]."""
+    token_window_N: np.ndarray | None = None
+    """Window index of each per-token row, int32 [N] (required with topk_ids_NLK)."""
+
+    def __post_init__(self) -> None:
+        c = np.asarray(self.counts_TLE)
+        if c.ndim != 3:
+            raise EplbError(f"counts must be 3-D [windows, layers, experts], got shape {c.shape}")
+        if c.dtype.kind == "f":
+            if not np.all(np.isfinite(c)):
+                raise EplbError("counts contain NaN or infinite values")
+            if not np.all(c == np.round(c)):
+                raise EplbError("counts must be whole token counts, got fractional values")
+        elif c.dtype.kind not in "iu":
+            raise EplbError(f"counts must be integers, got dtype {c.dtype}")
+        if c.size and c.min() < 0:
+            t, l, e = np.argwhere(c < 0)[0]
+            raise EplbError(f"counts must be >= 0, got {c[t, l, e]} at window {t}, layer {l}, expert {e}")
+        T, L, E = c.shape
+        if T < 1 or L < 1 or E < 1:
+            raise EplbError(f"counts must have at least one window, layer and expert, got shape {c.shape}")
+        ids = np.asarray(self.layer_ids)
+        if ids.shape != (L,) or ids.dtype.kind not in "iu":
+            raise EplbError(f"layer_ids must be {L} integers (one per MoE layer), got shape {ids.shape} dtype {ids.dtype}")
+        if ids.min() < 0 or np.any(np.diff(ids) <= 0):
+            raise EplbError(f"layer_ids must be non-negative and strictly increasing, got {ids.tolist()}")
+        meta = dict(self.meta)
+        missing = [k for k in REQUIRED_META if k not in meta]
+        if missing:
+            raise EplbError(f"trace meta is missing key(s): {', '.join(missing)}")
+        if meta["num_experts"] is not None and int(meta["num_experts"]) != E:
+            raise EplbError(f"meta num_experts ({meta['num_experts']}) does not match counts ({E} experts)")
+        nh = meta["num_hidden_layers"]
+        if nh is not None and int(nh) <= int(ids.max()):
+            raise EplbError(f"meta num_hidden_layers ({nh}) must exceed the largest layer id ({int(ids.max())})")
+        if not isinstance(meta["synthetic"], bool):
+            raise EplbError(f"meta synthetic must be true or false, got {meta['synthetic']!r}")
+        object.__setattr__(self, "counts_TLE", _readonly(c.astype(np.int64)))
+        object.__setattr__(self, "layer_ids", _readonly(ids.astype(np.int64)))
+        object.__setattr__(self, "meta", meta)
+        if (self.topk_ids_NLK is None) != (self.token_window_N is None):
+            raise EplbError("topk_ids and token_window must be given together")
+        if self.topk_ids_NLK is not None:
+            k = np.asarray(self.topk_ids_NLK)
+            w = np.asarray(self.token_window_N)
+            if k.ndim != 3 or k.shape[1] != L or k.dtype.kind not in "iu":
+                raise EplbError(f"topk_ids must be integers [tokens, {L}, top_k], got shape {k.shape} dtype {k.dtype}")
+            if k.size and (k.min() < 0 or k.max() >= E):
+                raise EplbError(f"topk_ids hold expert ids outside 0..{E - 1}")
+            if w.shape != (k.shape[0],) or w.dtype.kind not in "iu":
+                raise EplbError(f"token_window must be {k.shape[0]} integers, got shape {w.shape}")
+            if w.size and (w.min() < 0 or w.max() >= T or np.any(np.diff(w) < 0)):
+                raise EplbError(f"token_window must be non-decreasing window indices in 0..{T - 1}")
+            object.__setattr__(self, "topk_ids_NLK", _readonly(k.astype(np.int16)))
+            object.__setattr__(self, "token_window_N", _readonly(w.astype(np.int32)))
+
+    @property
+    def num_windows(self) -> int:
+        return self.counts_TLE.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.counts_TLE.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts_TLE.shape[2]
+
+    def total(self) -> np.ndarray:
+        """Sum over all windows, int64 [L, E]."""
+        return self.counts_TLE.sum(axis=0)
+
+    def windows(self, start: int, stop: int | None = None) -> "Trace":
+        """The windows start..stop-1 as a trace of their own (per-token rows dropped)."""
+        c = self.counts_TLE[start:stop]
+        if c.shape[0] == 0:
+            raise EplbError(f"window range {start}:{stop} is empty (trace has {self.num_windows} windows)")
+        return Trace(c, self.layer_ids, dict(self.meta))
+
+    # Files ------------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        arrays = {
+            "counts": np.asarray(self.counts_TLE, dtype=np.int64),
+            "layer_ids": np.asarray(self.layer_ids, dtype=np.int64),
+            "meta": np.array(json.dumps(self.meta, sort_keys=True)),
+        }
+        if self.topk_ids_NLK is not None:
+            arrays["topk_ids"] = self.topk_ids_NLK
+            arrays["token_window"] = self.token_window_N
+        with open(path, "wb") as f:
+            np.savez_compressed(f, **arrays)
+
+    @classmethod
+    def load_npz(cls, path: str | Path) -> "Trace":
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except ValueError as exc:
+            raise EplbError(f"{path}: cannot read without pickle ({exc}); eplb never unpickles files") from None
+        except (OSError, EOFError) as exc:
+            raise EplbError(f"{path}: not a readable .npz file ({exc})") from None
+        missing = [k for k in ("counts", "layer_ids", "meta") if k not in arrays]
+        if missing:
+            raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")
+        try:
+            meta = json.loads(str(arrays["meta"]))
+        except json.JSONDecodeError as exc:
+            raise EplbError(f"{path}: meta is not valid JSON ({exc})") from None
+        if not isinstance(meta, dict):
+            raise EplbError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
+        try:
+            return cls(arrays["counts"], arrays["layer_ids"], meta,
+                       arrays.get("topk_ids"), arrays.get("token_window"))
+        except EplbError as exc:
+            raise EplbError(f"{path}: {exc}") from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read any supported trace file, detected by content (see eplb.formats.detect)."""
+    from eplb.formats.detect import read_trace
+
+    return read_trace(path)
+
+
+def load_history(paths) -> Trace:
+    """Read several trace files of one model and stack their windows in the given order."""
+    traces = [load_trace(p) for p in paths]
+    if not traces:
+        raise EplbError("no trace files given")
+    first = traces[0]
+    for p, t in zip(paths[1:], traces[1:]):
+        if t.num_experts != first.num_experts or not np.array_equal(t.layer_ids, first.layer_ids):
+            raise EplbError(
+                f"{p}: {t.num_layers} layers x {t.num_experts} experts (layer ids {t.layer_ids[:3].tolist()}...) "
+                f"does not match {paths[0]}: {first.num_layers} x {first.num_experts}"
+            )
+    if len(traces) == 1:
+        return first
+    meta = dict(first.meta)
+    meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
+    meta["synthetic"] = all(t.meta["synthetic"] for t in traces)
+    return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)

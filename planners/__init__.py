@@ -1,0 +1,3 @@
+"""Built-in planners, one module per algorithm; importing this package registers them all."""
+
+from planners import contiguous, greedy  # noqa: F401  (registration side effect)

@@ -1,0 +1,36 @@
+"""Contiguous placement: the no-EPLB baseline (expert e on GPU e // (E / G)).
+
+Experts are split over GPUs in id order, as evenly as possible. A GPU's spare slots repeat
+its own experts, which splits their tokens inside the GPU and so leaves every GPU's load
+exactly as without redundancy: this is what a server does with no load balancing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.planning import PlanRequest, Solution, register
+from eplb.topology import Topology
+
+
+def contiguous_map(num_experts: int, topo: Topology, num_layers: int) -> np.ndarray:
+    """phy2log_LP of the contiguous placement, the same for every layer."""
+    G, S = topo.gpus, topo.slots_per_gpu
+    if num_experts > G * S:
+        raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_experts} experts")
+    if num_experts < G:
+        raise EplbError(f"contiguous placement needs at least one expert per GPU: {num_experts} experts < {G} GPUs")
+    row = np.empty(G * S, dtype=np.int64)
+    for g, experts in enumerate(np.array_split(np.arange(num_experts), G)):
+        row[g * S:(g + 1) * S] = np.resize(experts, S)  # spare slots cycle the GPU's own experts
+    return np.tile(row, (num_layers, 1))
+
+
+@register("contiguous")
+class ContiguousPlanner:
+    """No load balancing: the baseline every report compares against."""
+
+    def plan(self, request: PlanRequest) -> Solution:
+        return Solution(contiguous_map(request.num_experts, request.topology, request.num_layers),
+                        message="no load balancing (baseline)")
