@@ -1,0 +1,22 @@
+"""eplb: expert-parallel load balancing for Mixture-of-Experts serving.
+
+Pipeline: collect (eplb.collect, importers in eplb.formats) -> statistics (eplb.stats) ->
+plan (eplb.plan, planners in the `planners` package) -> apply (exports in eplb.formats,
+eplb.runtime) -> see (CLI reports, plots, backtests). torch is imported only by collectors,
+the runtime and the `.pt` importer/exporter.
+"""
+
+__version__ = "0.1.0"
+
+from eplb.errors import EplbError, PlanningError
+from eplb.placement import Placement
+from eplb.planning import PlanRequest, PlanResult, Solution, get_planner, plan, planner_names, register
+from eplb.stats import LoadReport, evaluate, lower_bound
+from eplb.topology import Topology
+from eplb.trace import Trace, load_history, load_trace
+
+__all__ = [
+    "EplbError", "PlanningError", "Placement", "PlanRequest", "PlanResult", "Solution",
+    "Topology", "Trace", "LoadReport", "evaluate", "get_planner", "load_history", "load_trace",
+    "lower_bound", "plan", "planner_names", "register",
+]

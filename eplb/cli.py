@@ -1,0 +1,74 @@
+"""Command-line interface: `eplb <command> ...`, a thin layer over the library.
+
+Each command lives in `eplb/commands/<name>.py` with `add_parser(subparsers)` and
+`run(args) -> int`; command modules import heavy libraries (torch, matplotlib, OR-Tools)
+only inside `run`, so `eplb plan` starts fast. Errors are caught here, at one boundary:
+bad input (EplbError) prints one line and exits 2; a failure (PlanningError) exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from eplb.errors import EplbError, PlanningError
+
+# Order shown in `eplb --help`; each name is a module in eplb/commands/.
+COMMANDS = ["plan", "stats", "inspect"]
+
+EPILOG = """examples:
+  eplb plan traces/deepseek.npz --gpus 16 -o plan.json
+  eplb stats traces/deepseek.npz
+  eplb inspect plan.json
+run `eplb COMMAND --help` for a command's options and an example."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eplb",
+        description="Expert-parallel load balancing for Mixture-of-Experts serving.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from eplb import __version__
+
+    parser.add_argument("--version", action="version", version=f"eplb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"eplb.commands.{name}")
+        p = module.add_parser(sub)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except EplbError as exc:
+        print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except PlanningError as exc:
+        print(f"eplb {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"eplb {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Helpers shared by CLI commands: subcommand parsers with examples, JSON output, tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+
+def add_command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """A subcommand parser whose help ends with a worked example."""
+    return sub.add_parser(
+        name, help=help, description=help, epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print a machine-readable JSON object instead of a table")
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing but errors (and --json output)")
+
+
+def _default(o: Any):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
+
+
+def print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, default=_default, indent=2)
+    sys.stdout.write("\n")
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A plain aligned text table (numbers right-aligned)."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4f}" if abs(v) < 100 else f"{v:,.1f}"
+        return str(v)
+
+    body = [[cell(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in body:
+        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""`eplb plan`: plan an expert placement from router traces and write it for an engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+
+FORMATS = ("eplb", "sglang", "vllm", "trtllm")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from eplb.planning import planner_names
+
+    p = add_command(sub, "plan", "plan an expert-to-GPU placement from router traces",
+                    "eplb plan traces/deepseek.npz --gpus 16 -o plan.json")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="trace files (eplb .npz, .npy, SGLang JSON/.pt); several = history, oldest first")
+    p.add_argument("--gpus", "-g", type=_positive_int, required=True, help="expert-parallel GPUs (ranks)")
+    p.add_argument("--nodes", type=_positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
+    size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant)")
+    p.add_argument("--planner", "-p", default="greedy", choices=planner_names(), help="algorithm (default greedy)")
+    p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
+                   help="how windows become the planning load (default sum)")
+    p.add_argument("--window", type=_positive_int, help="with --aggregate window: newest windows to sum")
+    p.add_argument("--alpha", type=float, help="with --aggregate ema: weight of the newest window (default 0.3)")
+    p.add_argument("--groups", type=_positive_int, help="expert groups of the router (default: from the trace)")
+    p.add_argument("--output", "-o", help="write the placement here")
+    p.add_argument("--format", "-f", default="eplb", choices=FORMATS,
+                   help="file format of --output: eplb JSON, SGLang --init-expert-location JSON, "
+                        "vLLM .pt tensors, TensorRT-LLM load_balancer YAML (default eplb)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="planner setting, e.g. --set time_limit=30 (repeatable)")
+    add_output_flags(p)
+    return p
+
+
+def parse_settings(items: list[str]) -> dict:
+    """KEY=VALUE strings into a dict; values parsed as int, float, bool or kept as text."""
+    from eplb.errors import EplbError
+
+    out: dict = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise EplbError(f"--set expects KEY=VALUE, got {item!r}")
+        value: object = text
+        for conv in (int, float):
+            try:
+                value = conv(text)
+                break
+            except ValueError:
+                pass
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        out[key.strip()] = value
+    return out
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from eplb.errors import EplbError
+    from eplb.planning import plan
+    from eplb.trace import load_history
+
+    trace = load_history(args.traces)
+    slots = None
+    if args.slots_per_gpu is not None:
+        try:
+            slots = int(args.slots_per_gpu)
+        except ValueError:
+            raise EplbError(f"--slots-per-gpu must be a whole number, got {args.slots_per_gpu!r}") from None
+    result = plan(
+        trace, gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=slots,
+        planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
+        num_groups=args.groups, settings=parse_settings(args.set),
+    )
+    if args.output:
+        write_placement(result.placement, args.output, args.format, trace.meta)
+    if args.json:
+        out = result.summary()
+        out["output"] = args.output
+        out["format"] = args.format
+        print_json(out)
+        return 0
+    if args.quiet:
+        return 0
+    pl = result.placement
+    print(f"{trace.num_layers} MoE layers x {trace.num_experts} experts, {trace.num_windows} window(s); "
+          f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
+          f"({pl.num_slots - pl.num_logical_experts} redundant, {pl.slots_per_gpu} per GPU)")
+    rows = []
+    for name, rep in (("contiguous (no EPLB)", result.before), (f"{result.planner}", result.after)):
+        imb, br = rep.imbalance_L, rep.bound_ratio_L
+        rows.append([name, float(np.min(imb)), float(np.median(imb)), float(np.max(imb)),
+                     float(np.median(br)), float(np.max(br)), rep.balancedness])
+    print(format_table(["placement", "max/mean min", "median", "max", "/bound median", "/bound max",
+                        "balancedness"], rows))
+    print(f"planner {result.planner}: {result.status}, {result.seconds * 1e3:.1f} ms"
+          + (f" ({result.message})" if result.message else ""))
+    if args.output:
+        print(f"wrote {args.output} ({args.format})")
+    return 0
+
+
+def write_placement(placement, path: str, fmt: str, meta: dict) -> None:
+    """Write a placement in one of FORMATS (engine formats live in eplb.formats.export)."""
+    if fmt == "eplb":
+        placement.save(path)
+        return
+    from eplb.formats.export import write_placement as write_engine
+
+    write_engine(placement, path, fmt, num_hidden_layers=meta.get("num_hidden_layers"))
+
+

@@ -1,0 +1,66 @@
+"""`eplb stats`: skew of a trace per layer, and what contiguous placement would cost."""
+
+from __future__ import annotations
+
+import argparse
+
+from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = add_command(sub, "stats", "skew statistics and lower bounds of router traces",
+                    "eplb stats traces/deepseek.npz --gpus 32")
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files; several are stacked as history")
+    p.add_argument("--gpus", "-g", type=int, default=32, help="GPUs for the GPU-level figures (default 32)")
+    p.add_argument("--redundant", type=int, help="redundant slots for the lower bound (default one per GPU)")
+    p.add_argument("--per-layer", action="store_true", help="one row per layer instead of a summary")
+    add_output_flags(p)
+    return p
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from eplb import stats
+    from eplb.topology import Topology
+    from eplb.trace import load_history
+    from planners.contiguous import contiguous_map
+    from eplb.placement import Placement
+
+    trace = load_history(args.traces)
+    load = trace.total().astype(np.float64)
+    L, E = load.shape
+    topo = Topology.for_experts(E, gpus=args.gpus, redundant=args.redundant)
+    base = Placement(contiguous_map(E, topo, L), topo.gpus, E, layer_ids=trace.layer_ids)
+    contiguous = stats.imbalance(base.gpu_loads(load))
+    mean_gpu = load.sum(axis=1) / topo.gpus
+    bound = stats.lower_bound(load, topo.gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1)
+    hot, gini = stats.hot_ratio(load), stats.gini(load)
+    per_window = trace.counts_TLE.astype(np.float64)
+    win_hot = np.median(stats.hot_ratio(per_window), axis=1) if trace.num_windows > 1 else None
+    columns = {"hot/mean": hot, "gini": gini, "contiguous max/mean": contiguous, "bound/mean": bound}
+    summary = {
+        "num_windows": trace.num_windows, "num_layers": L, "num_experts": E,
+        "tokens": int(load.sum()), "gpus": topo.gpus, "slots": topo.num_slots, "meta": trace.meta,
+        "per_layer": {"layer_ids": trace.layer_ids.tolist(), **{k: v.tolist() for k, v in columns.items()}},
+        "median": {k: float(np.median(v)) for k, v in columns.items()},
+        "max": {k: float(np.max(v)) for k, v in columns.items()},
+    }
+    if win_hot is not None:
+        summary["window_hot_ratio_median"] = win_hot.tolist()
+    if args.json:
+        print_json(summary)
+        return 0
+    if args.quiet:
+        return 0
+    m = trace.meta
+    print(f"{L} MoE layers x {E} experts, {trace.num_windows} window(s), {int(load.sum()):,} token-slots; "
+          f"model {m.get('model')}, synthetic={m.get('synthetic')}, source: {m.get('source')}")
+    if args.per_layer:
+        rows = [[int(trace.layer_ids[i]), *(float(v[i]) for v in columns.values())] for i in range(L)]
+        print(format_table(["layer", *columns], rows))
+    else:
+        rows = [[k, float(np.min(v)), float(np.median(v)), float(np.max(v))] for k, v in columns.items()]
+        print(format_table(["per layer", "min", "median", "max"], rows))
+    print(f"GPU figures for {topo.gpus} GPUs and {topo.num_slots} slots; bound = lower bound on the busiest GPU")
+    return 0
