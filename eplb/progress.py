@@ -1,0 +1,71 @@
+"""Progress bars for long work (ILP over many layers, backtests): shown on a terminal only.
+
+A bar goes to stderr when stderr is a TTY and the caller did not ask for quiet; piped or
+`--quiet` output stays clean. No dependency: one carriage-return line, redrawn at most
+10 times a second.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Iterable, Iterator, TextIO, TypeVar
+
+T = TypeVar("T")
+
+
+class Progress:
+    """A minimal progress bar: `with Progress(total, "ilp") as bar: ... bar.update()`."""
+
+    def __init__(self, total: int | None, desc: str = "", *, enabled: bool | None = None,
+                 stream: TextIO | None = None, min_interval: float = 0.1):
+        self.total = total
+        self.desc = desc
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = (hasattr(self.stream, "isatty") and self.stream.isatty()) if enabled is None else enabled
+        self.count = 0
+        self.min_interval = min_interval
+        self._start = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+        now = time.perf_counter()
+        if self.enabled and (now - self._last >= self.min_interval or self.count == self.total):
+            self._last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        elapsed = now - self._start
+        if self.total:
+            frac = min(self.count / self.total, 1.0)
+            bar = "#" * int(frac * 30)
+            eta = elapsed / frac - elapsed if frac > 0 else 0.0
+            line = f"\r{self.desc} [{bar:<30}] {self.count}/{self.total} {elapsed:.1f}s eta {eta:.1f}s"
+        else:
+            line = f"\r{self.desc} {self.count} {elapsed:.1f}s"
+        self.stream.write(line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.perf_counter())
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress(items: Iterable[T], total: int | None = None, desc: str = "", *,
+             enabled: bool | None = None) -> Iterator[T]:
+    """Iterate over items with a progress bar on a terminal (enabled=False to silence)."""
+    if total is None and hasattr(items, "__len__"):
+        total = len(items)  # type: ignore[arg-type]
+    with Progress(total, desc, enabled=enabled) as bar:
+        for item in items:
+            yield item
+            bar.update()
