@@ -1,3 +1,4 @@
 """Built-in planners, one module per algorithm; importing this package registers them all."""
 
 from planners import contiguous, greedy  # noqa: F401  (registration side effect)
+from planners import deepseek  # noqa: F401
