@@ -1,0 +1,228 @@
+"""Weighted and dynamic dispatch: how each expert's tokens are split among its replicas.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S physical
+slots, M = most replicated experts in one layer, X = most replicas of one expert.
+
+A placement fixes *where* the replicas are; the dispatch weights `weights_LP` fix *how much*
+of its expert's tokens each replica takes (the shares of one expert in one layer sum to 1).
+An even split (1 / replicas) is what most engines do today. Two ways to do better:
+
+- `optimal_weights(placement, load_LE)`: the exact weights for one known load: a linear
+  program per layer (scipy's HiGHS) that minimises that layer's busiest GPU. Static weights
+  like these fit the window they were computed on; on shifted traffic they help less.
+- `resplit(placement, counts_LE)` (or a reusable `Resplitter(placement)`): a fast numpy rule,
+  run per batch on the counts the router just produced, for all layers at once. It is block
+  coordinate descent on the sum of squared GPU loads: each replicated expert in turn
+  water-fills its tokens into its replicas' GPUs, lowest GPU first. The GPU-load vectors a
+  placement can reach form the base polytope of a (contra-)polymatroid, whose minimum-norm
+  point is lexicographically optimal (Fujishige), so the fixed point of this rule also
+  minimises the busiest GPU: it converges to the LP optimum, and a few sweeps get close
+  (`benchmarks/bench_dispatch.py` reports how close).
+
+How a serving engine applies weights (per layer, after the router picked top-k experts):
+1. For each (token, expert) pair, look up the expert's replicas `log2phy_LEX[l, e, :r_e]`
+   and their shares `w = weights_LP[l, replicas]`.
+2. Choose one replica per pair with probability w: either draw u ~ U[0, 1) and take the first
+   replica whose cumulative share exceeds u (`searchsorted(cumsum(w), u)`), or, to hit the
+   shares exactly per batch, give the expert's n pairs of this batch to its replicas in
+   consecutive runs of round(n x w) pairs (largest-remainder rounding, so the runs sum to n).
+3. Dispatch (all-to-all) to the GPU of the chosen slot, `slot // S`, as for an even split.
+A weight of 0 means the replica takes no tokens (it still holds the weights, e.g. a second
+copy on the same GPU). With dynamic re-splitting, step 2 uses `resplit` of this batch's own
+per-expert counts (known right after routing, before the all-to-all) instead of the plan's
+static weights; that needs the counts of all ranks (one small all-reduce of [L, E] ints)
+or a per-rank re-split of the local counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.placement import Placement
+
+
+def _check_load(placement: Placement, load_LE) -> np.ndarray:
+    load = np.asarray(load_LE, dtype=np.float64)
+    if load.shape != (placement.num_layers, placement.num_logical_experts):
+        raise EplbError(
+            f"loads have shape {load.shape}, but the placement needs "
+            f"{(placement.num_layers, placement.num_logical_experts)} [layers, logical experts]"
+        )
+    if not np.all(np.isfinite(load)) or (load.size and load.min() < 0):
+        raise EplbError("loads must be finite and non-negative")
+    return load
+
+
+def _even_LP(placement: Placement) -> np.ndarray:
+    return 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
+
+
+def _shares_to_weights(placement: Placement, load_LE: np.ndarray, flow_LP: np.ndarray) -> np.ndarray:
+    """Turn per-slot token amounts into shares that sum to exactly 1 per expert."""
+    L, P = flow_LP.shape
+    rows = np.arange(L)[:, None]
+    flow_LP = np.maximum(flow_LP, 0.0)
+    sums_LE = np.zeros((L, placement.num_logical_experts))
+    np.add.at(sums_LE, (np.broadcast_to(rows, (L, P)), placement.phy2log_LP), flow_LP)
+    sums_LP = np.take_along_axis(sums_LE, placement.phy2log_LP, axis=1)
+    load_LP = np.take_along_axis(load_LE, placement.phy2log_LP, axis=1)
+    # Experts with no tokens (or, defensively, no flow) keep the even split.
+    ok_LP = (load_LP > 0) & (sums_LP > 0)
+    return np.where(ok_LP, flow_LP / np.where(ok_LP, sums_LP, 1.0), _even_LP(placement))
+
+
+def optimal_weights(placement: Placement, load_LE) -> np.ndarray:
+    """Exact per-replica shares [L, P] minimising each layer's busiest GPU for `load_LE` [L, E].
+
+    One LP per layer (scipy.optimize.linprog, HiGHS): variables f_p >= 0 (tokens of slot p)
+    and t; minimise t subject to sum of f over an expert's replicas = its load, and sum of f
+    over a GPU's slots <= t. Experts with zero load get an even split.
+    """
+    from scipy.optimize import linprog
+    from scipy.sparse import csr_matrix
+
+    load = _check_load(placement, load_LE)
+    L, P = placement.phy2log_LP.shape
+    E, G = placement.num_logical_experts, placement.num_gpus
+    gpu_P = placement.gpu_of_slot()
+    flow_LP = np.zeros((L, P))
+    # GPU rows: sum_{p on g} f_p - t <= 0 (the same for every layer).
+    a_ub = csr_matrix(
+        (np.r_[np.ones(P), -np.ones(G)], (np.r_[gpu_P, np.arange(G)], np.r_[np.arange(P), np.full(G, P)])),
+        shape=(G, P + 1),
+    )
+    cost = np.zeros(P + 1)
+    cost[P] = 1.0
+    for l in range(L):
+        total = load[l].sum()
+        if total <= 0:
+            continue
+        # Scale to mean GPU load 1 so HiGHS's absolute tolerances mean the same on every layer.
+        scale = G / total
+        a_eq = csr_matrix((np.ones(P), (placement.phy2log_LP[l], np.arange(P))), shape=(E, P + 1))
+        res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=load[l] * scale,
+                      bounds=(0, None), method="highs")
+        if res.status != 0:
+            # Always feasible and bounded (every expert has a replica), so this is a solver bug.
+            raise RuntimeError(f"HiGHS failed on layer index {l}: {res.message}")
+        flow_LP[l] = res.x[:P] / scale
+    return _shares_to_weights(placement, load, flow_LP)
+
+
+class Resplitter:
+    """Per-batch re-splitting for one placement: build once (index tables), call per batch.
+
+    `Resplitter(placement)(counts_LE, sweeps=8)` returns weights [L, P]. Only experts with
+    replicas on >= 2 distinct GPUs can move tokens. They are coloured so that experts of one
+    colour share no GPU: all experts of a colour (in every layer) water-fill in one numpy
+    step, exactly as if done one after another. Tables are [L, C, K, X]: C colours, K experts
+    per colour, X slots per expert (one per distinct GPU; a second copy on the same GPU gets
+    weight 0, since it cannot change that GPU's load), padded with dummy slot P / GPU G.
+    `warm=True` starts from the previous call's shares, as a serving loop would (counts of
+    consecutive batches are alike, so fewer sweeps are needed).
+    """
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        phy_LP = placement.phy2log_LP
+        L, P = phy_LP.shape
+        G, S = placement.num_gpus, placement.slots_per_gpu
+        gpu_P = placement.gpu_of_slot()
+        rows = np.arange(L)[:, None]
+        log2phy_LEX = placement.log2phy_LEX
+        X = log2phy_LEX.shape[2]
+        gpu_LEX = np.where(log2phy_LEX >= 0, gpu_P[np.maximum(log2phy_LEX, 0)], -1)
+        # use: the first slot of an expert on each GPU it occupies.
+        use_LEX = log2phy_LEX >= 0
+        for j in range(1, X):
+            dup = (gpu_LEX[:, :, :j] == gpu_LEX[:, :, j:j + 1]).any(axis=2)
+            use_LEX[:, :, j] &= ~dup
+        n_gpus_LE = use_LEX.sum(axis=2)
+        use_LP = np.zeros((L, P), dtype=bool)
+        use_LP[np.broadcast_to(rows[:, :, None], log2phy_LEX.shape)[use_LEX], log2phy_LEX[use_LEX]] = True
+        # Starting point: even split over one slot per distinct GPU.
+        self.start_LP = use_LP / np.take_along_axis(n_gpus_LE, phy_LP, axis=1)
+        # Greedy colouring, per layer, of the experts that span >= 2 GPUs (most replicas first).
+        groups: list[list[list[int]]] = []  # groups[l][c] = experts of colour c in layer l
+        for l in range(L):
+            multi = np.flatnonzero(n_gpus_LE[l] >= 2)
+            multi = multi[np.argsort(-n_gpus_LE[l, multi], kind="stable")]
+            colour_of_gpu: list[set[int]] = [set() for _ in range(G)]
+            layer: list[list[int]] = []
+            for e in multi:
+                gpus = gpu_LEX[l, e][use_LEX[l, e]]
+                taken = set().union(*(colour_of_gpu[g] for g in gpus))
+                c = next(c for c in range(len(layer) + 1) if c not in taken)
+                if c == len(layer):
+                    layer.append([])
+                layer[c].append(int(e))
+                for g in gpus:
+                    colour_of_gpu[g].add(c)
+            groups.append(layer)
+        C = max((len(layer) for layer in groups), default=0)
+        K = max((len(c) for layer in groups for c in layer), default=0)
+        self.expert_LCK = np.zeros((L, C, K), dtype=np.int64)
+        self.valid_LCK = np.zeros((L, C, K), dtype=bool)
+        for l, layer in enumerate(groups):
+            for c, experts in enumerate(layer):
+                self.expert_LCK[l, c, :len(experts)] = experts
+                self.valid_LCK[l, c, :len(experts)] = True
+        r4 = rows[:, :, None, None]
+        e4 = self.expert_LCK[:, :, :, None]
+        x4 = np.arange(X)
+        self.use_LCKX = use_LEX[r4, e4, x4] & self.valid_LCK[:, :, :, None]
+        self.slot_LCKX = np.where(self.use_LCKX, log2phy_LEX[r4, e4, x4], P)
+        self.gpu_LCKX = np.where(self.use_LCKX, gpu_LEX[r4, e4, x4], G)
+        self.num_gpus, self.slots_per_gpu = G, S
+        self.C, self.X = C, X
+        self._last_LP: np.ndarray | None = None
+
+    def __call__(self, counts_LE, sweeps: int = 8, warm: bool = False) -> np.ndarray:
+        """Weights [L, P] for the loads `counts_LE` [L, E] after `sweeps` passes over the experts."""
+        p = self.placement
+        load = _check_load(p, counts_LE)
+        if isinstance(sweeps, bool) or not isinstance(sweeps, (int, np.integer)) or sweeps < 0:
+            raise EplbError(f"sweeps must be an integer >= 0, got {sweeps!r}")
+        L, P = p.phy2log_LP.shape
+        G, S = self.num_gpus, self.slots_per_gpu
+        start_LP = self._last_LP if (warm and self._last_LP is not None) else self.start_LP
+        flow_LP = np.zeros((L, P + 1))
+        flow_LP[:, :P] = np.take_along_axis(load, p.phy2log_LP, axis=1) * start_LP
+        gpu_LG = np.zeros((L, G + 1))
+        gpu_LG[:, :G] = flow_LP[:, :P].reshape(L, G, S).sum(axis=2)
+        if self.C:
+            load_LCK = np.take_along_axis(load, self.expert_LCK.reshape(L, -1), axis=1).reshape(self.expert_LCK.shape)
+            ks = np.arange(1, self.X + 1)
+            r = np.arange(L)[:, None, None]
+            for _ in range(sweeps):
+                for c in range(self.C):
+                    s_LKX, g_LKX, use_LKX = self.slot_LCKX[:, c], self.gpu_LCKX[:, c], self.use_LCKX[:, c]
+                    old_LKX = flow_LP[r, s_LKX]
+                    # Load of each replica's GPU without this expert; unused entries sit at +inf.
+                    base_LKX = np.where(use_LKX, gpu_LG[r, g_LKX] - old_LKX, np.inf)
+                    b_LKX = np.sort(base_LKX, axis=2)
+                    cum_LKX = np.cumsum(np.where(use_LKX.any(axis=2, keepdims=True) & np.isfinite(b_LKX), b_LKX, 0.0), axis=2)
+                    level_LKX = (load_LCK[:, c, :, None] + cum_LKX) / ks
+                    # Water-filling: the level rises over the k lowest GPUs while it tops the k-th.
+                    k_LK = (b_LKX < level_LKX).sum(axis=2, keepdims=True)
+                    level_LK1 = np.take_along_axis(level_LKX, np.maximum(k_LK - 1, 0), axis=2)
+                    new_LKX = np.where(use_LKX & (k_LK > 0), np.maximum(level_LK1 - base_LKX, 0.0), 0.0)
+                    # Experts of one colour use distinct GPUs, so fancy-index updates are safe (only
+                    # the dummy column repeats, and it only ever gets 0).
+                    gpu_LG[r, g_LKX] += new_LKX - old_LKX
+                    flow_LP[r, s_LKX] = new_LKX
+        weights_LP = _shares_to_weights(p, load, flow_LP[:, :P])
+        self._last_LP = weights_LP
+        return weights_LP
+
+
+def resplit(placement: Placement, counts_LE, sweeps: int = 8) -> np.ndarray:
+    """Fast per-batch shares [L, P] for observed counts [L, E] (see Resplitter; build it once
+    per placement to skip the table set-up on every batch)."""
+    return Resplitter(placement)(counts_LE, sweeps)
+
+
+def max_gpu_load(placement: Placement, load_LE, weights_LP: np.ndarray | None = None) -> np.ndarray:
+    """Busiest GPU's load per layer, [L], under the given shares (the plan's if None)."""
+    return placement.gpu_loads(_check_load(placement, load_LE), weights_LP).max(axis=1)
