@@ -28,16 +28,26 @@ def replicate(load_LE: np.ndarray, num_slots: int, gpus: int) -> np.ndarray:
 def pack(load_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: int) -> np.ndarray:
     """Place replicas on GPUs, heaviest first, onto the least-loaded GPUs; returns phy2log_LP.
 
+    Each replica of expert e carries load_e / count_e (an even split); see `pack_replicas`.
+    """
+    return pack_replicas(load_LE / count_LE, count_LE, gpus, slots_per_gpu)
+
+
+def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: int) -> np.ndarray:
+    """Place count_LE[l, e] replicas of load per_LE[l, e] each on GPUs; returns phy2log_LP.
+
+    Rows may be any batch (layers, or layers x nodes); each row's counts must sum to G x S,
+    and no count may exceed G. A count of 0 places nothing (node-local packing uses that).
+
     Done in S rounds: round k hands the next G heaviest replicas, heaviest first, to the GPUs
     in order of their load so far, lightest first. Every GPU gets exactly one replica per
     round (the slot limit holds by construction), and this is what longest-processing-time
     with a slot limit does on skewed loads, at S numpy steps instead of P.
     """
-    L, E = load_LE.shape
+    L, E = per_LE.shape
     G, S = gpus, slots_per_gpu
     P = G * S
     rows = np.arange(L)[:, None]
-    per_LE = load_LE / count_LE
     # Heaviest replicas first; ties broken by expert id so one expert's replicas stay adjacent.
     order_LE = np.argsort(-per_LE, axis=1, kind="stable")
     rep_expert_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
@@ -65,12 +75,17 @@ def pack(load_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: in
 
 
 def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, gpus: int,
-           max_rounds: int = 64) -> np.ndarray:
-    """Lower each layer's busiest GPU by pairwise replica swaps (in place; returns phy_LP)."""
+           max_rounds: int = 64, per_LE: np.ndarray | None = None) -> np.ndarray:
+    """Lower each layer's busiest GPU by pairwise replica swaps (in place; returns phy_LP).
+
+    Rows may be any batch (layers, or layers x nodes with G = GPUs per node). Each replica
+    carries per_LE (default load_LE / count_LE, an even split).
+    """
     L, P = phy_LP.shape
     G = gpus
     S = P // G
-    per_LE = load_LE / count_LE
+    if per_LE is None:
+        per_LE = load_LE / count_LE
     active = np.arange(L)
     for _ in range(max_rounds):
         if active.size == 0:
