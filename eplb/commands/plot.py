@@ -1,0 +1,155 @@
+"""`eplb plot KIND`: figures (PNG, SVG or PDF by file extension) of traces, plans and backtests."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from eplb.commands.common import add_command, add_output_flags, print_json
+
+EXAMPLES = {
+    "heatmap": "eplb plot heatmap traces/deepseek.npz -o heatmap.png",
+    "balance": "eplb plot balance traces/deepseek.npz --gpus 32 --planner greedy -o balance.png",
+    "replicas": "eplb plot replicas plan.json --trace traces/deepseek.npz -o replicas.svg",
+    "backtest": "eplb plot backtest backtest.json -o backtest.png",
+}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from eplb.planning import planner_names
+
+    p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest",
+                    EXAMPLES["balance"])
+    kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
+
+    def kind(name: str, help: str) -> argparse.ArgumentParser:
+        k = add_command(kinds, name, help, EXAMPLES[name])
+        k.add_argument("--output", "-o", required=True, help="figure file: .png, .svg or .pdf")
+        k.add_argument("--title", help="figure title (default: a summary of what is shown)")
+        add_output_flags(k)
+        return k
+
+    k = kind("heatmap", "layer x expert load relative to the layer mean (log colour scale)")
+    k.add_argument("traces", nargs="+", metavar="TRACE", help="trace files; several are stacked (windows summed)")
+
+    k = kind("balance", "busiest / mean GPU load per layer: contiguous vs planners (and placement files)")
+    k.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (windows summed for the load)")
+    k.add_argument("--gpus", "-g", type=int, help="GPUs to plan for (needed with --planner)")
+    k.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    k.add_argument("--redundant", type=int, help="redundant slots in total (default one per GPU)")
+    k.add_argument("--planner", "-p", action="append", default=[], choices=planner_names(),
+                   help="planner to compare (repeatable; default greedy)")
+    k.add_argument("--placement", action="append", default=[], metavar="PLAN",
+                   help="also compare this eplb placement file (repeatable)")
+
+    k = kind("replicas", "replicas per expert and layer, and one layer's slots per GPU")
+    k.add_argument("placement", metavar="PLAN", help="eplb placement JSON")
+    k.add_argument("--trace", help="weigh slots by this trace's load (windows summed)")
+    k.add_argument("--layer", type=int, help="MoE layer index (0-based) for the per-GPU panel "
+                                            "(default: the layer with the hottest expert, or 0)")
+
+    k = kind("backtest", "balance per window for each planner, with rebalance points and moves")
+    k.add_argument("result", metavar="RESULT",
+                   help='backtest JSON: {"series": [{"name", "imbalance": [T], "rebalance_at": [R], '
+                        '"moves": [R]}, ...]} (what `eplb backtest --json` writes, if available)')
+    k.add_argument("--window-label", default="window", help="x-axis label (default 'window')")
+    return p
+
+
+def _load_backtest_json(path: str):
+    import json
+
+    from eplb.errors import EplbError
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise EplbError(f"backtest file {path!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise EplbError(f"{path}: not JSON ({exc})") from None
+    if isinstance(data, dict) and not any(k in data for k in ("series", "runs", "results", "policies")):
+        raise EplbError(f"{path}: expected a JSON object with a 'series' list (name, imbalance, rebalance_at, moves)")
+    from eplb.plot import as_timeline
+
+    class _Obj:  # dict -> attribute access for as_timeline
+        pass
+
+    if isinstance(data, dict):
+        obj = _Obj()
+        for key, value in data.items():
+            setattr(obj, key, value)
+        return as_timeline(obj)
+    return as_timeline(data)
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from eplb import plot
+    from eplb.errors import EplbError
+
+    out = args.output
+    info: dict = {"kind": args.kind, "output": out}
+    if args.kind == "heatmap":
+        from eplb.trace import load_history
+
+        trace = load_history(args.traces)
+        fig = plot.expert_heatmap(trace, title=args.title)
+        info["hot_ratio_median"] = float(np.median(trace.total().max(1) / np.maximum(trace.total().mean(1), 1e-12)))
+    elif args.kind == "balance":
+        from eplb.placement import Placement
+        from eplb.planning import plan
+        from eplb.progress import progress
+        from eplb.trace import load_history
+        from planners.contiguous import contiguous_map
+
+        trace = load_history(args.traces)
+        load = trace.total().astype(np.float64)
+        placements: dict = {}
+        files = [Placement.load(f) for f in args.placement]
+        gpus = args.gpus if args.gpus is not None else (files[0].num_gpus if files else None)
+        if gpus is None:
+            raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
+        planners = args.planner or ([] if files else ["greedy"])
+        from eplb.topology import Topology
+
+        topo = Topology.for_experts(trace.num_experts, gpus=gpus, nodes=args.nodes, redundant=args.redundant)
+        placements["contiguous"] = Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), topo.gpus,
+                                             trace.num_experts, topo.nodes, trace.layer_ids)
+        for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
+            placements[name] = plan(trace, gpus=gpus, nodes=args.nodes, redundant=args.redundant, planner=name)
+        for path, pl in zip(args.placement, files):
+            if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_experts:
+                raise EplbError(f"placement {path} is {pl.num_layers} layers x {pl.num_logical_experts} experts, "
+                                f"the trace {trace.num_layers} x {trace.num_experts}")
+            placements[os.path.basename(path)] = pl
+        fig = plot.gpu_load_comparison(load, placements, layer_ids=trace.layer_ids, title=args.title)
+        from eplb import stats
+
+        info["imbalance_median"] = {n: float(np.median(stats.imbalance(plot._placement(p).gpu_loads(load))))
+                                    for n, p in placements.items()}
+    elif args.kind == "replicas":
+        from eplb.placement import Placement
+
+        pl = Placement.load(args.placement)
+        load = None
+        if args.trace:
+            from eplb.trace import load_trace
+
+            load = load_trace(args.trace).total()
+        fig = plot.replica_map(pl, load, layer=args.layer, title=args.title)
+        info["max_replicas"] = int(pl.replica_count_LE.max())
+    elif args.kind == "backtest":
+        series = _load_backtest_json(args.result)
+        fig = plot.backtest_timeline(series, window_label=args.window_label, title=args.title)
+        info["series"] = [s.name for s in series]
+    else:  # argparse restricts KIND; reaching here is a bug
+        raise AssertionError(args.kind)
+    plot.save(fig, out)
+    info["bytes"] = os.path.getsize(out)
+    if args.json:
+        print_json(info)
+    elif not args.quiet:
+        print(f"wrote {out} ({info['bytes'] / 1024:.0f} KiB)")
+    return 0
