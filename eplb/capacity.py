@@ -574,3 +574,12 @@ def format_report(rep: CapacityReport) -> str:
                      + ("" if rep.fits else " (does not fit)"))
     return "\n".join(lines)
 
+
+
+def slots_from_args(args, num_experts: int) -> CapacityReport:
+    """`eplb plan --slots-per-gpu auto`: size the slots from the capacity options in `args`."""
+    if not getattr(args, "model", None):
+        raise EplbError(f"--slots-per-gpu auto needs --model (one of {', '.join(PRESETS)}) and the memory "
+                        f"options --gpu-memory, --context, --concurrency")
+    dep = deployment_from_args(args, args.gpus, need_concurrency=True)
+    return auto_slots_per_gpu(get_model(args.model), dep, num_experts)

@@ -31,7 +31,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
-    size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant)")
+    size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant), or 'auto': "
+                                               "as many as fit in memory next to the KV cache (capacity options)")
     p.add_argument("--planner", "-p", default="greedy", choices=planner_names(), help="algorithm (default greedy)")
     p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
                    help="how windows become the planning load (default sum)")
@@ -44,6 +45,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "vLLM .pt tensors, TensorRT-LLM load_balancer YAML (default eplb)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set time_limit=30 (repeatable)")
+    from eplb.capacity import add_arguments as add_capacity_arguments
+
+    add_capacity_arguments(p, for_plan=True)
     add_output_flags(p)
     return p
 
@@ -79,7 +83,13 @@ def run(args) -> int:
 
     trace = load_history(args.traces)
     slots = None
-    if args.slots_per_gpu is not None:
+    capacity = None
+    if args.slots_per_gpu == "auto":
+        from eplb.capacity import slots_from_args
+
+        capacity = slots_from_args(args, trace.num_experts)
+        slots = capacity.slots_per_gpu
+    elif args.slots_per_gpu is not None:
         try:
             slots = int(args.slots_per_gpu)
         except ValueError:
@@ -95,6 +105,7 @@ def run(args) -> int:
         out = result.summary()
         out["output"] = args.output
         out["format"] = args.format
+        out["capacity"] = capacity.to_dict() if capacity else None
         print_json(out)
         return 0
     if args.quiet:
@@ -103,6 +114,10 @@ def run(args) -> int:
     print(f"{trace.num_layers} MoE layers x {trace.num_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
           f"({pl.num_slots - pl.num_logical_experts} redundant, {pl.slots_per_gpu} per GPU)")
+    if capacity:
+        print(f"slots per GPU auto: {capacity.slots_per_gpu} fit on {capacity.deployment.gpu_memory / 2**30:.1f} GiB "
+              f"next to {capacity.concurrency:,} sequences x {capacity.deployment.context:,} tokens "
+              f"({capacity.free_bytes_per_gpu / 2**30:.2f} GiB left per GPU; see `eplb capacity`)")
     rows = []
     for name, rep in (("contiguous (no EPLB)", result.before), (f"{result.planner}", result.after)):
         imb, br = rep.imbalance_L, rep.bound_ratio_L
