@@ -31,6 +31,9 @@ def contiguous_map(num_experts: int, topo: Topology, num_layers: int) -> np.ndar
 class ContiguousPlanner:
     """No load balancing: the baseline every report compares against."""
 
+    one_replica_per_gpu = False
+    """Spare slots repeat the GPU's own experts (see the module docstring)."""
+
     def plan(self, request: PlanRequest) -> Solution:
         return Solution(contiguous_map(request.num_experts, request.topology, request.num_layers),
                         message="no load balancing (baseline)")

@@ -1,0 +1,261 @@
+"""Planner tests: DeepSeek's golden example, and invariants run over EVERY registered planner.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, N = nodes, S = slots per GPU, P = G x S.
+
+A planner may declare `one_replica_per_gpu = False` (class attribute) when it does not promise
+that one GPU never holds two replicas of one expert; every other planner is held to it.
+Solver planners (a `time_limit` setting) get a short limit and are not required to be
+deterministic (a time-limited search may stop at a different point).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import eplb
+from eplb import stats
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.planning import PlanRequest, _REGISTRY, get_planner, planner_names
+from eplb.topology import Topology
+from planners.deepseek import rebalance_experts
+from planners.hierarchical import group_span
+
+# DeepSeek's EPLB README worked example (github.com/deepseek-ai/EPLB, "Interface and Example"):
+# 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs, and the map it prints.
+README_WEIGHT = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                          [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+README_PHY2LOG = np.array([[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+                           [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]])
+
+PLANNERS = planner_names()
+
+
+def fast_settings(name: str) -> dict:
+    """Settings that keep slow planners quick in tests, found by the constructor's parameters."""
+    params = inspect.signature(_REGISTRY[name].__init__).parameters
+    out = {}
+    if "time_limit" in params:
+        out["time_limit"] = 0.3
+    if "workers" in params:
+        out["workers"] = 1
+    if "quiet" in params:
+        out["quiet"] = True
+    return out
+
+
+def is_time_limited(name: str) -> bool:
+    return "time_limit" in inspect.signature(_REGISTRY[name].__init__).parameters
+
+
+def check_invariants(name: str, phy_LP: np.ndarray, weights_LP, load_LE: np.ndarray, topo: Topology) -> None:
+    L, E = load_LE.shape
+    G, S, P = topo.gpus, topo.slots_per_gpu, topo.num_slots
+    phy_LP = np.asarray(phy_LP)
+    assert phy_LP.shape == (L, P), f"{name}: shape {phy_LP.shape}, want {(L, P)}"
+    assert np.issubdtype(phy_LP.dtype, np.integer)
+    assert phy_LP.min() >= 0 and phy_LP.max() < E, f"{name}: expert id out of range"
+    count_LE = np.zeros((L, E), dtype=np.int64)
+    np.add.at(count_LE, (np.arange(L)[:, None], phy_LP), 1)
+    assert count_LE.min() >= 1, f"{name}: an expert has no replica"
+    assert count_LE.sum(axis=1).tolist() == [P] * L  # exactly S slots on each of the G GPUs
+    if getattr(_REGISTRY[name], "one_replica_per_gpu", True):
+        per_gpu = np.sort(phy_LP.reshape(L, G, S), axis=2)
+        assert not (np.diff(per_gpu, axis=2) == 0).any(), f"{name}: two replicas of one expert on a GPU"
+    placement = Placement(phy_LP, G, E, topo.nodes, dispatch_weights_LP=weights_LP)
+    mx_L = placement.gpu_loads(load_LE).max(axis=1)
+    lb_L = stats.lower_bound(load_LE, G, P)
+    assert (mx_L >= lb_L * (1 - 1e-9) - 1e-9).all(), f"{name}: beats the lower bound: {mx_L} < {lb_L}"
+
+
+@st.composite
+def problems(draw):
+    """A small planning problem: loads [L, E] with heavy tails and zeros, and a topology."""
+    N = draw(st.sampled_from([1, 1, 2, 4]))
+    G = N * draw(st.integers(1, 3))
+    E = draw(st.integers(max(G, 2), 24))
+    S_min = -(-E // G)
+    S = draw(st.integers(S_min, min(S_min + 2, E)))
+    L = draw(st.integers(1, 3))
+    kind = draw(st.sampled_from(["uniform", "pareto", "one_hot", "zeros"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        load = rng.integers(0, 1000, (L, E)).astype(float)
+    elif kind == "pareto":
+        load = np.floor(rng.pareto(1.1, (L, E)) * 100)
+    elif kind == "one_hot":
+        load = np.zeros((L, E))
+        load[:, rng.integers(0, E)] = 1000
+    else:
+        load = np.zeros((L, E))
+    divisors = [k for k in range(1, E + 1) if E % k == 0]
+    K = draw(st.sampled_from(divisors + [None]))
+    return load, Topology(gpus=G, slots_per_gpu=S, nodes=N), K
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(problem=problems())
+def test_invariants_property(name, problem):
+    load, topo, K = problem
+    if is_time_limited(name) and load.shape[1] > 12:
+        load = load[:, :12]  # solvers get the smaller half of the shapes
+        if topo.gpus * topo.slots_per_gpu < 12 or topo.gpus > 12:
+            return
+    request = PlanRequest(load, topo, history_TLE=load[None], num_groups=K)
+    planner = get_planner(name, **fast_settings(name))
+    try:
+        sol = planner.plan(request)
+    except EplbError as exc:
+        # Refusing is allowed for configurations a planner cannot serve, with a message.
+        assert str(exc)
+        return
+    check_invariants(name, sol.phy2log_LP, sol.dispatch_weights_LP, load, topo)
+    if not is_time_limited(name):
+        again = get_planner(name, **fast_settings(name)).plan(request)
+        assert np.array_equal(sol.phy2log_LP, again.phy2log_LP), f"{name} is not deterministic"
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+def test_invariants_deepseek_like(name):
+    """A DeepSeek-V3-like miniature: 4 layers x 64 experts, 8 groups, 16 GPUs on 4 nodes."""
+    rng = np.random.default_rng(7)
+    load = np.floor(rng.pareto(1.3, (4, 64)) * 1000)
+    topo = Topology.for_experts(64, gpus=16, nodes=4)
+    if is_time_limited(name):
+        load = load[:1]
+    sol = get_planner(name, **fast_settings(name)).plan(PlanRequest(load, topo, history_TLE=load[None], num_groups=8))
+    check_invariants(name, sol.phy2log_LP, sol.dispatch_weights_LP, load, topo)
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+def test_plan_front_door_every_planner(name):
+    rng = np.random.default_rng(3)
+    load = rng.integers(0, 500, (2, 16)).astype(float)
+    res = eplb.plan(load, gpus=4, nodes=2, planner=name, num_groups=4, settings=fast_settings(name))
+    assert res.planner == name and res.placement.planner == name
+    assert res.success == (res.status != "FALLBACK")
+    assert res.placement.num_slots == 20 and res.seconds >= 0
+    assert (res.after.bound_ratio_L >= 1 - 1e-9).all()
+
+
+# Golden: DeepSeek's README example -----------------------------------------------------------
+
+def test_deepseek_readme_example_exact():
+    phy2log_LP, log2phy_LEX, count_LE, policy = rebalance_experts(README_WEIGHT, 16, 4, 2, 8)
+    assert policy == "hierarchical"
+    np.testing.assert_array_equal(phy2log_LP, README_PHY2LOG)
+    # The derived maps agree with the placement's own.
+    placement = Placement(phy2log_LP, 8, 12, 2)
+    np.testing.assert_array_equal(count_LE, placement.replica_count_LE)
+    for layer in range(2):
+        for e in range(12):
+            slots = sorted(s for s in log2phy_LEX[layer, e] if s >= 0)
+            assert slots == sorted(np.flatnonzero(phy2log_LP[layer] == e).tolist())
+
+
+def test_deepseek_planner_through_front_door():
+    res = eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=4)
+    np.testing.assert_array_equal(res.placement.phy2log_LP, README_PHY2LOG)
+    assert res.info["policy"] == "hierarchical"
+
+
+@pytest.mark.parametrize("name", ["greedy", "hierarchical"])
+def test_readme_example_matched_or_beaten(name):
+    ref = eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=4)
+    res = eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner=name, num_groups=4)
+    assert (res.after.gpu_load_LG.max(axis=1) <= ref.after.gpu_load_LG.max(axis=1) + 1e-9).all()
+    # The README's layer 0 gives 156 tokens to DeepSeek's busiest GPU; 139 is reachable.
+    assert res.after.gpu_load_LG.max(axis=1)[0] <= 139
+
+
+def test_deepseek_policies_and_refusals():
+    # Groups that do not split over nodes: DeepSeek's own rule falls back to global, and says so.
+    res = eplb.plan(README_WEIGHT, gpus=6, nodes=3, redundant=6, planner="deepseek", num_groups=4)
+    assert res.info["policy"] == "global"
+    with pytest.raises(EplbError, match="do not split evenly over 3 nodes"):
+        eplb.plan(README_WEIGHT, gpus=6, nodes=3, redundant=6, planner="deepseek", num_groups=4,
+                  settings={"policy": "hierarchical"})
+    with pytest.raises(EplbError, match="equal groups"):
+        eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=5,
+                  settings={"policy": "hierarchical"})
+    with pytest.raises(EplbError, match="needs num_groups"):
+        eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek",
+                  settings={"policy": "hierarchical"})
+    with pytest.raises(EplbError, match="unknown deepseek policy"):
+        get_planner("deepseek", policy="local")
+
+
+# hierarchical: locality and configurations -----------------------------------------------------
+
+def test_hierarchical_more_local_than_greedy_at_equal_balance():
+    rng = np.random.default_rng(11)
+    # Skewed groups: group 0 is hot, as on real DeepSeek-V3 layers.
+    load = np.floor(rng.pareto(1.5, (6, 64)) * 100) + 1
+    load[:, :8] *= 6
+    g = eplb.plan(load, gpus=16, nodes=4, planner="greedy", num_groups=8)
+    h = eplb.plan(load, gpus=16, nodes=4, planner="hierarchical", num_groups=8)
+    assert h.info["group_span_mean"] < h.info["greedy_group_span_mean"]
+    span = group_span(h.placement.phy2log_LP, 16, 4, 8, 64)
+    assert span.mean() == pytest.approx(h.info["group_span_mean"])
+    assert (h.after.gpu_load_LG.max(1) <= g.after.gpu_load_LG.max(1) * 1.005 + 1e-9).all()
+
+
+def test_hierarchical_one_node_is_fully_local():
+    rng = np.random.default_rng(5)
+    load = rng.integers(1, 100, (2, 32)).astype(float)
+    res = eplb.plan(load, gpus=8, nodes=1, planner="hierarchical", num_groups=4)
+    assert res.info["group_span_mean"] == 1.0 and res.info["group_span_max"] == 1
+
+
+def test_hierarchical_configurations_deepseek_rejects():
+    rng = np.random.default_rng(2)
+    load = rng.integers(1, 100, (2, 24)).astype(float)
+    # 8 groups over 3 nodes: works (DeepSeek would fall back to its global policy).
+    res = eplb.plan(load, gpus=6, nodes=3, planner="hierarchical", num_groups=8)
+    assert res.success and res.info["num_groups"] == 8
+    # No groups: every expert is its own group, and the message says so.
+    res = eplb.plan(load, gpus=6, nodes=3, planner="hierarchical")
+    assert res.info["num_groups"] == 24 and "own group" in res.message
+    with pytest.raises(EplbError, match="do not split into 5 equal expert groups"):
+        eplb.plan(load, gpus=6, nodes=3, planner="hierarchical", num_groups=5)
+    with pytest.raises(EplbError, match="divisible by nodes"):
+        eplb.plan(load, gpus=6, nodes=4, planner="hierarchical", num_groups=8)
+    with pytest.raises(EplbError, match="tolerance"):
+        get_planner("hierarchical", tolerance=-1)
+
+
+# Front door ---------------------------------------------------------------------------------
+
+def test_plan_front_door_result():
+    load = np.array([[10.0, 0, 0, 0, 5, 5, 5, 5]])
+    res = eplb.plan(load, gpus=4)
+    assert res.planner == "greedy" and res.status == "HEURISTIC" and res.success
+    assert res.placement.num_slots == 12  # 8 experts + one redundant slot per GPU
+    assert res.lower_bound_L.shape == (1,)
+    # The hot expert gets replicas; the busiest GPU is far below contiguous's 10.
+    assert res.after.gpu_load_LG.max() < res.before.gpu_load_LG.max()
+    summary = res.summary()
+    assert summary["num_gpus"] == 4 and summary["after"]["bound_ratio"]["max"] >= 1.0
+    assert res.placement.metrics["bound_ratio_max"] == pytest.approx(res.after.bound_ratio_L.max())
+
+
+def test_plan_front_door_history_and_errors():
+    hist = np.stack([np.eye(8)[0] * 100, np.eye(8)[7] * 100])  # [T=2, E=8] -> make it [T, L, E]
+    res = eplb.plan(hist[:, None, :], gpus=4, aggregate="last")
+    np.testing.assert_array_equal(res.load_LE, hist[-1:])
+    with pytest.raises(EplbError, match="unknown planner"):
+        eplb.plan(hist[:, None, :], gpus=4, planner="nope")
+    with pytest.raises(EplbError, match="does not take these settings"):
+        eplb.plan(hist[:, None, :], gpus=4, settings={"bogus": 1})
+    with pytest.raises(EplbError, match="non-negative"):
+        eplb.plan(-np.ones((1, 8)), gpus=4)
+    with pytest.raises(EplbError, match="do not\\s+split evenly"):
+        eplb.plan(np.ones((1, 8)), gpus=3, redundant=0)
