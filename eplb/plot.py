@@ -103,8 +103,7 @@ def expert_heatmap(load_LE: Any, *, layer_ids=None, title: str | None = None, pa
     ax = fig.add_subplot()
     from matplotlib import colormaps
 
-    cmap = colormaps["magma"].copy()
-    cmap.set_bad("#4a4a4a")
+    cmap = colormaps["magma"].with_extremes(bad="#4a4a4a")
     im = ax.imshow(np.ma.masked_less_equal(ratio, 0), aspect="auto", interpolation="nearest", cmap=cmap,
                    norm=LogNorm(vmin=vmin, vmax=vmax, clip=True), extent=(-0.5, E - 0.5, L - 0.5, -0.5))
     step = max(1, L // 12)

@@ -66,8 +66,8 @@ def _load_backtest_json(path: str):
             data = json.load(f)
     except FileNotFoundError:
         raise EplbError(f"backtest file {path!r} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise EplbError(f"{path}: not JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EplbError(f"{path}: not a backtest JSON file ({exc})") from None
     if isinstance(data, dict) and not any(k in data for k in ("series", "runs", "results", "policies")):
         raise EplbError(f"{path}: expected a JSON object with a 'series' list (name, imbalance, rebalance_at, moves)")
     from eplb.plot import as_timeline

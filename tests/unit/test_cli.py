@@ -1,0 +1,156 @@
+"""CLI through `eplb.cli.main([...])`: examples in help, JSON that parses, one-line errors, fast start."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from eplb.cli import COMMANDS, main
+from eplb.trace import Trace, default_meta
+
+L, E, G = 6, 32, 4
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    rng = np.random.default_rng(11)
+    counts = rng.poisson(rng.lognormal(3.0, 1.0, size=(1, L, E)), size=(4, L, E))
+    trace = d / "trace.npz"
+    Trace(counts, np.arange(1, L + 1), default_meta(L + 1, E, top_k=4, num_expert_groups=4)).save(trace)
+    bad_shape = d / "bad.npy"
+    np.save(bad_shape, np.zeros(5))
+    plan = d / "plan.json"
+    assert main(["plan", str(trace), "--gpus", str(G), "-o", str(plan), "--quiet"]) == 0
+    backtest = d / "backtest.json"
+    backtest.write_text(json.dumps({"series": [
+        {"name": "static", "imbalance": [1.3, 1.4, 1.35, 1.3]},
+        {"name": "greedy", "imbalance": [1.1, 1.05, 1.08, 1.1], "rebalance_at": [0, 2], "moves": [30, 6]},
+    ]}))
+    return {"trace": str(trace), "plan": str(plan), "bad_shape": str(bad_shape), "dir": d, "backtest": str(backtest)}
+
+
+def test_top_level_help_lists_commands_with_examples(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out
+    for name in COMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("argv", [[c, "--help"] for c in COMMANDS]
+                         + [["plot", k, "--help"] for k in ("heatmap", "balance", "replicas", "backtest")])
+def test_every_command_help_shows_an_example(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "example:" in out and "eplb " + argv[0] in out.split("example:")[1]
+
+
+def _json_argv(f):
+    d = f["dir"]
+    return {
+        "plan": ["plan", f["trace"], "--gpus", str(G)],
+        "stats": ["stats", f["trace"], "--gpus", str(G)],
+        "inspect": ["inspect", f["plan"], "--trace", f["trace"]],
+        "capacity": ["capacity", "--model", "deepseek-v3", "--gpus", "32", "--gpu-memory", "h200",
+                     "--context", "8192", "--concurrency", "2048"],
+        "plot heatmap": ["plot", "heatmap", f["trace"], "-o", str(d / "h.png")],
+        "plot balance": ["plot", "balance", f["trace"], "--gpus", str(G), "-o", str(d / "b.svg")],
+        "plot replicas": ["plot", "replicas", f["plan"], "--trace", f["trace"], "-o", str(d / "r.png")],
+        "plot backtest": ["plot", "backtest", f["backtest"], "-o", str(d / "bt.png")],
+    }
+
+
+@pytest.mark.parametrize("name", list(_json_argv({"trace": "", "plan": "", "dir": __import__("pathlib").Path("."),
+                                                   "backtest": ""})))
+def test_json_output_parses(name, files, capsys):
+    argv = _json_argv(files)[name]
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert isinstance(data, dict) and data
+    if name.startswith("plot"):
+        assert os.path.getsize(data["output"]) == data["bytes"] > 5_000
+
+
+def test_quiet_prints_nothing(files, capsys):
+    assert main(_json_argv(files)["plan"] + ["--quiet"]) == 0
+    assert main(_json_argv(files)["capacity"] + ["--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+def test_capacity_numbers_in_json(capsys):
+    argv = ["capacity", "--model", "llama-3.1-70b", "--gpus", "8", "--gpu-memory", "h100", "--context", "100000",
+            "--kv-dtype", "fp16", "--weight-dtype", "bf16", "--attention", "tp", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_bytes_per_token"] == 327_680 and data["redundant_per_gpu"] is None and data["fits"]
+
+
+def test_plan_slots_auto_refuses_a_model_that_does_not_match_the_trace(files, capsys):
+    argv = ["plan", files["trace"], "--gpus", str(G), "--slots-per-gpu", "auto", "--model", "deepseek-v3",
+            "--gpu-memory", "h200", "--context", "4096", "--concurrency", "64", "--json"]
+    assert main(argv) == 2
+    assert "has 256 experts but the trace has 32" in capsys.readouterr().err
+
+
+def test_plan_slots_auto_on_deepseek_shape(tmp_path, capsys):
+    counts = np.random.default_rng(2).poisson(30, size=(1, 58, 256))
+    path = tmp_path / "ds.npz"
+    Trace(counts, np.arange(3, 61), default_meta(61, 256)).save(path)
+    argv = ["plan", str(path), "--gpus", "32", "--slots-per-gpu", "auto", "--model", "deepseek-v3",
+            "--gpu-memory", "h200", "--context", "8192", "--concurrency", "2048", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_slots"] == 32 * data["capacity"]["slots_per_gpu"] > 256
+
+
+def _bad_inputs(f):
+    return {
+        "missing file": ["plan", str(f["dir"] / "nope.npz"), "--gpus", "4"],
+        "wrong shape": ["plan", f["bad_shape"], "--gpus", "4"],
+        "redundant does not split": ["plan", f["trace"], "--gpus", "4", "--redundant", "3"],
+        "slots cannot hold experts": ["plan", f["trace"], "--gpus", "4", "--slots-per-gpu", "3"],
+        "more GPUs than experts": ["plan", f["trace"], "--gpus", "64"],
+        "bad slots text": ["plan", f["trace"], "--gpus", "4", "--slots-per-gpu", "many"],
+        "stats missing file": ["stats", str(f["dir"] / "nope.npz")],
+        "inspect missing file": ["inspect", str(f["dir"] / "nope.json")],
+        "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80", "--context", "10"],
+        "capacity bad memory": ["capacity", "--model", "deepseek-v3", "--gpus", "8", "--gpu-memory", "lots",
+                                "--context", "10"],
+        "capacity redundant does not split": ["capacity", "--model", "deepseek-v3", "--gpus", "24",
+                                              "--gpu-memory", "h200", "--context", "10", "--redundant", "5"],
+        "capacity more GPUs than experts": ["capacity", "--model", "qwen3-235b-a22b", "--gpus", "256",
+                                            "--gpu-memory", "h200", "--context", "10"],
+        "plot bad extension": ["plot", "heatmap", f["trace"], "-o", str(f["dir"] / "x.jpg")],
+        "plot backtest not json": ["plot", "backtest", f["trace"], "-o", str(f["dir"] / "x.png")],
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs({"trace": "", "plan": "", "bad_shape": "",
+                                                   "dir": __import__("pathlib").Path(".")})))
+def test_bad_input_exits_2_with_one_line(case, files, capsys):
+    argv = _bad_inputs(files)[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"eplb {argv[0]}: error: ") and "Traceback" not in err
+
+
+def test_usage_error_exits_2(capsys):
+    assert main(["plan"]) == 2  # argparse: missing TRACE and --gpus
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_plan_does_not_import_heavy_libraries(files):
+    code = (
+        "import sys; from eplb.cli import main\n"
+        f"rc = main(['plan', {files['trace']!r}, '--gpus', '{G}', '--quiet'])\n"
+        "heavy = [m for m in ('torch', 'matplotlib', 'ortools') if m in sys.modules]\n"
+        "print(rc, ','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0"], f"eplb plan imported {out[1:]}"

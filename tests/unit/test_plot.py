@@ -1,0 +1,128 @@
+"""Plots: files are written headless (Agg), in the format of their extension, and are not blank."""
+
+import numpy as np
+import pytest
+
+from eplb import plot
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.planning import plan
+from eplb.topology import Topology
+from planners.contiguous import contiguous_map
+
+L, E, G = 6, 32, 4
+
+
+@pytest.fixture(scope="module")
+def load_LE():
+    rng = np.random.default_rng(7)
+    # Skewed (log-normal) expert loads so hot experts and imbalance exist to be drawn.
+    return np.round(rng.lognormal(3.0, 1.0, size=(L, E)))
+
+
+@pytest.fixture(scope="module")
+def placements(load_LE):
+    topo = Topology.for_experts(E, gpus=G)
+    base = Placement(contiguous_map(E, topo, L), G, E)
+    return {"contiguous": base, "greedy": plan(load_LE, gpus=G, planner="greedy")}
+
+
+def _assert_png_has_content(path, min_side=300):
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and min(img.shape[:2]) >= min_side
+    assert path.stat().st_size > 10_000
+    grey = img[..., :3].mean(axis=2)
+    assert grey.std() > 0.05  # not a blank canvas
+    assert (grey < 0.5).mean() > 0.01  # some ink: axes, text, data
+
+
+def test_heatmap_png(tmp_path, load_LE):
+    p = tmp_path / "heat.png"
+    fig = plot.expert_heatmap(load_LE, layer_ids=np.arange(3, 3 + L), path=p)
+    _assert_png_has_content(p)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "logical expert id" and "layer" in ax.get_ylabel()
+    assert "log" in fig.axes[1].get_ylabel()  # colour bar says the scale
+
+
+def test_heatmap_accepts_a_trace_and_svg(tmp_path):
+    from eplb.trace import Trace, default_meta
+
+    counts = np.random.default_rng(1).poisson(20, size=(3, L, E))
+    counts[:, :, 0] = 0  # an idle expert is drawn, not an error
+    trace = Trace(counts, np.arange(1, L + 1), default_meta(L + 1, E))
+    p = tmp_path / "heat.svg"
+    plot.expert_heatmap(trace, path=p)
+    text = p.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text and len(text) > 20_000
+
+
+def test_gpu_load_comparison(tmp_path, load_LE, placements):
+    p = tmp_path / "balance.png"
+    fig = plot.gpu_load_comparison(load_LE, placements, path=p)
+    _assert_png_has_content(p)
+    left = fig.axes[0]
+    labels = [t.get_text() for t in left.get_legend().get_texts()]
+    assert any(s.startswith("contiguous") for s in labels) and any(s.startswith("greedy") for s in labels)
+    assert any(s.startswith("lower bound") for s in labels)
+    assert "GPU" in left.get_ylabel()
+
+
+def test_replica_map_with_and_without_load(tmp_path, load_LE, placements):
+    pl = placements["greedy"]
+    p1, p2 = tmp_path / "rep1.png", tmp_path / "rep2.png"
+    plot.replica_map(pl, load_LE, path=p1)
+    plot.replica_map(pl, None, layer=L - 1, path=p2)
+    _assert_png_has_content(p1)
+    _assert_png_has_content(p2)
+    with pytest.raises(EplbError, match="layer index 99 is outside 0..5"):
+        plot.replica_map(pl, layer=99)
+
+
+def test_backtest_timeline(tmp_path):
+    rng = np.random.default_rng(3)
+    series = [
+        plot.TimelineSeries("static", 1.4 + 0.1 * rng.random(30)),
+        plot.TimelineSeries("greedy every 10", 1.1 + 0.05 * rng.random(30), [0, 10, 20], [96, 20, 18]),
+    ]
+    p = tmp_path / "bt.png"
+    fig = plot.backtest_timeline(series, window_label="window (4,096 tokens)", path=p)
+    _assert_png_has_content(p)
+    assert len(fig.axes) == 2 and fig.axes[1].get_xlabel() == "window (4,096 tokens)"
+
+
+def test_backtest_inputs_from_plain_objects():
+    runs = plot.as_timeline([{"name": "a", "imbalance": [1.2, 1.1], "rebalance_at": [0], "moves": [5]}])
+    assert runs[0].name == "a" and runs[0].moves.tolist() == [5.0]
+    runs = plot.as_timeline({"static": [1.3, 1.3, 1.2]})
+    assert runs[0].rebalance_at.size == 0
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(rebalance_at=[5]), r"rebalance_at must be sorted window indices in 0..2"),
+    (dict(rebalance_at=[0, 1], moves=[3]), "1 move counts for 2 rebalances"),
+])
+def test_timeline_errors_name_the_value(kw, msg):
+    with pytest.raises(EplbError, match=msg):
+        plot.TimelineSeries("x", [1.0, 1.1, 1.2], **kw)
+
+
+def test_bad_extension_and_shapes(tmp_path, load_LE, placements):
+    with pytest.raises(EplbError, match="use a file name ending in .png, .svg, .pdf"):
+        plot.expert_heatmap(load_LE, path=tmp_path / "heat.jpg")
+    with pytest.raises(EplbError, match="folder .* does not exist"):
+        plot.expert_heatmap(load_LE, path=tmp_path / "nope" / "heat.png")
+    with pytest.raises(EplbError, match="loads must be"):
+        plot.expert_heatmap(np.zeros(5))
+    with pytest.raises(EplbError, match="needs \\(6, 32\\)"):
+        plot.replica_map(placements["greedy"], load_LE[:, :8])
+
+
+def test_plotting_does_not_touch_pyplot_state(tmp_path, load_LE):
+    import sys
+
+    plot.expert_heatmap(load_LE, path=tmp_path / "h.png")
+    # Figures are built without pyplot: nothing global (backend, open figures) changes.
+    assert "matplotlib.pyplot" not in sys.modules or not sys.modules["matplotlib.pyplot"].get_fignums()
