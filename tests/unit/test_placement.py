@@ -1,0 +1,147 @@
+"""Placement and Topology values: invariants, error messages, derived maps, JSON round trip.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, N = nodes, P = physical slots, X = most replicas.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.topology import Topology
+
+PHY = np.array([[0, 1, 2, 0, 3, 0],
+                [3, 2, 1, 0, 1, 2]])  # 2 layers, 4 experts, 6 slots
+
+
+def test_derived_maps():
+    p = Placement(PHY, num_gpus=3, num_logical_experts=4, layer_ids=np.array([3, 4]))
+    assert p.num_layers == 2 and p.num_slots == 6 and p.slots_per_gpu == 2
+    assert p.replica_count_LE.tolist() == [[3, 1, 1, 1], [1, 2, 2, 1]]
+    assert p.gpu_of_slot().tolist() == [0, 0, 1, 1, 2, 2]
+    l2p = p.log2phy_LEX
+    assert l2p.shape == (2, 4, 3)
+    # Padded with -1 ("no replica"), slots listed in slot order.
+    assert l2p[0].tolist() == [[0, 3, 5], [1, -1, -1], [2, -1, -1], [4, -1, -1]]
+    assert l2p[1].tolist() == [[3, -1, -1], [2, 4, -1], [1, 5, -1], [0, -1, -1]]
+    assert p.replica_weights()[0].tolist() == pytest.approx([1 / 3, 1, 1, 1 / 3, 1, 1 / 3])
+
+
+def test_gpu_loads_even_and_weighted():
+    p = Placement(PHY[:1], 3, 4)
+    load = np.array([[30.0, 1, 2, 4]])
+    assert p.gpu_loads(load).tolist() == [[11.0, 12.0, 14.0]]
+    w = np.array([[0.5, 1, 1, 0.25, 1, 0.25]])
+    assert p.with_weights(w).gpu_loads(load).tolist() == [[16.0, 9.5, 11.5]]
+    with pytest.raises(EplbError, match="loads have shape"):
+        p.gpu_loads(np.ones((2, 4)))
+
+
+@pytest.mark.parametrize("phy, kwargs, message", [
+    (np.array([0, 1]), {}, "must be 2-D"),
+    (np.array([[0.0, 1.0]]), {}, "must hold integers"),
+    (np.array([[0, 1, 2]]), {"num_gpus": 2}, "do not split evenly over 2 GPUs"),
+    (np.array([[0, 1, 2, 3]]), {"num_gpus": 4, "num_nodes": 3}, "divisible by num_nodes"),
+    (np.array([[0, 1, 4, 2]]), {}, "expert id 4, outside 0..3"),
+    (np.array([[0, 1, -1, 2]]), {}, "expert id -1"),
+    (np.array([[0, 1, 1, 2]]), {}, "logical expert 3 has no replica in layer index 0"),
+    (np.array([[0, 1, 2, 3]]), {"layer_ids": np.array([1, 2])}, "layer_ids must be 1 integers"),
+    (np.array([[0, 1, 2, 3], [0, 1, 2, 3]]), {"layer_ids": np.array([5, 5])}, "distinct"),
+    (np.array([[0, 1, 2, 3]]), {"num_gpus": 0}, "must be >= 1"),
+])
+def test_invariant_errors_name_the_problem(phy, kwargs, message):
+    args = {"num_gpus": 2, "num_logical_experts": 4, **kwargs}
+    with pytest.raises(EplbError, match=message):
+        Placement(phy, **args)
+
+
+def test_dispatch_weight_errors():
+    phy = np.array([[0, 0, 1, 2]])
+    with pytest.raises(EplbError, match=r"shape \(1, 4\)"):
+        Placement(phy, 2, 3, dispatch_weights_LP=np.ones((1, 3)))
+    with pytest.raises(EplbError, match="finite and non-negative"):
+        Placement(phy, 2, 3, dispatch_weights_LP=np.array([[1.5, -0.5, 1, 1]]))
+    with pytest.raises(EplbError, match="expert 0 in layer index 0 sum to 0.800000, not 1"):
+        Placement(phy, 2, 3, dispatch_weights_LP=np.array([[0.4, 0.4, 1, 1]]))
+    ok = Placement(phy, 2, 3, dispatch_weights_LP=np.array([[0.75, 0.25, 1, 1]]))
+    assert ok.replica_weights().tolist() == [[0.75, 0.25, 1, 1]]
+
+
+def test_placement_is_read_only():
+    p = Placement(PHY, 3, 4)
+    with pytest.raises(ValueError):
+        p.phy2log_LP[0, 0] = 1
+    with pytest.raises(AttributeError):
+        p.num_gpus = 2  # type: ignore[misc]
+
+
+def test_json_round_trip(tmp_path):
+    w = np.tile(np.array([[1 / 3, 1, 1, 1 / 3, 1, 1 / 3]]), (1, 1))
+    p = Placement(PHY[:1], 3, 4, num_nodes=3, layer_ids=np.array([7]), dispatch_weights_LP=w,
+                  planner="greedy", metrics={"imbalance_max": 1.25})
+    path = tmp_path / "plan.json"
+    p.save(path)
+    d = json.loads(path.read_text())
+    assert d["physical_to_logical_map"] == PHY[:1].tolist() and d["layer_ids"] == [7]
+    assert d["num_gpus"] == 3 and d["num_nodes"] == 3 and d["num_logical_experts"] == 4
+    q = Placement.load(path)
+    assert q == p and q.planner == "greedy" and q.metrics == {"imbalance_max": 1.25}
+    assert Placement.from_dict(Placement(PHY, 3, 4).to_dict()) == Placement(PHY, 3, 4)
+    assert Placement(PHY, 3, 4) != Placement(PHY, 3, 4, num_nodes=3)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(EplbError, match="does not exist"):
+        Placement.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(EplbError, match="not valid JSON"):
+        Placement.load(bad)
+    bad.write_text(json.dumps({"num_gpus": 2}))
+    with pytest.raises(EplbError, match="missing key"):
+        Placement.load(bad)
+    bad.write_text(json.dumps({"physical_to_logical_map": [[0, 1], [0]], "num_gpus": 1, "num_logical_experts": 2}))
+    with pytest.raises(EplbError, match="rectangular"):
+        Placement.load(bad)
+    bad.write_text(json.dumps({"physical_to_logical_map": [[0, 5]], "num_gpus": 1, "num_logical_experts": 2}))
+    with pytest.raises(EplbError, match=str(bad).replace("\\", "\\\\") + ".*outside"):
+        Placement.load(bad)
+    with pytest.raises(EplbError, match="expected a JSON object"):
+        Placement.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+# Topology ---------------------------------------------------------------------------------------
+
+def test_topology_sizing():
+    t = Topology.for_experts(256, gpus=32)
+    assert (t.slots_per_gpu, t.num_slots, t.nodes) == (9, 288, 1)  # one redundant slot per GPU
+    assert Topology.for_experts(256, gpus=32, redundant=0).slots_per_gpu == 8
+    assert Topology.for_experts(256, gpus=32, nodes=4, slots_per_gpu=10).gpus_per_node == 8
+    assert Topology.for_experts(10, gpus=4).slots_per_gpu == 4  # ceil(10 / 4) + 1
+    t = Topology(gpus=8, slots_per_gpu=2, nodes=2)
+    assert t.gpu_of_slot().tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    assert t.node_of_gpu().tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"gpus": 0}, "gpus must be a positive integer"),
+    ({"gpus": 32, "redundant": 32, "slots_per_gpu": 9}, "either redundant"),
+    ({"gpus": 32, "slots_per_gpu": 7}, "use at least 8 slots per GPU"),
+    ({"gpus": 32, "redundant": -1}, "redundant must be >= 0"),
+    ({"gpus": 32, "redundant": 30}, "use redundant = 0 or 32"),
+    ({"gpus": 32, "nodes": 3}, r"gpus \(32\) must be divisible by nodes \(3\)"),
+])
+def test_topology_for_experts_errors(kwargs, message):
+    with pytest.raises(EplbError, match=message):
+        Topology.for_experts(256, **kwargs)
+
+
+def test_topology_value_errors():
+    with pytest.raises(EplbError, match="slots_per_gpu must be a positive integer"):
+        Topology(gpus=4, slots_per_gpu=0)
+    with pytest.raises(EplbError, match="nodes must be a positive integer"):
+        Topology(gpus=4, slots_per_gpu=1, nodes=True)
