@@ -1,8 +1,18 @@
 """SGLang expert-distribution statistics (import) and `--init-expert-location` (export).
 
-SGLang's recorder (stat mode) dumps `{"logical_count": ...}` as JSON or a torch `.pt`
-file: either [hidden layers, experts] totals or [steps, hidden layers, experts]. Dense
-layers appear as all-zero rows; they are dropped on import and their ids kept in layer_ids.
+Legend: H = hidden layers (dense and MoE), L = MoE layers, E = logical experts, P = slots.
+
+Import: SGLang's recorder (stat mode) dumps `{"logical_count": ...}` as JSON or a torch `.pt`
+file (`{"rank", "logical_count", "average_utilization_rate_over_window"}`): either [H, E]
+totals or [steps, H, E]. Dense layers appear as all-zero rows; they are dropped on import and
+the MoE layers' hidden-layer ids kept in layer_ids.
+
+Export: `--init-expert-location FILE.json` takes `{"physical_to_logical_map": [H][P]}` and
+nothing else (SGLang passes the JSON's keys as keyword arguments to
+`ExpertLocationMetadata.init_by_mapping`, so any extra key makes it fail). It needs a row for
+every hidden layer (`num_hidden_layers` rows); dense layers get the trivial row
+`p % E`, which is what SGLang's own `init_trivial` fills every layer with. Launch SGLang with
+`--ep-num-redundant-experts P-E` so its slot count matches.
 """
 
 from __future__ import annotations
@@ -57,3 +67,56 @@ def read_pt(path: Path) -> Trace:
     if isinstance(lc, torch.Tensor):
         lc = lc.detach().cpu().numpy()
     return trace_from_logical_count(lc, source=str(path))
+
+
+# Export: --init-expert-location ---------------------------------------------------------------
+
+def sglang_map(placement, num_hidden_layers: int | None = None) -> np.ndarray:
+    """physical_to_logical_map [H, P] for SGLang: MoE rows from the placement, dense rows trivial."""
+    ids = placement.layer_ids
+    H = int(ids.max()) + 1 if num_hidden_layers is None else int(num_hidden_layers)
+    if H <= int(ids.max()):
+        raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
+    P, E = placement.num_slots, placement.num_logical_experts
+    out_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
+    out_HP[ids] = placement.phy2log_LP
+    return out_HP
+
+
+def write_sglang(placement, path, num_hidden_layers: int | None = None) -> Path:
+    path = Path(path)
+    rows = sglang_map(placement, num_hidden_layers).tolist()
+    # One row per line: readable and diff-friendly, still plain JSON.
+    body = ",\n".join("  " + json.dumps(r) for r in rows)
+    path.write_text('{"physical_to_logical_map": [\n' + body + "\n]}\n")
+    return path
+
+
+def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int | None = None,
+                num_nodes: int = 1):
+    """A Placement from an `--init-expert-location` JSON; layer_ids picks the MoE rows."""
+    from eplb.placement import Placement
+
+    path = Path(path)
+    if not path.is_file():
+        raise EplbError(f"SGLang expert-location file {str(path)!r} does not exist")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EplbError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict) or "physical_to_logical_map" not in d:
+        raise EplbError(f"{path}: no physical_to_logical_map (not an SGLang --init-expert-location file)")
+    try:
+        phy_HP = np.asarray(d["physical_to_logical_map"], dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
+    if phy_HP.ndim != 2:
+        raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots], got shape {phy_HP.shape}")
+    ids = np.arange(phy_HP.shape[0]) if layer_ids is None else np.asarray(layer_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= phy_HP.shape[0]):
+        raise EplbError(f"{path}: layer ids {ids.tolist()} outside the file's {phy_HP.shape[0]} rows")
+    E = int(num_logical_experts) if num_logical_experts is not None else int(phy_HP.max()) + 1
+    try:
+        return Placement(phy_HP[ids], num_gpus, E, num_nodes, ids, planner="sglang")
+    except EplbError as exc:
+        raise EplbError(f"{path}: {exc}") from None

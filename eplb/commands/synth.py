@@ -1,0 +1,68 @@
+"""`eplb synth`: write a seeded synthetic DeepSeek-V3-shaped trace (and compare it to real data)."""
+
+from __future__ import annotations
+
+import argparse
+
+from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = add_command(sub, "synth", "generate a seeded synthetic router trace (DeepSeek-V3 shape)",
+                    "eplb synth -o traces/deepseek.npz --windows 32 --seed 0")
+    p.add_argument("-o", "--output", required=True, help="output trace file (.npz)")
+    p.add_argument("--windows", type=int, default=32, help="time windows (default 32)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per window (default 2048)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.66)")
+    p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
+    p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
+    p.add_argument("--keep-tokens", type=int, default=0,
+                   help="also store this many tokens' expert choices per window (topk_ids; default 0)")
+    p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,
+                   help="real traces to compare skew with (e.g. ../shared/traces/deepseek_v3_sglang/*.json)")
+    add_output_flags(p)
+    return p
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from eplb.progress import Progress
+    from eplb.synth import SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
+    from eplb.trace import load_trace
+
+    overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
+    for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew),
+                       ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
+        if value is not None:
+            overrides[key] = value
+    settings = SynthSettings(**overrides)
+    with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
+        trace = generate(settings, progress=lambda done, total: bar.update())
+    trace.save(args.output)
+
+    rows = {"synthetic": {**calibration_stats(trace.total()), "prefill_decode_corr": phase_correlation(trace)}}
+    if args.compare:
+        reals = {str(p): load_trace(p) for p in args.compare}
+        for p, t in reals.items():
+            rows[p] = {**calibration_stats(t.total()), "prefill_decode_corr": None}
+        pre = [t.total() for p, t in reals.items() if "prefill" in p]
+        dec = [t.total() for p, t in reals.items() if "decode" in p]
+        # Real files hold one phase each: correlate every prefill file with every decode file.
+        corr = [layer_correlation(a, b) for a in pre for b in dec]
+        if corr:
+            rows["real prefill x decode"] = {"prefill_decode_corr": float(np.median(corr))}
+    if args.json:
+        print_json({"output": args.output, "settings": trace.meta["synth_settings"], "stats": rows})
+        return 0
+    if not args.quiet:
+        print(f"wrote {args.output}: {trace.num_windows} windows x {trace.num_layers} layers x "
+              f"{trace.num_experts} experts, phases {''.join(p[0] for p in trace.meta['phases'])} (p/d)")
+
+        def f(v):
+            return "" if v is None else float(v)
+        table = [[name.rsplit("/", 1)[-1][:40], *(f(r.get(k)) for k in ("hot_median", "hot_max", "gini_median", "prefill_decode_corr"))]
+                 for name, r in rows.items()]
+        print(format_table(["trace", "hot/mean med", "hot/mean max", "gini med", "prefill~decode corr"], table))
+    return 0

@@ -1,0 +1,80 @@
+"""One front door for placement files: write or read a Placement in an engine's format.
+
+Formats (`--format`):
+- "eplb":   native JSON (`Placement.save` / `Placement.load`), lossless
+- "sglang": `--init-expert-location` JSON, rows for every hidden layer (eplb.formats.sglang)
+- "vllm":   `.pt` dict of vLLM's three EPLB tensors (eplb.formats.vllm; needs torch)
+- "trtllm": TensorRT-LLM `load_balancer` YAML (eplb.formats.trtllm)
+DeepSeek's `(phy2log, log2phy, logcnt)` tuple is an API, not a file: eplb.formats.deepseek.
+
+Engine formats carry less than eplb's own file (no dispatch weights, planner or metrics; SGLang
+and TensorRT-LLM files carry no GPU count), so reading them back asks for what is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eplb.errors import EplbError
+from eplb.placement import Placement
+
+FORMATS = ("eplb", "sglang", "vllm", "trtllm")
+
+
+def _check(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise EplbError(f"unknown placement format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *,
+                    num_hidden_layers: int | None = None) -> Path:
+    """Write `placement` to `path` in format `fmt`.
+
+    num_hidden_layers: rows of the SGLang map (dense + MoE layers); default the largest MoE
+    layer id + 1, which is right whenever the model ends with a MoE layer (DeepSeek-V3: 61).
+    """
+    path = Path(path)
+    if _check(fmt) != "sglang" and num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max()):
+        raise EplbError(f"num_hidden_layers ({num_hidden_layers}) must exceed the largest MoE layer id")
+    if fmt == "eplb":
+        placement.save(path)
+    elif fmt == "sglang":
+        from eplb.formats.sglang import write_sglang
+
+        write_sglang(placement, path, num_hidden_layers)
+    elif fmt == "vllm":
+        from eplb.formats.vllm import write_vllm
+
+        write_vllm(placement, path)
+    else:
+        from eplb.formats.trtllm import write_trtllm
+
+        write_trtllm(placement, path)
+    return path
+
+
+def read_placement(path: str | Path, fmt: str = "eplb", *, num_gpus: int | None = None,
+                   num_nodes: int | None = None, num_logical_experts: int | None = None,
+                   layer_ids=None) -> Placement:
+    """Read a placement file written in format `fmt`.
+
+    num_gpus is required for "sglang" and "trtllm" (their files do not record it);
+    layer_ids picks the MoE rows of an SGLang map (default: every row, ids 0..H-1).
+    """
+    if _check(fmt) == "eplb":
+        return Placement.load(path)
+    if fmt == "vllm":
+        from eplb.formats.vllm import read_vllm
+
+        return read_vllm(path, num_gpus=num_gpus, num_nodes=num_nodes, layer_ids=layer_ids)
+    if num_gpus is None:
+        raise EplbError(f"reading a {fmt} placement needs num_gpus (the file does not record the GPU count)")
+    if fmt == "sglang":
+        from eplb.formats.sglang import read_sglang
+
+        return read_sglang(path, num_gpus=num_gpus, layer_ids=layer_ids,
+                           num_logical_experts=num_logical_experts, num_nodes=num_nodes or 1)
+    from eplb.formats.trtllm import read_trtllm
+
+    return read_trtllm(path, num_gpus=num_gpus, num_logical_experts=num_logical_experts, num_nodes=num_nodes or 1)

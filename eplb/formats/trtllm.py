@@ -1,0 +1,186 @@
+"""TensorRT-LLM: `load_balancer` YAML (export) and expert-statistic dumps (import).
+
+Legend: T = iterations (windows), L = MoE layers, E = logical experts, P = slots.
+
+Export: the file given as `moe_config.load_balancer` (TensorRT-LLM's MoeLoadBalancerConfig):
+    num_slots: 288
+    initial_global_assignments:
+      3: [138, 81, 60, ...]      # hidden-layer index -> logical expert of each of the P slots
+    layer_updates_per_iter: 0    # 0 = static placement
+Every run of P // G consecutive slots belongs to one rank, as in eplb. The file names no GPU
+count (it comes from the deployment's EP size), so reading it back needs `num_gpus`.
+
+Import: the directory TensorRT-LLM writes when `EXPERT_STATISTIC_ITER_RANGE=a-b` and
+`EXPERT_STATISTIC_PATH=DIR` are set (tensorrt_llm/_torch/expert_statistic.py):
+    DIR/meta_info.json        {"num_experts": E, "num_experts_per_token": K}
+    DIR/rank{r}.safetensors   one int64 [E] bincount per key "{iteration}_{layer}"
+Ranks are summed; each iteration becomes a window, each layer id a MoE layer. `*_raw` files
+(per-token dumps) are skipped. safetensors files are parsed here (8-byte header length,
+JSON header, raw little-endian data), so no extra dependency and nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.trace import Trace, default_meta
+
+_ST_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
+              "F64": "<f8", "F32": "<f4", "F16": "<f2"}
+
+
+# Export ---------------------------------------------------------------------------------------
+
+def write_trtllm(placement: Placement, path: str | Path, *, layer_updates_per_iter: int = 0) -> Path:
+    """Write the `load_balancer` YAML; one flow-style list per layer keeps it diff-friendly."""
+    path = Path(path)
+    lines = [f"num_slots: {placement.num_slots}", "initial_global_assignments:"]
+    for layer_id, row in zip(placement.layer_ids.tolist(), placement.phy2log_LP.tolist()):
+        lines.append(f"  {layer_id}: [{', '.join(str(e) for e in row)}]")
+    lines.append(f"layer_updates_per_iter: {int(layer_updates_per_iter)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | None = None,
+                num_nodes: int = 1) -> Placement:
+    import yaml  # only reading TensorRT-LLM YAML needs it
+
+    path = Path(path)
+    if not path.is_file():
+        raise EplbError(f"TensorRT-LLM load-balancer file {str(path)!r} does not exist")
+    try:
+        d = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise EplbError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(d, dict) or "initial_global_assignments" not in d:
+        raise EplbError(f"{path}: no initial_global_assignments (not a static TensorRT-LLM load_balancer file)")
+    assign = d["initial_global_assignments"]
+    if not isinstance(assign, dict) or not assign:
+        raise EplbError(f"{path}: initial_global_assignments must map layer index -> list of expert ids")
+    try:
+        layer_ids = sorted(int(k) for k in assign)
+        rows = [[int(e) for e in assign[k]] for k in sorted(assign, key=int)]
+    except (TypeError, ValueError) as exc:
+        raise EplbError(f"{path}: initial_global_assignments must map integers to lists of integers ({exc})") from None
+    if len({len(r) for r in rows}) != 1:
+        raise EplbError(f"{path}: layers list different numbers of slots: {sorted({len(r) for r in rows})}")
+    num_slots = d.get("num_slots")
+    if num_slots is not None and int(num_slots) != len(rows[0]):
+        raise EplbError(f"{path}: num_slots is {num_slots} but each layer lists {len(rows[0])} slots")
+    phy = np.array(rows, dtype=np.int64)
+    E = int(num_logical_experts) if num_logical_experts is not None else int(phy.max()) + 1
+    try:
+        return Placement(phy, num_gpus, E, num_nodes, np.array(layer_ids, dtype=np.int64), planner="trtllm")
+    except EplbError as exc:
+        raise EplbError(f"{path}: {exc}") from None
+
+
+# Import of expert statistics ------------------------------------------------------------------
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a .safetensors file as numpy arrays (no code runs, nothing unpickled)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if len(raw) < 8:
+        raise EplbError(f"{path}: too short for a safetensors file")
+    n = int.from_bytes(raw[:8], "little")
+    if n <= 0 or 8 + n > len(raw):
+        raise EplbError(f"{path}: bad safetensors header length {n}")
+    try:
+        header = json.loads(raw[8:8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EplbError(f"{path}: safetensors header is not JSON ({exc})") from None
+    data = memoryview(raw)[8 + n:]
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+            start, stop = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(s) for s in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise EplbError(f"{path}: tensor {key!r} has an unsupported or malformed header entry {info!r}") from None
+        if not 0 <= start <= stop <= len(data) or (stop - start) != dtype.itemsize * int(np.prod(shape)):
+            raise EplbError(f"{path}: tensor {key!r} has data offsets that do not fit its shape {shape}")
+        out[key] = np.frombuffer(data[start:stop], dtype=dtype).reshape(shape).copy()
+    return out
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: str | Path) -> Path:
+    """Write numpy arrays as a .safetensors file (the layout TensorRT-LLM's dumps use)."""
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    header, blobs, offset = {}, [], 0
+    for key, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        code = names.get(a.dtype.newbyteorder("<").str if a.dtype.itemsize > 1 else a.dtype.str)
+        if code is None:
+            raise EplbError(f"cannot write dtype {a.dtype} to safetensors")
+        b = a.astype(a.dtype.newbyteorder("<")).tobytes()
+        header[key] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
+    path = Path(path)
+    path.write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    return path
+
+
+_KEY = re.compile(r"^(\d+)_(\d+)$")
+
+
+def is_expert_statistic_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "meta_info.json").is_file() and any(_rank_files(path))
+
+
+def _rank_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("rank*.safetensors") if not p.name.endswith("_raw.safetensors"))
+
+
+def read_expert_statistic(path: str | Path) -> Trace:
+    """A Trace [iterations, layers, E] from a TensorRT-LLM expert-statistic directory."""
+    path = Path(path)
+    try:
+        info = json.loads((path / "meta_info.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EplbError(f"{path}: cannot read meta_info.json ({exc})") from None
+    if not isinstance(info, dict) or "num_experts" not in info:
+        raise EplbError(f"{path}/meta_info.json: no num_experts (not a TensorRT-LLM expert statistic dump)")
+    E = int(info["num_experts"])
+    files = _rank_files(path)
+    if not files:
+        raise EplbError(f"{path}: no rank*.safetensors files")
+    total: dict[tuple[int, int], np.ndarray] = {}
+    for f in files:
+        for key, a in read_safetensors(f).items():
+            m = _KEY.match(key)
+            if not m:
+                raise EplbError(f"{f}: tensor name {key!r} is not '<iteration>_<layer>'")
+            if a.shape != (E,):
+                raise EplbError(f"{f}: tensor {key!r} has shape {a.shape}, expected ({E},) (num_experts in meta_info.json)")
+            k = (int(m.group(1)), int(m.group(2)))
+            total[k] = total.get(k, 0) + a.astype(np.int64)
+    iters = sorted({i for i, _ in total})
+    layers = sorted({l for _, l in total})
+    missing = [(i, l) for i in iters for l in layers if (i, l) not in total]
+    if missing:
+        i, l = missing[0]
+        raise EplbError(f"{path}: {len(missing)} (iteration, layer) counts missing, e.g. iteration {i} layer {l}")
+    counts_TLE = np.stack([np.stack([total[(i, l)] for l in layers]) for i in iters])
+    meta = default_meta(max(layers) + 1, E, num_hidden_layers=None,
+                        top_k=info.get("num_experts_per_token"),
+                        source=f"tensorrt-llm expert statistic: {path.name} ({len(files)} ranks, "
+                               f"iterations {iters[0]}..{iters[-1]})")
+    meta["iterations"] = iters
+    try:
+        return Trace(counts_TLE, np.array(layers, dtype=np.int64), meta)
+    except EplbError as exc:
+        raise EplbError(f"{path}: {exc}") from None

@@ -1,0 +1,230 @@
+"""Seeded synthetic router traffic shaped like DeepSeek-V3 (numpy only, deterministic).
+
+Legend: T = time windows, L = MoE layers, E = logical experts, G8 = expert groups,
+N = tokens per window, K = experts per token (top-k).
+
+Model of the traffic, per MoE layer l and window t:
+- every expert has a routing logit  b[t, l, e] = sigma_l * (a * z[l, e] + b * phase[ph(t), l, e]
+  + c * drift[t, l, e]) + group[l, g(e)], with a^2 + b^2 + c^2 = 1 so the spread is sigma_l
+  whatever the mix. `z` is a standard Gumbel popularity (right-skewed: a few very hot experts,
+  no near-dead ones, as in the real DeepSeek-V3 counts), `phase` a component specific to
+  prefill or decode, `drift` an AR(1) random walk over windows (gradual drift).
+- windows come in runs of one phase (prefill or decode) whose lengths are drawn between
+  `phase_run` bounds: a phase switch changes the `phase` term at once.
+- each of the N tokens of a window is routed the way DeepSeek-V3's router does it: its score
+  for expert e is the logit plus independent Gumbel noise (so experts are drawn in proportion
+  to softmax(logits) without replacement); the group score is the sum of the group's two best
+  scores; the token keeps the `topk_groups` best groups and takes the K best experts in them.
+
+The default settings were calibrated on SGLang's published DeepSeek-V3 expert statistics (see
+traces/README.md for the measured numbers); `calibration_stats` measures a trace the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.trace import Trace
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SynthSettings:
+    """Settings of the synthetic generator; the defaults give DeepSeek-V3-shaped traffic."""
+
+    num_windows: int = 32
+    """T: time windows."""
+    tokens_per_window: int = 2048
+    """N: tokens routed in each window (each counts K times)."""
+    num_hidden_layers: int = 61
+    """Hidden layers of the model (dense and MoE)."""
+    first_moe_layer: int = 3
+    """Hidden-layer index of the first MoE layer; layers before it are dense."""
+    num_experts: int = 256
+    """E: routed (logical) experts per MoE layer."""
+    top_k: int = 8
+    """K: experts each token is routed to."""
+    num_expert_groups: int = 8
+    """Expert groups for group-limited routing (E must be divisible by it)."""
+    topk_groups: int = 4
+    """Groups each token may use (DeepSeek-V3: 4 of 8)."""
+    skew: float = 0.68
+    """Median over layers of sigma_l, the spread of the expert logits (the main skew knob)."""
+    skew_spread: float = 0.08
+    """Layer-to-layer spread of sigma_l (std of its log), so some layers are much hotter."""
+    tail: float = 0.4
+    """Mix of the popularity distribution: 1 = Gumbel (long right tail), 0 = normal."""
+    group_skew: float = 0.1
+    """Std of a per-group logit offset (makes whole expert groups hotter or colder)."""
+    phase_share: float = 0.18
+    """Share b^2 of the logit variance that is specific to the phase (prefill or decode)."""
+    drift_share: float = 0.05
+    """Share c^2 of the logit variance that drifts from window to window."""
+    drift_memory: float = 0.9
+    """AR(1) coefficient of the drift term between consecutive windows (1 = frozen)."""
+    phase_run: tuple[int, int] = (3, 8)
+    """Shortest and longest run of consecutive windows in one phase."""
+    keep_tokens: int = 0
+    """Per-token expert choices to keep per window (0 = counts only); stored as topk_ids."""
+    seed: int = 0
+    """Seed of numpy's default_rng: same settings and seed give the same trace."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise EplbError(msg)
+
+        need(self.num_windows >= 1, f"num_windows must be >= 1, got {self.num_windows}")
+        need(self.tokens_per_window >= 1, f"tokens_per_window must be >= 1, got {self.tokens_per_window}")
+        need(0 <= self.first_moe_layer < self.num_hidden_layers,
+             f"first_moe_layer ({self.first_moe_layer}) must be in 0..num_hidden_layers-1 ({self.num_hidden_layers - 1})")
+        need(self.num_expert_groups >= 1 and self.num_experts % self.num_expert_groups == 0,
+             f"num_experts ({self.num_experts}) must be divisible by num_expert_groups ({self.num_expert_groups})")
+        per_group = self.num_experts // self.num_expert_groups
+        need(1 <= self.topk_groups <= self.num_expert_groups,
+             f"topk_groups ({self.topk_groups}) must be in 1..num_expert_groups ({self.num_expert_groups})")
+        need(1 <= self.top_k <= self.topk_groups * per_group,
+             f"top_k ({self.top_k}) must be in 1..{self.topk_groups * per_group} (experts in the allowed groups)")
+        need(per_group >= 2, f"each expert group needs >= 2 experts for the group score, got {per_group}")
+        need(0 <= self.tail <= 1, f"tail must be in [0, 1], got {self.tail}")
+        need(self.skew >= 0 and self.skew_spread >= 0 and self.group_skew >= 0,
+             "skew, skew_spread and group_skew must be >= 0")
+        need(self.phase_share >= 0 and self.drift_share >= 0 and self.phase_share + self.drift_share <= 1,
+             f"phase_share ({self.phase_share}) and drift_share ({self.drift_share}) must be >= 0 and sum to <= 1")
+        need(0 <= self.drift_memory <= 1, f"drift_memory must be in [0, 1], got {self.drift_memory}")
+        lo, hi = self.phase_run
+        need(1 <= lo <= hi, f"phase_run must be (shortest, longest) with 1 <= shortest <= longest, got {self.phase_run}")
+        need(0 <= self.keep_tokens <= self.tokens_per_window,
+             f"keep_tokens ({self.keep_tokens}) must be in 0..tokens_per_window ({self.tokens_per_window})")
+        need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_moe_layer
+
+
+def _std(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Standardise along an axis (mean 0, std 1)."""
+    x = x - x.mean(axis=axis, keepdims=True)
+    return x / x.std(axis=axis, keepdims=True)
+
+
+def route_tokens(logit_E: np.ndarray, num_tokens: int, s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
+    """Group-limited top-k routing of num_tokens tokens, returns expert ids int64 [N, K]."""
+    E, G = s.num_experts, s.num_expert_groups
+    per_group = E // G
+    # Gumbel noise on the logits: top-k of (logit + Gumbel) samples from softmax without
+    # replacement. -log of a standard exponential is Gumbel; numpy draws those fast (ziggurat).
+    x_NE = rng.standard_exponential((num_tokens, E), dtype=np.float32)
+    score_NE = logit_E.astype(np.float32)[None, :] - np.log(np.maximum(x_NE, np.float32(1e-30)))
+    score_NGX = score_NE.reshape(num_tokens, G, per_group)
+    # Group score = sum of the group's two best expert scores (DeepSeek-V3's noaux_tc router).
+    group_NG = np.partition(score_NGX, per_group - 2, axis=2)[:, :, -2:].sum(axis=2)
+    # Keep the best topk_groups groups (in any order), then the top-k experts inside them;
+    # gathering the kept groups first halves the work of the final selection.
+    keep_NH = np.argpartition(-group_NG, s.topk_groups - 1, axis=1)[:, : s.topk_groups]
+    kept_NHX = np.take_along_axis(score_NGX, keep_NH[:, :, None], axis=1)
+    flat_NM = kept_NHX.reshape(num_tokens, s.topk_groups * per_group)
+    pick_NK = np.argpartition(-flat_NM, s.top_k - 1, axis=1)[:, : s.top_k]
+    group_NK = np.take_along_axis(keep_NH, pick_NK // per_group, axis=1)
+    return (group_NK * per_group + pick_NK % per_group).astype(np.int64)
+
+
+def phase_schedule(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
+    """Phase index (0 = prefill, 1 = decode) of each window, [T]: alternating runs."""
+    out = np.empty(s.num_windows, dtype=np.int64)
+    t, ph = 0, int(rng.integers(2))
+    lo, hi = s.phase_run
+    while t < s.num_windows:
+        n = int(rng.integers(lo, hi + 1))
+        out[t: t + n] = ph
+        t, ph = t + n, 1 - ph
+    return out
+
+
+def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
+    """A synthetic trace [T, L, E] for the given settings (deterministic in settings.seed)."""
+    s = settings or SynthSettings()
+    rng = np.random.default_rng(s.seed)
+    L, E, G, T = s.num_moe_layers, s.num_experts, s.num_expert_groups, s.num_windows
+
+    # Step 1: per-layer model of expert popularity (fixed for the whole trace).
+    sigma_L = s.skew * np.exp(s.skew_spread * rng.standard_normal(L))
+    z_LE = _std(s.tail * _std(rng.gumbel(size=(L, E))) + (1.0 - s.tail) * rng.standard_normal((L, E)))
+    phase_PLE = _std(rng.standard_normal((2, L, E)))
+    group_LE = np.repeat(s.group_skew * rng.standard_normal((L, G)), E // G, axis=1)
+    a = np.sqrt(1.0 - s.phase_share - s.drift_share)
+    b, c = np.sqrt(s.phase_share), np.sqrt(s.drift_share)
+    phase_T = phase_schedule(s, rng)
+
+    # Step 2: windows: drift the logits, then route every token.
+    counts_TLE = np.zeros((T, L, E), dtype=np.int64)
+    keep = s.keep_tokens
+    topk_NLK = np.zeros((T * keep, L, s.top_k), dtype=np.int16) if keep else None
+    drift_LE = rng.standard_normal((L, E))
+    rho = s.drift_memory
+    for t in range(T):
+        if t:
+            drift_LE = rho * drift_LE + np.sqrt(1.0 - rho * rho) * rng.standard_normal((L, E))
+        mix_LE = a * z_LE + b * phase_PLE[phase_T[t]] + c * drift_LE
+        logit_LE = sigma_L[:, None] * mix_LE + group_LE
+        for l in range(L):
+            top_NK = route_tokens(logit_LE[l], s.tokens_per_window, s, rng)
+            counts_TLE[t, l] = np.bincount(top_NK.ravel(), minlength=E)
+            if keep:
+                topk_NLK[t * keep:(t + 1) * keep, l] = top_NK[:keep]
+        if progress is not None:
+            progress(t + 1, T)
+
+    meta = {
+        "model": "DeepSeek-V3 (synthetic shape)",
+        "num_hidden_layers": s.num_hidden_layers,
+        "num_experts": E,
+        "top_k": s.top_k,
+        "num_expert_groups": G,
+        "topk_groups": s.topk_groups,
+        "tokens_per_window": s.tokens_per_window,
+        "source": (f"eplb.synth seed={s.seed}, calibrated on SGLang DeepSeek-V3 expert statistics "
+                   f"(sglang issue #6017: per-layer hottest/mean, Gini, prefill-decode correlation)"),
+        "synthetic": True,
+        "phases": [PHASES[p] for p in phase_T],
+        "synth_settings": json.loads(json.dumps(asdict(s))),
+    }
+    layer_ids = np.arange(s.first_moe_layer, s.num_hidden_layers)
+    token_window = np.repeat(np.arange(T, dtype=np.int32), keep) if keep else None
+    return Trace(counts_TLE, layer_ids, meta, topk_NLK, token_window)
+
+
+def calibration_stats(load_LE: np.ndarray) -> dict:
+    """The skew figures the generator is calibrated on, for one load [L, E]."""
+    from eplb import stats
+
+    hot_L, gini_L = stats.hot_ratio(load_LE), stats.gini(load_LE)
+    return {
+        "hot_median": float(np.median(hot_L)), "hot_min": float(hot_L.min()), "hot_max": float(hot_L.max()),
+        "gini_median": float(np.median(gini_L)), "gini_min": float(gini_L.min()), "gini_max": float(gini_L.max()),
+    }
+
+
+def layer_correlation(a_LE: np.ndarray, b_LE: np.ndarray) -> float:
+    """Median over layers of the Pearson correlation of two loads [L, E]."""
+    a = _std(np.asarray(a_LE, dtype=np.float64))
+    b = _std(np.asarray(b_LE, dtype=np.float64))
+    return float(np.median((a * b).mean(axis=1)))
+
+
+def phase_correlation(trace: Trace) -> float:
+    """Median over layers of corr(prefill load, decode load) of a trace with meta 'phases'."""
+    phases = trace.meta.get("phases")
+    if not phases or len(phases) != trace.num_windows:
+        raise EplbError("trace meta has no per-window 'phases' list (only eplb.synth traces carry one)")
+    ph = np.array(phases)
+    if not (np.any(ph == "prefill") and np.any(ph == "decode")):
+        raise EplbError("trace has windows of only one phase; cannot correlate prefill with decode")
+    c = trace.counts_TLE
+    return layer_correlation(c[ph == "prefill"].sum(axis=0), c[ph == "decode"].sum(axis=0))
