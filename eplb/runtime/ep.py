@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from eplb.errors import EplbError
 from eplb.placement import Placement
+from eplb.runtime.model import swiglu
 
 MODES = ("even", "weights", "local", "resplit")
 """Replica choice: "even" = round-robin over an expert's replicas; "weights" = the plan's
@@ -58,9 +58,8 @@ def swiglu_experts(x_RD: torch.Tensor, slot_R: torch.Tensor, w_gate_SFD: torch.T
     start = 0
     for s, n in enumerate(rows_S):
         if n:
-            xi = xs_RD[start:start + n]
-            h = F.silu(xi @ w_gate_SFD[s].T) * (xi @ w_up_SFD[s].T)
-            out_RD[start:start + n] = h @ w_down_SDF[s].T
+            # The reference model's own expert function: same arithmetic, same rounding.
+            out_RD[start:start + n] = swiglu(xs_RD[start:start + n], w_gate_SFD[s], w_up_SFD[s], w_down_SDF[s])
             start += n
     y_RD = torch.empty_like(out_RD)
     y_RD[order_R] = out_RD
@@ -258,6 +257,7 @@ class ExpertParallelMoE(torch.nn.Module):
             None if placement.dispatch_weights_LP is None else placement.dispatch_weights_LP[layer:layer + 1],
         )
         self._tables: dict[str, ReplicaTable] = {}
+        self._resplitter = None
 
     @property
     def slots_per_rank(self) -> int:
@@ -277,12 +277,16 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def _resplit_weights(self, expert_N: torch.Tensor, table: ReplicaTable) -> torch.Tensor:
         """Replica weights re-split from this batch's counts, summed over all ranks."""
-        from eplb.dispatch import resplit  # numpy, written by the robust-planning work
+        if self._resplitter is None:
+            from eplb.dispatch import Resplitter  # numpy; its index tables are built once per placement
 
+            self._resplitter = Resplitter(self._one_layer)
         E = self.placement.num_logical_experts
         counts_E = torch.bincount(expert_N, minlength=E)
+        # The batch is every rank's tokens: re-split on the summed counts, so that the ranks'
+        # choices add up to the split that balances the GPUs.
         dist.all_reduce(counts_E, group=self.group)
-        w_LP = np.asarray(resplit(self._one_layer, counts_E.cpu().numpy()[None].astype(np.float64)))
+        w_LP = np.asarray(self._resplitter(counts_E.cpu().numpy()[None].astype(np.float64)))
         if w_LP.shape != (1, self.placement.num_slots):
             raise AssertionError(f"resplit returned shape {w_LP.shape}, expected {(1, self.placement.num_slots)}")
         w_P = torch.as_tensor(w_LP[0], device=expert_N.device)

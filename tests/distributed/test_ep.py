@@ -23,7 +23,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-E, D, FF, K = 12, 16, 24, 3
+E, D, FF, K = 12, 16, 24, 3  # experts, model dim, expert hidden, top-k
 
 
 def _free_port() -> int:
@@ -32,21 +32,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def full_weights(num_layers: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(E, FF, D, generator=g) / D ** 0.5, torch.randn(E, FF, D, generator=g) / D ** 0.5,
-             torch.randn(E, D, FF, generator=g) / FF ** 0.5) for _ in range(num_layers)]
+def reference_moes(num_layers: int, seed: int = 0):
+    """Single-device reference MoE layers (the model's own `MoE.routed` is the reference)."""
+    from eplb.runtime.model import MoE, ModelConfig
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(hidden=D, num_experts=E, top_k=K, num_groups=4, topk_groups=2, expert_hidden=FF)
+    return [MoE(cfg).requires_grad_(False) for _ in range(num_layers)]
 
 
-def reference(x_TD, ids_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF):
-    """Single-device routed experts, token by token (deliberately unlike the shim's code path)."""
-    y = torch.zeros_like(x_TD)
-    for t in range(x_TD.shape[0]):
-        for k in range(ids_TK.shape[1]):
-            e = int(ids_TK[t, k])
-            h = torch.nn.functional.silu(w_gate_EFD[e] @ x_TD[t]) * (w_up_EFD[e] @ x_TD[t])
-            y[t] += w_TK[t, k] * (w_down_EDF[e] @ h)
-    return y
+def stacked(moe):
+    return moe.w_gate_EFD.detach(), moe.w_up_EFD.detach(), moe.w_down_EDF.detach()
 
 
 def tokens(rank: int, world: int, salt: int = 0):
@@ -86,15 +82,15 @@ def placements(world: int, num_layers: int = 2):
     return out
 
 
-def _check_forward(placement, name, weights, group, modes, tol=1e-5):
+def _check_forward(placement, name, moes, group, modes, tol=1e-5):
     from eplb.runtime.ep import ExpertParallelMoE
 
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     for layer in range(placement.num_layers):
-        wg, wu, wd = weights[layer]
+        wg, wu, wd = stacked(moes[layer])
         x, ids, w = tokens(rank, world, salt=layer)
-        ref = reference(x, ids, w, wg, wu, wd)
+        ref = moes[layer].routed(x, ids, w)
         for mode in modes:
             if mode == "weights" and placement.dispatch_weights_LP is None:
                 continue
@@ -108,30 +104,41 @@ def _check_forward(placement, name, weights, group, modes, tol=1e-5):
             assert n[0] == n[1], f"{name} mode {mode}: sent {n[0]} rows, computed {n[1]}"
 
 
-def _check_migration(old, new, weights, group):
-    from eplb.runtime.apply import default_schedule, migrate_weights
+def _check_migration(old, new, moes, group):
+    """Move weights old -> new in place; after every round each expert that serving(k) says is
+    served must have its exact weights in those slots; at the end all slots match bit for bit."""
+    from eplb.runtime.apply import migrate_weights, plan_migration
 
     rank = dist.get_rank(group)
+    S = old.slots_per_gpu
+    full = [stacked(m) for m in moes]
 
-    def stacked(p):
-        S = p.slots_per_gpu
-        out = {}
-        for i, n in enumerate(("w_gate", "w_up", "w_down")):
-            out[n] = torch.stack([weights[l][i][torch.as_tensor(p.phy2log_LP[l, rank * S:(rank + 1) * S])]
-                                  for l in range(p.num_layers)])
-        return out
+    def local_of(phy_LP):
+        return {n: torch.stack([full[l][i][torch.as_tensor(phy_LP[l, rank * S:(rank + 1) * S])]
+                                for l in range(len(phy_LP))]) for i, n in enumerate(("w_gate", "w_up", "w_down"))}
 
-    before = stacked(old)
-    keep = {n: t.clone() for n, t in before.items()}
-    want = stacked(new)
-    # The default schedule, one expert per rank per round, and the same reversed.
-    one = default_schedule(old, new, per_round=1)
-    for rounds in (None, one, [list(reversed(r)) for r in reversed(one)]):
-        got = migrate_weights(old, new, before, group=group, rounds=rounds)
+    for chunk in (None, 1):
+        plan = plan_migration(old, new, layers_per_chunk=chunk)
+        local = local_of(old.phy2log_LP)
+
+        def served_intact(k):
+            phy_LP, w_LP = plan.serving(k)
+            ok = torch.tensor([1])
+            for l in range(old.num_layers):
+                for s in range(S):
+                    p = rank * S + s
+                    e = int(phy_LP[l, p])
+                    if w_LP[l, p] > 0 and not all(torch.equal(local[n][l, s], full[l][i][e])
+                                                  for i, n in enumerate(("w_gate", "w_up", "w_down"))):
+                        ok[0] = 0
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+            assert ok.item() == 1, f"round {k}: a served slot does not hold its expert's weights"
+
+        assert plan.num_transfers > 0
+        migrate_weights(old, new, local, group=group, plan=plan, on_round=served_intact)
+        want = local_of(new.phy2log_LP)
         for n in want:
-            assert torch.equal(got[n], want[n]), f"tensor {n} differs after the move"
-        for n in keep:
-            assert torch.equal(before[n], keep[n]), "the old weights were modified during the move"
+            assert torch.equal(local[n], want[n]), f"tensor {n} differs after the move"
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -147,20 +154,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         except ImportError:
             pass
         ps = placements(world)
-        weights = full_weights(2)
+        moes = reference_moes(2)
         for name, p in ps.items():
-            _check_forward(p, name, weights, group, modes)
-        _check_migration(ps["contiguous"], ps["greedy"], weights, group)
-        _check_migration(ps["random"], ps["contiguous"], weights, group)
+            _check_forward(p, name, moes, group, modes)
+        _check_migration(ps["contiguous"], ps["greedy"], moes, group)
+        _check_migration(ps["random"], ps["contiguous"], moes, group)
 
         # A placement change through the layer objects themselves, then forward again.
         from eplb.runtime.apply import apply_placement
         from eplb.runtime.ep import ExpertParallelMoE
-        moes = [ExpertParallelMoE.from_full(ps["contiguous"], l, *weights[l], group=group) for l in range(2)]
-        apply_placement(moes, ps["random"], mode="weights")
-        for l, m in enumerate(moes):
+        eps = [ExpertParallelMoE.from_full(ps["contiguous"], l, *stacked(moes[l]), group=group) for l in range(2)]
+        apply_placement(eps, ps["random"], mode="weights")
+        for l, m in enumerate(eps):
             x, ids, w = tokens(rank, world, salt=l)
-            err = float((m(x, ids, w) - reference(x, ids, w, *weights[l])).abs().max())
+            err = float((m(x, ids, w) - moes[l].routed(x, ids, w)).abs().max())
             assert err < 1e-5, f"after apply_placement layer {l}: max abs err {err}"
 
         subgroups = []
@@ -170,8 +177,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             sub = subgroups[rank // 2]
             ps2 = placements(2)
             for name, p in ps2.items():
-                _check_forward(p, f"subgroup {name}", weights, sub, modes)
-            _check_migration(ps2["contiguous"], ps2["greedy"], weights, sub)
+                _check_forward(p, f"subgroup {name}", moes, sub, modes)
+            _check_migration(ps2["contiguous"], ps2["greedy"], moes, sub)
         dist.barrier()
         if rank == 0:
             with open(os.path.join(out_dir, "done.json"), "w") as f:
