@@ -48,8 +48,10 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per
     G, S = gpus, slots_per_gpu
     P = G * S
     rows = np.arange(L)[:, None]
-    # Heaviest replicas first; ties broken by expert id so one expert's replicas stay adjacent.
-    order_LE = np.argsort(-per_LE, axis=1, kind="stable")
+    # Heaviest replicas first (np.repeat keeps one expert's replicas adjacent). Quicksort, not a
+    # stable sort: 2.5x faster at [58, 256]; it is deterministic, and the order among equal
+    # loads changes which GPU gets which equal replica, never any GPU's load.
+    order_LE = np.argsort(-per_LE, axis=1)
     rep_expert_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
     rep_load_LP = np.take_along_axis(per_LE, rep_expert_LP, axis=1)
 

@@ -1,0 +1,158 @@
+"""Greedy vs DeepSeek's EPLB (as SGLang ships it) on the DeepSeek-V3 shape, side by side.
+
+    python benchmarks/bench_greedy.py [--traces ../shared/traces/deepseek_v3_sglang] [--gpus 32 --nodes 4]
+
+Legend: L = MoE layers (58), E = logical experts (256), G = GPUs (32), N = nodes (4), P = slots (288).
+
+For each workload (every SGLang JSON in --traces when that folder exists, else the shipped
+synthetic traces/deepseek.npz summed over its windows, else a seeded heavy-tailed load) it plans
+with: contiguous (no EPLB), greedy, hierarchical (N nodes), deepseek (our numpy port, DeepSeek's
+own policy choice), and SGLang's reference `deepseek.py` (global and hierarchical), loaded by
+file path from the installed sglang wheel (it needs only torch; `pip install --no-deps
+sglang==0.5.23`). Columns: median planning time, time / greedy's, busiest/mean GPU and
+busiest GPU / lower bound (median and max over layers), and the mean number of nodes an
+expert group's replicas span (1 = every group on one node). Ends with the pass/fail checks:
+greedy < 5 ms per plan, >= 10x faster than the reference at equal or better max/bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eplb import stats  # noqa: E402
+from eplb.placement import Placement  # noqa: E402
+from eplb.planning import PlanRequest, get_planner  # noqa: E402
+from eplb.topology import Topology  # noqa: E402
+from eplb.trace import load_trace  # noqa: E402
+from planners.hierarchical import group_span  # noqa: E402
+
+
+def load_reference():
+    """SGLang's copy of DeepSeek's eplb.py, by file path (importing sglang itself is not needed)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "sglang not installed (pip install --no-deps sglang==0.5.23)"
+    path = Path(spec.submodule_search_locations[0]) / "srt/eplb/eplb_algorithms/deepseek.py"
+    if not path.is_file():
+        return None, f"{path} not found"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None, "torch not installed"
+    mod_spec = importlib.util.spec_from_file_location("sglang_deepseek_eplb", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod, str(path)
+
+
+def workloads(traces_dir: Path, fallback: Path, num_experts: int):
+    """(name, load_LE) pairs: real traces, else the synthetic trace, else a generated load."""
+    if traces_dir.is_dir() and sorted(traces_dir.glob("*.json")):
+        for f in sorted(traces_dir.glob("*.json")):
+            yield f.stem, load_trace(f).counts_TLE.sum(axis=0).astype(np.float64)
+        return
+    if fallback.is_file():
+        yield f"{fallback.name} (synthetic, all windows)", load_trace(fallback).counts_TLE.sum(axis=0).astype(np.float64)
+        return
+    rng = np.random.default_rng(0)
+    yield "generated (seeded Pareto)", np.floor(rng.pareto(1.2, (58, num_experts)) * 1000) + 1
+
+
+def timed(fn, repeats: int):
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return out, float(np.median(times))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared/traces/deepseek_v3_sglang")
+    ap.add_argument("--fallback", type=Path, default=ROOT / "traces/deepseek.npz")
+    ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--redundant", type=int, default=32)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=21, help="timing repeats for fast planners")
+    args = ap.parse_args(argv)
+
+    ref, ref_note = load_reference()
+    print(f"reference: {ref_note}")
+    G, N, K = args.gpus, args.nodes, args.groups
+    checks = []
+    for name, load_LE in workloads(args.traces, args.fallback, 256):
+        L, E = load_LE.shape
+        topo = Topology.for_experts(E, gpus=G, nodes=N, redundant=args.redundant)
+        P = topo.num_slots
+        req = PlanRequest(load_LE, topo, load_LE[None], num_groups=K)
+        lb_L = stats.lower_bound(load_LE, G, P)
+        rows = []
+
+        def ours(planner, repeats, **settings):
+            impl = get_planner(planner, **settings)
+            sol, sec = timed(lambda: impl.plan(req), repeats)
+            return sol.phy2log_LP, sec
+
+        rows.append(("contiguous", *ours("contiguous", args.repeats)))
+        rows.append(("greedy", *ours("greedy", args.repeats)))
+        rows.append((f"hierarchical ({N} nodes)", *ours("hierarchical", 3)))
+        rows.append(("deepseek (numpy port)", *ours("deepseek", 5)))
+        if ref is not None:
+            import torch
+
+            w = torch.tensor(load_LE)
+            for hier in (False, True):
+                (phy, _, _), sec = timed(lambda: ref.rebalance_experts(w, P, K, N, G, hier), 5)
+                rows.append((f"sglang ref {'hierarchical' if hier else 'global'}", phy.numpy(), sec))
+
+        greedy_sec = rows[1][2]
+        print(f"\n## {name}: {L} layers x {E} experts, {G} GPUs / {N} nodes, {P} slots, {K} groups")
+        print(f"| {'planner':<27} | {'median ms':>9} | {'x greedy':>8} | {'max/mean med':>12} | {'max/mean max':>12}"
+              f" | {'/bound med':>10} | {'/bound max':>10} | {'group span':>10} |")
+        print("|" + "|".join("-" * w for w in (29, 11, 10, 14, 14, 12, 12, 12)) + "|")
+        results = {}
+        for label, phy, sec in rows:
+            gpu_LG = Placement(phy, G, E, N).gpu_loads(load_LE)
+            imb_L = stats.imbalance(gpu_LG)
+            ratio_L = gpu_LG.max(axis=1) / lb_L
+            span = group_span(phy, G, N, K, E).mean()
+            results[label] = (sec, ratio_L)
+            print(f"| {label:<27} | {sec * 1e3:9.2f} | {sec / greedy_sec:8.1f} | {np.median(imb_L):12.4f} | "
+                  f"{imb_L.max():12.4f} | {np.median(ratio_L):10.4f} | {ratio_L.max():10.4f} | {span:10.2f} |")
+        g_sec, g_ratio = results["greedy"]
+        checks.append((name, "greedy median < 5 ms", g_sec < 5e-3, f"{g_sec * 1e3:.2f} ms"))
+        for label in [lab for lab in results if lab.startswith("sglang ref")]:
+            r_sec, r_ratio = results[label]
+            fast = r_sec / g_sec >= 10
+            better = np.median(g_ratio) <= np.median(r_ratio) + 1e-12 and g_ratio.max() <= r_ratio.max() + 1e-12
+            checks.append((name, f"greedy >= 10x faster than {label}", fast, f"{r_sec / g_sec:.0f}x"))
+            checks.append((name, f"greedy /bound <= {label}'s (median and max)", better,
+                           f"{np.median(g_ratio):.4f}/{g_ratio.max():.4f} vs {np.median(r_ratio):.4f}/{r_ratio.max():.4f}"))
+        h_sec, h_ratio = results[f"hierarchical ({N} nodes)"]
+        checks.append((name, "hierarchical max/bound within 1% of greedy (median and max)",
+                       np.median(h_ratio) <= np.median(g_ratio) * 1.01 and h_ratio.max() <= g_ratio.max() * 1.01,
+                       f"{np.median(h_ratio):.4f}/{h_ratio.max():.4f}"))
+
+    print("\n## checks")
+    failed = 0
+    for name, what, ok, detail in checks:
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {what} ({detail})")
+    print(f"\nCPU: {os.cpu_count()} cores; numpy {np.__version__}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
