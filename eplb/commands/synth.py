@@ -14,7 +14,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=32, help="time windows (default 32)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per window (default 2048)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.66)")
+    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.72)")
     p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
     p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
     p.add_argument("--keep-tokens", type=int, default=0,
@@ -28,6 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     import numpy as np
 
+    from eplb.errors import EplbError
     from eplb.progress import Progress
     from eplb.synth import SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
     from eplb.trace import load_trace
@@ -42,7 +43,11 @@ def run(args) -> int:
         trace = generate(settings, progress=lambda done, total: bar.update())
     trace.save(args.output)
 
-    rows = {"synthetic": {**calibration_stats(trace.total()), "prefill_decode_corr": phase_correlation(trace)}}
+    try:
+        corr = phase_correlation(trace)
+    except EplbError:  # a short trace may hold one phase only: nothing to correlate
+        corr = None
+    rows = {"synthetic": {**calibration_stats(trace.total()), "prefill_decode_corr": corr}}
     if args.compare:
         reals = {str(p): load_trace(p) for p in args.compare}
         for p, t in reals.items():

@@ -1,0 +1,165 @@
+"""Trace validation: every bad .npz / .npy is refused through load_trace with a message naming the problem."""
+
+import io
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from eplb.errors import EplbError
+from eplb.trace import REQUIRED_META, Trace, default_meta, load_history, load_trace
+
+
+def meta(**kw):
+    m = default_meta(6, 8, model="toy", top_k=2, num_expert_groups=1, tokens_per_window=10,
+                     source="test", synthetic=True)
+    m.update(kw)
+    return m
+
+
+def write_npz(path, counts=None, layer_ids=None, meta_obj=None, **extra):
+    arrays = {
+        "counts": np.ones((2, 3, 8), dtype=np.int64) if counts is None else counts,
+        "layer_ids": np.array([1, 3, 5]) if layer_ids is None else layer_ids,
+        "meta": np.array(json.dumps(meta() if meta_obj is None else meta_obj)),
+    }
+    arrays.update(extra)
+    arrays = {k: v for k, v in arrays.items() if v is not None or k in extra}
+    np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+    return path
+
+
+def test_good_file_round_trips(tmp_path, rng):
+    c = rng.integers(0, 9, (2, 3, 8))
+    topk = rng.integers(0, 8, (5, 3, 2)).astype(np.int16)
+    t = Trace(c, np.array([1, 3, 5]), meta(), topk, np.array([0, 0, 1, 1, 1], dtype=np.int32))
+    t.save(tmp_path / "t.npz")
+    back = load_trace(tmp_path / "t.npz")
+    np.testing.assert_array_equal(back.counts_TLE, c)
+    assert back.counts_TLE.dtype == np.int64 and back.layer_ids.tolist() == [1, 3, 5]
+    np.testing.assert_array_equal(back.topk_ids_NLK, topk)
+    assert back.meta == t.meta
+
+
+@pytest.mark.parametrize("counts, message", [
+    (np.ones((3, 8), dtype=np.int64), "3-D"),
+    (np.ones((2, 3, 8), dtype=np.float64) * np.nan, "NaN"),
+    (np.full((2, 3, 8), 0.5), "whole token counts"),
+    (-np.ones((2, 3, 8), dtype=np.int64), ">= 0"),
+    (np.ones((2, 3, 8), dtype=bool), "integers"),
+    (np.ones((0, 3, 8), dtype=np.int64), "at least one window"),
+])
+def test_bad_counts(tmp_path, counts, message):
+    with pytest.raises(EplbError, match=message):
+        load_trace(write_npz(tmp_path / "bad.npz", counts=counts))
+
+
+@pytest.mark.parametrize("layer_ids, message", [
+    (np.array([1, 3]), "3 integers"),
+    (np.array([3, 1, 5]), "strictly increasing"),
+    (np.array([-1, 3, 5]), "non-negative"),
+    (np.array([1.0, 3.0, 5.0]), "integers"),
+    (np.array([1, 3, 6]), "num_hidden_layers"),  # meta says 6 hidden layers: ids must be < 6
+])
+def test_bad_layer_ids(tmp_path, layer_ids, message):
+    with pytest.raises(EplbError, match=message):
+        load_trace(write_npz(tmp_path / "bad.npz", layer_ids=layer_ids))
+
+
+@pytest.mark.parametrize("key", REQUIRED_META)
+def test_missing_meta_key(tmp_path, key):
+    m = meta()
+    del m[key]
+    with pytest.raises(EplbError, match=f"missing key.*{key}"):
+        load_trace(write_npz(tmp_path / "bad.npz", meta_obj=m))
+
+
+def test_bad_meta_values(tmp_path):
+    with pytest.raises(EplbError, match="num_experts"):
+        load_trace(write_npz(tmp_path / "a.npz", meta_obj=meta(num_experts=9)))
+    with pytest.raises(EplbError, match="synthetic must be true or false"):
+        load_trace(write_npz(tmp_path / "b.npz", meta_obj=meta(synthetic="yes")))
+    np.savez(tmp_path / "c.npz", counts=np.ones((1, 3, 8), dtype=np.int64), layer_ids=np.arange(3),
+             meta=np.array("{not json"))
+    with pytest.raises(EplbError, match="meta is not valid JSON"):
+        load_trace(tmp_path / "c.npz")
+    np.savez(tmp_path / "d.npz", counts=np.ones((1, 3, 8), dtype=np.int64), layer_ids=np.arange(3),
+             meta=np.array("[1, 2]"))
+    with pytest.raises(EplbError, match="JSON object"):
+        load_trace(tmp_path / "d.npz")
+
+
+def test_missing_arrays(tmp_path):
+    np.savez(tmp_path / "m.npz", counts=np.ones((1, 3, 8), dtype=np.int64))
+    with pytest.raises(EplbError, match="missing array.*layer_ids.*meta"):
+        load_trace(tmp_path / "m.npz")
+
+
+def test_pickled_object_arrays_rejected(tmp_path):
+    obj = np.empty((1, 3, 8), dtype=object)
+    obj[...] = 1
+    np.savez(tmp_path / "p.npz", counts=obj, layer_ids=np.arange(3), meta=np.array(json.dumps(meta())))
+    with pytest.raises(EplbError, match="without pickle"):
+        load_trace(tmp_path / "p.npz")
+    np.save(tmp_path / "p.npy", obj, allow_pickle=True)
+    with pytest.raises(EplbError, match="without pickle"):
+        load_trace(tmp_path / "p.npy")
+
+
+def test_bad_per_token_data(tmp_path):
+    c = np.ones((2, 3, 8), dtype=np.int64)
+    w = np.array([0, 1], dtype=np.int32)
+    with pytest.raises(EplbError, match="given together"):
+        load_trace(write_npz(tmp_path / "a.npz", topk_ids=np.zeros((2, 3, 2), dtype=np.int16)))
+    with pytest.raises(EplbError, match="expert ids outside"):
+        load_trace(write_npz(tmp_path / "b.npz", counts=c, topk_ids=np.full((2, 3, 2), 8, dtype=np.int16),
+                             token_window=w))
+    with pytest.raises(EplbError, match="non-decreasing"):
+        load_trace(write_npz(tmp_path / "c.npz", counts=c, topk_ids=np.zeros((2, 3, 2), dtype=np.int16),
+                             token_window=np.array([1, 0], dtype=np.int32)))
+    with pytest.raises(EplbError, match=r"topk_ids must be integers \[tokens, 3"):
+        load_trace(write_npz(tmp_path / "d.npz", counts=c, topk_ids=np.zeros((2, 4, 2), dtype=np.int16),
+                             token_window=w))
+
+
+def test_npy_plain_arrays(tmp_path, rng):
+    a = rng.integers(0, 5, (4, 8))
+    np.save(tmp_path / "a.npy", a)
+    t = load_trace(tmp_path / "a.npy")
+    assert t.counts_TLE.shape == (1, 4, 8) and t.layer_ids.tolist() == [0, 1, 2, 3]
+    np.save(tmp_path / "b.npy", np.ones(5))
+    with pytest.raises(EplbError, match=r"\[layers, experts\]"):
+        load_trace(tmp_path / "b.npy")
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(EplbError, match="does not exist"):
+        load_trace(tmp_path / "nope.npz")
+    (tmp_path / "x.bin").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(EplbError, match="unknown trace format"):
+        load_trace(tmp_path / "x.bin")
+    (tmp_path / "bad.json").write_text("{oops")
+    with pytest.raises(EplbError, match="does not parse"):
+        load_trace(tmp_path / "bad.json")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("hello.txt", "hi")
+    (tmp_path / "z.npz").write_bytes(buf.getvalue())
+    with pytest.raises(EplbError, match="neither an eplb .npz"):
+        load_trace(tmp_path / "z.npz")
+    (tmp_path / "cut.npz").write_bytes(b"PK\x03\x04" + b"\x00" * 20)
+    with pytest.raises(EplbError, match="corrupt"):
+        load_trace(tmp_path / "cut.npz")
+
+
+def test_history_must_match(tmp_path, rng):
+    a = Trace(rng.integers(0, 5, (1, 3, 8)), np.array([1, 3, 5]), meta())
+    b = Trace(rng.integers(0, 5, (2, 3, 8)), np.array([1, 3, 5]), meta(synthetic=False))
+    c = Trace(rng.integers(0, 5, (1, 3, 8)), np.array([1, 2, 5]), meta())
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        t.save(tmp_path / f"{name}.npz")
+    h = load_history([tmp_path / "a.npz", tmp_path / "b.npz"])
+    assert h.num_windows == 3 and h.meta["synthetic"] is False
+    with pytest.raises(EplbError, match="does not match"):
+        load_history([tmp_path / "a.npz", tmp_path / "c.npz"])
