@@ -53,13 +53,13 @@ class SynthSettings:
     """Expert groups for group-limited routing (E must be divisible by it)."""
     topk_groups: int = 4
     """Groups each token may use (DeepSeek-V3: 4 of 8)."""
-    skew: float = 0.72
+    skew: float = 0.7
     """Median over layers of sigma_l, the spread of the expert logits (the main skew knob)."""
     skew_spread: float = 0.1
     """Layer-to-layer spread of sigma_l (std of its log), so some layers are much hotter."""
     tail: float = 0.3
     """Mix of the popularity distribution: 1 = Gumbel (long right tail), 0 = normal."""
-    group_skew: float = 0.1
+    group_skew: float = 0.25
     """Std of a per-group logit offset (makes whole expert groups hotter or colder)."""
     phase_share: float = 0.18
     """Share b^2 of the logit variance that is specific to the phase (prefill or decode)."""

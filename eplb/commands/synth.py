@@ -14,7 +14,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=32, help="time windows (default 32)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per window (default 2048)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.72)")
+    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.7)")
     p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
     p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
     p.add_argument("--keep-tokens", type=int, default=0,
