@@ -4,3 +4,4 @@ from planners import contiguous, greedy  # noqa: F401  (registration side effect
 from planners import deepseek  # noqa: F401
 from planners import ilp  # noqa: F401
 from planners import hierarchical  # noqa: F401
+from planners import robust  # noqa: F401

@@ -1,0 +1,366 @@
+"""Backtests: plan on the past only, score on windows the planner has not seen.
+
+Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots,
+D = dispatch policies, W = scored windows, R = rebalance points (plans made).
+
+In-sample scores (a plan judged on the load it was made from) say how good the optimiser
+is; serving is judged on the *next* traffic. A backtest replays windows in order: at each
+rebalance point it plans on the last `history` windows before it, then scores the next
+`interval` windows. `leave_one_out` does the same over workloads: plan on all other trace
+files (their windows as history), score on the one left out.
+
+Scores, per dispatch policy (how an expert's tokens are split among its replicas):
+- even:    1 / replicas, what most engines do;
+- plan:    static weights fitted to the planning load (the plan's own weights if it has
+           them, else `eplb.dispatch.optimal_weights` on the aggregated history);
+- resplit: `eplb.dispatch.resplit` per window on the window's own counts (the fast rule a
+           serving engine can run per batch);
+- optimal: `eplb.dispatch.optimal_weights` per window on its own counts (the "oracle"
+           re-split: the best any dispatch can do with this placement).
+For a window and policy: imbalance = busiest GPU / mean GPU (median over layers; `sum`
+variants weigh layers by load: sum over layers of busiest / sum of mean, i.e. 1 /
+balancedness); bound ratio = busiest GPU / lower bound of that window (no placement or split
+beats the bound); forecast gap = busiest GPU / busiest GPU of an oracle plan made by the same
+planner on that very window, with the same policy, minus 1 (the cost of not knowing the
+future). The optimisation gap of a plan is its busiest GPU on its own planning load / lower
+bound of that load, minus 1 (the cost of the optimiser, median over layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from eplb import stats
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.planning import plan as make_plan
+from eplb.progress import progress
+
+DISPATCH = ("even", "plan", "resplit", "optimal")
+"""Dispatch policies a backtest can score (see the module docstring)."""
+
+
+def _check_dispatch(dispatch: Sequence[str]) -> tuple[str, ...]:
+    dispatch = tuple(dispatch)
+    bad = [d for d in dispatch if d not in DISPATCH]
+    if bad or not dispatch:
+        raise EplbError(f"unknown dispatch polic(ies) {bad or dispatch!r}: choose from {', '.join(DISPATCH)}")
+    return dispatch
+
+
+@dataclass(frozen=True, eq=False)
+class WindowScores:
+    """Scores of one plan on one held-out window, one entry per dispatch policy."""
+
+    window: int
+    """Index of the scored window in the replayed sequence (or the held-out workload)."""
+    plan_index: int
+    """Which plan (rebalance point or fold) was served."""
+    imbalance_D: np.ndarray
+    """Busiest / mean GPU, median over layers, [D]."""
+    imbalance_sum_D: np.ndarray
+    """Sum over layers of busiest GPU / sum of mean GPU (1 / balancedness), [D]."""
+    bound_ratio_D: np.ndarray
+    """Busiest GPU / lower bound of the window, median over layers, [D]."""
+    forecast_gap_D: np.ndarray
+    """Busiest GPU vs an oracle plan made on this window (same planner and policy), minus 1,
+    median over layers, [D]; NaN when oracle plans were not made."""
+
+    def __post_init__(self) -> None:
+        shapes = {a.shape for a in (self.imbalance_D, self.imbalance_sum_D, self.bound_ratio_D, self.forecast_gap_D)}
+        assert len(shapes) == 1, f"per-policy arrays disagree in shape: {shapes}"
+
+
+@dataclass(frozen=True, eq=False)
+class PlanScores:
+    """One plan made during a backtest: what it saw and how it scored on its own load."""
+
+    index: int
+    history: tuple[int, int]
+    """Windows [start, stop) it was planned on (for leave-one-out: the held-out index twice)."""
+    seconds: float
+    """Planner wall time."""
+    status: str
+    """The planner's status (HEURISTIC, OPTIMAL, FEASIBLE, FALLBACK)."""
+    optimisation_gap_D: np.ndarray
+    """Busiest GPU on the planning load / its lower bound, minus 1, median over layers, [D]."""
+
+
+@dataclass(frozen=True, eq=False)
+class BacktestResult:
+    """Everything a backtest measured, per dispatch policy; `summary()` gives medians."""
+
+    planner: str
+    mode: str
+    """"sequential" (rebalance every `interval` windows) or "leave-one-out"."""
+    gpus: int
+    num_slots: int
+    interval: int
+    """Windows served by each plan (sequential mode; 1 for leave-one-out)."""
+    history: int | None
+    """Windows each plan looks back on (None = all past windows / all other workloads)."""
+    dispatch: tuple[str, ...]
+    """Scored dispatch policies, in the order of every [D] array."""
+    plans: tuple[PlanScores, ...]
+    windows: tuple[WindowScores, ...]
+    labels: tuple[str, ...] = ()
+    """Names of the scored windows (leave-one-out: the held-out trace files)."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """What was done differently from the defaults (e.g. plan weights from the LP)."""
+
+    def __post_init__(self) -> None:
+        if not self.windows:
+            raise EplbError("a backtest needs at least one scored window")
+        D = len(self.dispatch)
+        assert all(w.imbalance_D.shape == (D,) for w in self.windows)
+        assert all(p.optimisation_gap_D.shape == (D,) for p in self.plans)
+
+    def column(self, name: str) -> np.ndarray:
+        """A per-window score stacked over windows, [W, D] (name: imbalance, imbalance_sum,
+        bound_ratio, forecast_gap)."""
+        return np.stack([getattr(w, f"{name}_D") for w in self.windows])
+
+    def summary(self) -> dict[str, Any]:
+        """Medians over scored windows (and plans), per dispatch policy; JSON-ready."""
+        def med(a_WD: np.ndarray) -> dict[str, float | None]:
+            out = {}
+            for d, col in zip(self.dispatch, a_WD.T):
+                ok = col[np.isfinite(col)]
+                out[d] = float(np.median(ok)) if ok.size else None
+            return out
+
+        gap = np.stack([p.optimisation_gap_D for p in self.plans])
+        return {
+            "planner": self.planner,
+            "mode": self.mode,
+            "gpus": self.gpus,
+            "num_slots": self.num_slots,
+            "interval": self.interval,
+            "history": self.history,
+            "plans": len(self.plans),
+            "scored_windows": len(self.windows),
+            "plan_seconds_median": float(np.median([p.seconds for p in self.plans])),
+            "statuses": sorted({p.status for p in self.plans}),
+            "median": {
+                "imbalance": med(self.column("imbalance")),
+                "imbalance_sum": med(self.column("imbalance_sum")),
+                "bound_ratio": med(self.column("bound_ratio")),
+                "forecast_gap": med(self.column("forecast_gap")),
+                "optimisation_gap": med(gap),
+            },
+            "per_window": [
+                {"window": w.window, "label": self.labels[i] if i < len(self.labels) else None,
+                 "plan": w.plan_index, "imbalance": dict(zip(self.dispatch, w.imbalance_D.tolist())),
+                 "forecast_gap": dict(zip(self.dispatch, w.forecast_gap_D.tolist()))}
+                for i, w in enumerate(self.windows)
+            ],
+            "notes": list(self.notes),
+        }
+
+
+class _Scorer:
+    """Loads per GPU of one placement under every dispatch policy (tables built once)."""
+
+    def __init__(self, placement: Placement, planning_load_LE: np.ndarray, dispatch: tuple[str, ...]):
+        self.placement = placement
+        self.dispatch = dispatch
+        self.even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
+        self.plan_LP = None
+        self.resplitter = None
+        if "plan" in dispatch:
+            if placement.dispatch_weights_LP is not None:
+                self.plan_LP = placement.dispatch_weights_LP
+            else:
+                from eplb.dispatch import optimal_weights
+
+                self.plan_LP = optimal_weights(placement, planning_load_LE)
+        if "resplit" in dispatch:
+            from eplb.dispatch import Resplitter
+
+            self.resplitter = Resplitter(placement)
+
+    def peaks(self, load_LE: np.ndarray) -> np.ndarray:
+        """Busiest GPU per layer under each policy, [D, L]; also mean GPU load [L] via `mean`."""
+        out = []
+        for d in self.dispatch:
+            if d == "even":
+                w = self.even_LP
+            elif d == "plan":
+                w = self.plan_LP
+            elif d == "resplit":
+                w = self.resplitter(load_LE)
+            else:
+                from eplb.dispatch import optimal_weights
+
+                w = optimal_weights(self.placement, load_LE)
+            out.append(self.placement.gpu_loads(load_LE, w).max(axis=1))
+        return np.stack(out)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den with idle (zero) layers counted as perfect (1)."""
+    return np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)
+
+
+class _Runner:
+    """Shared machinery of both backtest modes: plan, score, oracle plans."""
+
+    def __init__(self, planner: str, gpus: int, *, nodes: int, redundant: int | None,
+                 slots_per_gpu: int | None, dispatch: Sequence[str], settings: dict | None,
+                 num_groups: int | None, aggregate: str, oracle: bool):
+        self.planner = planner
+        self.kw = dict(gpus=gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,
+                       planner=planner, settings=settings, num_groups=num_groups)
+        self.dispatch = _check_dispatch(dispatch)
+        self.aggregate = aggregate
+        self.oracle = oracle
+        self.notes: list[str] = []
+
+    def make(self, history_TLE: np.ndarray, index: int, span: tuple[int, int]):
+        result = make_plan(history_TLE, aggregate=self.aggregate, **self.kw)
+        placement = result.placement
+        scorer = _Scorer(placement, result.load_LE, self.dispatch)
+        lb_L = result.lower_bound_L
+        gap_D = np.median(_ratio(scorer.peaks(result.load_LE), lb_L[None]) - 1.0, axis=1)
+        if "plan" in self.dispatch and placement.dispatch_weights_LP is None and index == 0:
+            self.notes.append("plan weights: the planner gives none, so 'plan' uses the LP weights "
+                              "(optimal_weights) fitted to each plan's aggregated history")
+        if result.status == "FALLBACK":
+            self.notes.append(f"plan {index}: planner fell back ({result.message})")
+        return scorer, PlanScores(index, span, result.seconds, result.status, gap_D)
+
+    def score(self, scorer: _Scorer, load_LE: np.ndarray, window: int, plan_index: int) -> WindowScores:
+        G = scorer.placement.num_gpus
+        peak_DL = scorer.peaks(load_LE)
+        mean_L = load_LE.sum(axis=1) / G
+        lb_L = stats.lower_bound(load_LE, G, scorer.placement.num_slots)
+        imb_D = np.median(_ratio(peak_DL, mean_L[None]), axis=1)
+        imb_sum_D = peak_DL.sum(axis=1) / max(mean_L.sum(), 1e-300)
+        bound_D = np.median(_ratio(peak_DL, lb_L[None]), axis=1)
+        if self.oracle:
+            oracle = make_plan(load_LE, **self.kw)
+            oracle_DL = _Scorer(oracle.placement, load_LE, self.dispatch).peaks(load_LE)
+            fgap_D = np.median(_ratio(peak_DL, oracle_DL) - 1.0, axis=1)
+        else:
+            fgap_D = np.full(len(self.dispatch), np.nan)
+        return WindowScores(window, plan_index, imb_D, imb_sum_D, bound_D, fgap_D)
+
+
+def backtest(
+    counts_TLE,
+    *,
+    gpus: int,
+    planner: str = "greedy",
+    interval: int = 1,
+    history: int | None = None,
+    nodes: int = 1,
+    redundant: int | None = None,
+    slots_per_gpu: int | None = None,
+    dispatch: Sequence[str] = DISPATCH,
+    settings: dict | None = None,
+    num_groups: int | None = None,
+    aggregate: str = "sum",
+    oracle: bool = True,
+    quiet: bool = False,
+) -> BacktestResult:
+    """Replay windows in order: every `interval` windows, plan on the last `history` windows
+    (all past ones if None) and score the next `interval` windows.
+
+    counts_TLE: a Trace or counts [T, L, E] with T >= 2 (the first rebalance point needs at
+    least one past window: it is at window `history`, or 1 when history is None).
+    """
+    from eplb.planning import as_history
+
+    c_TLE, _, meta = as_history(counts_TLE)
+    if num_groups is None and meta.get("num_expert_groups"):
+        num_groups = int(meta["num_expert_groups"])
+    T = c_TLE.shape[0]
+    if isinstance(interval, bool) or int(interval) < 1:
+        raise EplbError(f"interval must be >= 1 window, got {interval!r}")
+    interval = int(interval)
+    if history is not None and int(history) < 1:
+        raise EplbError(f"history must be >= 1 window (or None for all past windows), got {history!r}")
+    start = 1 if history is None else int(history)
+    if T <= start:
+        raise EplbError(
+            f"a backtest needs more windows than its history: {T} window(s), history {history} "
+            f"(use a trace with more windows, a shorter --history, or --leave-one-out over several files)"
+        )
+    run = _Runner(planner, gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,
+                  dispatch=dispatch, settings=settings, num_groups=num_groups, aggregate=aggregate,
+                  oracle=oracle)
+    points = list(range(start, T, interval))
+    plans, windows = [], []
+    for i, r in enumerate(progress(points, desc=f"backtest {planner}", enabled=False if quiet else None)):
+        lo = 0 if history is None else r - int(history)
+        scorer, ps = run.make(c_TLE[lo:r], i, (lo, r))
+        plans.append(ps)
+        for t in range(r, min(r + interval, T)):
+            windows.append(run.score(scorer, c_TLE[t], t, i))
+    return BacktestResult(planner, "sequential", int(gpus), _num_slots(run, c_TLE), interval,
+                          None if history is None else int(history), run.dispatch, tuple(plans),
+                          tuple(windows), tuple(f"window {w.window}" for w in windows), tuple(run.notes))
+
+
+def leave_one_out(
+    workloads: Sequence,
+    *,
+    gpus: int,
+    planner: str = "greedy",
+    labels: Sequence[str] | None = None,
+    nodes: int = 1,
+    redundant: int | None = None,
+    slots_per_gpu: int | None = None,
+    dispatch: Sequence[str] = DISPATCH,
+    settings: dict | None = None,
+    num_groups: int | None = None,
+    aggregate: str = "sum",
+    oracle: bool = True,
+    quiet: bool = False,
+) -> BacktestResult:
+    """Plan on all workloads but one (their windows stacked as history), score on each window
+    of the one left out; once per workload.
+
+    workloads: Traces or counts [T, L, E] (or [L, E]) of one model, at least two.
+    """
+    from eplb.planning import as_history
+
+    loads = [as_history(w) for w in workloads]
+    if len(loads) < 2:
+        raise EplbError(f"leave-one-out needs at least 2 workloads (trace files), got {len(loads)}")
+    shapes = {a.shape[1:] for a, _, _ in loads}
+    if len(shapes) != 1:
+        raise EplbError(f"workloads disagree in [layers, experts]: {sorted(shapes)}")
+    if num_groups is None:
+        groups = {m.get("num_expert_groups") for _, _, m in loads} - {None}
+        num_groups = int(groups.pop()) if len(groups) == 1 else None
+    labels = tuple(labels) if labels is not None else tuple(f"workload {i}" for i in range(len(loads)))
+    if len(labels) != len(loads):
+        raise EplbError(f"{len(labels)} labels for {len(loads)} workloads")
+    run = _Runner(planner, gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,
+                  dispatch=dispatch, settings=settings, num_groups=num_groups, aggregate=aggregate,
+                  oracle=oracle)
+    plans, windows, window_labels = [], [], []
+    for i in progress(range(len(loads)), desc=f"leave-one-out {planner}", enabled=False if quiet else None):
+        history_TLE = np.concatenate([a for j, (a, _, _) in enumerate(loads) if j != i])
+        scorer, ps = run.make(history_TLE, i, (i, i))
+        plans.append(ps)
+        held = loads[i][0]
+        for t in range(held.shape[0]):
+            windows.append(run.score(scorer, held[t], i, i))
+            window_labels.append(labels[i] if held.shape[0] == 1 else f"{labels[i]}[{t}]")
+    c0 = loads[0][0]
+    return BacktestResult(planner, "leave-one-out", int(gpus), _num_slots(run, c0), 1, None, run.dispatch,
+                          tuple(plans), tuple(windows), tuple(window_labels), tuple(run.notes))
+
+
+def _num_slots(run: _Runner, c_TLE: np.ndarray) -> int:
+    from eplb.topology import Topology
+
+    kw = run.kw
+    return Topology.for_experts(c_TLE.shape[2], gpus=kw["gpus"], nodes=kw["nodes"], redundant=kw["redundant"],
+                                slots_per_gpu=kw["slots_per_gpu"]).num_slots
+

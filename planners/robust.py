@@ -1,0 +1,273 @@
+"""Robust planning from history: balance every window of the history, not just their sum.
+
+Legend: T = history windows, L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU,
+P = G x S physical slots, I = replicas handed out in one packing round (= G).
+
+A plan made on the sum of past windows is balanced for the average past, but traffic moves
+between regimes (prefill vs decode, chat vs code): the expert that is hot in one regime is
+cold in another. This planner treats the history as T separate load vectors and keeps the
+busiest GPU low in *each* of them, so an expert that is hot in any recent regime gets
+replicas, and replicas of hot experts land on GPUs that are light when that expert is hot
+(which is also what leaves room for a dynamic per-batch re-split to move tokens).
+
+Step 0: normalise. Each window and layer is scaled so that the mean GPU load is 1; big and
+        small windows count the same and scores read as max/mean directly.
+Step 1: replicate. Replica counts minimise the largest load per replica of a demand that
+        blends the windows' mean and max share of each expert (`blend`: 0 = mean, 1 = max).
+Step 2: pack (vector LPT). Replicas, heaviest first (by their largest per-window load), are
+        handed out in S rounds of G; in each round an assignment (scipy's
+        linear_sum_assignment) gives every GPU one replica so as to minimise the sum over GPUs
+        of the GPU's worst-window load after the round, never two replicas of one expert on
+        one GPU.
+Step 3: refine. Pairwise replica swaps between a busiest GPU and any other GPU, accepted while
+        they lower a smooth maximum (log-sum-exp, sharpness `beta`) of the GPU loads over all
+        (kept) windows; exact gains are computed for every candidate swap at once.
+Steps 1-3 run for each blend in `blends`, and the plan with the lowest worst-window maximum
+on the history is kept per layer. With `quantile` < 1 the worst windows (above that quantile
+of the per-window maximum) are left out of the objective, so a single outlier window does not
+drive the plan. All layers move in lock-step (numpy over L); a DeepSeek-V3-shape plan
+(58 layers x 256 experts, 32 GPUs, a few windows) takes about a second.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.planning import PlanRequest, Solution, register
+from eplb.stats import replica_counts_minmax
+
+_FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
+
+
+def normalise_windows(history_TLE: np.ndarray, gpus: int) -> np.ndarray:
+    """Scale each window and layer so the mean GPU load is 1, float64 [T, L, E].
+
+    Windows (or layers) with no tokens stay all-zero: they constrain nothing.
+    """
+    h = np.asarray(history_TLE, dtype=np.float64)
+    total_TL1 = h.sum(axis=2, keepdims=True)
+    return np.where(total_TL1 > 0, h * gpus / np.where(total_TL1 > 0, total_TL1, 1.0), 0.0)
+
+
+def robust_demand(share_TLE: np.ndarray, blend: float) -> np.ndarray:
+    """Demand per expert for replica counting, [L, E]: mean share + blend x (max - mean)."""
+    mean_LE = share_TLE.mean(axis=0)
+    return mean_LE + blend * (share_TLE.max(axis=0) - mean_LE)
+
+
+def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: int) -> np.ndarray:
+    """Place replicas on GPUs against all windows at once; returns phy2log_LP.
+
+    S rounds; round k gives each GPU one of the next G heaviest replicas (heaviest = largest
+    per-window load under an even split). The pairing in a round is an assignment problem:
+    cost of replica i on GPU g = max over windows of (GPU g's load + replica i's load), the
+    GPU's new worst-window load; pairing with a GPU that already holds the expert is
+    forbidden. Round k can meet an expert only if its replicas straddle rounds k-1 and k
+    (an expert has <= G replicas), so a feasible pairing always exists.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    T, L, E = share_TLE.shape
+    G, S = gpus, slots_per_gpu
+    P = G * S
+    w_TLE = share_TLE / count_LE[None]                         # per-replica load, even split
+    key_LE = w_TLE.max(axis=0) + 1e-12 * w_TLE.sum(axis=0)     # heaviest window first, then total
+    order_LE = np.argsort(-key_LE, axis=1, kind="stable")
+    rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
+    phy_LGS = np.empty((L, G, S), dtype=np.int64)
+    load_LGT = np.zeros((L, G, T))
+    holds_LGE = np.zeros((L, G, E), dtype=bool)
+    w_LET = np.moveaxis(w_TLE, 0, 2)
+    for l in range(L):
+        for k in range(S):
+            items_I = rep_LP[l, k * G:(k + 1) * G]
+            w_IT = w_LET[l, items_I]                                            # [I, T]
+            cost_IG = (load_LGT[l][None, :, :] + w_IT[:, None, :]).max(axis=2)  # worst window after
+            cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
+            rows_I, gpu_I = linear_sum_assignment(cost_IG)
+            assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
+            phy_LGS[l, gpu_I, k] = items_I[rows_I]
+            load_LGT[l, gpu_I] += w_IT[rows_I]
+            holds_LGE[l, gpu_I, items_I[rows_I]] = True
+    return phy_LGS.reshape(L, P)
+
+
+def window_gpu_loads(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int) -> np.ndarray:
+    """GPU loads of every window under an even split, [L, G, T]."""
+    T, L, E = share_TLE.shape
+    P = phy_LP.shape[1]
+    w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
+    w_LPT = np.take_along_axis(w_LET, phy_LP[:, :, None], axis=1)
+    return w_LPT.reshape(L, gpus, P // gpus, T).sum(axis=2)
+
+
+def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
+    """Mask [L, T] of the windows the objective looks at: those at or below the quantile of
+    the per-window maximum (all windows when quantile is 1)."""
+    peak_LT = load_LGT.max(axis=1)
+    T = peak_LT.shape[1]
+    keep = int(np.ceil(quantile * T))
+    if keep >= T:
+        return np.ones_like(peak_LT, dtype=bool)
+    rank_LT = np.argsort(np.argsort(peak_LT, axis=1, kind="stable"), axis=1, kind="stable")
+    return rank_LT < keep
+
+
+def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int, *,
+                 beta: float, quantile: float, max_rounds: int, top_gpus: int = 2) -> np.ndarray:
+    """Swap replicas between a busiest GPU and any other GPU while the smooth maximum of GPU
+    loads over the kept windows drops (in place; returns phy_LP).
+
+    Objective per layer: Z = sum over kept windows t and GPUs g of exp(beta (load_gt - m)),
+    m the layer's current peak. A swap of slot a (GPU A) with slot b (GPU B) changes only A's
+    and B's loads, so its exact change of Z is a sum over windows of four exponentials.
+    Unlike the hard maximum, Z also rewards lowering the second-busiest (window, GPU) pair,
+    which keeps the search moving across ties between windows.
+    """
+    T, L, E = share_TLE.shape
+    P = phy_LP.shape[1]
+    G = gpus
+    S = P // G
+    w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
+    gpu_of_P = np.arange(P) // S
+    active = np.arange(L)
+    for _ in range(max_rounds):
+        if active.size == 0:
+            break
+        A = active.size
+        ar = np.arange(A)
+        phy_AP = phy_LP[active]
+        w_APT = np.take_along_axis(w_LET[active], phy_AP[:, :, None], axis=1)
+        load_AGT = w_APT.reshape(A, G, S, T).sum(axis=2)
+        keep_AT = kept_windows(load_AGT, quantile)
+        peak_A = np.where(keep_AT[:, None, :], load_AGT, -np.inf).max(axis=(1, 2))
+        # Candidate GPUs to unload: the top_gpus GPUs by their worst kept-window load.
+        gpu_peak_AG = np.where(keep_AT[:, None, :], load_AGT, -np.inf).max(axis=2)
+        src_AK = np.argsort(-gpu_peak_AG, axis=1, kind="stable")[:, :top_gpus]          # [A, K]
+        K = src_AK.shape[1]
+        a_slot_AQ = (src_AK[:, :, None] * S + np.arange(S)).reshape(A, K * S)           # Q = K x S
+        wa_AQT = np.take_along_axis(w_APT, a_slot_AQ[:, :, None], axis=1)
+        ea_AQ = np.take_along_axis(phy_AP, a_slot_AQ, axis=1)
+        gpu_a_AQ = a_slot_AQ // S
+        la_AQT = np.take_along_axis(load_AGT, gpu_a_AQ[:, :, None], axis=1)
+        lb_APT = load_AGT[:, gpu_of_P]                                                   # [A, P, T]
+        # Gain of swap (a, b) = sum over kept windows of ea + eb - ea' - eb', where
+        # ea = exp(beta (la - m)) and ea' = ea exp(-beta (wa - wb)), eb' = eb exp(beta (wa - wb)).
+        # The exponentials of wa and wb factor apart, so the sum over windows of all
+        # Q x P swaps is two batched matrix products instead of a [Q, P, T] tensor.
+        m_A11 = peak_A[:, None, None]
+        keep_A1T = keep_AT[:, None, :]
+        ea_AQT = np.where(keep_A1T, np.exp(beta * (la_AQT - m_A11)), 0.0)
+        eb_APT = np.where(keep_A1T, np.exp(beta * (lb_APT - m_A11)), 0.0)
+        # Clipped exponents only matter for replicas above ~12x the mean GPU load at beta 50.
+        ua_AQT = np.exp(np.minimum(beta * wa_AQT, 600.0))
+        vb_APT = np.exp(np.minimum(beta * w_APT, 600.0))
+        gain_AQP = (ea_AQT.sum(axis=2)[:, :, None] + eb_APT.sum(axis=2)[:, None, :]
+                    - np.matmul(ea_AQT / ua_AQT, np.swapaxes(vb_APT, 1, 2))
+                    - np.matmul(ua_AQT, np.swapaxes(eb_APT / vb_APT, 1, 2)))
+        # Forbidden: b on A's GPU; the same expert; e_b already on A's GPU; e_a already on B's GPU.
+        holds_AGE = np.zeros((A, G, E), dtype=bool)
+        holds_AGE[ar[:, None], gpu_of_P[None, :], phy_AP] = True
+        eb_on_a_AQP = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy_AP[:, None, :]]
+        ea_on_b_AQP = holds_AGE[ar[:, None, None], gpu_of_P[None, None, :], ea_AQ[:, :, None]]
+        bad = ((gpu_of_P[None, None, :] == gpu_a_AQ[:, :, None]) | eb_on_a_AQP | ea_on_b_AQP)
+        gain_AQP = np.where(bad, -np.inf, gain_AQP)
+        flat = gain_AQP.reshape(A, -1).argmax(axis=1)
+        best = gain_AQP.reshape(A, -1)[ar, flat]
+        z_A = np.where(keep_AT[:, None, :], np.exp(beta * (load_AGT - peak_A[:, None, None])), 0.0).sum(axis=(1, 2))
+        improve = best > 1e-9 * z_A
+        if not improve.any():
+            break
+        q, b = np.divmod(flat[improve], P)
+        layers = active[improve]
+        a = a_slot_AQ[ar[improve], q]
+        ea = phy_LP[layers, a].copy()
+        phy_LP[layers, a] = phy_LP[layers, b]
+        phy_LP[layers, b] = ea
+        active = layers
+    return phy_LP
+
+
+@register("robust")
+class RobustPlanner:
+    """Plan against every history window: keep the worst window's busiest GPU low.
+
+    blends: demand blends tried for replica counts (0 = mean share over windows, 1 = max);
+        the best plan on the history is kept per layer.
+    quantile: fraction of windows the objective covers (1 = all, the worst window counts;
+        0.9 = the worst 10% of windows are treated as outliers).
+    beta: sharpness of the smooth maximum in the swap search (loads are in units of the mean
+        GPU load; 50 makes a GPU 2% above another count e times more).
+    refine_rounds: swap rounds (0 = vector packing only).
+    """
+
+    def __init__(self, blends: tuple | list | str = (0.0, 1.0), quantile: float = 1.0,
+                 beta: float = 50.0, refine_rounds: int = 200):
+        if isinstance(blends, str):
+            try:
+                blends = tuple(float(b) for b in blends.replace(";", ",").split(",") if b.strip())
+            except ValueError:
+                raise EplbError(f"blends must be numbers in [0, 1] separated by commas, got {blends!r}") from None
+        elif isinstance(blends, (int, float)):
+            blends = (float(blends),)
+        blends = tuple(float(b) for b in blends)
+        if not blends or any(not 0.0 <= b <= 1.0 for b in blends):
+            raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
+        if not 0.0 < float(quantile) <= 1.0:
+            raise EplbError(f"quantile must be in (0, 1], got {quantile!r}")
+        if not float(beta) > 0:
+            raise EplbError(f"beta must be > 0, got {beta!r}")
+        if int(refine_rounds) < 0:
+            raise EplbError(f"refine_rounds must be >= 0, got {refine_rounds!r}")
+        self.blends = blends
+        self.quantile = float(quantile)
+        self.beta = float(beta)
+        self.refine_rounds = int(refine_rounds)
+
+    def plan(self, request: PlanRequest) -> Solution:
+        topo = request.topology
+        G, S = topo.gpus, topo.slots_per_gpu
+        P = G * S
+        L, E = request.load_LE.shape
+        if P < E:
+            raise EplbError(f"{G} GPUs x {S} slots = {P} slots cannot hold {E} experts")
+        if P > G * E:
+            raise EplbError(f"{P} slots need more than one replica of an expert per GPU ({E} experts, {G} GPUs)")
+        history = request.history_TLE if request.history_TLE is not None else request.load_LE[None]
+        history = np.asarray(history, dtype=np.float64)
+        if history.ndim != 3 or history.shape[1:] != (L, E):
+            raise EplbError(f"history must be [windows, {L}, {E}], got shape {history.shape}")
+        share_TLE = normalise_windows(history, G)
+        best_phy_LP = None
+        best_score_L = np.full(L, np.inf)
+        chosen_L = np.zeros(L)
+        rows = np.arange(L)
+        for blend in self.blends:
+            count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
+            phy_LP = pack_vector(share_TLE, count_LE, G, S)
+            if self.refine_rounds:
+                refine_swaps(phy_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
+                             max_rounds=self.refine_rounds)
+            score_L = self._score(phy_LP, share_TLE, count_LE, G)
+            better = score_L < best_score_L - 1e-12
+            if best_phy_LP is None:
+                best_phy_LP = phy_LP.copy()
+            best_phy_LP[better] = phy_LP[better]
+            best_score_L = np.where(better, score_L, best_score_L)
+            chosen_L = np.where(better, blend, chosen_L)
+        assert best_phy_LP is not None and rows.size == L
+        T = history.shape[0]
+        info = {
+            "windows": int(T),
+            "quantile": self.quantile,
+            "history_peak_median": float(np.median(best_score_L)),
+            "history_peak_max": float(np.max(best_score_L)),
+            "blend_chosen": {str(b): int(np.sum(chosen_L == b)) for b in self.blends},
+        }
+        return Solution(best_phy_LP, message=f"balanced against {T} window(s)", info=info)
+
+    def _score(self, phy_LP, share_TLE, count_LE, gpus) -> np.ndarray:
+        """The objective per layer: the quantile of the per-window busiest/mean GPU, [L]."""
+        peak_LT = window_gpu_loads(phy_LP, share_TLE, count_LE, gpus).max(axis=1)
+        return np.quantile(peak_LT, self.quantile, axis=1, method="higher")
