@@ -1,0 +1,109 @@
+"""Dispatch weights: exact LP weights against an independent min-cut formula, and resplit."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eplb.dispatch import Resplitter, max_gpu_load, optimal_weights, resplit
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.topology import Topology
+from planners.contiguous import contiguous_map
+from planners.greedy import plan_greedy
+
+
+def subset_bound(placement: Placement, load_E: np.ndarray, layer: int = 0) -> float:
+    """Best possible busiest GPU for one layer, by max-flow min-cut: the largest, over GPU
+    sets A, of (load of the experts whose replicas all lie in A) / |A|. Independent of the LP."""
+    G = placement.num_gpus
+    gpu_P = placement.gpu_of_slot()
+    phy = placement.phy2log_LP[layer]
+    gpus_of = [set(gpu_P[phy == e]) for e in range(placement.num_logical_experts)]
+    best = 0.0
+    for k in range(1, G + 1):
+        for A in itertools.combinations(range(G), k):
+            A = set(A)
+            inside = sum(load_E[e] for e, gs in enumerate(gpus_of) if gs <= A)
+            best = max(best, inside / k)
+    return best
+
+
+def random_case(rng, E=12, G=4, S=4, L=3):
+    load = rng.pareto(1.3, (L, E)) * 100
+    phy = plan_greedy(load, G, S)
+    return Placement(phy, G, E), load
+
+
+def test_optimal_weights_match_min_cut(rng):
+    for _ in range(5):
+        p, load = random_case(rng)
+        w = optimal_weights(p, load)
+        p.with_weights(w)  # shares are valid: non-negative, each expert's sum to 1
+        got = max_gpu_load(p, load, w)
+        for l in range(p.num_layers):
+            assert got[l] == pytest.approx(subset_bound(p, load[l], l), rel=1e-7)
+
+
+def test_zero_load_experts_split_evenly(rng):
+    p, load = random_case(rng)
+    load[0] = 0.0
+    load[1, :5] = 0.0
+    for w in (optimal_weights(p, load), resplit(p, load)):
+        even = p.replica_weights()
+        assert np.allclose(w[0], even[0])
+        zero = np.isin(p.phy2log_LP[1], np.arange(5))
+        assert np.allclose(w[1][zero], even[1][zero])
+
+
+def test_resplit_converges_to_lp_optimum(rng):
+    for _ in range(5):
+        p, load = random_case(rng, E=32, G=8, S=5)
+        lp = max_gpu_load(p, load, optimal_weights(p, load))
+        fast = max_gpu_load(p, load, resplit(p, load, sweeps=400))
+        assert np.allclose(fast, lp, rtol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), sweeps=st.integers(0, 6))
+def test_resplit_valid_and_never_above_even_split(seed, sweeps):
+    rng = np.random.default_rng(seed)
+    p, load = random_case(rng, E=16, G=4, S=5)
+    w = resplit(p, load, sweeps=sweeps)
+    p.with_weights(w)
+    lp = max_gpu_load(p, load, optimal_weights(p, load))
+    fast = max_gpu_load(p, load, w)
+    # Water-filling one expert never raises the highest of its GPUs, so sweeps only help.
+    assert np.all(fast <= max_gpu_load(p, load) * (1 + 1e-9))
+    assert np.all(fast >= lp * (1 - 1e-9))
+
+
+def test_resplit_handles_two_copies_on_one_gpu(rng):
+    # Contiguous placement repeats a GPU's own experts in its spare slots.
+    E, topo = 12, Topology(gpus=4, slots_per_gpu=4)
+    p = Placement(contiguous_map(E, topo, 2), 4, E)
+    load = rng.pareto(1.3, (2, E)) * 100
+    w = resplit(p, load)
+    p.with_weights(w)
+    assert np.allclose(p.gpu_loads(load, w), p.gpu_loads(load))
+
+
+def test_warm_start_reuses_previous_shares(rng):
+    p, load = random_case(rng, E=32, G=8, S=5)
+    rs = Resplitter(p)
+    rs(load, sweeps=50)
+    warm = max_gpu_load(p, load, rs(load * 1.01, sweeps=1, warm=True))
+    cold = max_gpu_load(p, load, rs(load * 1.01, sweeps=1))
+    assert np.all(warm <= cold * (1 + 1e-9))
+
+
+def test_bad_input_names_the_fix(rng):
+    p, load = random_case(rng)
+    with pytest.raises(EplbError, match="loads have shape"):
+        optimal_weights(p, load[:, :-1])
+    with pytest.raises(EplbError, match="non-negative"):
+        resplit(p, -load)
+    with pytest.raises(EplbError, match="sweeps"):
+        resplit(p, load, sweeps=-1)
