@@ -15,7 +15,7 @@ import sys
 from eplb.errors import EplbError, PlanningError
 
 # Order shown in `eplb --help`; each name is a module in eplb/commands/.
-COMMANDS = ["plan", "stats", "inspect", "plot", "capacity", "synth"]
+COMMANDS = ["plan", "stats", "inspect", "plot", "capacity", "synth", "backtest"]
 
 EPILOG = """examples:
   eplb plan traces/deepseek.npz --gpus 16 -o plan.json

@@ -1,0 +1,100 @@
+"""`eplb backtest`: plan on past windows only and score the windows that follow."""
+
+from __future__ import annotations
+
+import argparse
+
+from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from eplb.backtest import DISPATCH
+    from eplb.planning import planner_names
+
+    p = add_command(sub, "backtest", "replay traces: plan on the past, score held-out windows",
+                    "eplb backtest traces/deepseek.npz --gpus 32 --planner greedy --planner robust "
+                    "--interval 4 --history 8")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="trace files; several are stacked in order (or, with --leave-one-out, "
+                        "are the workloads)")
+    p.add_argument("--gpus", "-g", type=_positive_int, required=True, help="expert-parallel GPUs (ranks)")
+    p.add_argument("--nodes", type=_positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
+    size.add_argument("--slots-per-gpu", type=_positive_int, help="physical slots per GPU (instead of --redundant)")
+    p.add_argument("--planner", "-p", action="append", choices=planner_names(), metavar="NAME",
+                   help=f"planner to test, repeatable ({', '.join(planner_names())}; default greedy)")
+    p.add_argument("--interval", type=_positive_int, default=1,
+                   help="windows served by each plan before the next rebalance (default 1)")
+    p.add_argument("--history", type=_positive_int,
+                   help="past windows each plan looks at (default: all past windows)")
+    p.add_argument("--leave-one-out", action="store_true",
+                   help="plan on all trace files but one, score on the one left out, for each file")
+    p.add_argument("--dispatch", action="append", choices=DISPATCH, metavar="POLICY",
+                   help=f"dispatch policies to score, repeatable ({', '.join(DISPATCH)}; default all)")
+    p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
+                   help="how history windows become the planning load (default sum)")
+    p.add_argument("--no-oracle", action="store_true",
+                   help="skip the oracle plans made on each scored window (no forecast gap; faster)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="planner setting, e.g. --set quantile=0.9 (repeatable; applies to every planner)")
+    add_output_flags(p)
+    return p
+
+
+def run(args) -> int:
+    from eplb.backtest import DISPATCH, backtest, leave_one_out
+    from eplb.commands.plan import parse_settings
+    from eplb.trace import load_history, load_trace
+
+    planners = args.planner or ["greedy"]
+    dispatch = tuple(dict.fromkeys(args.dispatch)) if args.dispatch else DISPATCH
+    common = dict(gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=args.slots_per_gpu,
+                  dispatch=dispatch, settings=parse_settings(args.set), aggregate=args.aggregate,
+                  oracle=not args.no_oracle, quiet=args.quiet or args.json)
+    results = []
+    if args.leave_one_out:
+        workloads = [load_trace(p) for p in args.traces]
+        for name in planners:
+            results.append(leave_one_out(workloads, planner=name, labels=args.traces, **common))
+    else:
+        trace = load_history(args.traces)
+        for name in planners:
+            results.append(backtest(trace, planner=name, interval=args.interval, history=args.history, **common))
+    if args.json:
+        print_json({"results": [r.summary() for r in results]})
+        return 0
+    if args.quiet:
+        return 0
+    first = results[0]
+    mode = ("leave-one-out over " + f"{len(args.traces)} workloads" if args.leave_one_out
+            else f"every {first.interval} window(s), history {first.history or 'all past'}")
+    print(f"backtest ({mode}); {first.gpus} GPUs, {first.num_slots} slots; "
+          f"{len(first.windows)} held-out window(s), medians over them")
+    rows = []
+    for r in results:
+        s = r.summary()["median"]
+        for d in r.dispatch:
+            fg = s["forecast_gap"][d]
+            rows.append([r.planner, d, s["imbalance"][d], s["imbalance_sum"][d], s["bound_ratio"][d],
+                         "n/a" if fg is None else f"{100 * fg:.2f}%", f"{100 * s['optimisation_gap'][d]:.2f}%"])
+    print(format_table(["planner", "dispatch", "max/mean", "sum max/mean", "max/bound", "forecast gap",
+                        "optimisation gap"], rows))
+    for r in results:
+        secs = [p.seconds for p in r.plans]
+        print(f"{r.planner}: {len(r.plans)} plan(s), median {1e3 * sorted(secs)[len(secs) // 2]:.1f} ms per plan")
+        for note in r.notes:
+            print(f"  note: {note}")
+    print("max/mean: busiest/mean GPU (median over layers); forecast gap: vs a plan made on the scored "
+          "window itself; optimisation gap: plan vs lower bound on its own planning load")
+    return 0
