@@ -330,7 +330,7 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
 class IlpPlanner:
     """Exact placement per layer with CP-SAT (see the module docstring for the model).
 
-    time_limit: seconds per layer (default 15: 58 layers finish in ~8 minutes on 2 cores
+    time_limit: seconds per layer (default 12: 58 layers finish in ~6 minutes on 2 cores
       when no layer is proven optimal sooner).
     workers: CP-SAT threads per layer (default: cores / jobs).
     jobs: layers solved at the same time (default: 2 on >= 2 cores; CP-SAT gains less from a
@@ -343,7 +343,7 @@ class IlpPlanner:
     quiet: no progress bar (it is shown on a terminal only anyway).
     """
 
-    def __init__(self, time_limit: float = 15.0, workers: int | None = None, jobs: int | None = None,
+    def __init__(self, time_limit: float = 12.0, workers: int | None = None, jobs: int | None = None,
                  seed: int = 0, dispatch: str = "weighted", chain: bool = True, quiet: bool = False):
         if not (isinstance(time_limit, (int, float)) and time_limit > 0):
             raise EplbError(f"time_limit must be a positive number of seconds per layer, got {time_limit!r}")
