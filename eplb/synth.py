@@ -1,14 +1,15 @@
 """Seeded synthetic router traffic shaped like DeepSeek-V3 (numpy only, deterministic).
 
-Legend: T = time windows, L = MoE layers, E = logical experts, G8 = expert groups,
+Legend: T = time windows, L = MoE layers, E = logical experts, Q = expert groups (G stays GPUs),
 N = tokens per window, K = experts per token (top-k).
 
 Model of the traffic, per MoE layer l and window t:
 - every expert has a routing logit  b[t, l, e] = sigma_l * (a * z[l, e] + b * phase[ph(t), l, e]
   + c * drift[t, l, e]) + group[l, g(e)], with a^2 + b^2 + c^2 = 1 so the spread is sigma_l
-  whatever the mix. `z` is a standard Gumbel popularity (right-skewed: a few very hot experts,
-  no near-dead ones, as in the real DeepSeek-V3 counts), `phase` a component specific to
-  prefill or decode, `drift` an AR(1) random walk over windows (gradual drift).
+  whatever the mix. `z` is the experts' popularity, a standardised mix of Gumbel and normal
+  draws (`tail`): right-skewed, a few very hot experts and few near-dead ones, as in the real
+  DeepSeek-V3 counts; `phase` is specific to prefill or decode; `drift` is an AR(1) random
+  walk over windows (gradual drift); `group` makes whole expert groups hotter or colder.
 - windows come in runs of one phase (prefill or decode) whose lengths are drawn between
   `phase_run` bounds: a phase switch changes the `phase` term at once.
 - each of the N tokens of a window is routed the way DeepSeek-V3's router does it: its score
@@ -116,19 +117,19 @@ def _std(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def route_tokens(logit_E: np.ndarray, num_tokens: int, s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
     """Group-limited top-k routing of num_tokens tokens, returns expert ids int64 [N, K]."""
-    E, G = s.num_experts, s.num_expert_groups
-    per_group = E // G
+    E, Q = s.num_experts, s.num_expert_groups
+    per_group = E // Q
     # Gumbel noise on the logits: top-k of (logit + Gumbel) samples from softmax without
     # replacement. -log of a standard exponential is Gumbel; numpy draws those fast (ziggurat).
     x_NE = rng.standard_exponential((num_tokens, E), dtype=np.float32)
     score_NE = logit_E.astype(np.float32)[None, :] - np.log(np.maximum(x_NE, np.float32(1e-30)))
-    score_NGX = score_NE.reshape(num_tokens, G, per_group)
+    score_NQX = score_NE.reshape(num_tokens, Q, per_group)
     # Group score = sum of the group's two best expert scores (DeepSeek-V3's noaux_tc router).
-    group_NG = np.partition(score_NGX, per_group - 2, axis=2)[:, :, -2:].sum(axis=2)
+    group_NQ = np.partition(score_NQX, per_group - 2, axis=2)[:, :, -2:].sum(axis=2)
     # Keep the best topk_groups groups (in any order), then the top-k experts inside them;
     # gathering the kept groups first halves the work of the final selection.
-    keep_NH = np.argpartition(-group_NG, s.topk_groups - 1, axis=1)[:, : s.topk_groups]
-    kept_NHX = np.take_along_axis(score_NGX, keep_NH[:, :, None], axis=1)
+    keep_NH = np.argpartition(-group_NQ, s.topk_groups - 1, axis=1)[:, : s.topk_groups]
+    kept_NHX = np.take_along_axis(score_NQX, keep_NH[:, :, None], axis=1)
     flat_NM = kept_NHX.reshape(num_tokens, s.topk_groups * per_group)
     pick_NK = np.argpartition(-flat_NM, s.top_k - 1, axis=1)[:, : s.top_k]
     group_NK = np.take_along_axis(keep_NH, pick_NK // per_group, axis=1)
@@ -151,13 +152,13 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     """A synthetic trace [T, L, E] for the given settings (deterministic in settings.seed)."""
     s = settings or SynthSettings()
     rng = np.random.default_rng(s.seed)
-    L, E, G, T = s.num_moe_layers, s.num_experts, s.num_expert_groups, s.num_windows
+    L, E, Q, T = s.num_moe_layers, s.num_experts, s.num_expert_groups, s.num_windows
 
     # Step 1: per-layer model of expert popularity (fixed for the whole trace).
     sigma_L = s.skew * np.exp(s.skew_spread * rng.standard_normal(L))
     z_LE = _std(s.tail * _std(rng.gumbel(size=(L, E))) + (1.0 - s.tail) * rng.standard_normal((L, E)))
     phase_PLE = _std(rng.standard_normal((2, L, E)))
-    group_LE = np.repeat(s.group_skew * rng.standard_normal((L, G)), E // G, axis=1)
+    group_LE = np.repeat(s.group_skew * rng.standard_normal((L, Q)), E // Q, axis=1)
     a = np.sqrt(1.0 - s.phase_share - s.drift_share)
     b, c = np.sqrt(s.phase_share), np.sqrt(s.drift_share)
     phase_T = phase_schedule(s, rng)
@@ -186,7 +187,7 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
         "num_hidden_layers": s.num_hidden_layers,
         "num_experts": E,
         "top_k": s.top_k,
-        "num_expert_groups": G,
+        "num_expert_groups": Q,
         "topk_groups": s.topk_groups,
         "tokens_per_window": s.tokens_per_window,
         "source": (f"eplb.synth seed={s.seed}, calibrated on SGLang DeepSeek-V3 expert statistics "
