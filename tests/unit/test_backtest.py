@@ -1,0 +1,106 @@
+"""Backtests: past-only planning, scored windows, policies, leave-one-out and the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eplb.backtest import DISPATCH, backtest, leave_one_out
+from eplb.cli import main
+from eplb.errors import EplbError
+from eplb.trace import Trace, default_meta
+
+
+def _counts(rng, T=6, L=2, E=16):
+    return rng.poisson(rng.gamma(0.7, 40.0, size=(T, L, E))).astype(np.int64)
+
+
+def test_sequential_plans_on_the_past_only(rng):
+    c = _counts(rng, T=7)
+    r = backtest(c, gpus=4, planner="greedy", interval=2, history=3, quiet=True)
+    assert r.mode == "sequential" and r.dispatch == DISPATCH
+    assert [p.history for p in r.plans] == [(0, 3), (2, 5)]
+    assert [w.window for w in r.windows] == [3, 4, 5, 6]
+    for w in r.windows:
+        start, stop = r.plans[w.plan_index].history
+        assert stop <= w.window, "a plan saw the window it is scored on"
+
+
+def test_policies_are_ordered_and_bounded(rng):
+    r = backtest(_counts(rng, T=5), gpus=4, planner="greedy", quiet=True)
+    d = {name: i for i, name in enumerate(r.dispatch)}
+    for w in r.windows:
+        assert np.all(w.bound_ratio_D >= 1 - 1e-9)
+        assert np.all(w.imbalance_D >= 1 - 1e-9)
+        # The exact LP split is never worse than any other split of the same placement.
+        assert w.imbalance_D[d["optimal"]] <= w.imbalance_D[d["even"]] + 1e-9
+        assert w.imbalance_D[d["optimal"]] <= w.imbalance_D[d["resplit"]] + 1e-6
+    for p in r.plans:
+        assert np.all(p.optimisation_gap_D >= -1e-9)
+
+
+def test_stationary_traffic_has_no_forecast_gap(rng):
+    # The same window again and again: the past is the future, so the plan is the oracle's.
+    one = _counts(rng, T=1)
+    r = backtest(np.repeat(one, 4, axis=0), gpus=4, planner="greedy", history=1,
+                 dispatch=("even", "optimal"), quiet=True)
+    gaps = r.column("forecast_gap")
+    assert np.allclose(gaps, 0.0, atol=1e-9)
+
+
+def test_no_oracle_leaves_forecast_gap_unknown(rng):
+    r = backtest(_counts(rng, T=3), gpus=4, dispatch=("even",), oracle=False, quiet=True)
+    assert np.all(np.isnan(r.column("forecast_gap")))
+    assert r.summary()["median"]["forecast_gap"]["even"] is None
+
+
+def test_leave_one_out_scores_each_workload(rng):
+    loads = [_counts(rng, T=1), _counts(rng, T=2), _counts(rng, T=1)]
+    r = leave_one_out(loads, gpus=4, planner="robust", labels=["a", "b", "c"], dispatch=("even", "resplit"),
+                      quiet=True)
+    assert r.mode == "leave-one-out" and len(r.plans) == 3
+    assert r.labels == ("a", "b[0]", "b[1]", "c")
+    assert [w.window for w in r.windows] == [0, 1, 1, 2]
+    s = r.summary()
+    assert set(s["median"]["imbalance"]) == {"even", "resplit"}
+    json.dumps(s)  # JSON-ready
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(history=6), "more windows than its history"),
+    (dict(interval=0), "interval"),
+    (dict(dispatch=("fast",)), "dispatch"),
+    (dict(planner="nope"), "unknown planner"),
+])
+def test_bad_input_is_a_user_error(rng, kwargs, match):
+    with pytest.raises(EplbError, match=match):
+        backtest(_counts(rng, T=6), gpus=4, quiet=True, **kwargs)
+
+
+def test_leave_one_out_needs_two_matching_workloads(rng):
+    with pytest.raises(EplbError, match="at least 2"):
+        leave_one_out([_counts(rng)], gpus=4, quiet=True)
+    with pytest.raises(EplbError, match="disagree"):
+        leave_one_out([_counts(rng, E=16), _counts(rng, E=8)], gpus=4, quiet=True)
+
+
+def _write(tmp_path, name, counts):
+    path = tmp_path / name
+    Trace(counts, np.arange(3, 3 + counts.shape[1]), default_meta(3 + counts.shape[1], counts.shape[2])).save(path)
+    return str(path)
+
+
+def test_cli_table_json_and_leave_one_out(rng, tmp_path, capsys):
+    a = _write(tmp_path, "a.npz", _counts(rng, T=4))
+    b = _write(tmp_path, "b.npz", _counts(rng, T=1))
+    assert main(["backtest", a, "--gpus", "4", "-p", "greedy", "-p", "robust", "--interval", "2",
+                 "--dispatch", "even", "--dispatch", "resplit"]) == 0
+    out = capsys.readouterr().out
+    assert "forecast gap" in out and "robust" in out
+    assert main(["backtest", a, b, "--gpus", "4", "--leave-one-out", "--no-oracle", "--json",
+                 "--dispatch", "even"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (res,) = data["results"]
+    assert res["mode"] == "leave-one-out" and res["plans"] == 2 and res["scored_windows"] == 5
+    assert main(["backtest", b, "--gpus", "4"]) == 2
+    assert "more windows than its history" in capsys.readouterr().err
