@@ -21,6 +21,8 @@ EPILOG = """examples:
   eplb plan traces/deepseek.npz --gpus 16 -o plan.json
   eplb stats traces/deepseek.npz
   eplb inspect plan.json
+  eplb plot balance traces/deepseek.npz --gpus 32 -o balance.png
+  eplb capacity --model deepseek-v3 --gpus 32 --gpu-memory h200 --context 8192 --concurrency 2048
 run `eplb COMMAND --help` for a command's options and an example."""
 
 
@@ -40,10 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
         p = module.add_parser(sub)
         p.set_defaults(_run=module.run)
     return parser
-
-
-class _Parser(argparse.ArgumentParser):
-    pass
 
 
 def main(argv: list[str] | None = None) -> int:
