@@ -176,6 +176,10 @@ class Resplitter:
         self.gpu_LCKX = np.where(self.use_LCKX, gpu_LEX[r4, e4, x4], G)
         self.num_gpus, self.slots_per_gpu = G, S
         self.C, self.X = C, X
+        # Flat indices into the [L, P + 1] flow and [L, G + 1] GPU-load buffers, per colour.
+        K = self.slot_LCKX.shape[2]
+        self._slot_C = (np.arange(L)[:, None, None, None] * (P + 1) + self.slot_LCKX).transpose(1, 0, 2, 3).reshape(C, L * K, X)
+        self._gpu_C = (np.arange(L)[:, None, None, None] * (G + 1) + self.gpu_LCKX).transpose(1, 0, 2, 3).reshape(C, L * K, X)
         self._last_LP: np.ndarray | None = None
 
     def __call__(self, counts_LE, sweeps: int = 8, warm: bool = False) -> np.ndarray:
@@ -191,27 +195,31 @@ class Resplitter:
         flow_LP[:, :P] = np.take_along_axis(load, p.phy2log_LP, axis=1) * start_LP
         gpu_LG = np.zeros((L, G + 1))
         gpu_LG[:, :G] = flow_LP[:, :P].reshape(L, G, S).sum(axis=2)
-        if self.C:
-            load_LCK = np.take_along_axis(load, self.expert_LCK.reshape(L, -1), axis=1).reshape(self.expert_LCK.shape)
+        if self.C and sweeps:
+            flow, gpu = flow_LP.reshape(-1), gpu_LG.reshape(-1)
+            # Rows are (layer, expert) pairs of one colour; unused entries: dummy slot/GPU, base +inf.
+            C, K, X = self.expert_LCK.shape[1], self.expert_LCK.shape[2], self.X
+            load_CR = np.take_along_axis(load, self.expert_LCK.reshape(L, -1), axis=1).reshape(
+                L, C, K).transpose(1, 0, 2).reshape(C, L * K)
+            pad_CRX = np.where(self.use_LCKX, 0.0, np.inf).transpose(1, 0, 2, 3).reshape(C, L * K, X)
             ks = np.arange(1, self.X + 1)
-            r = np.arange(L)[:, None, None]
             for _ in range(sweeps):
                 for c in range(self.C):
-                    s_LKX, g_LKX, use_LKX = self.slot_LCKX[:, c], self.gpu_LCKX[:, c], self.use_LCKX[:, c]
-                    old_LKX = flow_LP[r, s_LKX]
-                    # Load of each replica's GPU without this expert; unused entries sit at +inf.
-                    base_LKX = np.where(use_LKX, gpu_LG[r, g_LKX] - old_LKX, np.inf)
-                    b_LKX = np.sort(base_LKX, axis=2)
-                    cum_LKX = np.cumsum(np.where(use_LKX.any(axis=2, keepdims=True) & np.isfinite(b_LKX), b_LKX, 0.0), axis=2)
-                    level_LKX = (load_LCK[:, c, :, None] + cum_LKX) / ks
-                    # Water-filling: the level rises over the k lowest GPUs while it tops the k-th.
-                    k_LK = (b_LKX < level_LKX).sum(axis=2, keepdims=True)
-                    level_LK1 = np.take_along_axis(level_LKX, np.maximum(k_LK - 1, 0), axis=2)
-                    new_LKX = np.where(use_LKX & (k_LK > 0), np.maximum(level_LK1 - base_LKX, 0.0), 0.0)
-                    # Experts of one colour use distinct GPUs, so fancy-index updates are safe (only
+                    s_RX, g_RX = self._slot_C[c], self._gpu_C[c]
+                    old_RX = flow[s_RX]
+                    # Load of each replica's GPU without this expert.
+                    base_RX = gpu[g_RX] - old_RX + pad_CRX[c]
+                    b_RX = np.sort(base_RX, axis=1)
+                    # Water-filling: the level over the k lowest GPUs is (load + their sum) / k; it
+                    # rises over the k lowest while it tops the k-th (+inf entries never count).
+                    level_RX = (load_CR[c][:, None] + np.cumsum(b_RX, axis=1)) / ks
+                    k_R = (b_RX < level_RX).sum(axis=1)
+                    level_R = np.where(k_R > 0, level_RX[np.arange(len(k_R)), np.maximum(k_R - 1, 0)], -np.inf)
+                    new_RX = np.maximum(level_R[:, None] - base_RX, 0.0)
+                    # Experts of one colour use distinct GPUs, so a fancy-index update is safe (only
                     # the dummy column repeats, and it only ever gets 0).
-                    gpu_LG[r, g_LKX] += new_LKX - old_LKX
-                    flow_LP[r, s_LKX] = new_LKX
+                    gpu[g_RX] += new_RX - old_RX
+                    flow[s_RX] = new_RX
         weights_LP = _shares_to_weights(p, load, flow_LP[:, :P])
         self._last_LP = weights_LP
         return weights_LP
