@@ -110,8 +110,20 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
     base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
     moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
 
-    # Inside each GPU: match the k-th copy of expert e in the new slots to the k-th copy of e
-    # in the old slots (keys e * S + k are unique within a GPU), keep matched ones in place.
+    return np.take_along_axis(base_LP, keep_slots(old_LP, moved_LP, G), axis=1)
+
+
+def keep_slots(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int) -> np.ndarray:
+    """Within-GPU slot permutation perm_LP: new_LP[l, perm_LP[l]] has each expert that a GPU
+    keeps in the slot it held in old_LP (GPUs are not renamed), so kept replicas are not
+    even copied locally."""
+    old_LP = np.asarray(old_LP)
+    new_LP = np.asarray(new_LP)
+    L, P = new_LP.shape
+    G, S = gpus, P // gpus
+    moved_LP = new_LP
+    # Match the k-th copy of expert e in the new slots to the k-th copy of e
+    # in the old slots (keys e * S + k are unique within a GPU) and keep matched ones in place.
     R = L * G
     new_RS = moved_LP.reshape(R, S)
     old_RS = old_LP.reshape(R, S)
@@ -143,7 +155,7 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
     src_RS[rr[fill], free_order[fill]] = unm_order[fill]
     assert (src_RS >= 0).all()
     within_LP = src_RS.reshape(L, P) + (np.arange(P) // S * S)[None, :]
-    return np.take_along_axis(base_LP, within_LP, axis=1)
+    return within_LP
 
 
 # 2b. Budgeted local search ----------------------------------------------------------------------
@@ -228,8 +240,6 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         srt = np.argsort(-gl_AG, axis=1)
         h = srt[:, 0]                                             # busiest GPU
         Lh = gl_AG[ar, h]
-        top2 = gl_AG[ar, srt[:, 1]]
-        top3 = gl_AG[ar, srt[:, 2]] if G > 2 else np.zeros(A)
         hs_AS = h[:, None] * S + np.arange(S)[None, :]            # slots of the busiest GPU
         ea_AS = np.take_along_axis(ph, hs_AS, axis=1)
         wa_AS = np.take_along_axis(w_AP, hs_AS, axis=1)
@@ -247,9 +257,10 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         w_AQ = np.take_along_axis(w_AP, q_AQ, axis=1)
         gl_AQ = np.take_along_axis(gl_AG, g_AQ, axis=1)
         delta = wa_AS[:, :, None] - w_AQ[:, None, :]             # [A, S, Q] load leaving h
-        others = np.where(g_AQ == srt[:, 1:2], top3[:, None], top2[:, None])[:, None, :]
-        swap_gain = Lh[:, None, None] - np.maximum(
-            np.maximum(Lh[:, None, None] - delta, gl_AQ[:, None, :] + delta), others)
+        # Gains are local: how far the busiest GPU drops while the GPUs the change touches
+        # stay below its old load. The global maximum never rises, and a layer with several
+        # near-busiest GPUs still sees each step as progress.
+        swap_gain = Lh[:, None, None] - np.maximum(Lh[:, None, None] - delta, gl_AQ[:, None, :] + delta)
         x3, g3 = ea_AS[:, :, None], g_AQ[:, None, :]
         cn_g_ea = cnt_LEG[la3, x3, g3]                            # [A, S, Q]
         cn_h_eb = cnt_LEG[la2, eb_AQ, h2][:, None, :]             # [A, 1, Q]
@@ -293,6 +304,8 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         gq3 = gq_AD[:, None, :]
         at_g = new_ASDG[ia, isx, idd, gq3] + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :]
         new_ASDG[ia, isx, idd, gq3] = -np.inf
+        untouched = (cnt_x_ASG == 0)[:, :, None, :] & (cnt_b_ADG == 0)[:, None, :, :]
+        new_ASDG[untouched] = -np.inf
         rep_gain = Lh[:, None, None] - np.maximum(new_ASDG.max(axis=3), at_g)
         cn_gx = cnt_x_ASG[ia, isx, gq3]                                           # [A, S, D]
         rep_cost = ((~old_LEG[la3, x3, gq3]).astype(np.int64)
@@ -432,6 +445,7 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     start = restore_missing(load_LE, old_LP, gpus) if (old_LP < 0).any() or (
         holdings(old_LP, gpus, E).sum(axis=1) == 0).any() else old_LP
     searched = budgeted_search(load_LE, start, gpus, budget)
+    searched = np.take_along_axis(searched, keep_slots(old_LP, searched, gpus), axis=1)
     # The relabelled target wins if the budget can pay for it and it balances at least as well.
     fits = ((budget.max_moves is None or moves_rel_LG.sum() <= budget.max_moves)
             and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu)
@@ -441,6 +455,44 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
         return relabeled, perm, info
     info["method"] = "budgeted_search"
     return searched, None, info
+
+
+def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = None):
+    """The front door's migration step: a planner's Solution made to fit request.previous.
+
+    Relabels the planner's plan onto the previous placement (balance unchanged) or, when the
+    budget cannot pay for that, replaces it by the budgeted search from the previous
+    placement (status HEURISTIC, message says so). Move counts go to info["migration"].
+    """
+    import time
+
+    from eplb.planning import Solution
+
+    prev, topo = request.previous, request.topology
+    if prev.num_gpus != topo.gpus or prev.num_nodes != topo.nodes:
+        raise EplbError(f"previous placement is for {prev.num_gpus} GPUs on {prev.num_nodes} node(s); "
+                        f"this plan is for {topo.gpus} on {topo.nodes}: plan for the same GPUs")
+    if bytes_per_expert is not None and (int(bytes_per_expert) != bytes_per_expert or bytes_per_expert < 1):
+        raise EplbError(f"bytes_per_expert must be a positive whole number, got {bytes_per_expert!r}")
+    t0 = time.perf_counter()
+    phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.gpus, topo.nodes, budget)
+    weights = None
+    if perm is not None and sol.dispatch_weights_LP is not None:
+        weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
+    moves_LG = count_moves(prev.phy2log_LP, phy, topo.gpus, request.num_experts)
+    info.update({
+        "moves": int(moves_LG.sum()),
+        "moves_max_per_gpu": int(moves_LG.sum(axis=0).max()),
+        "bytes": None if bytes_per_expert is None else int(moves_LG.sum()) * int(bytes_per_expert),
+        "max_moves": budget.max_moves, "max_moves_per_gpu": budget.max_moves_per_gpu,
+        "move_cost": budget.move_cost, "seconds": time.perf_counter() - t0,
+    })
+    if info["method"] == "relabel":
+        return Solution(phy, weights, sol.status, sol.message, {**sol.info, "migration": info})
+    note = (f"move-budgeted search from the previous placement ({info['moves']} moves; the planner's "
+            f"own plan needed {info['moves_relabeled']} after relabelling), even dispatch")
+    return Solution(phy, None, "HEURISTIC", f"{sol.message}; {note}" if sol.message else note,
+                    {**sol.info, "migration": info})
 
 
 def max_load(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.ndarray:
@@ -454,3 +506,359 @@ def max_load(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.ndarray:
     e = np.maximum(phy_LP, 0)
     w = np.where(valid, np.take_along_axis(load_LE / np.maximum(r, 1), e, axis=1), 0.0)
     return w.reshape(L, gpus, P // gpus).sum(axis=2).max(axis=1)
+
+
+# 3. Scheduling ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class MigrationPlan:
+    """Copies that turn old_LP into new_LP, in rounds that keep every expert served.
+
+    Transfer m copies expert `expert_M[m]` of layer `layer_M[m]` from slot `src_slot_M[m]`
+    (on rank `src_rank_M[m]`, or CHECKPOINT = -1: reload from the checkpoint) into slot
+    `dst_slot_M[m]` (on rank `dst_rank_M[m]`) during round `round_M[m]`. Within a round every
+    rank sends at most one and receives at most one expert over the network; copies inside
+    one GPU (src rank = dst rank) use no link and are not limited. A slot being written
+    serves nothing during its round (see `serving`). Ranks and slots are indices of the
+    placements (0..G-1, 0..P-1); `rank_ids_G` names the engine rank of each.
+    """
+
+    old_LP: np.ndarray
+    """Expert in each slot before migration, int64 [L, P]; -1 = empty slot."""
+    new_LP: np.ndarray
+    """Expert in each slot after migration, int64 [L, P]."""
+    slots_per_gpu: int
+    """S: slot p lives on rank p // S."""
+    num_experts: int
+    """E: logical experts."""
+    round_M: np.ndarray
+    """Round of each transfer, non-decreasing, int64 [M]."""
+    layer_M: np.ndarray
+    """Layer index (0..L-1) of each transfer, int64 [M]."""
+    expert_M: np.ndarray
+    """Logical expert copied, int64 [M]."""
+    src_rank_M: np.ndarray
+    """Rank copied from, or CHECKPOINT (-1), int64 [M]."""
+    src_slot_M: np.ndarray
+    """Slot copied from (-1 with CHECKPOINT), int64 [M]."""
+    dst_rank_M: np.ndarray
+    """Rank written to, int64 [M]."""
+    dst_slot_M: np.ndarray
+    """Slot written to, int64 [M]."""
+    staging_M: np.ndarray
+    """True for copies that only break a cycle (into a slot restored later), bool [M]."""
+    chunk_R: np.ndarray
+    """Layer chunk each round belongs to, int64 [R]; a round never mixes chunks."""
+    rank_ids_G: np.ndarray
+    """Engine rank id of each rank index, int64 [G] (0..G-1 unless ranks failed)."""
+    bytes_per_expert: int | None = None
+    """Size of one expert's weights, for `bytes` (None: unknown)."""
+
+    def __post_init__(self) -> None:
+        old, new = np.asarray(self.old_LP), np.asarray(self.new_LP)
+        if old.shape != new.shape or old.ndim != 2:
+            raise EplbError(f"old and new maps must be [layers, slots] of one shape, got {old.shape} and {new.shape}")
+        M = len(self.round_M)
+        for name in ("layer_M", "expert_M", "src_rank_M", "src_slot_M", "dst_rank_M", "dst_slot_M", "staging_M"):
+            if len(getattr(self, name)) != M:
+                raise EplbError(f"{name} has {len(getattr(self, name))} entries, round_M has {M}")
+        rnd = np.asarray(self.round_M, dtype=np.int64)
+        if M and (np.any(np.diff(rnd) < 0) or rnd[0] < 0):
+            raise EplbError("transfers must be sorted by round, from round 0")
+        if len(self.chunk_R) != (int(rnd[-1]) + 1 if M else 0):
+            raise EplbError(f"chunk_R has {len(self.chunk_R)} entries for {int(rnd[-1]) + 1 if M else 0} rounds")
+        for name in ("round_M", "layer_M", "expert_M", "src_rank_M", "src_slot_M", "dst_rank_M",
+                     "dst_slot_M", "chunk_R", "rank_ids_G"):
+            object.__setattr__(self, name, _ro(np.asarray(getattr(self, name), dtype=np.int64)))
+        object.__setattr__(self, "staging_M", _ro(np.asarray(self.staging_M, dtype=bool)))
+        object.__setattr__(self, "old_LP", _ro(old.astype(np.int64)))
+        object.__setattr__(self, "new_LP", _ro(new.astype(np.int64)))
+        # Link limits: per round, each rank sends <= 1 and receives <= 1 over the network.
+        net = self.network_mask
+        for ranks in (self.src_rank_M[net], self.dst_rank_M[net]):
+            key = rnd[net] * (len(self.rank_ids_G) + 1) + ranks
+            if len(np.unique(key)) != len(key):
+                raise EplbError("a rank sends or receives more than one expert in one round")
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.chunk_R)
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self.round_M)
+
+    @property
+    def network_mask(self) -> np.ndarray:
+        """Transfers that cross a link (not local copies, not checkpoint reloads), bool [M]."""
+        return (self.src_rank_M >= 0) & (self.src_rank_M != self.dst_rank_M)
+
+    @property
+    def reloads(self) -> int:
+        """Copies read from the checkpoint (experts that lost every replica)."""
+        return int((self.src_rank_M == CHECKPOINT).sum())
+
+    @property
+    def moves(self) -> int:
+        """Experts copied onto a GPU that did not hold them before (count_moves of old -> new)."""
+        G = len(self.rank_ids_G)
+        return int(count_moves(self.old_LP, self.new_LP, G, self.num_experts).sum())
+
+    @property
+    def bytes(self) -> int | None:
+        """Bytes sent over links and read from the checkpoint (None without bytes_per_expert)."""
+        if self.bytes_per_expert is None:
+            return None
+        return int((self.network_mask.sum() + self.reloads) * self.bytes_per_expert)
+
+    def summary(self) -> dict:
+        """JSON-ready counts."""
+        return {
+            "moves": self.moves, "transfers": self.num_transfers,
+            "network_transfers": int(self.network_mask.sum()),
+            "local_copies": int(((self.src_rank_M == self.dst_rank_M)).sum()),
+            "staging_copies": int(self.staging_M.sum()), "reloads": self.reloads,
+            "rounds": self.num_rounds, "bytes": self.bytes,
+        }
+
+    def chunks(self) -> list[tuple[np.ndarray, range]]:
+        """(layers, rounds) of each layer chunk, in the order they run."""
+        out = []
+        for c in np.unique(self.chunk_R):
+            rounds = np.flatnonzero(self.chunk_R == c)
+            layers = np.unique(self.layer_M[np.isin(self.round_M, rounds)])
+            out.append((layers, range(int(rounds[0]), int(rounds[-1]) + 1)))
+        return out
+
+    def state_before(self, k: int) -> np.ndarray:
+        """Complete slot contents when round k starts, int64 [L, P] (k = num_rounds: the end)."""
+        if not 0 <= k <= self.num_rounds:
+            raise EplbError(f"round {k} is outside 0..{self.num_rounds}")
+        cur = self.old_LP.copy()
+        done = self.round_M < k
+        cur[self.layer_M[done], self.dst_slot_M[done]] = self.expert_M[done]
+        return cur
+
+    def serving(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """What to serve with during round k: (phy2log_LP, dispatch_weights_LP).
+
+        Slots being written in round k get weight 0 and are labelled with the expert they
+        are receiving; each expert's tokens are split evenly over its complete replicas.
+        Experts with no complete replica (only possible for experts lost with failed ranks
+        before their reload lands) have weight 0 everywhere.
+        """
+        if not 0 <= k < self.num_rounds:
+            raise EplbError(f"round {k} is outside 0..{self.num_rounds - 1}")
+        cur = self.state_before(k)
+        now = self.round_M == k
+        writing = np.zeros(cur.shape, dtype=bool)
+        writing[self.layer_M[now], self.dst_slot_M[now]] = True
+        cur[self.layer_M[now], self.dst_slot_M[now]] = self.expert_M[now]
+        live = (cur >= 0) & ~writing
+        L, E = cur.shape[0], self.num_experts
+        n_LE = np.zeros((L, E))
+        np.add.at(n_LE, (np.nonzero(live)[0], cur[live]), 1.0)
+        w = np.where(live, 1.0 / np.maximum(np.take_along_axis(n_LE, np.maximum(cur, 0), axis=1), 1), 0.0)
+        return cur, w
+
+    def serving_placement(self, k: int, *, num_nodes: int = 1, layer_ids=None):
+        """`serving(k)` as a Placement (raises if an expert has no complete replica)."""
+        from eplb.placement import Placement
+
+        phy, w = self.serving(k)
+        if (phy < 0).any():
+            l, p = np.argwhere(phy < 0)[0]
+            raise EplbError(f"slot {p} of layer index {l} is empty in round {k}: no placement to serve")
+        sums = np.zeros((phy.shape[0], self.num_experts))
+        np.add.at(sums, (np.arange(phy.shape[0])[:, None], phy), w)
+        if (sums == 0).any():
+            l, e = np.argwhere(sums == 0)[0]
+            raise EplbError(f"expert {e} of layer index {l} has no complete replica in round {k} "
+                            f"(lost with a failed rank; it is served again once reloaded)")
+        return Placement(phy, len(self.rank_ids_G), self.num_experts, num_nodes, layer_ids, w,
+                         planner="migration")
+
+    def check(self) -> None:
+        """Replay the schedule and raise AssertionError if any round breaks the guarantees:
+        an expert present before losing its last complete replica, a source slot that is
+        not complete, or a slot written twice in one round."""
+        G = len(self.rank_ids_G)
+        S = self.slots_per_gpu
+        for k in range(self.num_rounds):
+            cur = self.state_before(k)
+            now = np.flatnonzero(self.round_M == k)
+            dst = set()
+            for m in now:
+                l, p, s = self.layer_M[m], self.dst_slot_M[m], self.src_slot_M[m]
+                assert (l, p) not in dst, f"slot {p} of layer {l} written twice in round {k}"
+                dst.add((l, p))
+                assert p // S == self.dst_rank_M[m] and 0 <= self.dst_rank_M[m] < G
+                if self.src_rank_M[m] != CHECKPOINT:
+                    assert cur[l, s] == self.expert_M[m], f"round {k}: source slot {s} does not hold expert"
+                    assert s // S == self.src_rank_M[m]
+            for m in now:
+                l, s = self.layer_M[m], self.src_slot_M[m]
+                if s >= 0:
+                    assert (l, s) not in dst, f"round {k}: slot {s} of layer {l} is both source and destination"
+            phy, w = self.serving(k)
+            for l in np.unique(self.layer_M[now]):
+                before = set(cur[l][cur[l] >= 0].tolist())
+                serving = set(phy[l][w[l] > 0].tolist())
+                lost = before - serving
+                assert not lost, f"round {k}: experts {sorted(lost)} of layer {l} have no serving replica"
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a
+
+
+def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int, *,
+             layers_per_chunk: int | None = None, rank_ids=None,
+             bytes_per_expert: int | None = None) -> MigrationPlan:
+    """Order the copies from old_LP to new_LP into safe rounds (see MigrationPlan).
+
+    Greedy per round: ranks with the most copies left go first; each takes its first
+    pending slot that may be written now, i.e. whose current expert keeps another complete
+    replica that is not being written this round, from a source slot that is complete and
+    on a rank with its send link free (a source on the same GPU needs no link). Experts
+    absent from old_LP are read from the checkpoint once, then copied from that replica.
+
+    Cycles: when no pending slot may be written (each holds the only replica of its expert,
+    e.g. two GPUs exchanging their only copies of A and B), one such expert is first copied
+    into a *staging* slot: a slot already in its final state whose expert has another
+    complete replica (exists whenever a layer has more slots than experts present). The
+    cycle then unwinds, and the staging slot is restored last. With no such slot (P = E
+    and a cycle) a safe schedule does not exist and EplbError says so.
+
+    layers_per_chunk: rounds only mix layers of one chunk of that many consecutive layers,
+    and chunks run in order, so an engine can migrate (and free buffers) chunk by chunk.
+    """
+    old_LP = np.asarray(old_LP, dtype=np.int64)
+    new_LP = np.asarray(new_LP, dtype=np.int64)
+    if old_LP.shape != new_LP.shape:
+        raise EplbError(f"old placement is {old_LP.shape} [layers, slots] but new is {new_LP.shape}")
+    L, P = new_LP.shape
+    if P % gpus:
+        raise EplbError(f"{P} slots do not split evenly over {gpus} GPUs")
+    if (new_LP < 0).any() or (new_LP >= num_experts).any():
+        raise EplbError(f"the new placement must hold expert ids 0..{num_experts - 1} in every slot")
+    S = P // gpus
+    chunk = L if layers_per_chunk is None else int(layers_per_chunk)
+    if chunk < 1:
+        raise EplbError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
+    ranks = np.arange(gpus) if rank_ids is None else np.asarray(rank_ids, dtype=np.int64)
+    if ranks.shape != (gpus,):
+        raise EplbError(f"rank_ids must name {gpus} ranks, got {ranks.shape[0]}")
+    cols: list[tuple] = []
+    chunk_R: list[int] = []
+    for c, first in enumerate(range(0, L, chunk)):
+        layers = range(first, min(L, first + chunk))
+        _schedule_chunk(old_LP, new_LP, layers, S, gpus, c, cols, chunk_R)
+    arr = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
+    return MigrationPlan(
+        old_LP=old_LP, new_LP=new_LP, slots_per_gpu=S, num_experts=num_experts,
+        round_M=arr[:, 0], layer_M=arr[:, 1], expert_M=arr[:, 2], src_rank_M=arr[:, 3],
+        src_slot_M=arr[:, 4], dst_rank_M=arr[:, 5], dst_slot_M=arr[:, 6],
+        staging_M=arr[:, 7].astype(bool), chunk_R=np.asarray(chunk_R, dtype=np.int64),
+        rank_ids_G=ranks, bytes_per_expert=bytes_per_expert,
+    )
+
+
+def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R) -> None:
+    """Append the rounds of one layer chunk to cols / chunk_R (see `schedule`)."""
+    cur = {l: old_LP[l].tolist() for l in layers}
+    tgt = {l: new_LP[l].tolist() for l in layers}
+    holders: dict[tuple[int, int], set] = {}
+    for l in layers:
+        for p, e in enumerate(cur[l]):
+            if e >= 0:
+                holders.setdefault((l, e), set()).add(p)
+    pend: list[list[tuple[int, int]]] = [[] for _ in range(G)]
+    for l in layers:
+        for p in np.flatnonzero(old_LP[l] != new_LP[l]).tolist():
+            pend[p // S].append((l, p))
+    left = sum(len(q) for q in pend)
+    # Staging slot -> (blocked slot, expert): the staging copy stays until the blocked slot
+    # has been overwritten, or restoring it first would just recreate the cycle.
+    staged_for: dict[tuple[int, int], tuple[int, int]] = {}
+    guard = 4 * (left + len(layers) * len(cur[layers[0]]) if len(layers) else 0) + 8
+    while left:
+        guard -= 1
+        assert guard > 0, "migration schedule does not converge (bug)"
+        rnd = len(chunk_R)
+        send_busy, recv_busy = set(), set()
+        sourcing, done = set(), []
+        for d in sorted(range(G), key=lambda g: -len(pend[g])):
+            for (l, p) in pend[d]:
+                if d in recv_busy:
+                    break
+                if (l, p) in sourcing:
+                    continue
+                if (l, p) in staged_for:
+                    blocked, a = staged_for[(l, p)]
+                    if cur[l][blocked] == a:
+                        continue
+                    del staged_for[(l, p)]
+                o, e = cur[l][p], tgt[l][p]
+                if o >= 0 and len(holders[(l, o)]) < 2:
+                    continue                      # p holds the last complete replica of o
+                hs = holders.get((l, e))
+                if hs:
+                    src = next((s for s in hs if s // S == d), None)
+                    if src is None:
+                        src = next((s for s in hs if s // S not in send_busy), None)
+                        if src is None:
+                            continue
+                        send_busy.add(src // S)
+                        recv_busy.add(d)
+                    src_rank = src // S
+                elif any(x == e for x in cur[l]) or any(
+                        t[0] == l and t[2] == e for t in done):
+                    continue                      # e's only copy is still being written
+                else:
+                    src, src_rank = -1, CHECKPOINT  # lost with every replica: reload
+                    recv_busy.add(d)
+                sourcing.add((l, src))
+                if o >= 0:
+                    holders[(l, o)].discard(p)
+                done.append((l, p, e, src_rank, src, d, False))
+        if not done:
+            done.append(_stage(cur, tgt, holders, pend, layers, S))
+            l, s_, a, _r, src, *_ = done[0]
+            staged_for[(l, s_)] = (src, a)
+        for (l, p, e, src_rank, src, d, staged) in done:
+            if cur[l][p] >= 0:
+                holders[(l, cur[l][p])].discard(p)
+            cur[l][p] = e
+            holders.setdefault((l, e), set()).add(p)
+            cols.append((rnd, l, e, src_rank, src, d, p, staged))
+        chunk_R.append(chunk_id)
+        for g in range(G):
+            pend[g] = [(l, p) for (l, p) in pend[g] if cur[l][p] != tgt[l][p]]
+        # A staging copy makes its slot pending again (it must get its own expert back).
+        for (l, p, e, *_rest) in done:
+            if cur[l][p] != tgt[l][p] and (l, p) not in pend[p // S]:
+                pend[p // S].append((l, p))
+        left = sum(len(q) for q in pend)
+
+
+def _stage(cur, tgt, holders, pend, layers, S):
+    """Break a cycle: copy the expert of a blocked pending slot into a finished slot whose own
+    expert has another complete replica (preferring one on the same GPU: no link used)."""
+    for d, q in enumerate(pend):
+        for (l, p) in q:
+            a = cur[l][p]
+            spare = [s for s in range(len(cur[l]))
+                     if cur[l][s] == tgt[l][s] and cur[l][s] >= 0 and len(holders[(l, cur[l][s])]) >= 2]
+            if not spare:
+                continue
+            same = [s for s in spare if s // S == p // S]
+            s = (same or spare)[0]
+            holders[(l, cur[l][s])].discard(s)
+            return (l, s, a, p // S, p, s // S, True)
+    raise EplbError(
+        "no safe migration: every pending slot holds the only replica of its expert and no "
+        "slot holds a spare replica to stage through (a layer with as many slots as experts); "
+        "add redundant slots or migrate with the experts offline")

@@ -180,6 +180,10 @@ def plan(
     num_groups: int | None = None,
     previous: Placement | None = None,
     settings: dict | None = None,
+    max_moves: int | None = None,
+    max_moves_per_gpu: int | None = None,
+    move_cost: float = 0.0,
+    bytes_per_expert: int | None = None,
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -188,6 +192,10 @@ def plan(
     load, and passed whole to planners that plan against every window (robust ones).
     Topology: `gpus`, `nodes`, and `redundant` slots in total or `slots_per_gpu` (default one
     redundant slot per GPU). `num_groups` defaults to the trace's `num_expert_groups`.
+    Migration (eplb.migration): with `previous`, the plan is relabelled to keep the most of
+    its replicas in place; `max_moves` (total), `max_moves_per_gpu` and `move_cost` bound how
+    many replicas may be copied (a budgeted search from `previous` then competes with the
+    relabelled plan). Moves (and bytes, given `bytes_per_expert`) are reported in `info`.
     """
     history_TLE, layer_ids, meta = as_history(loads_or_trace)
     load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
@@ -206,6 +214,13 @@ def plan(
     t0 = time.perf_counter()
     sol = impl.plan(request)
     seconds = time.perf_counter() - t0
+    if previous is not None:
+        from eplb import migration
+
+        sol = migration.adapt_solution(request, sol, migration.Budget(max_moves, max_moves_per_gpu, move_cost),
+                                       bytes_per_expert)
+    elif max_moves is not None or max_moves_per_gpu is not None or move_cost:
+        raise EplbError("max_moves, max_moves_per_gpu and move_cost need the previous placement (previous=...)")
     return finish(request, sol, planner, seconds)
 
 
