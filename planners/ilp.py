@@ -17,11 +17,13 @@ at 32 GPUs and rounding moves a GPU's load by at most S/2 units). Even-split per
 loads are rounded up. The plan is scored afterwards on the real loads, and each layer keeps
 the better of the CP-SAT and greedy placements there: `ilp` is never worse than `greedy`.
 
-Every variable gets a hint from `greedy` (for "weighted", with the exact LP shares of the
-greedy placement, rounded to integers that sum to each expert's load), and z >= the analytic
-lower bound (`eplb.stats.lower_bound`), so a plan that meets the bound is proven optimal at
-once. Layers are solved concurrently in a thread pool (CP-SAT releases the GIL while it
-solves); `jobs` layers at a time, `workers` CP-SAT threads each.
+Every variable gets a hint (a complete solution): from `greedy`; for "weighted" with the
+exact LP shares of the greedy placement rounded to integers that sum to each expert's load,
+or the wrap-around `chain_fill` placement where that is better; for "even", greedy with its
+swap refinement where that is better. z >= the analytic lower bound (`eplb.stats.lower_bound`),
+so a hint that meets the bound is optimal as it is (CP-SAT is then skipped) and a solution
+that meets it ends the search. Layers are solved concurrently in a thread pool (CP-SAT
+releases the GIL while it solves): `jobs` layers at a time, `workers` CP-SAT threads each.
 """
 
 from __future__ import annotations
@@ -384,9 +386,17 @@ class IlpPlanner:
         greedy_w_LP = optimal_weights(greedy, load_LE) if weighted else None
         int_LE = np.stack([scale_loads(load_LE[l]) for l in range(L)])
         hint_w_LP = None
+        hint_LP = greedy_LP
+        if not weighted:
+            # Even split: greedy's own swap refinement is a better start where it helps.
+            refined_LP = plan_greedy(load_LE, G, S, refine_rounds=64)
+            better_L = (Placement(refined_LP, G, E).gpu_loads(load_LE).max(axis=1)
+                        < greedy.gpu_loads(load_LE).max(axis=1))
+            hint_LP = np.where(better_L[:, None], refined_LP, greedy_LP)
         if weighted:
-            # Hint shares: the exact LP shares of the greedy placement for the integer loads.
-            hint_w_LP = optimal_weights(greedy, int_LE.astype(np.float64))
+            # Hint shares: the greedy placement's exact LP shares (integer loads are the real
+            # ones scaled, so the same shares are optimal for them up to rounding).
+            hint_w_LP = greedy_w_LP
         jobs, workers = self._threads(L)
 
         results: list[dict | None] = [None] * L
@@ -398,7 +408,7 @@ class IlpPlanner:
                     results[l] = {"status": "OPTIMAL", "phy_P": greedy_LP[l], "objective": 0, "bound": 0,
                                   "seconds": 0.0, "hint_objective": 0, "lower": 0, "hint": "greedy"}
                     continue
-                futures[pool.submit(solve_layer, int_LE[l], greedy_LP[l],
+                futures[pool.submit(solve_layer, int_LE[l], hint_LP[l],
                                     None if hint_w_LP is None else hint_w_LP[l], G, S, self.dispatch,
                                     self.time_limit, workers, self.seed, self.chain)] = l
             for fut in progress(as_completed(futures), total=len(futures), desc=f"ilp ({L} layers)",
