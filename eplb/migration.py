@@ -766,7 +766,7 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     )
 
 
-def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R) -> None:
+def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R, per_rank: int = 8) -> None:
     """Append the rounds of one layer chunk to cols / chunk_R (see `schedule`)."""
     cur = {l: old_LP[l].tolist() for l in layers}
     tgt = {l: new_LP[l].tolist() for l in layers}
@@ -788,12 +788,22 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R) -> No
         guard -= 1
         assert guard > 0, "migration schedule does not converge (bug)"
         rnd = len(chunk_R)
-        send_busy, recv_busy = set(), set()
-        sourcing, done = set(), []
-        for d in sorted(range(G), key=lambda g: -len(pend[g])):
+        sourcing, done, inflight = set(), [], set()
+
+        def commit(l, p, e, src, src_rank, d):
+            o = cur[l][p]
+            if o >= 0:
+                holders[(l, o)].discard(p)
+            sourcing.add((l, src))
+            inflight.add((l, e))
+            done.append((l, p, e, src_rank, src, d, False))
+
+        # Scan: local copies are taken at once (no link); network and checkpoint candidates
+        # (at most `per_rank` per destination rank) go to a matching of links.
+        cand: list[list[tuple]] = [[] for _ in range(G)]
+        rows, cols_ = [], []
+        for d in range(G):
             for (l, p) in pend[d]:
-                if d in recv_busy:
-                    break
                 if (l, p) in sourcing:
                     continue
                 if (l, p) in staged_for:
@@ -806,28 +816,52 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R) -> No
                     continue                      # p holds the last complete replica of o
                 hs = holders.get((l, e))
                 if hs:
-                    src = next((s for s in hs if s // S == d), None)
-                    if src is None:
-                        src = next((s for s in hs if s // S not in send_busy), None)
-                        if src is None:
-                            continue
-                        send_busy.add(src // S)
-                        recv_busy.add(d)
-                    src_rank = src // S
-                elif any(x == e for x in cur[l]) or any(
-                        t[0] == l and t[2] == e for t in done):
+                    local = next((s for s in hs if s // S == d), None)
+                    if local is not None:
+                        commit(l, p, e, local, d, d)
+                        continue
+                    by_rank = {}
+                    for s in hs:
+                        by_rank.setdefault(s // S, s)
+                elif (l, e) in inflight:
                     continue                      # e's only copy is still being written
                 else:
-                    src, src_rank = -1, CHECKPOINT  # lost with every replica: reload
-                    recv_busy.add(d)
-                sourcing.add((l, src))
-                if o >= 0:
-                    holders[(l, o)].discard(p)
-                done.append((l, p, e, src_rank, src, d, False))
+                    by_rank = {G + d: -1}         # lost with every replica: checkpoint reload
+                if len(cand[d]) < per_rank:
+                    cand[d].append((l, p, e, by_rank))
+                    for r in by_rank:
+                        rows.append(d)
+                        cols_.append(r)
+        # Each rank receives <= 1 and sends <= 1: a maximum matching of destination ranks to
+        # source ranks (columns G + d stand for the checkpoint, one per destination).
+        if rows:
+            from scipy.sparse import csr_matrix
+            from scipy.sparse.csgraph import maximum_bipartite_matching
+
+            graph = csr_matrix((np.ones(len(rows)), (rows, cols_)), shape=(G, 2 * G))
+            match = maximum_bipartite_matching(graph, perm_type="column")
+            for d in range(G):
+                r = int(match[d])
+                if r < 0:
+                    continue
+                for (l, p, e, by_rank) in cand[d]:
+                    if r not in by_rank or (l, p) in sourcing:
+                        continue
+                    o, src = cur[l][p], by_rank[r]
+                    if any(t[0] == l and t[1] == p for t in done[-G:]):
+                        continue
+                    if o >= 0 and len(holders[(l, o)]) < 2:
+                        continue                  # an earlier pick this round took o's spare
+                    if src >= 0 and src not in holders.get((l, e), ()):
+                        continue                  # the source is being written this round
+                    if src < 0 and (l, e) in inflight:
+                        continue
+                    commit(l, p, e, src, CHECKPOINT if src < 0 else r, d)
+                    break
         if not done:
-            done.append(_stage(cur, tgt, holders, pend, layers, S))
-            l, s_, a, _r, src, *_ = done[0]
-            staged_for[(l, s_)] = (src, a)
+            done = _stage_cycles(cur, tgt, holders, pend, S)
+            for (l, s_, a, _r, src, *_) in done:
+                staged_for[(l, s_)] = (src, a)
         for (l, p, e, src_rank, src, d, staged) in done:
             if cur[l][p] >= 0:
                 holders[(l, cur[l][p])].discard(p)
@@ -844,21 +878,66 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R) -> No
         left = sum(len(q) for q in pend)
 
 
-def _stage(cur, tgt, holders, pend, layers, S):
-    """Break a cycle: copy the expert of a blocked pending slot into a finished slot whose own
-    expert has another complete replica (preferring one on the same GPU: no link used)."""
-    for d, q in enumerate(pend):
+def _stage_cycles(cur, tgt, holders, pend, S):
+    """Break every cycle of blocked slots at once, one staging copy per cycle.
+
+    Slot p is blocked when it holds the last replica of its expert o; it waits for a
+    pending slot whose target is o. Following these waits from any blocked slot ends in a
+    cycle (everything is blocked when this runs). Per cycle, one member's expert is copied
+    into a spare slot: a finished slot whose own expert has another complete replica,
+    on the member's GPU if possible (no link), else over free links.
+    """
+    waiting_for: dict[tuple[int, int], list] = {}
+    for q in pend:
         for (l, p) in q:
-            a = cur[l][p]
-            spare = [s for s in range(len(cur[l]))
-                     if cur[l][s] == tgt[l][s] and cur[l][s] >= 0 and len(holders[(l, cur[l][s])]) >= 2]
-            if not spare:
-                continue
-            same = [s for s in spare if s // S == p // S]
-            s = (same or spare)[0]
-            holders[(l, cur[l][s])].discard(s)
-            return (l, s, a, p // S, p, s // S, True)
-    raise EplbError(
-        "no safe migration: every pending slot holds the only replica of its expert and no "
-        "slot holds a spare replica to stage through (a layer with as many slots as experts); "
-        "add redundant slots or migrate with the experts offline")
+            waiting_for.setdefault((l, tgt[l][p]), []).append(p)
+    state: dict[tuple[int, int], int] = {}                 # 1 = on the current walk, 2 = done
+    cycles = []
+    for q in pend:
+        for start in q:
+            path = []
+            node = start
+            while node is not None and state.get(node) is None:
+                state[node] = 1
+                path.append(node)
+                l, p = node
+                nxt = waiting_for.get((l, cur[l][p]), [])
+                node = (l, nxt[0]) if nxt else None
+            if node is not None and state.get(node) == 1:
+                cycles.append(path[path.index(node):])
+            for n in path:
+                state[n] = 2
+    out, used, send_busy, recv_busy = [], set(), set(), set()
+    spares_by_layer: dict[int, list[int]] = {}
+    for cyc in cycles:
+        l = cyc[0][0]
+        if l not in spares_by_layer:
+            spares_by_layer[l] = [s for s in range(len(cur[l])) if cur[l][s] == tgt[l][s]
+                                  and cur[l][s] >= 0 and len(holders[(l, cur[l][s])]) >= 2]
+        best = None
+        for (_, p) in cyc:
+            for s in spares_by_layer[l]:
+                if (l, s) in used or len(holders[(l, cur[l][s])]) < 2:
+                    continue
+                if s // S == p // S:
+                    best = (p, s)
+                    break
+                if best is None and p // S not in send_busy and s // S not in recv_busy:
+                    best = (p, s)
+            if best is not None and best[1] // S == best[0] // S:
+                break
+        if best is None:
+            continue
+        p, s = best
+        if s // S != p // S:
+            send_busy.add(p // S)
+            recv_busy.add(s // S)
+        used.add((l, s))
+        holders[(l, cur[l][s])].discard(s)
+        out.append((l, s, cur[l][p], p // S, p, s // S, True))
+    if not out:
+        raise EplbError(
+            "no safe migration: every pending slot holds the only replica of its expert and no "
+            "slot holds a spare replica to stage through (a layer with as many slots as experts); "
+            "add redundant slots or migrate with the experts offline")
+    return out

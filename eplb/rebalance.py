@@ -1,0 +1,311 @@
+"""Rebalancer: the hook a serving loop calls to keep its expert placement balanced.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs (ranks), S = slots per GPU,
+P = G x S physical slots, W = observations kept in a sliding window.
+
+Usage (pure numpy; no torch):
+
+    rb = Rebalancer(placement, interval=1000, min_improvement=0.02)
+    for step in serving_loop:
+        if rb.observe(counts_LE):              # or physical-slot counts [L, P]
+            result = rb.rebalance()            # may run on a side thread
+            engine.migrate(result.migration)   # rounds of copies, see eplb.migration
+    rb.rebalance(failed_ranks=[5])             # a rank died: plan on the others
+
+`observe` only accumulates (a few tens of microseconds at DeepSeek-V3 shape); every
+`interval` observations it also predicts the improvement a rebalance could bring (the
+current placement's busiest-GPU load against the lower bound, summed over layers) and says
+whether it is worth it. `rebalance` plans a migration-aware placement through `eplb.plan`
+(move budget / move cost), schedules the copies safely and adopts the new placement.
+All state is guarded by one lock; planning runs outside it, so `observe` is never blocked
+for long by a rebalance on another thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eplb import stats
+from eplb.errors import EplbError
+from eplb.migration import Budget, MigrationPlan, count_moves, migrate, schedule
+from eplb.placement import Placement
+
+
+@dataclass(frozen=True, eq=False)
+class RebalanceResult:
+    """What one rebalance decided."""
+
+    placement: Placement
+    """The new placement (on the surviving ranks only, when ranks failed)."""
+    before: stats.LoadReport
+    """The placement that was serving, scored on the window load (all ranks alive)."""
+    after: stats.LoadReport
+    """The new placement, scored on the same load."""
+    migration: MigrationPlan
+    """Safe rounds of copies from the old placement (survivors' slots) to the new one."""
+    rank_ids: np.ndarray
+    """Engine rank of each GPU index of `placement`, int64 [G'] (all ranks unless some failed)."""
+    lost_experts: tuple[tuple[int, int], ...] = ()
+    """(layer index, expert) pairs that lost every replica: reloaded from the checkpoint."""
+    step: int = 0
+    """Observations seen when the rebalance was planned."""
+    seconds: float = 0.0
+    """Wall time of planning + scheduling."""
+    message: str = ""
+    """How the plan was made (planner status, budget, fallbacks)."""
+    info: dict = field(default_factory=dict)
+    """Move counts and timings (JSON-ready)."""
+
+    @property
+    def moves(self) -> int:
+        return self.migration.moves
+
+    def summary(self) -> dict:
+        """JSON-ready summary."""
+        return {
+            "step": self.step, "seconds": self.seconds, "message": self.message,
+            "imbalance_before": float(np.median(self.before.imbalance_L)),
+            "imbalance_after": float(np.median(self.after.imbalance_L)),
+            "balancedness_before": self.before.balancedness,
+            "balancedness_after": self.after.balancedness,
+            "migration": self.migration.summary(),
+            "lost_experts": [list(x) for x in self.lost_experts],
+            "rank_ids": self.rank_ids.tolist(), "info": self.info,
+        }
+
+
+class Rebalancer:
+    """Observe router counts, decide when to rebalance, plan and schedule the migration.
+
+    placement: what the engine serves now.
+    window: keep the newest `window` observations (sliding sum); alpha: exponential moving
+      average with this weight on each new observation; neither: sum of everything observed
+      since the last rebalance.
+    interval: check every `interval` observations whether a rebalance is worth it.
+    min_improvement: rebalance when the predicted cut in the summed busiest-GPU load
+      (1 - lower bound / current) is at least this (0 = rebalance at every check).
+    planner, settings: the planner `eplb.plan` runs (from-scratch target).
+    max_moves, max_moves_per_gpu, move_cost: migration budget per rebalance (see
+      eplb.migration.Budget); the default move_cost=0.001 makes each copied expert buy at
+      least 0.1% of a layer's mean GPU load.
+    bytes_per_expert: size of one expert's weights, for byte counts.
+    layers_per_chunk: rounds of the migration only mix layers of one chunk.
+    """
+
+    def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
+                 interval: int = 1000, min_improvement: float = 0.02, planner: str = "greedy",
+                 settings: dict | None = None, max_moves: int | None = None,
+                 max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
+                 bytes_per_expert: int | None = None, layers_per_chunk: int | None = None):
+        if not isinstance(placement, Placement):
+            raise EplbError(f"Rebalancer needs a Placement, got {type(placement).__name__}")
+        if window is not None and alpha is not None:
+            raise EplbError(f"give either window ({window}) or alpha ({alpha}), not both")
+        if window is not None and (int(window) != window or window < 1):
+            raise EplbError(f"window must be a whole number of observations >= 1, got {window!r}")
+        if alpha is not None and not 0.0 < float(alpha) <= 1.0:
+            raise EplbError(f"alpha must be in (0, 1], got {alpha!r}")
+        if int(interval) != interval or interval < 1:
+            raise EplbError(f"interval must be a whole number of observations >= 1, got {interval!r}")
+        if not 0.0 <= float(min_improvement) < 1.0:
+            raise EplbError(f"min_improvement must be in [0, 1), got {min_improvement!r}")
+        from eplb.planning import get_planner
+
+        get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
+        self.budget = Budget(max_moves, max_moves_per_gpu, float(move_cost))
+        self.window = None if window is None else int(window)
+        self.alpha = None if alpha is None else float(alpha)
+        self.interval = int(interval)
+        self.min_improvement = float(min_improvement)
+        self.planner = planner
+        self.settings = dict(settings or {})
+        self.bytes_per_expert = bytes_per_expert
+        self.layers_per_chunk = layers_per_chunk
+        self._lock = threading.Lock()
+        self._version = 0
+        self._adopt(placement, np.arange(placement.num_gpus))
+        self.step = 0
+        self.last_check: dict = {}
+
+    # State ------------------------------------------------------------------------------------
+
+    def _adopt(self, placement: Placement, rank_ids: np.ndarray) -> None:
+        """Switch to a new placement (lock held or during construction); resets the window."""
+        L, E = placement.num_layers, placement.num_logical_experts
+        self.placement = placement
+        self.rank_ids = np.asarray(rank_ids, dtype=np.int64)
+        self._flat_LP = placement.phy2log_LP + (np.arange(L) * E)[:, None]
+        self._load_LE = np.zeros((L, E))
+        self._ring_WLE = np.zeros((self.window, L, E)) if self.window else None
+        self._seen = 0
+        self._since_check = 0
+        self._version += 1
+
+    @property
+    def load_LE(self) -> np.ndarray:
+        """The load the next rebalance plans on (copy), float64 [L, E]."""
+        with self._lock:
+            return self._load_LE.copy()
+
+    # Observe / decide -------------------------------------------------------------------------
+
+    def observe(self, counts, *, physical: bool | None = None) -> bool:
+        """Add one step's (or batch's) router counts; True when a rebalance is due.
+
+        counts: logical [L, E], or physical-slot [L, P] (mapped back through the current
+        placement). When E == P the shape does not say which: pass `physical`.
+        """
+        c = np.asarray(counts, dtype=np.float64)
+        with self._lock:
+            pl = self.placement
+            L, E, P = pl.num_layers, pl.num_logical_experts, pl.num_slots
+            if c.ndim != 2 or c.shape[0] != L or c.shape[1] not in (E, P):
+                raise EplbError(f"counts have shape {c.shape}; expected logical [{L}, {E}] or "
+                                f"physical-slot [{L}, {P}] for the current placement")
+            if physical is None:
+                if E == P:
+                    raise EplbError(f"counts [{L}, {E}] could be logical or physical ({E} experts = "
+                                    f"{P} slots): pass physical=True or physical=False")
+                physical = c.shape[1] == P
+            if physical:
+                if c.shape[1] != P:
+                    raise EplbError(f"physical counts must be [{L}, {P}], got {c.shape}")
+                c = np.bincount(self._flat_LP.ravel(), weights=c.ravel(), minlength=L * E).reshape(L, E)
+            elif c.shape[1] != E:
+                raise EplbError(f"logical counts must be [{L}, {E}], got {c.shape}")
+            if self.alpha is not None:
+                if self._seen == 0:
+                    self._load_LE[:] = c
+                else:
+                    self._load_LE *= 1.0 - self.alpha
+                    self._load_LE += self.alpha * c
+            elif self._ring_WLE is not None:
+                slot = self._seen % self.window
+                self._load_LE += c - self._ring_WLE[slot]
+                self._ring_WLE[slot] = c
+            else:
+                self._load_LE += c
+            self._seen += 1
+            self.step += 1
+            self._since_check += 1
+            if self._since_check < self.interval:
+                return False
+            self._since_check = 0
+            return self._check_locked()
+
+    def _check_locked(self) -> bool:
+        load = self._load_LE
+        if load.sum() <= 0:
+            self.last_check = {"step": self.step, "due": False, "reason": "no load observed"}
+            return False
+        pl = self.placement
+        cur_L = pl.gpu_loads(load).max(axis=1)
+        lb_L = stats.lower_bound(load, pl.num_gpus, pl.num_slots)
+        gain = 1.0 - lb_L.sum() / cur_L.sum()
+        due = gain >= self.min_improvement
+        self.last_check = {"step": self.step, "due": bool(due), "predicted_improvement": float(gain),
+                           "threshold": self.min_improvement}
+        return bool(due)
+
+    def predicted_improvement(self) -> float:
+        """1 - (lower bound / current busiest-GPU load), summed over layers, on the window."""
+        with self._lock:
+            self._check_locked()
+            return float(self.last_check.get("predicted_improvement", 0.0))
+
+    # Rebalance --------------------------------------------------------------------------------
+
+    def rebalance(self, *, failed_ranks=(), apply: bool = True) -> RebalanceResult:
+        """Plan a new placement for the window load and the safe migration to it.
+
+        failed_ranks: engine ranks that are gone. The plan then uses the surviving ranks only
+        (same slots per GPU), restores each expert from a surviving replica, and reports
+        experts that lost every replica in `lost_experts` (their copies come from the
+        checkpoint: source rank -1 in the migration). apply: adopt the new placement (the
+        window restarts); with False, call `adopt(result)` once the engine has migrated.
+        """
+        with self._lock:
+            pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step
+            load = self._load_LE.copy()
+        if load.sum() <= 0:
+            raise EplbError("nothing observed since the last rebalance: call observe(counts) first")
+        t0 = time.perf_counter()
+        failed = self._failed_indices(failed_ranks, ranks)
+        if failed.size:
+            result = self._plan_failed(pl, ranks, load, failed, step)
+        else:
+            result = self._plan(pl, ranks, load, step)
+        object.__setattr__(result, "seconds", time.perf_counter() - t0)
+        if apply:
+            self.adopt(result, _expect_version=version)
+        return result
+
+    def adopt(self, result: RebalanceResult, *, _expect_version: int | None = None) -> None:
+        """Serve `result.placement` from now on (physical counts map through it)."""
+        with self._lock:
+            if _expect_version is not None and _expect_version != self._version:
+                raise EplbError("the placement changed while this rebalance was planned "
+                                "(two rebalances at once?): plan again")
+            self._adopt(result.placement, result.rank_ids)
+
+    def _failed_indices(self, failed_ranks, ranks: np.ndarray) -> np.ndarray:
+        failed = np.unique(np.asarray(list(failed_ranks), dtype=np.int64))
+        unknown = failed[~np.isin(failed, ranks)]
+        if unknown.size:
+            raise EplbError(f"failed ranks {unknown.tolist()} are not among the serving ranks {ranks.tolist()}")
+        if failed.size == ranks.size:
+            raise EplbError(f"all {ranks.size} ranks failed: nothing left to plan on")
+        return np.flatnonzero(np.isin(ranks, failed))
+
+    def _plan(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int) -> RebalanceResult:
+        from eplb.planning import plan
+
+        res = plan(load, gpus=pl.num_gpus, nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
+                   planner=self.planner, settings=self.settings, num_groups=None, previous=pl,
+                   max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
+                   move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert)
+        new = Placement(res.placement.phy2log_LP, pl.num_gpus, pl.num_logical_experts, pl.num_nodes,
+                        pl.layer_ids, res.placement.dispatch_weights_LP, res.planner, res.placement.metrics)
+        mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
+                       layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
+                       bytes_per_expert=self.bytes_per_expert)
+        return RebalanceResult(
+            placement=new, before=stats.evaluate(pl, load), after=stats.evaluate(new, load),
+            migration=mig, rank_ids=ranks, step=step,
+            message=f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else ""),
+            info=dict(res.info.get("migration", {})),
+        )
+
+    def _plan_failed(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
+                     step: int) -> RebalanceResult:
+        from eplb.planning import plan
+
+        L, E, G, S = pl.num_layers, pl.num_logical_experts, pl.num_gpus, pl.slots_per_gpu
+        alive = np.setdiff1d(np.arange(G), failed)
+        Ga = alive.size
+        if Ga * S < E:
+            raise EplbError(f"{Ga} surviving ranks x {S} slots = {Ga * S} slots cannot hold {E} experts: "
+                            f"add ranks or slots per GPU (at least {-(-E // Ga)} per GPU on {Ga} ranks)")
+        old_LP = pl.phy2log_LP.reshape(L, G, S)[:, alive].reshape(L, Ga * S)
+        present = np.zeros((L, E), dtype=bool)
+        present[np.arange(L)[:, None], old_LP] = True
+        lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
+        # Surviving ranks need not split evenly over the old nodes: plan them as one node.
+        target = plan(load, gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings)
+        budget = self.budget
+        phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)
+        new = Placement(phy, Ga, E, 1, pl.layer_ids, planner=target.planner)
+        mig = schedule(old_LP, phy, Ga, E, layers_per_chunk=self.layers_per_chunk, rank_ids=ranks[alive],
+                       bytes_per_expert=self.bytes_per_expert)
+        info["moves"] = int(count_moves(old_LP, phy, Ga, E).sum())
+        info["failed_ranks"] = ranks[failed].tolist()
+        msg = (f"ranks {ranks[failed].tolist()} failed: planned on {Ga} surviving ranks (one node), "
+               f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
+        return RebalanceResult(
+            placement=new, before=stats.evaluate(pl, load), after=stats.evaluate(new, load),
+            migration=mig, rank_ids=ranks[alive], lost_experts=lost, step=step, message=msg, info=info,
+        )
