@@ -220,7 +220,7 @@ def plan(
         sol = migration.adapt_solution(request, sol, migration.Budget(max_moves, max_moves_per_gpu, move_cost),
                                        bytes_per_expert)
     elif max_moves is not None or max_moves_per_gpu is not None or move_cost:
-        raise EplbError("max_moves, max_moves_per_gpu and move_cost need the previous placement (previous=...)")
+        raise EplbError("max_moves, max_moves_per_gpu and move_cost need the placement now served (previous=... / --previous OLD.json)")
     return finish(request, sol, planner, seconds)
 
 

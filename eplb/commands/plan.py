@@ -43,6 +43,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--format", "-f", default="eplb", choices=FORMATS,
                    help="file format of --output: eplb JSON, SGLang --init-expert-location JSON, "
                         "vLLM .pt tensors, TensorRT-LLM load_balancer YAML (default eplb)")
+    mig = p.add_argument_group("migration (see eplb.migration)")
+    mig.add_argument("--previous", metavar="OLD.json",
+                     help="placement now served (eplb JSON): keep its replicas in place, report moves")
+    mig.add_argument("--max-moves", type=int, metavar="K", help="with --previous: copy at most K experts in total")
+    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K", help="with --previous: at most K copies onto any GPU")
+    mig.add_argument("--move-cost", type=float, default=0.0, metavar="C",
+                     help="with --previous: a copy must lower its layer's busiest GPU by C x mean GPU load")
+    mig.add_argument("--bytes-per-expert", type=int, metavar="B", help="size of one expert's weights, to report bytes moved")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set time_limit=30 (repeatable)")
     from eplb.capacity import add_arguments as add_capacity_arguments
@@ -94,11 +102,21 @@ def run(args) -> int:
             slots = int(args.slots_per_gpu)
         except ValueError:
             raise EplbError(f"--slots-per-gpu must be a whole number, got {args.slots_per_gpu!r}") from None
+    previous = None
+    if args.previous:
+        from eplb.placement import Placement
+
+        previous = Placement.load(args.previous)
+        if slots is None and args.redundant is None:
+            slots = previous.slots_per_gpu  # same slots as the placement being replaced
     result = plan(
         trace, gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
-        num_groups=args.groups, settings=parse_settings(args.set),
+        num_groups=args.groups, settings=parse_settings(args.set), previous=previous,
+        max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
+        bytes_per_expert=args.bytes_per_expert,
     )
+    migration = result.info.get("migration")
     if args.output:
         write_placement(result.placement, args.output, args.format, trace.meta)
     if args.json:
@@ -106,6 +124,8 @@ def run(args) -> int:
         out["output"] = args.output
         out["format"] = args.format
         out["capacity"] = capacity.to_dict() if capacity else None
+        out["moves"] = migration["moves"] if migration else None
+        out["bytes_moved"] = migration["bytes"] if migration else None
         print_json(out)
         return 0
     if args.quiet:
@@ -119,7 +139,13 @@ def run(args) -> int:
               f"next to {capacity.concurrency:,} sequences x {capacity.deployment.context:,} tokens "
               f"({capacity.free_bytes_per_gpu / 2**30:.2f} GiB left per GPU; see `eplb capacity`)")
     rows = []
-    for name, rep in (("contiguous (no EPLB)", result.before), (f"{result.planner}", result.after)):
+    reports = [("contiguous (no EPLB)", result.before)]
+    if previous is not None:
+        from eplb.stats import evaluate
+
+        reports.append((f"previous ({args.previous})", evaluate(previous, result.load_LE)))
+    reports.append((f"{result.planner}", result.after))
+    for name, rep in reports:
         imb, br = rep.imbalance_L, rep.bound_ratio_L
         rows.append([name, float(np.min(imb)), float(np.median(imb)), float(np.max(imb)),
                      float(np.median(br)), float(np.max(br)), rep.balancedness])
@@ -127,6 +153,12 @@ def run(args) -> int:
                         "balancedness"], rows))
     print(f"planner {result.planner}: {result.status}, {result.seconds * 1e3:.1f} ms"
           + (f" ({result.message})" if result.message else ""))
+    if migration:
+        size = "" if migration["bytes"] is None else f", {migration['bytes'] / 2**30:.2f} GiB"
+        print(f"moves: {migration['moves']} experts copied onto GPUs that did not hold them{size} "
+              f"(most onto one GPU: {migration['moves_max_per_gpu']}; from-scratch plan: "
+              f"{migration['moves_from_scratch']}, relabelled: {migration['moves_relabeled']}; "
+              f"method: {migration['method']}, {migration['seconds'] * 1e3:.0f} ms)")
     if args.output:
         print(f"wrote {args.output} ({args.format})")
     return 0
