@@ -745,6 +745,12 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     if (new_LP < 0).any() or (new_LP >= num_experts).any():
         raise EplbError(f"the new placement must hold expert ids 0..{num_experts - 1} in every slot")
     S = P // gpus
+    had = holdings(old_LP, 1, num_experts)[:, 0] > 0
+    gone = had & ~(holdings(new_LP, 1, num_experts)[:, 0] > 0)
+    if gone.any():
+        l, e = np.argwhere(gone)[0]
+        raise EplbError(f"expert {e} of layer index {l} is in the old placement but not the new one: "
+                        f"every expert needs a replica in the new placement")
     chunk = L if layers_per_chunk is None else int(layers_per_chunk)
     if chunk < 1:
         raise EplbError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")

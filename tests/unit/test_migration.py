@@ -1,0 +1,231 @@
+"""Migration: move counting, relabelling, budgeted plans, safe schedules (eplb.migration)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eplb import EplbError, Placement, plan, planner_names
+from eplb import migration as mg
+
+
+def random_map(rng, L, G, S, E):
+    """Random phy2log [L, G*S] holding every expert at least once per layer."""
+    rows = []
+    for _ in range(L):
+        extra = rng.integers(0, E, G * S - E)
+        rows.append(rng.permutation(np.concatenate([np.arange(E), extra])))
+    return np.stack(rows)
+
+
+# Counting -------------------------------------------------------------------------------------
+
+def test_count_moves_ignores_slot_swaps_inside_a_gpu():
+    old = np.array([[0, 1, 2, 3]])              # GPU0 {0,1}, GPU1 {2,3}
+    same_gpus = np.array([[1, 0, 3, 2]])
+    assert mg.count_moves(old, same_gpus, 2, 4).sum() == 0
+    one_each_way = np.array([[0, 2, 1, 3]])     # 2 -> GPU0, 1 -> GPU1
+    assert mg.count_moves(old, one_each_way, 2, 4).tolist() == [[1, 1]]
+
+
+# Relabelling ----------------------------------------------------------------------------------
+
+def test_relabel_undoes_a_renaming_of_gpus_and_slots(rng):
+    L, G, S, E = 3, 4, 3, 10
+    old = random_map(rng, L, G, S, E)
+    new = np.empty_like(old)
+    for l in range(L):
+        gperm = rng.permutation(G)
+        for b, a in enumerate(gperm):
+            new[l, b * S:(b + 1) * S] = rng.permutation(old[l, a * S:(a + 1) * S])
+    perm = mg.relabel(old, new, G, E)
+    assert np.array_equal(np.take_along_axis(new, perm, axis=1), old)
+
+
+def test_relabel_moves_nodes_as_wholes(rng):
+    L, G, S, E, N = 2, 4, 2, 6, 2
+    old = random_map(rng, L, G, S, E)
+    new = np.concatenate([old[:, 4:], old[:, :4]], axis=1)    # nodes swapped
+    perm = mg.relabel(old, new, G, E, nodes=N)
+    rel = np.take_along_axis(new, perm, axis=1)
+    assert np.array_equal(rel, old)
+    # Every GPU's set of experts comes from one GPU of the new plan on one node.
+    for l in range(L):
+        src_gpu = perm[l].reshape(G, S) // S
+        assert (src_gpu == src_gpu[:, :1]).all()
+        src_node = src_gpu[:, 0] // (G // N)
+        assert (src_node.reshape(N, -1) == src_node.reshape(N, -1)[:, :1]).all()
+
+
+def test_relabel_is_optimal_against_brute_force(rng):
+    L, G, S, E = 4, 4, 2, 6
+    old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
+    rel = np.take_along_axis(new, mg.relabel(old, new, G, E), axis=1)
+    got = mg.count_moves(old, rel, G, E).sum(axis=1)
+    for l in range(L):
+        best = min(
+            mg.count_moves(old[l:l + 1], new[l:l + 1].reshape(G, S)[list(p)].reshape(1, -1), G, E).sum()
+            for p in itertools.permutations(range(G)))
+        assert got[l] == best
+
+
+def test_relabel_keeps_balance_and_dispatch_weights(rng):
+    load = rng.gamma(0.7, 100.0, (3, 32))
+    prev = plan(load[::-1].copy(), gpus=4, redundant=8).placement
+    fresh = plan(load, gpus=4, redundant=8)
+    adapted = plan(load, gpus=4, redundant=8, previous=prev)
+    assert np.allclose(np.sort(adapted.after.gpu_load_LG, axis=1), np.sort(fresh.after.gpu_load_LG, axis=1))
+    mig = adapted.info["migration"]
+    assert mig["method"] == "relabel"
+    assert mig["moves"] == mig["moves_relabeled"] <= mig["moves_from_scratch"]
+
+
+# Budgeted planning ----------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), budget=st.integers(0, 12), per_gpu=st.one_of(st.none(), st.integers(0, 3)))
+def test_budgeted_search_respects_budget_and_never_worsens(seed, budget, per_gpu):
+    rng = np.random.default_rng(seed)
+    L, G, S, E = 3, 4, 3, 10
+    old = random_map(rng, L, G, S, E)
+    load = rng.gamma(0.5, 100.0, (L, E))
+    new = mg.budgeted_search(load, old, G, mg.Budget(max_moves=budget, max_moves_per_gpu=per_gpu))
+    moves_LG = mg.count_moves(old, new, G, E)
+    assert moves_LG.sum() <= budget
+    if per_gpu is not None:
+        assert moves_LG.sum(axis=0).max() <= per_gpu
+    Placement(new, G, E)                         # every expert keeps a replica
+    assert (mg.max_load(load, new, G) <= mg.max_load(load, old, G) * (1 + 1e-12)).all()
+
+
+def test_move_cost_trades_balance_for_moves(rng):
+    load = rng.gamma(0.4, 100.0, (4, 64))
+    prev = plan(rng.gamma(0.4, 100.0, (4, 64)), gpus=8, redundant=8).placement
+    moves, imb = [], []
+    for cost in (0.0005, 0.2):
+        r = plan(load, gpus=8, redundant=8, previous=prev, move_cost=cost)
+        assert r.info["migration"]["method"] == "budgeted_search"
+        moves.append(r.info["migration"]["moves"])
+        imb.append(r.after.imbalance_L.mean())
+    # A higher price per move buys fewer moves and accepts more imbalance.
+    assert moves[0] > moves[1] and imb[0] < imb[1]
+
+
+def test_every_planner_takes_a_move_budget_through_the_front_door(rng):
+    load = rng.gamma(0.5, 100.0, (2, 16))
+    prev = plan(rng.gamma(0.5, 100.0, (2, 16)), gpus=4, redundant=4).placement
+    for name in planner_names():
+        r = plan(load, gpus=4, redundant=4, planner=name, previous=prev, max_moves=3, bytes_per_expert=10)
+        mig = r.info["migration"]
+        assert mig["moves"] <= 3, name
+        assert mig["bytes"] == 10 * mig["moves"]
+        assert mg.count_moves(prev.phy2log_LP, r.placement.phy2log_LP, 4, 16).sum() == mig["moves"]
+
+
+def test_budget_options_need_a_previous_placement(rng):
+    with pytest.raises(EplbError, match="previous"):
+        plan(rng.random((2, 8)), gpus=2, max_moves=3)
+    prev = plan(rng.random((2, 8)), gpus=2).placement
+    with pytest.raises(EplbError, match="max_moves"):
+        plan(rng.random((2, 8)), gpus=2, previous=prev, max_moves=-1)
+
+
+# Schedules ------------------------------------------------------------------------------------
+
+def replay_and_check(m: mg.MigrationPlan, old, new, G):
+    """Independent replay: links, complete sources, and a serving replica for every expert."""
+    S = old.shape[1] // G
+    cur = old.copy()
+    for k in range(m.num_rounds):
+        idx = np.flatnonzero(m.round_M == k)
+        assert idx.size, f"empty round {k}"
+        net = idx[(m.src_rank_M[idx] >= 0) & (m.src_rank_M[idx] != m.dst_rank_M[idx])]
+        assert len(set(m.src_rank_M[net])) == len(net), "a rank sends twice in one round"
+        assert len(set(m.dst_rank_M[net])) == len(net), "a rank receives twice in one round"
+        assert len(set(m.dst_rank_M[idx[m.src_rank_M[idx] == -1]])) == (m.src_rank_M[idx] == -1).sum()
+        written = {(m.layer_M[i], m.dst_slot_M[i]) for i in idx}
+        assert len(written) == idx.size
+        for i in idx:
+            l, e, s, p = m.layer_M[i], m.expert_M[i], m.src_slot_M[i], m.dst_slot_M[i]
+            assert p // S == m.dst_rank_M[i]
+            if s >= 0:
+                assert cur[l, s] == e and (l, s) not in written, "source not complete"
+        for l in range(old.shape[0]):
+            before = set(cur[l][cur[l] >= 0])
+            serving = {cur[l, p] for p in range(cur.shape[1]) if (l, p) not in written and cur[l, p] >= 0}
+            assert before <= serving, f"round {k}: experts {before - serving} of layer {l} not served"
+        phy, w = m.serving(k)
+        for (l, p) in written:
+            assert w[l, p] == 0
+        for i in idx:
+            cur[m.layer_M[i], m.dst_slot_M[i]] = m.expert_M[i]
+    assert np.array_equal(cur, new)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), G=st.integers(2, 5), S=st.integers(1, 3), L=st.integers(1, 3),
+       chunk=st.integers(1, 3), spare=st.integers(1, 4))
+def test_schedule_keeps_every_expert_served(seed, G, S, L, chunk, spare):
+    rng = np.random.default_rng(seed)
+    E = max(1, G * S - spare)
+    old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
+    m = mg.schedule(old, new, G, E, layers_per_chunk=chunk)
+    replay_and_check(m, old, new, G)
+    m.check()
+    # Rounds never mix layer chunks, and chunks run in order.
+    chunk_of_layer = m.layer_M // chunk
+    assert (np.diff(chunk_of_layer) >= 0).all()
+    for k in range(m.num_rounds):
+        assert len(set(chunk_of_layer[m.round_M == k])) == 1
+    assert m.moves == mg.count_moves(old, new, G, E).sum()
+
+
+def test_swap_of_only_replicas_is_staged_through_a_spare_slot():
+    # GPU0 [A, C], GPU1 [B, C] -> GPU0 [B, C], GPU1 [A, C]: A and B have one replica each.
+    old = np.array([[0, 2, 1, 2]])
+    new = np.array([[1, 2, 0, 2]])
+    m = mg.schedule(old, new, 2, 3)
+    replay_and_check(m, old, new, 2)
+    assert m.staging_M.sum() == 1
+    # The staging copy lands in a slot of C, which keeps its other replica meanwhile.
+    i = np.flatnonzero(m.staging_M)[0]
+    assert old[0, m.dst_slot_M[i]] == 2
+    for k in range(m.num_rounds):
+        m.serving_placement(k)                       # valid placements all the way
+
+
+def test_new_placement_must_keep_every_expert():
+    with pytest.raises(EplbError, match="expert 1"):
+        mg.schedule(np.array([[0, 1, 2, 0]]), np.array([[0, 2, 2, 0]]), 2, 3)
+
+
+def test_cycle_without_spare_slot_is_refused():
+    old = np.array([[0, 1]])
+    new = np.array([[1, 0]])
+    with pytest.raises(EplbError, match="no safe migration"):
+        mg.schedule(old, new, 2, 2)
+
+
+def test_lost_experts_are_reloaded_from_checkpoint_once():
+    # Expert 3 has no replica left (its rank failed): one checkpoint read, then a copy.
+    old = np.array([[0, 1, 2, 0, 1, 2]])
+    new = np.array([[0, 1, 3, 2, 3, 0]])
+    m = mg.schedule(old, new, 2, 4, bytes_per_expert=7)
+    assert m.reloads == 1 and (m.expert_M == 3).sum() == 2
+    replay_and_check(m, old, new, 2)
+    assert m.bytes == 7 * (m.network_mask.sum() + 1)
+    with pytest.raises(EplbError, match="expert 3"):
+        m.serving_placement(0)
+
+
+def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
+    L, E, G = 4, 64, 8
+    a = rng.gamma(0.4, 100.0, (L, E))
+    b = rng.gamma(0.4, 100.0, (L, E))
+    prev = plan(a, gpus=G, redundant=8).placement
+    r = plan(b, gpus=G, redundant=8, previous=prev, max_moves=20)
+    m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2)
+    replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
+    assert m.moves <= 20
