@@ -1,0 +1,164 @@
+"""Rebalancer: observe / decide / rebalance, failed ranks, threads (eplb.rebalance)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from eplb import EplbError, Placement, plan
+from eplb import stats
+from eplb.rebalance import Rebalancer
+
+L, E, G = 3, 32, 4
+
+
+def skewed(rng, hot):
+    load = rng.gamma(2.0, 10.0, (L, E))
+    load[:, hot] *= 12.0
+    return load
+
+
+@pytest.fixture
+def start(rng):
+    return plan(skewed(rng, [0, 1]), gpus=G, redundant=8).placement
+
+
+def test_physical_counts_map_back_to_logical(rng, start):
+    logical = rng.poisson(50.0, (L, E)).astype(float)
+    a, b = Rebalancer(start, interval=10**6), Rebalancer(start, interval=10**6)
+    a.observe(logical)
+    share_LP = np.take_along_axis(logical, start.phy2log_LP, axis=1) * start.replica_weights()
+    b.observe(share_LP)
+    assert np.allclose(a.load_LE, b.load_LE)
+
+
+def test_ambiguous_shape_needs_physical_flag():
+    pl = Placement(np.tile(np.arange(8), (2, 1)), 4, 8)            # E == P
+    rb = Rebalancer(pl, interval=10)
+    with pytest.raises(EplbError, match="physical=True"):
+        rb.observe(np.ones((2, 8)))
+    rb.observe(np.ones((2, 8)), physical=False)
+    with pytest.raises(EplbError, match=r"\[2, 8\]"):
+        rb.observe(np.ones((2, 5)))
+
+
+def test_window_and_ema(rng, start):
+    steps = rng.poisson(20.0, (7, L, E)).astype(float)
+    win = Rebalancer(start, window=3, interval=10**6)
+    ema = Rebalancer(start, alpha=0.25, interval=10**6)
+    total = Rebalancer(start, interval=10**6)
+    for c in steps:
+        win.observe(c)
+        ema.observe(c)
+        total.observe(c)
+    assert np.allclose(win.load_LE, steps[-3:].sum(axis=0))
+    assert np.allclose(ema.load_LE, stats.ema(steps, 0.25)[-1])
+    assert np.allclose(total.load_LE, steps.sum(axis=0))
+
+
+def test_decision_rule_checks_every_interval_against_threshold(rng, start):
+    shifted = skewed(rng, [7, 20])                  # new hot experts: worth rebalancing
+    rb = Rebalancer(start, interval=5, min_improvement=0.05)
+    due = [rb.observe(shifted) for _ in range(10)]
+    assert due == [False] * 4 + [True] + [False] * 4 + [True]
+    assert rb.last_check["predicted_improvement"] >= 0.05
+    lazy = Rebalancer(start, interval=5, min_improvement=0.99)
+    assert not any(lazy.observe(shifted) for _ in range(10))
+    assert lazy.last_check["due"] is False
+
+
+def test_rebalance_improves_and_adopts(rng, start):
+    shifted = skewed(rng, [7, 20])
+    rb = Rebalancer(start, interval=1, bytes_per_expert=1000, max_moves=12)
+    rb.observe(shifted)
+    res = rb.rebalance()
+    assert res.after.balancedness > res.before.balancedness
+    assert res.moves <= 12
+    assert res.migration.bytes == 1000 * (res.migration.network_mask.sum())
+    assert np.array_equal(res.migration.state_before(res.migration.num_rounds), res.placement.phy2log_LP)
+    res.migration.check()
+    assert rb.placement is res.placement
+    assert rb.load_LE.sum() == 0                    # window restarts with the new placement
+    with pytest.raises(EplbError, match="observe"):
+        rb.rebalance()
+
+
+def test_rebalance_without_apply_leaves_placement(rng, start):
+    rb = Rebalancer(start, interval=1)
+    rb.observe(skewed(rng, [9]))
+    res = rb.rebalance(apply=False)
+    assert rb.placement is start
+    rb.adopt(res)
+    assert rb.placement is res.placement
+
+
+def test_failed_ranks_plan_on_survivors_and_report_lost_experts(rng):
+    # Rank 1 holds the only replicas of experts 8..15 (contiguous placement): they are lost.
+    from planners.contiguous import contiguous_map
+    from eplb.topology import Topology
+
+    topo = Topology(gpus=G, slots_per_gpu=12)
+    pl = Placement(contiguous_map(E, topo, L), G, E)
+    rb = Rebalancer(pl, interval=1)
+    rb.observe(skewed(rng, [3]))
+    res = rb.rebalance(failed_ranks=[1])
+    assert res.rank_ids.tolist() == [0, 2, 3]
+    assert res.placement.num_gpus == 3
+    assert sorted(res.lost_experts) == [(l, e) for l in range(L) for e in range(8, 16)]
+    assert res.migration.reloads == len(res.lost_experts)
+    assert (res.placement.replica_count_LE >= 1).all()
+    res.migration.check()
+    # Surviving replicas stay where they were: the survivors' old slots are mostly kept.
+    old = pl.phy2log_LP.reshape(L, G, 12)[:, [0, 2, 3]].reshape(L, -1)
+    assert (old == res.placement.phy2log_LP).mean() > 0.5
+    # Physical counts now map through the 3-rank placement.
+    rb.observe(np.ones((L, 36)))
+
+
+def test_failed_rank_errors(rng, start):
+    rb = Rebalancer(start, interval=1)
+    rb.observe(skewed(rng, [3]))
+    with pytest.raises(EplbError, match=r"failed ranks \[9\]"):
+        rb.rebalance(failed_ranks=[9])
+    with pytest.raises(EplbError, match="all 4 ranks failed"):
+        rb.rebalance(failed_ranks=[0, 1, 2, 3])
+    with pytest.raises(EplbError, match="cannot hold 32 experts"):
+        rb.rebalance(failed_ranks=[0, 1])          # 2 ranks x 10 slots < 32
+
+
+def test_bad_settings_name_the_value(start):
+    with pytest.raises(EplbError, match="interval"):
+        Rebalancer(start, interval=0)
+    with pytest.raises(EplbError, match="alpha"):
+        Rebalancer(start, alpha=1.5)
+    with pytest.raises(EplbError, match="window"):
+        Rebalancer(start, window=3, alpha=0.5)
+    with pytest.raises(EplbError, match="unknown planner"):
+        Rebalancer(start, planner="nope")
+
+
+def test_observe_from_threads_while_rebalancing(rng, start):
+    rb = Rebalancer(start, interval=10**6)
+    rb.observe(skewed(rng, [5, 6]))
+    counts = rng.poisson(5.0, (L, E)).astype(float)
+    errors = []
+
+    def feed():
+        try:
+            for _ in range(200):
+                rb.observe(counts)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=feed) for _ in range(3)]
+    for t in threads:
+        t.start()
+    res = rb.rebalance()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert rb.step == 601
+    assert rb.placement is res.placement
+    # Whatever was observed after the adopt is in the new window, and nothing else.
+    n = round(rb.load_LE.sum() / counts.sum())
+    assert 0 <= n <= 600 and np.allclose(rb.load_LE, n * counts)
