@@ -13,9 +13,9 @@ round, exactly as the plan says:
 2. all sends and receives of the round are posted at once (`batch_isend_irecv`) and waited on,
 3. then the received weights, local copies and checkpoint reloads are written into their slots.
 Snapshots are taken before any write, so a round may read a slot another transfer of the same
-round overwrites. Every rank replays the whole plan on the slot maps before the first byte
-moves, so a plan that does not fit the placements raises the same `EplbError` on all ranks
-instead of hanging some of them.
+round overwrites. Before the first byte moves, every rank replays the whole plan on the slot
+maps and the ranks compare digests of their plans, so a plan that does not fit the
+placements, or ranks that disagree, raise `EplbError` instead of hanging some ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from eplb.errors import EplbError
 from eplb.migration import CHECKPOINT, MigrationPlan, schedule
 from eplb.placement import Placement
+from eplb.runtime.ep import ranks_agree
 
 Reload = Callable[[int, int], Mapping[str, torch.Tensor]]
 """reload(layer, expert) -> {name: weights of one expert}: reads an expert from the checkpoint."""
@@ -103,6 +104,10 @@ def migrate_weights(old: Placement, new: Placement, local: Mapping[str, Any], *,
     for n in names:
         if len(local[n]) != old.num_layers or len(local[n][0]) != S:
             raise EplbError(f"local weights {n!r} must be [{old.num_layers} layers][{S} slots of this rank]")
+    if not ranks_agree(group, local[names[0]][0].device, plan.round_M, plan.layer_M, plan.src_slot_M,
+                       plan.dst_slot_M, plan.old_LP, plan.new_LP):
+        raise EplbError("the ranks were given different migration plans or placements: build them from the "
+                        "same inputs on every rank (a mismatch would leave transfers waiting forever)")
 
     def slot(n: str, layer: int, p: int) -> torch.Tensor:
         return local[n][layer][p - rank * S]

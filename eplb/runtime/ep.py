@@ -19,6 +19,7 @@ the tensors, the process group is passed in explicitly.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,23 @@ MODES = ("even", "weights", "local", "resplit")
 dispatch_weights (systematic weighted choice per token); "local" = a replica on the token's
 own rank when there is one, else round-robin; "resplit" = weights re-split per batch from
 the batch's own counts (`eplb.dispatch.resplit`)."""
+
+
+def ranks_agree(group: dist.ProcessGroup, device: torch.device | str, *arrays: np.ndarray) -> bool:
+    """Do all ranks of `group` hold the same arrays? (One tiny all-reduce of a digest.)
+
+    Ranks that disagree on a placement or a migration plan would send rows to the wrong
+    experts or wait forever for transfers nobody sends; this turns both into an error.
+    """
+    d = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        d.update(f"{a.dtype.str}{a.shape}".encode())
+        d.update(a.tobytes())
+    v = int.from_bytes(d.digest(), "little", signed=True) >> 1  # >> 1: -v never overflows
+    t = torch.tensor([v, -v], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t[0]) == -int(t[1])
 
 
 # Expert computation -----------------------------------------------------------------------------
@@ -228,7 +246,9 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def set_placement(self, placement: Placement, layer: int, *, mode: str | None = None,
                       weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Serve `placement` from now on (with the local weights that go with it, if given)."""
+        """Serve `placement` from now on (with the local weights that go with it, if given).
+
+        Collective over the group (a check that every rank got the same placement)."""
         mode = self.mode if mode is None else mode
         if mode not in MODES:
             raise EplbError(f"unknown dispatch mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -248,6 +268,11 @@ class ExpertParallelMoE(torch.nn.Module):
         if shapes != ((S, Fh, D), (S, Fh, D), (S, D, Fh)):
             raise EplbError(f"local expert weights have shapes {shapes}; this placement gives each rank "
                             f"{S} slots: need gate/up [{S}, F, D] and down [{S}, D, F]")
+        w_LP = placement.dispatch_weights_LP
+        if not ranks_agree(self.group, self.w_gate_SFD.device, placement.phy2log_LP[layer],
+                           np.zeros(0) if w_LP is None else w_LP[layer], np.array([layer, MODES.index(mode)])):
+            raise EplbError(f"the ranks were given different placements or modes for layer {layer}: "
+                            f"build the placement from the same inputs on every rank")
         self.mode = mode
         self.placement = placement
         self.layer = int(layer)

@@ -170,6 +170,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             err = float((m(x, ids, w) - moes[l].routed(x, ids, w)).abs().max())
             assert err < 1e-5, f"after apply_placement layer {l}: max abs err {err}"
 
+        # Ranks that disagree on a placement or a plan get an error, not wrong rows or a hang.
+        from eplb.errors import EplbError
+        from eplb.runtime.apply import migrate_weights, plan_migration
+        mine = ps["contiguous"] if rank % 2 else ps["greedy"]
+        with pytest.raises(EplbError, match="different placements"):
+            ExpertParallelMoE.from_full(mine, 0, *stacked(moes[0]), group=group)
+        S = mine.slots_per_gpu
+        local = {"w": torch.zeros(2, S, 1)}
+        with pytest.raises(EplbError, match="different migration plans"):
+            migrate_weights(ps["random"], mine, local, group=group, plan=plan_migration(ps["random"], mine))
+
         subgroups = []
         if world == 4:
             # Two independent 2-rank groups: ranks in a group are not global ranks.
