@@ -127,6 +127,7 @@ class Rebalancer:
         self.layers_per_chunk = layers_per_chunk
         self._lock = threading.Lock()
         self._version = 0
+        self._load_LE = None
         self._adopt(placement, np.arange(placement.num_gpus))
         self.step = 0
         self.last_check: dict = {}
@@ -134,14 +135,20 @@ class Rebalancer:
     # State ------------------------------------------------------------------------------------
 
     def _adopt(self, placement: Placement, rank_ids: np.ndarray) -> None:
-        """Switch to a new placement (lock held or during construction); resets the window."""
+        """Switch to a new placement (lock held or during construction).
+
+        The window holds logical loads, which do not depend on the placement, so it is kept
+        (a rank failing right after a rebalance still plans on recent traffic); only the
+        count towards the next check restarts.
+        """
         L, E = placement.num_layers, placement.num_logical_experts
         self.placement = placement
         self.rank_ids = np.asarray(rank_ids, dtype=np.int64)
         self._flat_LP = placement.phy2log_LP + (np.arange(L) * E)[:, None]
-        self._load_LE = np.zeros((L, E))
-        self._ring_WLE = np.zeros((self.window, L, E)) if self.window else None
-        self._seen = 0
+        if getattr(self, "_load_LE", None) is None:
+            self._load_LE = np.zeros((L, E))
+            self._ring_WLE = np.zeros((self.window, L, E)) if self.window else None
+            self._seen = 0
         self._since_check = 0
         self._version += 1
 
@@ -225,14 +232,13 @@ class Rebalancer:
         failed_ranks: engine ranks that are gone. The plan then uses the surviving ranks only
         (same slots per GPU), restores each expert from a surviving replica, and reports
         experts that lost every replica in `lost_experts` (their copies come from the
-        checkpoint: source rank -1 in the migration). apply: adopt the new placement (the
-        window restarts); with False, call `adopt(result)` once the engine has migrated.
+        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with False, call `adopt(result)` once the engine has migrated.
         """
         with self._lock:
             pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step
             load = self._load_LE.copy()
         if load.sum() <= 0:
-            raise EplbError("nothing observed since the last rebalance: call observe(counts) first")
+            raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
         if failed.size:
