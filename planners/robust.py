@@ -26,7 +26,7 @@ Steps 1-3 run for each blend in `blends`, and the plan with the lowest worst-win
 on the history is kept per layer. With `quantile` < 1 the worst windows (above that quantile
 of the per-window maximum) are left out of the objective, so a single outlier window does not
 drive the plan. All layers move in lock-step (numpy over L); a DeepSeek-V3-shape plan
-(58 layers x 256 experts, 32 GPUs, a few windows) takes about a second.
+(58 layers x 256 experts, 32 GPUs, 7 windows) takes about a second of CPU per blend.
 """
 
 from __future__ import annotations
@@ -242,7 +242,6 @@ class RobustPlanner:
         best_phy_LP = None
         best_score_L = np.full(L, np.inf)
         chosen_L = np.zeros(L)
-        rows = np.arange(L)
         for blend in self.blends:
             count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
             phy_LP = pack_vector(share_TLE, count_LE, G, S)
@@ -256,7 +255,7 @@ class RobustPlanner:
             best_phy_LP[better] = phy_LP[better]
             best_score_L = np.where(better, score_L, best_score_L)
             chosen_L = np.where(better, blend, chosen_L)
-        assert best_phy_LP is not None and rows.size == L
+        assert best_phy_LP is not None
         T = history.shape[0]
         info = {
             "windows": int(T),
