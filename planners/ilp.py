@@ -237,7 +237,7 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
         per_E = -(-load_E // count_E)
         hint_z = int(per_E[hint_phy_P].reshape(G, S).sum(axis=1).max())
     out = {"status": "OPTIMAL", "seconds": 0.0, "hint_objective": hint_z, "hint": hint_source,
-           "lower": lower, "phy_P": hint_phy_P, "objective": hint_z, "bound": lower}
+           "lower": lower, "phy_P": hint_phy_P, "hint_phy_P": hint_phy_P, "objective": hint_z, "bound": lower}
     if hint_z <= lower:
         # The hint meets the analytic bound: proven optimal without search.
         out["seconds"] = time.perf_counter() - t0
@@ -422,10 +422,14 @@ class IlpPlanner:
                                   "seconds": 0.0, "hint_objective": None, "lower": None, "hint": None}
 
         # Score on the real loads; keep greedy in a layer where CP-SAT did not do better.
+        # A layer where CP-SAT returned nothing keeps its hint (greedy or chain-fill).
         phy_LP = greedy_LP.copy()
         solved = np.array([r["phy_P"] is not None for r in results])
-        for l in np.flatnonzero(solved):
-            phy_LP[l] = results[l]["phy_P"]
+        for l, r in enumerate(results):
+            if r["phy_P"] is not None:
+                phy_LP[l] = r["phy_P"]
+            elif r.get("hint_phy_P") is not None:
+                phy_LP[l] = r["hint_phy_P"]
         cand = Placement(phy_LP, G, E)
         if weighted:
             cand_w_LP = optimal_weights(cand, load_LE)
@@ -434,21 +438,23 @@ class IlpPlanner:
         else:
             cand_max_L = cand.gpu_loads(load_LE).max(axis=1)
             greedy_max_L = greedy.gpu_loads(load_LE).max(axis=1)
-        keep_greedy = solved & (cand_max_L > greedy_max_L)
+        keep_greedy = cand_max_L > greedy_max_L
         phy_LP[keep_greedy] = greedy_LP[keep_greedy]
         weights_LP = None
         if weighted:
             weights_LP = np.where(keep_greedy[:, None], greedy_w_LP, cand_w_LP)
-        final_max_L = np.where(keep_greedy, greedy_max_L, np.where(solved, cand_max_L, greedy_max_L))
+        final_max_L = np.minimum(cand_max_L, greedy_max_L)
 
         lb_L = stats.lower_bound(load_LE, G, G * S)
         status_L = [r["status"] for r in results]
         gap_L = []
         for r in results:
-            if r["objective"] is None:
+            if r["objective"] is None and r["hint_objective"] is None:
                 gap_L.append(None)
             else:
-                obj, bound = r["objective"], max(r["bound"], r["lower"])
+                # No CP-SAT answer: the hint's gap to the analytic bound is still proven.
+                obj = r["hint_objective"] if r["objective"] is None else r["objective"]
+                bound = r["lower"] if r["bound"] is None else max(r["bound"], r["lower"])
                 gap_L.append(0.0 if obj == 0 else max(0.0, (obj - bound) / obj))
         failed = [l for l in range(L) if not solved[l]]
         info = {
@@ -477,7 +483,7 @@ class IlpPlanner:
             status = "FALLBACK"
             why = "; ".join(f"layer index {l}: {errors.get(l, status_L[l])}" for l in failed[:5])
             message = (f"CP-SAT found no solution in {len(failed)} of {L} layers within {self.time_limit:g} s "
-                       f"each ({why}); those layers use the greedy placement. Raise time_limit.")
+                       f"each ({why}); those layers keep their hint (greedy or chain-fill). Raise time_limit.")
         elif proven == L:
             status, message = "OPTIMAL", f"all {L} layers proven optimal ({self.dispatch} dispatch)"
         else:
