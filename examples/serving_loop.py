@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-improvement", type=float, default=0.03)
     ap.add_argument("--max-moves", type=int, default=600, help="copies per rebalance")
     ap.add_argument("--fail-rank", type=int, default=None, help="this rank fails halfway through")
+    ap.add_argument("--step-ms", type=float, default=20.0,
+                    help="simulated forward time per step (sleeps; the side thread plans meanwhile)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -113,6 +115,7 @@ def main(argv=None) -> int:
             due = rb.observe(slot_LP)
             observe_s.append(time.perf_counter() - t0)
             step += 1
+            time.sleep(args.step_ms / 1e3)           # the model's forward pass would run here
             if due and worker is None:
                 chk = rb.last_check
                 print(f"step {step:5d}: check says rebalance (predicted gain {chk['predicted_improvement']:.1%})")
