@@ -117,12 +117,14 @@ def main(argv=None) -> int:
                        settings={"dispatch": "even", "quiet": True, **extra})
             sec = time.perf_counter() - t0
             gaps = [g for g in res.info["gap_L"] if g is not None]
-            rows.append((name, med_max(even_L), med_max(res.after.bound_ratio_L), res.status,
+            refined = Placement(plan_greedy(load_LE, G, P // G, refine_rounds=64), G, E)
+            rows.append((name, med_max(even_L), med_max(refined.gpu_loads(load_LE).max(axis=1) / lb_L),
+                         med_max(res.after.bound_ratio_L), res.status,
                          f"{sum(s == 'OPTIMAL' for s in res.info['status_L'])}/{L}",
                          f"{100 * np.median(gaps):.3f}% / {100 * max(gaps, default=0):.3f}%",
                          f"{res.info['jobs']} x {res.info['workers']}", f"{sec:.1f}"))
         print("\nPart 2: in-sample, even dispatch (default settings); busiest GPU / lower bound")
-        print(format_table(["workload", "greedy", "ilp even", "status", "optimal",
+        print(format_table(["workload", "greedy", "greedy refine=64", "ilp even", "status", "optimal",
                             "proven gap med / max", "jobs x workers", "seconds"], rows))
 
     # Part 3: two layers at a time on one thread each, or one layer at a time on two threads.
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
         tl = args.time_limit or 8.0
         layers = np.linspace(0, L - 1, args.parallel_layers).astype(int)
         int_LE = np.stack([scale_loads(load_LE[l]) for l in layers])
-        hint_LP = plan_greedy(int_LE.astype(np.float64), G, S)
+        hint_LP = plan_greedy(int_LE.astype(np.float64), G, S, refine_rounds=64)
         rows = []
         for jobs, workers in ((2, 1), (1, 2)):
             t0 = time.perf_counter()
@@ -144,13 +146,17 @@ def main(argv=None) -> int:
                 outs = list(pool.map(lambda i: solve_layer(int_LE[i], hint_LP[i], None, G, S, "even", tl,
                                                            workers, 0), range(len(layers))))
             sec = time.perf_counter() - t0
-            ratio = [o["objective"] / o["lower"] for o in outs]
-            gap = [(o["objective"] - max(o["bound"], o["lower"])) / o["objective"] for o in outs]
-            rows.append((f"{jobs} x {workers}", f"{np.mean(ratio):.5f}", f"{100 * np.mean(gap):.3f}%",
-                         f"{sec:.1f}", f"{sec / len(layers):.1f}"))
+            # No CP-SAT answer in time: the planner keeps the hint, so score that.
+            obj = [o["hint_objective"] if o["objective"] is None else o["objective"] for o in outs]
+            bound = [o["lower"] if o["bound"] is None else max(o["bound"], o["lower"]) for o in outs]
+            ratio = [v / o["lower"] for v, o in zip(obj, outs)]
+            gap = [(v - b) / v for v, b in zip(obj, bound)]
+            answered = sum(o["objective"] is not None for o in outs)
+            rows.append((f"{jobs} x {workers}", f"{answered}/{len(layers)}", f"{np.mean(ratio):.5f}",
+                         f"{100 * np.mean(gap):.3f}%", f"{sec:.1f}", f"{sec / len(layers):.1f}"))
         print(f"\nPart 3: even dispatch, {len(layers)} layers of {name}, {tl:g} s per layer: "
               f"layers at once x CP-SAT threads each")
-        print(format_table(["jobs x workers", "mean objective / bound", "mean proven gap", "seconds",
+        print(format_table(["jobs x workers", "CP-SAT answered", "mean objective / bound", "mean proven gap", "seconds",
                             "seconds / layer"], rows))
     return 0
 
