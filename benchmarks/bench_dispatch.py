@@ -11,7 +11,8 @@ For every (placement, served load, layer) the busiest GPU under `resplit` with a
 of sweeps is divided by the busiest GPU under the exact LP weights (`optimal_weights`) of
 the same placement and load: 1 = optimal. "even" is the even split, for scale.
 Times: one `Resplitter` call for all layers (index tables built once per placement, as a
-serving engine would), median over repeats, divided by L; plus the one-off table build.
+serving engine would), median over repeats, divided by L (wall, and CPU time of this process,
+which a busy machine inflates less); plus the one-off table build.
 Last table: a stream of batches of --batch-tokens tokens x 8 sampled from a held-out workload's
 expert distribution: a cold start each batch vs a warm start from the previous batch's shares.
 Real traces are read from --traces when present; else the shipped synthetic trace, else a
@@ -89,13 +90,15 @@ def main(argv=None) -> int:
             rs = Resplitter(p)
             build = time.perf_counter() - t0
             L = p.num_layers
-            tt = times.setdefault(planner, {"build": [], **{s: [] for s in SWEEPS}})
+            tt = times.setdefault(planner, {"build": [], **{s: [] for s in SWEEPS},
+                                            **{("cpu", s): [] for s in SWEEPS}})
             tt["build"].append(build)
             for s in SWEEPS:
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     rs(load_LE, sweeps=s)
                     tt[s].append((time.perf_counter() - t0) / L)
+                    tt["cpu", s].append((time.process_time() - c0) / L)
             for j, (_, served_LE) in enumerate(loads):
                 where = "in-sample" if j == i else "held-out"
                 opt_L = busiest(p, served_LE, optimal_weights(p, served_LE))
@@ -109,11 +112,13 @@ def main(argv=None) -> int:
             for s in ("even",) + SWEEPS:
                 r = np.concatenate(ratio[planner, where, s])
                 t = "" if s == "even" else f"{1e3 * np.median(times[planner][s]):.3f}"
+                c = "" if s == "even" else f"{1e3 * np.median(times[planner]['cpu', s]):.3f}"
                 rows.append((planner, where, s, f"{np.median(r):.5f}", f"{pct(r, 90):.5f}", f"{pct(r, 99):.5f}",
-                             f"{r.max():.5f}", t))
+                             f"{r.max():.5f}", t, c))
     print(f"G = {G}, placements planned on {min(args.plans, len(loads))} workload(s), served on {len(loads)}; "
           f"busiest GPU under resplit / under the exact LP weights, over layers x served loads")
-    print(format_table(["planner", "served", "sweeps", "median", "p90", "p99", "max", "ms / layer"], rows))
+    print(format_table(["planner", "served", "sweeps", "median", "p90", "p99", "max", "ms / layer",
+                        "CPU ms / layer"], rows))
     print("Resplitter table build, ms per placement (once per rebalance): " + ", ".join(
         f"{k} {1e3 * np.median(v['build']):.1f}" for k, v in times.items()))
 
