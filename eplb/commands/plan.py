@@ -33,7 +33,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
     size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant), or 'auto': "
                                                "as many as fit in memory next to the KV cache (capacity options)")
-    p.add_argument("--planner", "-p", default="greedy", choices=planner_names(), help="algorithm (default greedy)")
+    # robust is the CLI default: it wins on held-out traffic (README, "Robust planning"); the
+    # API's eplb.plan() keeps greedy as its default because serving loops call it per rebalance.
+    p.add_argument("--planner", "-p", default="robust", choices=planner_names(),
+                   help="algorithm (default robust: plans against every window of the history)")
     p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
                    help="how windows become the planning load (default sum)")
     p.add_argument("--window", type=_positive_int, help="with --aggregate window: newest windows to sum")
