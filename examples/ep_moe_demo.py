@@ -48,8 +48,9 @@ def parse(argv):
     p.add_argument("--json", default=None, help="write the report here (rank 0)")
     p.add_argument("--layers", type=int, default=4, help="MoE layers to run, spread evenly over the trace's")
     p.add_argument("--window", type=int, default=-1, help="trace window that drives the routers (default: last)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per phase")
+    p.add_argument("--tokens", type=int, default=1024,
+                   help="tokens per rank per step (enough rows that compute time follows rows, not per-slot overhead)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per phase")
     p.add_argument("--hidden", type=int, default=64, help="D: model dim")
     p.add_argument("--expert-hidden", type=int, default=64, help="F: expert intermediate size")
     p.add_argument("--mode", default="even", choices=MODES, help="replica choice of the planned phase")
@@ -173,7 +174,9 @@ def run(args, rank, G, group, device) -> dict:
 
     dist.barrier(group)
     t0 = time.perf_counter()
-    mig = plan_migration(contiguous, planned)
+    m0 = moes[0]
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in (m0.w_gate_EFD, m0.w_up_EFD, m0.w_down_EDF))
+    mig = plan_migration(contiguous, planned, bytes_per_expert=expert_bytes)
     apply_placement(eps, planned, plan=mig, mode=args.mode)
     dist.barrier(group)
     move_s = time.perf_counter() - t0

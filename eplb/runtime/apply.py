@@ -35,11 +35,12 @@ Reload = Callable[[int, int], Mapping[str, torch.Tensor]]
 """reload(layer, expert) -> {name: weights of one expert}: reads an expert from the checkpoint."""
 
 
-def plan_migration(old: Placement, new: Placement, *, layers_per_chunk: int | None = None) -> MigrationPlan:
+def plan_migration(old: Placement, new: Placement, *, layers_per_chunk: int | None = None,
+                   bytes_per_expert: int | None = None) -> MigrationPlan:
     """The safe schedule from `old` to `new` (eplb.migration.schedule on their slot maps)."""
     _check_pair(old, new)
     return schedule(old.phy2log_LP, new.phy2log_LP, old.num_gpus, old.num_logical_experts,
-                    layers_per_chunk=layers_per_chunk)
+                    layers_per_chunk=layers_per_chunk, bytes_per_expert=bytes_per_expert)
 
 
 def _check_pair(old: Placement, new: Placement) -> None:
