@@ -147,12 +147,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         group = dist.group.WORLD
-        modes = ["even", "weights", "local"]
-        try:
-            import eplb.dispatch  # noqa: F401
-            modes.append("resplit")
-        except ImportError:
-            pass
+        modes = ["even", "weights", "local", "resplit"]
         ps = placements(world)
         moes = reference_moes(2)
         for name, p in ps.items():
@@ -209,9 +204,5 @@ def test_expert_parallel_matches_reference(world, tmp_path):
     mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True,
                        start_method="fork")
     done = json.loads((tmp_path / "done.json").read_text())
-    assert done["world"] == world
-    try:
-        import eplb.dispatch  # noqa: F401
-        assert "resplit" in done["modes"]
-    except ImportError:
-        assert done["modes"] == ["even", "weights", "local"]
+    assert done == {"world": world, "modes": ["even", "weights", "local", "resplit"],
+                    "subgroups": 2 if world == 4 else 0}
