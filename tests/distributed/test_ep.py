@@ -160,10 +160,21 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         from eplb.runtime.ep import ExpertParallelMoE
         eps = [ExpertParallelMoE.from_full(ps["contiguous"], l, *stacked(moes[l]), group=group) for l in range(2)]
         apply_placement(eps, ps["random"], mode="weights")
-        for l, m in enumerate(eps):
-            x, ids, w = tokens(rank, world, salt=l)
-            err = float((m(x, ids, w) - moes[l].routed(x, ids, w)).abs().max())
-            assert err < 1e-5, f"after apply_placement layer {l}: max abs err {err}"
+        from eplb.runtime.measure import Recorder
+        rec = Recorder(2)
+        sent = 0
+        with rec.step():
+            for l, m in enumerate(eps):
+                x, ids, w = tokens(rank, world, salt=l)
+                err = float((m(x, ids, w) - moes[l].routed(x, ids, w)).abs().max())
+                assert err < 1e-5, f"after apply_placement layer {l}: max abs err {err}"
+                rec.record(l, m.last)
+                sent += m.last.rows_sent
+        rep = rec.gather(group)
+        total = torch.tensor([sent])
+        dist.all_reduce(total, group=group)
+        assert rep.rows_BLG.shape == (1, 2, world) and rep.rows_BLG.sum() == total.item()
+        assert rep.step_s_BG.shape == (1, world) and np.all(rep.step_s_BG > 0)
 
         # Ranks that disagree on a placement or a plan get an error, not wrong rows or a hang.
         from eplb.errors import EplbError
