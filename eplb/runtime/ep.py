@@ -209,7 +209,8 @@ class ExpertParallelMoE(torch.nn.Module):
     rank * S .. rank * S + S - 1) as stacked SwiGLU weights w_gate_SFD, w_up_SFD [S, F, D] and
     w_down_SDF [S, D, F]. `forward(x_TD, topk_ids_TK, topk_weights_TK)` returns the routed
     part of the MoE output for this rank's own tokens, equal (to float rounding) to running
-    the same tokens through the single-device experts.
+    the same tokens through the single-device experts. Construction, `set_placement` and
+    `forward` are collective over `group` (every rank calls them, in the same order).
     """
 
     def __init__(self, placement: Placement, layer: int, w_gate_SFD: torch.Tensor, w_up_SFD: torch.Tensor,
