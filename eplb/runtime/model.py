@@ -148,10 +148,11 @@ class ModelConfig:
                                dtype_bytes: int = 2) -> int:
         """KV-cache bytes per token of plain MHA/GQA: 2 x layers x kv_heads x head_dim x bytes.
 
-        Defaults: kv_heads = num_heads (MHA), head_dim = qk_head_dim (what MLA's keys have).
+        Defaults: kv_heads = num_heads (MHA), head_dim = v_head_dim (the d_h of the
+        DeepSeek-V2 paper's comparison: 128 for V3).
         """
         kv_heads = self.num_heads if kv_heads is None else int(kv_heads)
-        head_dim = self.qk_head_dim if head_dim is None else int(head_dim)
+        head_dim = self.v_head_dim if head_dim is None else int(head_dim)
         return 2 * self.num_layers * kv_heads * head_dim * int(dtype_bytes)
 
     def trace_meta(self) -> dict:

@@ -11,6 +11,15 @@ from torch import nn  # noqa: E402
 import eplb  # noqa: E402
 from eplb.collect import RouterCollector, collect_trace, count_experts, scatter_count  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids OpenMP spin-waits that slow them 10x+ on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402
 from eplb.trace import Trace  # noqa: E402
 

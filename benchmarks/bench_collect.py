@@ -1,0 +1,116 @@
+"""Overhead of the router-trace collector: forward time with and without its hooks.
+
+    python benchmarks/bench_collect.py                 # CPU, a few minutes at most
+    python benchmarks/bench_collect.py --device cuda --reps 50
+
+Cases: the tiny reference model, a wider one (E = 64, K = 6), the DeepSeek-V3 router shape
+(E = 256, K = 8, 8 groups) at a small hidden size, and the bare router of that shape (the
+worst case: nothing but the gate runs, so the hook is the largest possible fraction).
+Modes: plain forward; counts only; counts with windows every 512 tokens; counts plus a
+per-token buffer. Runs of the modes are interleaved rep by rep so that background load hits
+them alike; the table shows median milliseconds and the ratio to the plain forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eplb.collect import RouterCollector  # noqa: E402
+from eplb.commands.common import format_table  # noqa: E402
+from eplb.runtime.model import DeepSeekModel, ModelConfig, Router  # noqa: E402
+
+CASES = {
+    "tiny (E16 K4)": ModelConfig(),
+    "wide (E64 K6)": ModelConfig(hidden=256, num_layers=4, first_moe_layer=1, num_heads=8, num_experts=64,
+                                 top_k=6, num_groups=8, topk_groups=4, expert_hidden=128, kv_lora_rank=64,
+                                 q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    "V3 router (E256 K8)": ModelConfig(hidden=64, num_layers=3, first_moe_layer=1, num_experts=256, top_k=8,
+                                       num_groups=8, topk_groups=4, expert_hidden=16),
+}
+MODES = ("plain", "counts", "counts+windows", "counts+tokens")
+
+
+class RouterOnly(torch.nn.Module):
+    """Just the gates of a model: the collector's worst case."""
+
+    def __init__(self, cfg: ModelConfig, layers: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.gates = torch.nn.ModuleList(Router(cfg) for _ in range(layers))
+
+    def forward(self, x_TD):
+        for g in self.gates:
+            g(x_TD)
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def bench(model, make_input, reps: int, warmup: int, device) -> dict[str, float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = make_input()
+    collectors = {
+        "counts": lambda: RouterCollector(model, layer_ids=None),
+        "counts+windows": lambda: RouterCollector(model, window_tokens=512),
+        "counts+tokens": lambda: RouterCollector(model, keep_tokens=10**9),
+    }
+    times = {m: [] for m in MODES}
+    with torch.no_grad():
+        for _ in range(warmup):
+            model(x)
+        for _ in range(reps):
+            times["plain"].append(timed(lambda: model(x), sync))
+            for m, make in collectors.items():
+                with make():
+                    times[m].append(timed(lambda: model(x), sync))
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"median of {args.reps} interleaved reps")
+    rows = []
+    for name, cfg in CASES.items():
+        torch.manual_seed(0)
+        model = DeepSeekModel(cfg).to(device).eval()
+        for T in args.tokens:
+            seq = 128
+            med = bench(model, lambda: torch.randint(0, cfg.vocab, (max(1, T // seq), min(T, seq)), device=device),
+                        args.reps, args.warmup, device)
+            rows.append([name, T, *[med[m] * 1e3 for m in MODES], *[med[m] / med["plain"] for m in MODES[1:]]])
+    cfg = CASES["V3 router (E256 K8)"]
+    torch.manual_seed(0)
+    gates = RouterOnly(cfg, layers=4).to(device)
+    for T in args.tokens:
+        med = bench(gates, lambda: torch.randn(T, cfg.hidden, device=device), args.reps, args.warmup, device)
+        rows.append(["router only, 4 gates (E256 K8)", T, *[med[m] * 1e3 for m in MODES],
+                     *[med[m] / med["plain"] for m in MODES[1:]]])
+    print(format_table(["case", "tokens", "plain ms", "counts ms", "+windows ms", "+tokens ms",
+                        "counts x", "+windows x", "+tokens x"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
