@@ -446,11 +446,16 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
         holdings(old_LP, gpus, E).sum(axis=1) == 0).any() else old_LP
     searched = budgeted_search(load_LE, start, gpus, budget)
     searched = np.take_along_axis(searched, keep_slots(old_LP, searched, gpus), axis=1)
-    # The relabelled target wins if the budget can pay for it and it balances at least as well.
+    # The relabelled target wins if the budget can pay for it and it costs no more: summed
+    # busiest-GPU load plus move_cost x the layer's mean GPU load per move (the search's price).
     fits = ((budget.max_moves is None or moves_rel_LG.sum() <= budget.max_moves)
-            and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu)
-            and budget.move_cost == 0)
-    if fits and max_load(load_LE, relabeled, gpus).sum() <= max_load(load_LE, searched, gpus).sum():
+            and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
+    price_L = budget.move_cost * load_LE.sum(axis=1) / gpus
+
+    def cost(phy):
+        return float((max_load(load_LE, phy, gpus) + price_L * count_moves(old_LP, phy, gpus, E).sum(axis=1)).sum())
+
+    if fits and cost(relabeled) <= cost(searched):
         info["method"] = "relabel"
         return relabeled, perm, info
     info["method"] = "budgeted_search"
