@@ -178,8 +178,9 @@ class Resplitter:
         self.C, self.X = C, X
         # Flat indices into the [L, P + 1] flow and [L, G + 1] GPU-load buffers, per colour.
         K = self.slot_LCKX.shape[2]
-        self._slot_C = (np.arange(L)[:, None, None, None] * (P + 1) + self.slot_LCKX).transpose(1, 0, 2, 3).reshape(C, L * K, X)
-        self._gpu_C = (np.arange(L)[:, None, None, None] * (G + 1) + self.gpu_LCKX).transpose(1, 0, 2, 3).reshape(C, L * K, X)
+        layer = np.arange(L)[:, None, None, None]
+        self._slot_C = (layer * (P + 1) + self.slot_LCKX).transpose(1, 0, 2, 3).reshape(C, L * K, X)
+        self._gpu_C = (layer * (G + 1) + self.gpu_LCKX).transpose(1, 0, 2, 3).reshape(C, L * K, X)
         self._last_LP: np.ndarray | None = None
 
     def __call__(self, counts_LE, sweeps: int = 8, warm: bool = False) -> np.ndarray:

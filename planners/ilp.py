@@ -301,7 +301,7 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
                 # needed: shares appear only in "GPU load <= z", which z minimises, so at the
                 # optimum c = per_replica where x = 1 and 0 elsewhere; one linear row each.)
                 model.add(share[e, g] >= per - le + le * x[e, g])
-        hint_f = np.where(hint_x, np.array([-(-int(load_E[e]) // int(hint_count_E[e])) for e in all_experts])[:, None], 0)
+        hint_f = np.where(hint_x, (-(-load_E // np.maximum(hint_count_E, 1)))[:, None], 0)
     assert int(hint_f.sum(axis=0).max()) == hint_z, "hint out of step with its objective"
 
     # The busiest GPU's load is at least the analytic lower bound, and no worse than the hint.
@@ -495,5 +495,6 @@ class IlpPlanner:
             message = (f"{proven} of {L} layers proven optimal; largest proven gap "
                        f"{100 * info['gap_max']:.3f}% ({self.dispatch} dispatch, {self.time_limit:g} s per layer)")
         if len(info["kept_greedy_layers"]):
-            message += f"; greedy kept in {len(info['kept_greedy_layers'])} layer(s) where it scored better on the real loads"
+            message += (f"; greedy kept in {len(info['kept_greedy_layers'])} layer(s) where it scored "
+                        f"better on the real loads")
         return Solution(phy_LP, weights_LP, status, message, info)
