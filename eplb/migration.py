@@ -192,8 +192,9 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
 
     Per layer and iteration, two kinds of change are priced exactly (even dispatch among
     replicas, loads of every GPU recomputed):
-    - swap: exchange a replica on the busiest GPU with one on another GPU (replica counts
-      unchanged; up to 2 moves, fewer if an expert returns to a GPU that held it);
+    - swap: exchange a replica on the busiest GPU with one on one of the `partners` lightest
+      GPUs (replica counts unchanged; up to 2 moves, fewer if an expert returns to a GPU that
+      held it);
     - replicate: overwrite a donor slot (an expert with >= 2 replicas, among the `donors`
       cheapest per layer) with another replica of an expert on the busiest GPU (1 move).
     Every active layer takes its change with the best gain per move in each iteration; when
@@ -215,7 +216,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         l, e = np.argwhere(r_LE == 0)[0]
         raise EplbError(f"expert {e} has no replica in layer index {l}: restore it before searching")
     in_G = ((cnt_LEG > 0) & ~old_LEG).sum(axis=(0, 1))          # moves onto each GPU so far
-    total = int(in_G.sum())
+    state = {"total": int(in_G.sum())}
     cap_total = np.inf if budget.max_moves is None else budget.max_moves
     cap_gpu = np.inf if budget.max_moves_per_gpu is None else budget.max_moves_per_gpu
     mean_L = load_LE.sum(axis=1) / G
@@ -224,9 +225,78 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     active = np.flatnonzero(mean_L > 0)
     D = min(donors, P)
     C = min(partners, G - 1)
+    H = 1                                                       # busy GPUs priced per layer
     iters = max_iters if max_iters is not None else 4 * P
     if G < 2:
         return phy
+    s_idx = np.arange(S)
+
+    def fits(g_list, d_list):
+        """Can every change of a batch be paid for, in any order? (positive parts only)"""
+        pos = [np.maximum(d, 0) for d in d_list]
+        if sum(int(p.sum()) for p in pos) > cap_total - state["total"]:
+            return False
+        if np.isfinite(cap_gpu):
+            need = np.zeros(G, dtype=np.int64)
+            for g, p in zip(g_list, pos):
+                np.add.at(need, g, p)
+            return bool((in_G + need <= cap_gpu).all())
+        return True
+
+    def apply_swaps(l, a_slot, q):
+        """Swap slot a_slot with slot q in layers l (distinct layers); False where the budget refused."""
+        hh, g = gpu_P[a_slot], gpu_P[q]
+        ea, eb = phy[l, a_slot], phy[l, q]
+        dg = (~old_LEG[l, ea, g]).astype(np.int64) - ((~old_LEG[l, eb, g]) & (cnt_LEG[l, eb, g] == 1))
+        dh = (~old_LEG[l, eb, hh]).astype(np.int64) - ((~old_LEG[l, ea, hh]) & (cnt_LEG[l, ea, hh] == 1))
+        ok = np.ones(l.size, dtype=bool)
+        if not fits((g, hh), (dg, dh)):
+            # The budget binds: one at a time, best first (callers pass them in that order).
+            for k in range(l.size):
+                t = state["total"] + dg[k] + dh[k]
+                if t > cap_total or in_G[g[k]] + dg[k] > cap_gpu or in_G[hh[k]] + dh[k] > cap_gpu:
+                    ok[k] = False
+                    continue
+                in_G[g[k]] += dg[k]
+                in_G[hh[k]] += dh[k]
+                state["total"] = int(t)
+        else:
+            np.add.at(in_G, g, dg)
+            np.add.at(in_G, hh, dh)
+            state["total"] += int(dg.sum() + dh.sum())
+        l, a_slot, q, hh, g, ea, eb = (x[ok] for x in (l, a_slot, q, hh, g, ea, eb))
+        phy[l, a_slot], phy[l, q] = eb, ea
+        cnt_LEG[l, ea, hh] -= 1
+        cnt_LEG[l, eb, hh] += 1
+        cnt_LEG[l, eb, g] -= 1
+        cnt_LEG[l, ea, g] += 1
+        return ok
+
+    def apply_reps(l, a_slot, q):
+        """Copy the expert of slot a_slot over donor slot q in layers l (distinct layers)."""
+        g = gpu_P[q]
+        x, b = phy[l, a_slot], phy[l, q]
+        dg = (~old_LEG[l, x, g]).astype(np.int64) - ((~old_LEG[l, b, g]) & (cnt_LEG[l, b, g] == 1))
+        ok = np.ones(l.size, dtype=bool)
+        if not fits((g,), (dg,)):
+            for k in range(l.size):
+                t = state["total"] + dg[k]
+                if t > cap_total or in_G[g[k]] + dg[k] > cap_gpu:
+                    ok[k] = False
+                    continue
+                in_G[g[k]] += dg[k]
+                state["total"] = int(t)
+        else:
+            np.add.at(in_G, g, dg)
+            state["total"] += int(dg.sum())
+        l, q, g, x, b = (v[ok] for v in (l, q, g, x, b))
+        phy[l, q] = x
+        cnt_LEG[l, b, g] -= 1
+        cnt_LEG[l, x, g] += 1
+        r_LE[l, b] -= 1
+        r_LE[l, x] += 1
+        return ok
+
     for _ in range(iters):
         if active.size == 0:
             break
@@ -237,48 +307,63 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         r = r_LE[active]
         w_AP = np.take_along_axis(ld / r, ph, axis=1)             # load of each replica
         gl_AG = w_AP.reshape(A, G, S).sum(axis=2)
-        srt = np.argsort(-gl_AG, axis=1)
+        srt = np.argsort(-gl_AG, axis=1, kind="stable")
         h = srt[:, 0]                                             # busiest GPU
         Lh = gl_AG[ar, h]
-        hs_AS = h[:, None] * S + np.arange(S)[None, :]            # slots of the busiest GPU
-        ea_AS = np.take_along_axis(ph, hs_AS, axis=1)
-        wa_AS = np.take_along_axis(w_AP, hs_AS, axis=1)
         room_G = cap_gpu - in_G
-        room_tot = cap_total - total
-        la2, la3 = active[:, None], active[:, None, None]
+        room_tot = cap_total - state["total"]
+        la2 = active[:, None]
+        la3 = active[:, None, None]
         h2 = h[:, None]
+        need_A = min_gain_L[active]
 
-        # Swap: slot a on h <-> slot q on one of the C lightest GPUs (heavier partners
-        # seldom help and would cost G / C times the work).
+        # Swap: slot a on the busiest GPU (axis H, one row) <-> slot q on one of the C lightest
+        # GPUs (heavier partners seldom help and would cost G / C times the work).
+        hr_AH = srt[:, :H]
+        Lr_AH = np.take_along_axis(gl_AG, hr_AH, axis=1)
+        hs_AHS = hr_AH[:, :, None] * S + s_idx                   # slots of the busy GPUs
+        ea_AHS = np.take_along_axis(ph, hs_AHS.reshape(A, H * S), axis=1).reshape(A, H, S)
+        wa_AHS = np.take_along_axis(w_AP, hs_AHS.reshape(A, H * S), axis=1).reshape(A, H, S)
         light_AC = srt[:, ::-1][:, :C]
-        q_AQ = (light_AC[:, :, None] * S + np.arange(S)[None, None, :]).reshape(A, C * S)
+        q_AQ = (light_AC[:, :, None] * S + s_idx).reshape(A, C * S)
         g_AQ = gpu_P[q_AQ]
         eb_AQ = np.take_along_axis(ph, q_AQ, axis=1)
         w_AQ = np.take_along_axis(w_AP, q_AQ, axis=1)
         gl_AQ = np.take_along_axis(gl_AG, g_AQ, axis=1)
-        delta = wa_AS[:, :, None] - w_AQ[:, None, :]             # [A, S, Q] load leaving h
-        # Gains are local: how far the busiest GPU drops while the GPUs the change touches
+        delta = wa_AHS[..., None] - w_AQ[:, None, None, :]       # [A, H, S, Q] load leaving h
+        # Gains are local: how far the busy GPU drops while the GPUs the change touches
         # stay below its old load. The global maximum never rises, and a layer with several
         # near-busiest GPUs still sees each step as progress.
-        swap_gain = Lh[:, None, None] - np.maximum(Lh[:, None, None] - delta, gl_AQ[:, None, :] + delta)
-        x3, g3 = ea_AS[:, :, None], g_AQ[:, None, :]
-        cn_g_ea = cnt_LEG[la3, x3, g3]                            # [A, S, Q]
-        cn_h_eb = cnt_LEG[la2, eb_AQ, h2][:, None, :]             # [A, 1, Q]
-        cn_h_ea = cnt_LEG[la2, ea_AS, h2]                         # [A, S]
+        Lr4 = Lr_AH[:, :, None, None]
+        swap_gain = Lr4 - np.maximum(Lr4 - delta, gl_AQ[:, None, None, :] + delta)
+        # Counts of each busy-GPU expert on every GPU, gathered once: [A, H, S, G].
+        cnt_x_AHSG = cnt_LEG[la3, ea_AHS]
+        old_x_AHSG = old_LEG[la3, ea_AHS]
+        # Per partner GPU, then repeated over its S slots (S times fewer gathers).
+        light4 = np.broadcast_to(light_AC[:, None, None, :], (A, H, S, C))
+        cn_g_ea = np.repeat(np.take_along_axis(cnt_x_AHSG, light4, axis=3), S, axis=3)
+        ol_g_ea = np.repeat(np.take_along_axis(old_x_AHSG, light4, axis=3), S, axis=3)
+        hr3 = hr_AH[:, :, None]
+        cn_h_eb = cnt_LEG[la3, eb_AQ[:, None, :], hr3]            # [A, H, Q]
+        ol_h_eb = old_LEG[la3, eb_AQ[:, None, :], hr3]
+        cn_h_ea = np.take_along_axis(cnt_x_AHSG, hr3[..., None], axis=3)[..., 0]    # [A, H, S]
+        ol_h_ea = np.take_along_axis(old_x_AHSG, hr3[..., None], axis=3)[..., 0]
         cn_g_eb = cnt_LEG[la2, eb_AQ, g_AQ]                       # [A, Q]
         # Moves against the old placement: an expert landing on a GPU that did not hold it
         # costs 1; one leaving a GPU it was moved onto (its only copy there) refunds 1.
-        d_g = ((~old_LEG[la3, x3, g3]).astype(np.int64)
-               - ((~old_LEG[la2, eb_AQ, g_AQ]) & (cn_g_eb == 1))[:, None, :])
-        d_h = ((~old_LEG[la2, eb_AQ, h2]).astype(np.int64)[:, None, :]
-               - ((~old_LEG[la2, ea_AS, h2]) & (cn_h_ea == 1))[:, :, None])
+        d_g = (~ol_g_ea).astype(np.int64) - ((~old_LEG[la2, eb_AQ, g_AQ]) & (cn_g_eb == 1))[:, None, None, :]
+        d_h = ((~ol_h_eb).astype(np.int64)[:, :, None, :] - ((~ol_h_ea) & (cn_h_ea == 1))[..., None])
         swap_cost = d_g + d_h
-        bad = (cn_g_ea > 0) | (cn_h_eb > 0) | (x3 == eb_AQ[:, None, :])
-        bad |= (d_g > room_G[g_AQ][:, None, :]) | (d_h > room_G[h][:, None, None]) | (swap_cost > room_tot)
+        bad = (cn_g_ea > 0) | (cn_h_eb > 0)[:, :, None, :] | (ea_AHS[..., None] == eb_AQ[:, None, None, :])
+        bad |= (g_AQ[:, None, None, :] == hr_AH[:, :, None, None])
+        bad |= ((d_g > room_G[g_AQ][:, None, None, :]) | (d_h > room_G[hr_AH][:, :, None, None])
+                | (swap_cost > room_tot))
         swap_gain[bad] = -np.inf
 
-        # Replicate: expert x on h gets one more replica in donor slot q (expert b, r_b >= 2),
-        # donors ranked by how little losing them hurts (light GPU, light expert).
+        # Replicate (busiest GPU only): expert x on h gets one more replica in donor slot q
+        # (expert b, r_b >= 2), donors ranked by how little losing them hurts (light GPU,
+        # light expert).
+        ea_AS = ea_AHS[:, 0]
         rb_AP = np.take_along_axis(r, ph, axis=1)
         Wb_AP = np.take_along_axis(ld, ph, axis=1)
         harm = gl_AG[:, gpu_P] + Wb_AP / np.maximum(rb_AP - 1, 1)
@@ -294,80 +379,66 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         rx = np.take_along_axis(r, ea_AS, axis=1).astype(np.float64)              # [A, S]
         Wx = np.take_along_axis(ld, ea_AS, axis=1)
         dx = Wx / rx - Wx / (rx + 1)                                              # fall per x replica
-        cnt_x_ASG = cnt_LEG[la2, ea_AS]                                           # [A, S, G]
+        cnt_x_ASG = cnt_x_AHSG[:, 0]                                              # [A, S, G]
         cnt_b_ADG = cnt_LEG[la2, b_AD]                                            # [A, D, G]
         new_ASDG = ((gl_AG[:, None, :] - cnt_x_ASG * dx[:, :, None])[:, :, None, :]
                     + (cnt_b_ADG * db[:, :, None])[:, None, :, :])
         # GPU g of the donor slot also gains x's new replica and loses b's old one; the
         # busiest of the other GPUs is taken with g masked out.
-        ia, isx, idd = np.ix_(ar, np.arange(S), np.arange(D))
+        ia, isx, idd = np.ix_(ar, s_idx, np.arange(D))
         gq3 = gq_AD[:, None, :]
         at_g = new_ASDG[ia, isx, idd, gq3] + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :]
         new_ASDG[ia, isx, idd, gq3] = -np.inf
         untouched = (cnt_x_ASG == 0)[:, :, None, :] & (cnt_b_ADG == 0)[:, None, :, :]
         new_ASDG[untouched] = -np.inf
         rep_gain = Lh[:, None, None] - np.maximum(new_ASDG.max(axis=3), at_g)
-        cn_gx = cnt_x_ASG[ia, isx, gq3]                                           # [A, S, D]
-        rep_cost = ((~old_LEG[la3, x3, gq3]).astype(np.int64)
+        cn_gx = np.take_along_axis(cnt_x_ASG, gq3, axis=2)                        # [A, S, D]
+        rep_cost = ((~np.take_along_axis(old_x_AHSG[:, 0], gq3, axis=2)).astype(np.int64)
                     - ((~old_LEG[la2, b_AD, gq_AD]) & (cnt_b_ADG[ia[:, :, 0], idd[:, 0], gq_AD] == 1))[:, None, :])
-        rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == x3)
+        rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == ea_AS[:, :, None])
         rbad |= (rep_cost > room_G[gq_AD][:, None, :]) | (rep_cost > room_tot)
         rep_gain[rbad] = -np.inf
 
         # Best change per layer by gain per move; a free change (cost <= 0) counts as a
         # quarter move so it is preferred but still ranked by its gain.
         def pick(gain, cost):
-            need = min_gain_L[active].reshape((-1,) + (1,) * (gain.ndim - 1))
+            need = need_A.reshape((-1,) + (1,) * (gain.ndim - 1))
             key = np.where(gain >= need * np.maximum(cost, 1), gain / np.maximum(cost, 0.25), -np.inf)
             i = key.reshape(A, -1).argmax(axis=1)
             return i, key.reshape(A, -1)[ar, i]
-        si, skey = pick(swap_gain, swap_cost)
+        si, skey = pick(swap_gain[:, 0], swap_cost[:, 0])
         ri, rkey = pick(rep_gain, rep_cost)
         use_rep = rkey > skey
         best = np.maximum(skey, rkey)
-        order = np.argsort(-best)
+        order = np.argsort(-best, kind="stable")
         order = order[np.isfinite(best[order])]
         if order.size == 0:
             break
-        s_sw, q_sw = np.divmod(si, C * S)
-        s_rp, d_rp = np.divmod(ri, D)
         # Apply, best gain per move first, re-checking budgets (layers share them).
-        applied = []
-        for k in order:
-            l, hh = active[k], h[k]
-            if use_rep[k]:
-                a_slot, q = hh * S + s_rp[k], q_AD[k, d_rp[k]]
-                x, b, g = phy[l, a_slot], phy[l, q], gpu_P[q]
-                dg = int(not old_LEG[l, x, g]) - int(not old_LEG[l, b, g] and cnt_LEG[l, b, g] == 1)
-                if total + dg > cap_total or in_G[g] + dg > cap_gpu:
-                    continue
-                phy[l, q] = x
-                cnt_LEG[l, b, g] -= 1
-                cnt_LEG[l, x, g] += 1
-                r_LE[l, b] -= 1
-                r_LE[l, x] += 1
-                in_G[g] += dg
-                total += dg
-            else:
-                a_slot, q = hh * S + s_sw[k], q_AQ[k, q_sw[k]]
-                g = gpu_P[q]
-                ea, eb = phy[l, a_slot], phy[l, q]
-                dg = int(not old_LEG[l, ea, g]) - int(not old_LEG[l, eb, g] and cnt_LEG[l, eb, g] == 1)
-                dh = int(not old_LEG[l, eb, hh]) - int(not old_LEG[l, ea, hh] and cnt_LEG[l, ea, hh] == 1)
-                if total + dg + dh > cap_total or in_G[g] + dg > cap_gpu or in_G[hh] + dh > cap_gpu:
-                    continue
-                phy[l, a_slot], phy[l, q] = eb, ea
-                cnt_LEG[l, ea, hh] -= 1
-                cnt_LEG[l, eb, hh] += 1
-                cnt_LEG[l, eb, g] -= 1
-                cnt_LEG[l, ea, g] += 1
-                in_G[g] += dg
-                in_G[hh] += dh
-                total += dg + dh
-            applied.append(l)
-        if not applied:
+        applied = np.zeros(A, dtype=bool)
+        rep_k = order[use_rep[order]]
+        sw_k = order[~use_rep[order]]
+        s_rp, d_rp = np.divmod(ri, D)
+        s_sw, q_sw = np.divmod(si, C * S)
+        # Upper bounds (1 per replication, 1 onto each GPU of a swap): if even they fit, the
+        # order does not matter and every layer's change is applied at once.
+        one_r, one_s = np.ones(rep_k.size, np.int64), np.ones(sw_k.size, np.int64)
+        if not fits((gq_AD[rep_k, d_rp[rep_k]], gpu_P[q_AQ[sw_k, q_sw[sw_k]]], h[sw_k]), (one_r, one_s, one_s)):
+            # The budget may bind: apply strictly best first over both kinds, one at a time.
+            for k in order:
+                kk = np.array([k])
+                if use_rep[k]:
+                    applied[k] = apply_reps(active[kk], h[kk] * S + s_rp[kk], q_AD[kk, d_rp[kk]])[0]
+                else:
+                    applied[k] = apply_swaps(active[kk], h[kk] * S + s_sw[kk], q_AQ[kk, q_sw[kk]])[0]
+        else:
+            if rep_k.size:
+                applied[rep_k] = apply_reps(active[rep_k], h[rep_k] * S + s_rp[rep_k], q_AD[rep_k, d_rp[rep_k]])
+            if sw_k.size:
+                applied[sw_k] = apply_swaps(active[sw_k], h[sw_k] * S + s_sw[sw_k], q_AQ[sw_k, q_sw[sw_k]])
+        if not applied.any():
             break
-        active = np.asarray(sorted(applied), dtype=np.int64)
+        active = active[applied]
     return phy
 
 
