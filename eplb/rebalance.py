@@ -54,7 +54,8 @@ class RebalanceResult:
     step: int = 0
     """Observations seen when the rebalance was planned."""
     seconds: float = 0.0
-    """Wall time of planning + scheduling."""
+    """Wall time of planning + scheduling (info has "decision_seconds" for the placement and
+    its predicted metrics, "schedule_seconds" for the migration schedule)."""
     message: str = ""
     """How the plan was made (planner status, budget, fallbacks)."""
     info: dict = field(default_factory=dict)
@@ -273,26 +274,32 @@ class Rebalancer:
     def _plan(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int) -> RebalanceResult:
         from eplb.planning import plan
 
+        t0 = time.perf_counter()
         res = plan(load, gpus=pl.num_gpus, nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
                    planner=self.planner, settings=self.settings, num_groups=None, previous=pl,
                    max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
                    move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert)
         new = Placement(res.placement.phy2log_LP, pl.num_gpus, pl.num_logical_experts, pl.num_nodes,
                         pl.layer_ids, res.placement.dispatch_weights_LP, res.planner, res.placement.metrics)
+        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        t1 = time.perf_counter()
         mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                        layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
                        bytes_per_expert=self.bytes_per_expert)
+        t2 = time.perf_counter()
+        info = dict(res.info.get("migration", {}))
+        info.update(decision_seconds=t1 - t0, schedule_seconds=t2 - t1)
         return RebalanceResult(
-            placement=new, before=stats.evaluate(pl, load), after=stats.evaluate(new, load),
-            migration=mig, rank_ids=ranks, step=step,
+            placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
             message=f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else ""),
-            info=dict(res.info.get("migration", {})),
+            info=info,
         )
 
     def _plan_failed(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
                      step: int) -> RebalanceResult:
         from eplb.planning import plan
 
+        t0 = time.perf_counter()
         L, E, G, S = pl.num_layers, pl.num_logical_experts, pl.num_gpus, pl.slots_per_gpu
         alive = np.setdiff1d(np.arange(G), failed)
         Ga = alive.size
@@ -308,13 +315,15 @@ class Rebalancer:
         budget = self.budget
         phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)
         new = Placement(phy, Ga, E, 1, pl.layer_ids, planner=target.planner)
+        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        t1 = time.perf_counter()
         mig = schedule(old_LP, phy, Ga, E, layers_per_chunk=self.layers_per_chunk, rank_ids=ranks[alive],
                        bytes_per_expert=self.bytes_per_expert)
+        info.update(decision_seconds=t1 - t0, schedule_seconds=time.perf_counter() - t1)
         info["moves"] = int(count_moves(old_LP, phy, Ga, E).sum())
         info["failed_ranks"] = ranks[failed].tolist()
         msg = (f"ranks {ranks[failed].tolist()} failed: planned on {Ga} surviving ranks (one node), "
                f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
         return RebalanceResult(
-            placement=new, before=stats.evaluate(pl, load), after=stats.evaluate(new, load),
-            migration=mig, rank_ids=ranks[alive], lost_experts=lost, step=step, message=msg, info=info,
+            placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive], lost_experts=lost, step=step, message=msg, info=info,
         )
