@@ -5,11 +5,20 @@ N = tokens per window, K = experts per token (top-k).
 
 Model of the traffic, per MoE layer l and window t:
 - every expert has a routing logit  b[t, l, e] = sigma_l * (a * z[l, e] + b * phase[ph(t), l, e]
-  + c * drift[t, l, e]) + group[l, g(e)], with a^2 + b^2 + c^2 = 1 so the spread is sigma_l
-  whatever the mix. `z` is the experts' popularity, a standardised mix of Gumbel and normal
-  draws (`tail`): right-skewed, a few very hot experts and few near-dead ones, as in the real
-  DeepSeek-V3 counts; `phase` is specific to prefill or decode; `drift` is an AR(1) random
+  + c * drift[t, l, e]) + group[l, g(e)] + trend_l * h(e), with a^2 + b^2 + c^2 = 1 so the
+  spread is sigma_l whatever the mix. `z` is the experts' popularity, a standardised mix of
+  Gumbel and normal draws (`tail`): right-skewed, a few very hot experts and few near-dead
+  ones, as in the real DeepSeek-V3 counts; `phase` is specific to prefill or decode; `drift` is an AR(1) random
   walk over windows (gradual drift); `group` makes whole expert groups hotter or colder.
+- `h(e)` is one smooth, decreasing profile along the expert id, 1 - sqrt((e + 1/2) / E),
+  standardised, shared by every layer, with a per-layer strength trend_l (lognormal around
+  `id_trend`). It is the coarse structure of the real counts: in SGLang's DeepSeek-V3 files the
+  load averaged over layers falls steadily from expert 0 to expert 255 (block of experts 0-7 at
+  1.6-2.7x the mean, 248-255 at 0.6-0.75x; within each group too), so neighbouring experts,
+  groups and hence contiguous ranks are hot together, while after removing that profile
+  neighbouring experts are uncorrelated (lag-1 correlation ~0). Independent per-group offsets
+  alone cannot give it: they make busiest/mean at 8 GPUs (one group each) high but leave 4 GPUs
+  (two adjacent groups each) near 1.2, where real traffic sits at 1.3-1.6.
 - windows come in runs of one phase (prefill or decode) whose lengths are drawn between
   `phase_run` bounds: a phase switch changes the `phase` term at once.
 - each of the N tokens of a window is routed the way DeepSeek-V3's router does it: its score
@@ -54,14 +63,18 @@ class SynthSettings:
     """Expert groups for group-limited routing (E must be divisible by it)."""
     topk_groups: int = 4
     """Groups each token may use (DeepSeek-V3: 4 of 8)."""
-    skew: float = 0.7
+    skew: float = 0.67
     """Median over layers of sigma_l, the spread of the expert logits (the main skew knob)."""
-    skew_spread: float = 0.1
+    skew_spread: float = 0.05
     """Layer-to-layer spread of sigma_l (std of its log), so some layers are much hotter."""
     tail: float = 0.3
     """Mix of the popularity distribution: 1 = Gumbel (long right tail), 0 = normal."""
-    group_skew: float = 0.25
+    group_skew: float = 0.1
     """Std of a per-group logit offset (makes whole expert groups hotter or colder)."""
+    id_trend: float = 0.23
+    """Median over layers of the strength (logit std) of a smooth trend along expert ids: low ids hotter."""
+    id_trend_spread: float = 0.3
+    """Layer-to-layer spread of the id trend's strength (std of its log)."""
     phase_share: float = 0.18
     """Share b^2 of the logit variance that is specific to the phase (prefill or decode)."""
     drift_share: float = 0.05
@@ -95,6 +108,7 @@ class SynthSettings:
         need(0 <= self.tail <= 1, f"tail must be in [0, 1], got {self.tail}")
         need(self.skew >= 0 and self.skew_spread >= 0 and self.group_skew >= 0,
              "skew, skew_spread and group_skew must be >= 0")
+        need(self.id_trend >= 0 and self.id_trend_spread >= 0, "id_trend and id_trend_spread must be >= 0")
         need(self.phase_share >= 0 and self.drift_share >= 0 and self.phase_share + self.drift_share <= 1,
              f"phase_share ({self.phase_share}) and drift_share ({self.drift_share}) must be >= 0 and sum to <= 1")
         need(0 <= self.drift_memory <= 1, f"drift_memory must be in [0, 1], got {self.drift_memory}")
@@ -148,6 +162,14 @@ def phase_schedule(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
+def id_trend(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
+    """Smooth logit trend along expert ids, [L, E]: highest at expert 0, one shape, per-layer strength."""
+    x_E = (np.arange(s.num_experts) + 0.5) / s.num_experts
+    shape_E = _std(1.0 - np.sqrt(x_E))
+    strength_L = s.id_trend * np.exp(s.id_trend_spread * rng.standard_normal(s.num_moe_layers))
+    return strength_L[:, None] * shape_E[None, :]
+
+
 def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     """A synthetic trace [T, L, E] for the given settings (deterministic in settings.seed)."""
     s = settings or SynthSettings()
@@ -162,6 +184,7 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     a = np.sqrt(1.0 - s.phase_share - s.drift_share)
     b, c = np.sqrt(s.phase_share), np.sqrt(s.drift_share)
     phase_T = phase_schedule(s, rng)
+    trend_LE = id_trend(s, rng)
 
     # Step 2: windows: drift the logits, then route every token.
     counts_TLE = np.zeros((T, L, E), dtype=np.int64)
@@ -173,7 +196,7 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
         if t:
             drift_LE = rho * drift_LE + np.sqrt(1.0 - rho * rho) * rng.standard_normal((L, E))
         mix_LE = a * z_LE + b * phase_PLE[phase_T[t]] + c * drift_LE
-        logit_LE = sigma_L[:, None] * mix_LE + group_LE
+        logit_LE = sigma_L[:, None] * mix_LE + group_LE + trend_LE
         for l in range(L):
             top_NK = route_tokens(logit_LE[l], s.tokens_per_window, s, rng)
             counts_TLE[t, l] = np.bincount(top_NK.ravel(), minlength=E)
@@ -191,7 +214,8 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
         "topk_groups": s.topk_groups,
         "tokens_per_window": s.tokens_per_window,
         "source": (f"eplb.synth seed={s.seed}, calibrated on SGLang DeepSeek-V3 expert statistics "
-                   f"(sglang issue #6017: per-layer hottest/mean, Gini, prefill-decode correlation)"),
+                   f"(sglang issue #6017: per-layer hottest/mean, Gini, contiguous busiest/mean GPU at 4-32 GPUs, "
+                   f"prefill-decode correlation)"),
         "synthetic": True,
         "phases": [PHASES[p] for p in phase_T],
         "synth_settings": json.loads(json.dumps(asdict(s))),
@@ -201,14 +225,34 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     return Trace(counts_TLE, layer_ids, meta, topk_NLK, token_window)
 
 
+CONTIGUOUS_GPUS = (4, 8, 16, 32)
+"""GPU counts at which calibration_stats measures contiguous placement (coarse structure)."""
+
+
+def contiguous_imbalance(load_LE: np.ndarray, num_gpus: int) -> float:
+    """Median over layers of busiest/mean GPU when expert e sits on GPU e // (E / num_gpus)."""
+    from eplb import stats
+
+    load = np.asarray(load_LE, dtype=np.float64)
+    L, E = load.shape
+    if num_gpus < 1 or E % num_gpus:
+        raise EplbError(f"contiguous placement needs num_gpus dividing num_experts ({E}), got {num_gpus}")
+    return float(np.median(stats.imbalance(load.reshape(L, num_gpus, E // num_gpus).sum(axis=2))))
+
+
 def calibration_stats(load_LE: np.ndarray) -> dict:
-    """The skew figures the generator is calibrated on, for one load [L, E]."""
+    """The skew figures the generator is calibrated on, for one load [L, E].
+
+    `contig_G<n>`: contiguous busiest/mean GPU at n GPUs (only for n dividing E).
+    """
     from eplb import stats
 
     hot_L, gini_L = stats.hot_ratio(load_LE), stats.gini(load_LE)
+    E = np.shape(load_LE)[-1]
     return {
         "hot_median": float(np.median(hot_L)), "hot_min": float(hot_L.min()), "hot_max": float(hot_L.max()),
         "gini_median": float(np.median(gini_L)), "gini_min": float(gini_L.min()), "gini_max": float(gini_L.max()),
+        **{f"contig_G{g}": contiguous_imbalance(load_LE, g) for g in CONTIGUOUS_GPUS if E % g == 0},
     }
 
 

@@ -14,7 +14,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=32, help="time windows (default 32)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per window (default 2048)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.7)")
+    p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.67)")
+    p.add_argument("--id-trend", type=float, default=None,
+                   help="median strength of the smooth popularity trend along expert ids (default 0.23)")
     p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
     p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
     p.add_argument("--keep-tokens", type=int, default=0,
@@ -30,11 +32,11 @@ def run(args) -> int:
 
     from eplb.errors import EplbError
     from eplb.progress import Progress
-    from eplb.synth import SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
+    from eplb.synth import CONTIGUOUS_GPUS, SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
     from eplb.trace import load_trace
 
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
-    for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew),
+    for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
                        ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
         if value is not None:
             overrides[key] = value
@@ -67,7 +69,9 @@ def run(args) -> int:
 
         def f(v):
             return "" if v is None else float(v)
-        table = [[name.rsplit("/", 1)[-1][:40], *(f(r.get(k)) for k in ("hot_median", "hot_max", "gini_median", "prefill_decode_corr"))]
-                 for name, r in rows.items()]
-        print(format_table(["trace", "hot/mean med", "hot/mean max", "gini med", "prefill~decode corr"], table))
+        gpus = [g for g in CONTIGUOUS_GPUS if trace.num_experts % g == 0]
+        keys = ("hot_median", "hot_max", "gini_median", *(f"contig_G{g}" for g in gpus), "prefill_decode_corr")
+        table = [[name.rsplit("/", 1)[-1][:40], *(f(r.get(k)) for k in keys)] for name, r in rows.items()]
+        print(format_table(["trace", "hot/mean med", "hot/mean max", "gini med",
+                            *(f"contig {g} GPUs" for g in gpus), "prefill~decode corr"], table))
     return 0

@@ -8,7 +8,7 @@ import pytest
 
 from eplb.cli import main
 from eplb.errors import EplbError
-from eplb.synth import SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation, route_tokens
+from eplb.synth import SynthSettings, calibration_stats, contiguous_imbalance, generate, layer_correlation, phase_correlation, route_tokens
 from eplb.trace import load_trace
 
 SHIPPED = Path(__file__).resolve().parents[2] / "traces" / "deepseek.npz"
@@ -41,6 +41,27 @@ def test_shipped_trace_skew_in_calibration_ranges(shipped):
     assert s["hot_max"] <= 15.0
     assert 0.32 <= s["gini_median"] <= 0.44
     assert 0.7 <= phase_correlation(shipped) <= 0.9
+
+
+def test_shipped_trace_contiguous_imbalance_in_real_ranges(shipped):
+    # Busiest/mean GPU of contiguous placement, median over layers; ranges over SGLang's 8 real
+    # DeepSeek-V3 workloads (traces/README.md). Few GPUs see the coarse structure (id trend).
+    s = calibration_stats(shipped.total())
+    assert 1.32 <= s["contig_G4"] <= 1.64
+    assert 1.45 <= s["contig_G8"] <= 1.99
+    assert s["contig_G4"] < s["contig_G8"] < s["contig_G16"] < s["contig_G32"]
+
+
+def test_id_trend_makes_low_expert_ids_hotter():
+    kw = dict(SMALL, num_windows=2, tokens_per_window=512, num_hidden_layers=9, skew=0.3, group_skew=0.0)
+    flat = generate(SynthSettings(**kw, id_trend=0.0)).total()
+    trend = generate(SynthSettings(**kw, id_trend=1.0)).total()
+    half = flat.shape[1] // 2
+    # the trend moves load from the high ids to the low ids, so the first half of the GPUs (and
+    # contiguous imbalance at 2 GPUs) grows; without it both halves carry about the same load
+    assert trend[:, :half].sum() > 1.5 * trend[:, half:].sum()
+    assert 0.8 < flat[:, :half].sum() / flat[:, half:].sum() < 1.25
+    assert contiguous_imbalance(trend, 2) > contiguous_imbalance(flat, 2)
 
 
 def test_shipped_trace_drifts_and_switches_phase(shipped):
@@ -105,6 +126,7 @@ def test_route_tokens_matches_plain_group_limited_routing():
     (dict(phase_run=(3, 2)), "phase_run"),
     (dict(keep_tokens=10**6), "keep_tokens"),
     (dict(first_moe_layer=61), "first_moe_layer"),
+    (dict(id_trend=-0.1), "id_trend"),
 ])
 def test_bad_settings(kw, message):
     with pytest.raises(EplbError, match=message):
