@@ -8,7 +8,8 @@ Cases: the tiny reference model, a wider one (E = 64, K = 6), the DeepSeek-V3 ro
 worst case: nothing but the gate runs, so the hook is the largest possible fraction).
 Modes: plain forward; counts only; counts with windows every 512 tokens; counts plus a
 per-token buffer. Runs of the modes are interleaved rep by rep so that background load hits
-them alike; the table shows median milliseconds and the ratio to the plain forward.
+them alike; the table shows median milliseconds (process CPU time on CPU, so that other
+processes on the machine do not inflate it) and the ratio to the plain forward.
 """
 
 from __future__ import annotations
@@ -51,16 +52,19 @@ class RouterOnly(torch.nn.Module):
             g(x_TD)
 
 
-def timed(fn, sync) -> float:
+def timed(fn, sync, clock) -> float:
     sync()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     sync()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def bench(model, make_input, reps: int, warmup: int, device) -> dict[str, float]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # On CPU with one thread, process CPU time is what the hooks add and is not inflated by
+    # other processes sharing the cores; on accelerators wall time after a sync is.
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     x = make_input()
     collectors = {
         "counts": lambda: RouterCollector(model, layer_ids=None),
@@ -72,10 +76,10 @@ def bench(model, make_input, reps: int, warmup: int, device) -> dict[str, float]
         for _ in range(warmup):
             model(x)
         for _ in range(reps):
-            times["plain"].append(timed(lambda: model(x), sync))
+            times["plain"].append(timed(lambda: model(x), sync, clock))
             for m, make in collectors.items():
                 with make():
-                    times[m].append(timed(lambda: model(x), sync))
+                    times[m].append(timed(lambda: model(x), sync, clock))
     return {m: statistics.median(v) for m, v in times.items()}
 
 
@@ -90,7 +94,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.reps} interleaved reps")
+          f"median of {args.reps} interleaved reps, "
+          f"{'process CPU time' if device.type == 'cpu' else 'wall time'}")
     rows = []
     for name, cfg in CASES.items():
         torch.manual_seed(0)
@@ -109,6 +114,25 @@ def main(argv=None) -> int:
                      *[med[m] / med["plain"] for m in MODES[1:]]])
     print(format_table(["case", "tokens", "plain ms", "counts ms", "+windows ms", "+tokens ms",
                         "counts x", "+windows x", "+tokens x"], rows))
+
+    # The hook alone, called directly: what one router call pays, free of forward-pass noise.
+    rows = []
+    for T in args.tokens:
+        ids = torch.randint(0, cfg.num_experts, (T, cfg.top_k), device=device)
+        out = (ids, None)
+        gate = gates.gates[0]
+        for label, kw in (("counts", {}), ("counts+windows", {"window_tokens": 512}),
+                          ("counts+tokens", {"keep_tokens": 10**9})):
+            rec = RouterCollector(gates, **kw)
+            hook = rec._make_hook(0)
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            clock = time.process_time if device.type == "cpu" else time.perf_counter
+            per = []
+            for _ in range(args.reps):
+                per.append(timed(lambda: [hook(gate, (), out) for _ in range(100)], sync, clock) / 100)
+            rows.append([label, T, statistics.median(per) * 1e6])
+    print("\nhook alone (E256 K8), per router call")
+    print(format_table(["mode", "tokens", "microseconds"], rows))
     return 0
 
 
