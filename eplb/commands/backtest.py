@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.commands.common import add_command, add_output_flags, format_table, print_json
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+from eplb.commands.common import add_command, positive_int, add_output_flags, format_table, print_json
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,16 +17,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="trace files; several are stacked in order (or, with --leave-one-out, "
                         "are the workloads)")
-    p.add_argument("--gpus", "-g", type=_positive_int, required=True, help="expert-parallel GPUs (ranks)")
-    p.add_argument("--nodes", type=_positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
-    size.add_argument("--slots-per-gpu", type=_positive_int, help="physical slots per GPU (instead of --redundant)")
+    size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
     p.add_argument("--planner", "-p", action="append", choices=planner_names(), metavar="NAME",
                    help=f"planner to test, repeatable ({', '.join(planner_names())}; default greedy)")
-    p.add_argument("--interval", type=_positive_int, default=1,
+    p.add_argument("--interval", type=positive_int, default=1,
                    help="windows served by each plan before the next rebalance (default 1)")
-    p.add_argument("--history", type=_positive_int,
+    p.add_argument("--history", type=positive_int,
                    help="past windows each plan looks at (default: all past windows)")
     p.add_argument("--leave-one-out", action="store_true",
                    help="plan on all trace files but one, score on the one left out, for each file")

@@ -10,6 +10,17 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1, with a message naming the bad text."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def add_command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A subcommand parser whose help ends with a worked example."""
     return sub.add_parser(

@@ -5,19 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.commands.common import add_command, positive_int, add_output_flags, format_table, print_json
 
 FORMATS = ("eplb", "sglang", "vllm", "trtllm")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,8 +17,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "eplb plan traces/deepseek.npz --gpus 16 -o plan.json")
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="trace files (eplb .npz, .npy, SGLang JSON/.pt); several = history, oldest first")
-    p.add_argument("--gpus", "-g", type=_positive_int, required=True, help="expert-parallel GPUs (ranks)")
-    p.add_argument("--nodes", type=_positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
     size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant), or 'auto': "
@@ -39,9 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="algorithm (default robust: plans against every window of the history)")
     p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
                    help="how windows become the planning load (default sum)")
-    p.add_argument("--window", type=_positive_int, help="with --aggregate window: newest windows to sum")
+    p.add_argument("--window", type=positive_int, help="with --aggregate window: newest windows to sum")
     p.add_argument("--alpha", type=float, help="with --aggregate ema: weight of the newest window (default 0.3)")
-    p.add_argument("--groups", type=_positive_int, help="expert groups of the router (default: from the trace)")
+    p.add_argument("--groups", type=positive_int, help="expert groups of the router (default: from the trace)")
     p.add_argument("--output", "-o", help="write the placement here")
     p.add_argument("--format", "-f", default="eplb", choices=FORMATS,
                    help="file format of --output: eplb JSON, SGLang --init-expert-location JSON, "
