@@ -24,6 +24,12 @@ beats the bound); forecast gap = busiest GPU / busiest GPU of an oracle plan mad
 planner on that very window, with the same policy, minus 1 (the cost of not knowing the
 future). The optimisation gap of a plan is its busiest GPU on its own planning load / lower
 bound of that load, minus 1 (the cost of the optimiser, median over layers).
+
+Moves (sequential mode): what each rebalance after the first costs, as experts copied onto a
+GPU that did not hold them in that layer, summed over layers, after renaming the new plan's
+GPUs to keep the most replicas of the plan it replaces (`eplb.migration.relabel`, then
+`count_moves`). GPUs are interchangeable, so an engine applying the plan would rename them
+too; counting without the renaming would charge a planner for an arbitrary GPU numbering.
 """
 
 from __future__ import annotations
@@ -87,6 +93,16 @@ class PlanScores:
     """The planner's status (HEURISTIC, OPTIMAL, FEASIBLE, FALLBACK)."""
     optimisation_gap_D: np.ndarray
     """Busiest GPU on the planning load / its lower bound, minus 1, median over layers, [D]."""
+    moves: int | None = None
+    """Experts copied onto GPUs that did not hold them, summed over layers, to go from the
+    previous plan to this one (after relabelling GPUs); None for the first plan of a
+    sequential backtest (it replaces whatever was served before) and in leave-one-out."""
+
+    @property
+    def serves_from(self) -> int:
+        """First window this plan serves (sequential: the window after its history;
+        leave-one-out: the held-out workload's index)."""
+        return self.history[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,6 +149,7 @@ class BacktestResult:
             return out
 
         gap = np.stack([p.optimisation_gap_D for p in self.plans])
+        moved = [p.moves for p in self.plans if p.moves is not None]
         return {
             "planner": self.planner,
             "mode": self.mode,
@@ -144,6 +161,7 @@ class BacktestResult:
             "scored_windows": len(self.windows),
             "plan_seconds_median": float(np.median([p.seconds for p in self.plans])),
             "statuses": sorted({p.status for p in self.plans}),
+            "moves_median": float(np.median(moved)) if moved else None,
             "median": {
                 "imbalance": med(self.column("imbalance")),
                 "imbalance_sum": med(self.column("imbalance_sum")),
@@ -151,6 +169,11 @@ class BacktestResult:
                 "forecast_gap": med(self.column("forecast_gap")),
                 "optimisation_gap": med(gap),
             },
+            "per_plan": [
+                {"plan": p.index, "history": list(p.history), "rebalance_window": p.serves_from,
+                 "moves": p.moves, "seconds": p.seconds, "status": p.status}
+                for p in self.plans
+            ],
             "per_window": [
                 {"window": w.window, "label": self.labels[i] if i < len(self.labels) else None,
                  "plan": w.plan_index, "imbalance": dict(zip(self.dispatch, w.imbalance_D.tolist())),
@@ -219,7 +242,8 @@ class _Runner:
         self.oracle = oracle
         self.notes: list[str] = []
 
-    def make(self, history_TLE: np.ndarray, index: int, span: tuple[int, int]):
+    def make(self, history_TLE: np.ndarray, index: int, span: tuple[int, int], previous: Placement | None = None):
+        """Plan on the history; with `previous` (the placement being served) count the moves."""
         result = make_plan(history_TLE, aggregate=self.aggregate, **self.kw)
         placement = result.placement
         scorer = _Scorer(placement, result.load_LE, self.dispatch)
@@ -230,7 +254,8 @@ class _Runner:
                               "(optimal_weights) fitted to each plan's aggregated history")
         if result.status == "FALLBACK":
             self.notes.append(f"plan {index}: planner fell back ({result.message})")
-        return scorer, PlanScores(index, span, result.seconds, result.status, gap_D)
+        moves = None if previous is None else _moves(previous, placement, self.kw["nodes"])
+        return scorer, PlanScores(index, span, result.seconds, result.status, gap_D, moves)
 
     def score(self, scorer: _Scorer, load_LE: np.ndarray, window: int, plan_index: int) -> WindowScores:
         G = scorer.placement.num_gpus
@@ -294,9 +319,11 @@ def backtest(
                   oracle=oracle)
     points = list(range(start, T, interval))
     plans, windows = [], []
+    served = None
     for i, r in enumerate(progress(points, desc=f"backtest {planner}", enabled=False if quiet else None)):
         lo = 0 if history is None else r - int(history)
-        scorer, ps = run.make(c_TLE[lo:r], i, (lo, r))
+        scorer, ps = run.make(c_TLE[lo:r], i, (lo, r), served)
+        served = scorer.placement
         plans.append(ps)
         for t in range(r, min(r + interval, T)):
             windows.append(run.score(scorer, c_TLE[t], t, i))
@@ -355,6 +382,16 @@ def leave_one_out(
     c0 = loads[0][0]
     return BacktestResult(planner, "leave-one-out", int(gpus), _num_slots(run, c0), 1, None, run.dispatch,
                           tuple(plans), tuple(windows), tuple(window_labels), tuple(run.notes))
+
+
+def _moves(old: Placement, new: Placement, nodes: int) -> int:
+    """Experts copied onto GPUs that lacked them, old -> new, after the best GPU renaming."""
+    from eplb.migration import count_moves, relabel
+
+    G, E = new.num_gpus, new.num_logical_experts
+    perm_LP = relabel(old.phy2log_LP, new.phy2log_LP, G, E, nodes=nodes)
+    new_LP = np.take_along_axis(new.phy2log_LP, perm_LP, axis=1)
+    return int(count_moves(old.phy2log_LP, new_LP, G, E).sum())
 
 
 def _num_slots(run: _Runner, c_TLE: np.ndarray) -> int:

@@ -26,6 +26,27 @@ def test_sequential_plans_on_the_past_only(rng):
         assert stop <= w.window, "a plan saw the window it is scored on"
 
 
+def test_moves_count_copies_after_relabelling(rng):
+    from eplb.migration import count_moves, holdings
+    from eplb.planning import plan
+
+    c = _counts(rng, T=7)
+    r = backtest(c, gpus=4, planner="greedy", interval=2, history=3, dispatch=("even",), oracle=False, quiet=True)
+    first, second = r.plans
+    assert first.moves is None  # replaces whatever was served before: not charged
+    # Renaming GPUs never costs copies: the count is at most the one without renaming, and
+    # at least the growth in GPUs holding each expert (each extra holder needs a copy).
+    old = plan(c[0:3], gpus=4, planner="greedy").placement
+    new = plan(c[2:5], gpus=4, planner="greedy").placement
+    raw = int(count_moves(old.phy2log_LP, new.phy2log_LP, 4, 16).sum())
+    holders = [(holdings(p.phy2log_LP, 4, 16) > 0).sum(axis=1) for p in (old, new)]  # [L, E]
+    grown = int(np.maximum(holders[1] - holders[0], 0).sum())
+    assert isinstance(second.moves, int) and grown <= second.moves <= raw
+    s = r.summary()
+    assert [(p["rebalance_window"], p["moves"]) for p in s["per_plan"]] == [(3, None), (5, second.moves)]
+    assert s["moves_median"] == second.moves
+
+
 def test_policies_are_ordered_and_bounded(rng):
     r = backtest(_counts(rng, T=5), gpus=4, planner="greedy", quiet=True)
     d = {name: i for i, name in enumerate(r.dispatch)}
@@ -46,6 +67,8 @@ def test_stationary_traffic_has_no_forecast_gap(rng):
                  dispatch=("even", "optimal"), quiet=True)
     gaps = r.column("forecast_gap")
     assert np.allclose(gaps, 0.0, atol=1e-9)
+    # Same history, same plan: re-planning costs no copies once GPUs are matched up.
+    assert [p.moves for p in r.plans] == [None, 0, 0]
 
 
 def test_no_oracle_leaves_forecast_gap_unknown(rng):
@@ -59,6 +82,7 @@ def test_leave_one_out_scores_each_workload(rng):
     r = leave_one_out(loads, gpus=4, planner="robust", labels=["a", "b", "c"], dispatch=("even", "resplit"),
                       quiet=True)
     assert r.mode == "leave-one-out" and len(r.plans) == 3
+    assert all(p.moves is None for p in r.plans)  # folds are alternatives, not a sequence
     assert r.labels == ("a", "b[0]", "b[1]", "c")
     assert [w.window for w in r.windows] == [0, 1, 1, 2]
     s = r.summary()
