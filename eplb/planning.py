@@ -201,6 +201,11 @@ def plan(
     load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
     L, E = load_LE.shape
     topo = Topology.for_experts(E, gpus=gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu)
+    if topo.gpus > E:
+        raise EplbError(
+            f"more GPUs ({topo.gpus}) than logical experts ({E}): expert parallelism over more ranks "
+            f"than experts leaves ranks without an expert of their own; use at most {E} GPUs"
+        )
     if num_groups is None and meta.get("num_expert_groups"):
         num_groups = int(meta["num_expert_groups"])
     if previous is not None:
