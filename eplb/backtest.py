@@ -177,7 +177,9 @@ class BacktestResult:
             "per_window": [
                 {"window": w.window, "label": self.labels[i] if i < len(self.labels) else None,
                  "plan": w.plan_index, "imbalance": dict(zip(self.dispatch, w.imbalance_D.tolist())),
-                 "forecast_gap": dict(zip(self.dispatch, w.forecast_gap_D.tolist()))}
+                 # NaN (no oracle plans) is not JSON: null instead.
+                 "forecast_gap": {d: (v if np.isfinite(v) else None)
+                                  for d, v in zip(self.dispatch, w.forecast_gap_D.tolist())}}
                 for i, w in enumerate(self.windows)
             ],
             "notes": list(self.notes),

@@ -285,11 +285,12 @@ class TimelineSeries:
     name: str
     """Planner (or policy) name shown in the legend."""
     imbalance_T: np.ndarray
-    """Busiest GPU / mean GPU load in each window (e.g. the mean or max over layers), [T]."""
+    """Busiest GPU / mean GPU load in each window (e.g. the median over layers), [T]."""
     rebalance_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Window indices at which a new placement took effect, [R] (sorted, in 0..T-1)."""
     moves: np.ndarray | None = None
-    """Expert weights moved at each rebalance (slots rewritten, summed over layers), [R]."""
+    """Experts copied onto GPUs at each rebalance (summed over layers), [R]; NaN where not
+    counted (the first plan of a backtest replaces whatever was served before)."""
 
     def __post_init__(self) -> None:
         imb = np.asarray(self.imbalance_T, dtype=np.float64)
@@ -303,74 +304,158 @@ class TimelineSeries:
                             f"got {at.tolist()}")
         mv = None
         if self.moves is not None:
-            mv = np.asarray(self.moves, dtype=np.float64).reshape(-1)
+            mv = np.array([np.nan if m is None else m for m in np.asarray(self.moves, dtype=object).reshape(-1)],
+                          dtype=np.float64)
             if mv.shape != at.shape:
                 raise EplbError(f"{self.name}: {mv.size} move counts for {at.size} rebalances: give one per rebalance")
-            if mv.size and mv.min() < 0:
-                raise EplbError(f"{self.name}: move counts must be >= 0")
+            if np.any(mv[~np.isnan(mv)] < 0) or np.any(np.isinf(mv)):
+                raise EplbError(f"{self.name}: move counts must be finite and >= 0 (NaN/None = not counted), "
+                                f"got {mv.tolist()}")
         object.__setattr__(self, "imbalance_T", imb)
         object.__setattr__(self, "rebalance_at", at)
         object.__setattr__(self, "moves", mv)
 
 
-def as_timeline(obj: Any) -> list[TimelineSeries]:
-    """TimelineSeries from a list of them, a name -> [T] imbalance mapping, or a backtest result.
+def timeline_from_backtest(results: Any, dispatch: str = "even") -> list[TimelineSeries]:
+    """One series per backtest result: its per-window imbalance under one dispatch policy.
 
-    A backtest result is anything with a `series` or `runs` attribute (or a list) whose
-    items expose a name and a per-window imbalance (`imbalance_T`/`imbalance`), and
-    optionally `rebalance_at`/`rebalance_windows` and `moves`/`moves_R`.
+    results: `eplb.backtest.BacktestResult` objects or their `summary()` dicts (one, or a
+    list; also the `{"results": [...]}` object that `eplb backtest --json` prints). Each
+    series is named after the planner (plus interval / history when one planner appears
+    more than once); imbalance_T is the busiest / mean GPU (median over layers) of each
+    scored window; rebalance_at is the position, among the scored windows, of the first
+    window each plan serves; moves are the copies each rebalance cost (NaN for the first
+    plan, which is not charged). All results must score the same windows (one x axis).
     """
-    if isinstance(obj, TimelineSeries):
-        return [obj]
-    if isinstance(obj, Mapping):
-        items = [TimelineSeries(str(k), v) if not isinstance(v, TimelineSeries) else v for k, v in obj.items()]
-        return items
-    for attr in ("series", "runs", "results", "policies"):
-        inner = getattr(obj, attr, None)
-        if inner is not None:
-            return as_timeline(inner if not isinstance(inner, Mapping) else list(_named(inner)))
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        out = []
-        for item in obj:
-            if isinstance(item, TimelineSeries):
-                out.append(item)
-                continue
-            name = _first(item, ("name", "planner", "policy"))
-            imb = _first(item, ("imbalance_T", "imbalance", "max_over_mean_T", "imbalance_per_window"))
-            if name is None or imb is None:
-                raise EplbError(f"cannot read a backtest series from {type(item).__name__}: it needs a name "
-                                f"and a per-window imbalance")
-            at = _first(item, ("rebalance_at", "rebalance_windows", "rebalances"))
-            mv = _first(item, ("moves", "moves_R", "moves_per_rebalance"))
-            out.append(TimelineSeries(str(name), np.asarray(imb), np.zeros(0) if at is None else np.asarray(at),
-                                      None if mv is None else np.asarray(mv)))
-        if not out:
-            raise EplbError("no backtest series to plot")
-        return out
-    raise EplbError(f"cannot plot a backtest from {type(obj).__name__}: give TimelineSeries or a backtest result")
+    from eplb.backtest import BacktestResult
 
-
-def _named(mapping: Mapping) -> list:
+    if isinstance(results, Mapping) and "results" in results:
+        results = results["results"]
+    if isinstance(results, (BacktestResult, Mapping)):
+        results = [results]
+    if not isinstance(results, Sequence) or isinstance(results, (str, bytes)) or not results:
+        raise EplbError(f"expected backtest results (BacktestResult or its summary() dict, or a list of them), "
+                        f"got {type(results).__name__ if results is not None else None}")
+    summaries = [r.summary() if isinstance(r, BacktestResult) else _summary_dict(r, i) for i, r in enumerate(results)]
+    windows = [[w.get("window") for w in s["per_window"]] for s in summaries]
+    if any(w != windows[0] for w in windows):
+        spans = ", ".join(f"{s['planner']}: {_span(w)}" for s, w in zip(summaries, windows))
+        raise EplbError(f"backtest results score different windows ({spans}): plot results of one "
+                        f"`eplb backtest` run (same traces and --history) together")
+    names = _series_names(summaries)
     out = []
-    for k, v in mapping.items():
-        if _first(v, ("name", "planner", "policy")) is None and not isinstance(v, TimelineSeries):
-            imb = _first(v, ("imbalance_T", "imbalance", "max_over_mean_T", "imbalance_per_window"))
-            at = _first(v, ("rebalance_at", "rebalance_windows", "rebalances"))
-            mv = _first(v, ("moves", "moves_R", "moves_per_rebalance"))
-            out.append(TimelineSeries(str(k), np.asarray(v if imb is None else imb),
-                                      np.zeros(0) if at is None else np.asarray(at),
-                                      None if mv is None else np.asarray(mv)))
-        else:
-            out.append(v)
+    for name, s in zip(names, summaries):
+        imb, plan_W = [], []
+        for w in s["per_window"]:
+            scores = w["imbalance"]
+            if dispatch not in scores:
+                raise EplbError(f"backtest result {s['planner']!r} has no {dispatch!r} dispatch scores "
+                                f"(it scored {', '.join(scores) or 'none'}): pick one of those as the dispatch "
+                                f"policy (eplb plot backtest --dispatch)")
+            imb.append(scores[dispatch])
+            plan_W.append(w["plan"])
+        # A plan starts serving at the first scored window that names it.
+        first: dict = {}
+        for i, p in enumerate(plan_W):
+            first.setdefault(p, i)
+        moves_of = {p["plan"]: p.get("moves") for p in s.get("per_plan", [])}
+        moves = [moves_of.get(p) for p in first]
+        out.append(TimelineSeries(name, np.asarray(imb, dtype=np.float64), np.fromiter(first.values(), np.int64),
+                                  moves if any(m is not None for m in moves) else None))
     return out
 
 
-def _first(obj: Any, names: Sequence[str]):
+def _summary_dict(obj: Any, i: int) -> Mapping:
+    if not isinstance(obj, Mapping):
+        raise EplbError(f"backtest result {i} is a {type(obj).__name__}: expected a BacktestResult or its "
+                        f"summary() dict")
+    missing = [k for k in ("planner", "per_window") if k not in obj]
+    if missing:
+        raise EplbError(f"backtest result {i} lacks {', '.join(map(repr, missing))}: expected a summary from "
+                        f"`eplb backtest --json` (keys planner, mode, interval, history, per_plan, per_window)")
+    if not obj["per_window"]:
+        raise EplbError(f"backtest result {i} ({obj['planner']!r}) has no scored windows")
+    for w in obj["per_window"]:
+        if not isinstance(w, Mapping) or "plan" not in w or not isinstance(w.get("imbalance"), Mapping):
+            raise EplbError(f"backtest result {i} ({obj['planner']!r}): each per_window entry needs 'plan' and an "
+                            f"'imbalance' object {{policy: value}}, got {w!r}")
+    return obj
+
+
+def _span(windows: list) -> str:
+    return f"windows {windows[0]}..{windows[-1]}" if windows else "no windows"
+
+
+def _series_names(summaries: list[Mapping]) -> list[str]:
+    """Planner names, with interval (then history, then a number) added only where needed."""
+    def interval(s: Mapping) -> str:
+        if s.get("mode", "sequential") != "sequential":
+            return str(s.get("mode"))
+        n = s.get("interval")
+        return f"every {n} window{'' if n == 1 else 's'}"
+
+    def history(s: Mapping) -> str:
+        return f"history {s.get('history') or 'all'}"
+
+    names = [str(s["planner"]) for s in summaries]
+    for describe in (interval, history):
+        dup = {n for n in names if names.count(n) > 1}
+        names = [f"{n}, {describe(s)}" if n in dup else n for n, s in zip(names, summaries)]
+    seen: dict[str, int] = {}
+    out = []
     for n in names:
-        v = obj.get(n) if isinstance(obj, Mapping) else getattr(obj, n, None)
-        if v is not None:
-            return v
-    return None
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if names.count(n) == 1 else f"{n} #{seen[n]}")
+    return out
+
+
+def timeline_from_json(data: Any, dispatch: str = "even", source: str = "backtest JSON") -> list[TimelineSeries]:
+    """Series from parsed JSON: `eplb backtest --json` output ({"results": [summary, ...]}),
+    or explicit series {"series": [{"name", "imbalance": [T], "rebalance_at": [R],
+    "moves": [R]}, ...]} (rebalance_at and moves optional; a null move = not counted)."""
+    if isinstance(data, Mapping) and isinstance(data.get("results"), list):
+        return timeline_from_backtest(data["results"], dispatch)
+    if isinstance(data, Mapping) and isinstance(data.get("series"), list) and data["series"]:
+        out = []
+        for i, item in enumerate(data["series"]):
+            if not isinstance(item, Mapping) or "name" not in item or "imbalance" not in item:
+                raise EplbError(f"{source}: series {i} needs 'name' and 'imbalance' (a list per window)")
+            extra = set(item) - {"name", "imbalance", "rebalance_at", "moves"}
+            if extra:
+                raise EplbError(f"{source}: series {i} has unknown key(s) {sorted(extra)}: allowed are name, "
+                                f"imbalance, rebalance_at, moves")
+            out.append(TimelineSeries(str(item["name"]), item["imbalance"], item.get("rebalance_at", []),
+                                      item.get("moves")))
+        return out
+    keys = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+    raise EplbError(f"{source}: expected the output of `eplb backtest --json` (an object with a 'results' list) "
+                    f"or an object with a non-empty 'series' list; got {keys}")
+
+
+def as_timeline(obj: Any) -> list[TimelineSeries]:
+    """TimelineSeries from one or a list of them, a name -> [T] imbalance mapping, or
+    `eplb.backtest.BacktestResult`(s) (even dispatch; see `timeline_from_backtest` for others).
+    Parsed JSON goes through `timeline_from_json`."""
+    from eplb.backtest import BacktestResult
+
+    if isinstance(obj, TimelineSeries):
+        return [obj]
+    if isinstance(obj, BacktestResult):
+        return timeline_from_backtest([obj])
+    if isinstance(obj, Mapping):
+        if any(k in obj for k in ("results", "series", "per_window")):
+            raise EplbError("this is backtest JSON, not a name -> [windows] mapping: read it with "
+                            "eplb.plot.timeline_from_json (or timeline_from_backtest)")
+        if not obj:
+            raise EplbError("no backtest series to plot")
+        return [v if isinstance(v, TimelineSeries) else TimelineSeries(str(k), v) for k, v in obj.items()]
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)) and obj:
+        if all(isinstance(x, TimelineSeries) for x in obj):
+            return list(obj)
+        if all(isinstance(x, BacktestResult) for x in obj):
+            return timeline_from_backtest(list(obj))
+    raise EplbError(f"cannot plot a backtest from {type(obj).__name__}: give TimelineSeries, a name -> [windows] "
+                    f"mapping or BacktestResult(s)")
 
 
 def backtest_timeline(series: Any, *, window_label: str = "window", title: str | None = None,
@@ -378,22 +463,25 @@ def backtest_timeline(series: Any, *, window_label: str = "window", title: str |
     """Balance over time per planner, with rebalance points, and the moves each rebalance cost.
 
     series: TimelineSeries (see `as_timeline` for what else is accepted). Top: the imbalance
-    of each window, rebalances marked with a triangle; bottom: expert moves per rebalance.
+    of each window, rebalances marked with a triangle; bottom: expert moves per rebalance
+    (rebalances whose moves were not counted get no bar).
     """
     runs = as_timeline(series)
     T = max(r.imbalance_T.size for r in runs)
     colours = _colours([r.name for r in runs])
-    has_moves = any(r.moves is not None and r.moves.size for r in runs)
-    fig = _figure(11, 5.6 if has_moves else 4.2)
-    if has_moves:
+    with_moves = [r for r in runs if r.moves is not None and np.isfinite(r.moves).any()]
+    fig = _figure(11, 5.6 if with_moves else 4.2)
+    if with_moves:
         top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2.2, 1))
     else:
         top, bottom = fig.subplots(1, 1), None
     for r in runs:
         t = np.arange(r.imbalance_T.size)
+        moved = r.moves[np.isfinite(r.moves)] if r.moves is not None else np.zeros(0)
+        extra = f", median {np.median(moved):,.0f} moves" if moved.size else ""
         top.plot(t, r.imbalance_T, lw=1.3, color=colours[r.name],
                  label=f"{r.name} (mean {r.imbalance_T.mean():.3f}, {r.rebalance_at.size} "
-                       f"rebalance{'' if r.rebalance_at.size == 1 else 's'})")
+                       f"plan{'' if r.rebalance_at.size == 1 else 's'}{extra})")
         if r.rebalance_at.size:
             top.scatter(r.rebalance_at, r.imbalance_T[r.rebalance_at], marker="v", s=28, color=colours[r.name],
                         zorder=3, edgecolor="black", linewidth=0.4)
@@ -403,12 +491,12 @@ def backtest_timeline(series: Any, *, window_label: str = "window", title: str |
     top.legend(fontsize=8, loc="best")
     top.set_title(title or "Backtest: balance per window (triangles: a new placement takes effect)")
     if bottom is not None:
-        with_moves = [r for r in runs if r.moves is not None and r.moves.size]
-        width = 0.8 / max(len(with_moves), 1)
+        width = 0.8 / len(with_moves)
         for i, r in enumerate(with_moves):
+            ok = np.isfinite(r.moves)
             offset = (i - (len(with_moves) - 1) / 2) * width
-            bottom.bar(r.rebalance_at + offset, r.moves, width=width, color=colours[r.name], label=r.name)
-        bottom.set_ylabel("experts moved\nper rebalance")
+            bottom.bar(r.rebalance_at[ok] + offset, r.moves[ok], width=width, color=colours[r.name], label=r.name)
+        bottom.set_ylabel("experts copied\nper rebalance")
         bottom.grid(alpha=0.3, axis="y")
         bottom.set_xlabel(window_label)
     else:

@@ -11,11 +11,13 @@ EXAMPLES = {
     "heatmap": "eplb plot heatmap traces/deepseek.npz -o heatmap.png",
     "balance": "eplb plot balance traces/deepseek.npz --gpus 32 --planner greedy -o balance.png",
     "replicas": "eplb plot replicas plan.json --trace traces/deepseek.npz -o replicas.svg",
-    "backtest": "eplb plot backtest backtest.json -o backtest.png",
+    "backtest": "eplb backtest traces/deepseek.npz --gpus 32 -p greedy -p robust --interval 8 --history 8 "
+                "--json > bt.json && eplb plot backtest bt.json -o backtest.png",
 }
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
+    from eplb.backtest import DISPATCH
     from eplb.planning import planner_names
 
     p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest",
@@ -48,39 +50,47 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--layer", type=int, help="MoE layer index (0-based) for the per-GPU panel "
                                             "(default: the layer with the hottest expert, or 0)")
 
-    k = kind("backtest", "balance per window for each planner, with rebalance points and moves")
+    k = kind("backtest", "balance per scored window for each planner, with rebalance points and moves")
     k.add_argument("result", metavar="RESULT",
-                   help='backtest JSON: {"series": [{"name", "imbalance": [T], "rebalance_at": [R], '
-                        '"moves": [R]}, ...]} (what `eplb backtest --json` writes, if available)')
-    k.add_argument("--window-label", default="window", help="x-axis label (default 'window')")
+                   help="what `eplb backtest ... --json` printed, saved to a file ({\"results\": [...]}); or "
+                        "explicit series {\"series\": [{\"name\", \"imbalance\": [T], \"rebalance_at\": [R], "
+                        "\"moves\": [R]}, ...]}")
+    k.add_argument("--dispatch", default="even", choices=DISPATCH, metavar="POLICY",
+                   help=f"which scored dispatch policy to draw ({', '.join(DISPATCH)}; default even)")
+    k.add_argument("--window-label", help="x-axis label (default: which trace window is scored window 0)")
     return p
 
 
-def _load_backtest_json(path: str):
+def _load_backtest_json(path: str, dispatch: str):
+    """Series and the parsed JSON of a backtest file (see the RESULT help)."""
     import json
 
     from eplb.errors import EplbError
+    from eplb.plot import timeline_from_json
 
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
         raise EplbError(f"backtest file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise EplbError(f"{path!r} is a folder: give the JSON file `eplb backtest --json` wrote") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not a backtest JSON file ({exc})") from None
-    if isinstance(data, dict) and not any(k in data for k in ("series", "runs", "results", "policies")):
-        raise EplbError(f"{path}: expected a JSON object with a 'series' list (name, imbalance, rebalance_at, moves)")
-    from eplb.plot import as_timeline
+        raise EplbError(f"{path}: not a JSON file ({exc}); save `eplb backtest ... --json` output and plot that") from None
+    return timeline_from_json(data, dispatch, source=path), data
 
-    class _Obj:  # dict -> attribute access for as_timeline
-        pass
 
-    if isinstance(data, dict):
-        obj = _Obj()
-        for key, value in data.items():
-            setattr(obj, key, value)
-        return as_timeline(obj)
-    return as_timeline(data)
+def _backtest_labels(data, dispatch: str) -> tuple[str, str]:
+    """x- and y-axis labels for `eplb backtest --json` output (generic ones for plain series)."""
+    results = data.get("results") if isinstance(data, dict) else None
+    if not results:
+        return "window", "busiest GPU / mean GPU load"
+    first = results[0]
+    metric = f"busiest / mean GPU load,\nmedian over layers ({dispatch} dispatch)"
+    if first.get("mode") == "leave-one-out":
+        return "held-out workload window", metric
+    w0 = first["per_window"][0].get("window")
+    return f"scored window (0 = trace window {w0})", metric
 
 
 def run(args) -> int:
@@ -141,9 +151,12 @@ def run(args) -> int:
         fig = plot.replica_map(pl, load, layer=args.layer, title=args.title)
         info["max_replicas"] = int(pl.replica_count_LE.max())
     elif args.kind == "backtest":
-        series = _load_backtest_json(args.result)
-        fig = plot.backtest_timeline(series, window_label=args.window_label, title=args.title)
+        series, data = _load_backtest_json(args.result, args.dispatch)
+        xlabel, ylabel = _backtest_labels(data, args.dispatch)
+        fig = plot.backtest_timeline(series, window_label=args.window_label or xlabel, metric_label=ylabel,
+                                     title=args.title)
         info["series"] = [s.name for s in series]
+        info["imbalance_mean"] = {s.name: float(s.imbalance_T.mean()) for s in series}
     else:  # argparse restricts KIND; reaching here is a bug
         raise AssertionError(args.kind)
     plot.save(fig, out)

@@ -75,6 +75,8 @@ def test_no_oracle_leaves_forecast_gap_unknown(rng):
     r = backtest(_counts(rng, T=3), gpus=4, dispatch=("even",), oracle=False, quiet=True)
     assert np.all(np.isnan(r.column("forecast_gap")))
     assert r.summary()["median"]["forecast_gap"]["even"] is None
+    # Strict JSON (no NaN tokens) so other tools can read `eplb backtest --json`.
+    json.dumps(r.summary(), allow_nan=False)
 
 
 def test_leave_one_out_scores_each_workload(rng):

@@ -1,5 +1,7 @@
 """CLI through `eplb.cli.main([...])`: examples in help, JSON that parses, one-line errors, fast start."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -25,12 +27,20 @@ def files(tmp_path_factory):
     np.save(bad_shape, np.zeros(5))
     plan = d / "plan.json"
     assert main(["plan", str(trace), "--gpus", str(G), "-o", str(plan), "--quiet"]) == 0
+    # `eplb backtest --json` output saved to a file: what `eplb plot backtest` reads.
     backtest = d / "backtest.json"
-    backtest.write_text(json.dumps({"series": [
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["backtest", str(trace), "--gpus", str(G), "-p", "greedy", "-p", "contiguous", "--interval", "1",
+                     "--history", "1", "--no-oracle", "--dispatch", "even", "--dispatch", "resplit", "--json"]) == 0
+    backtest.write_text(out.getvalue())
+    series = d / "series.json"
+    series.write_text(json.dumps({"series": [
         {"name": "static", "imbalance": [1.3, 1.4, 1.35, 1.3]},
-        {"name": "greedy", "imbalance": [1.1, 1.05, 1.08, 1.1], "rebalance_at": [0, 2], "moves": [30, 6]},
+        {"name": "greedy", "imbalance": [1.1, 1.05, 1.08, 1.1], "rebalance_at": [0, 2], "moves": [None, 6]},
     ]}))
-    return {"trace": str(trace), "plan": str(plan), "bad_shape": str(bad_shape), "dir": d, "backtest": str(backtest)}
+    return {"trace": str(trace), "plan": str(plan), "bad_shape": str(bad_shape), "dir": d, "backtest": str(backtest),
+            "series": str(series)}
 
 
 def test_top_level_help_lists_commands_with_examples(capsys):
@@ -61,11 +71,12 @@ def _json_argv(f):
         "plot balance": ["plot", "balance", f["trace"], "--gpus", str(G), "-o", str(d / "b.svg")],
         "plot replicas": ["plot", "replicas", f["plan"], "--trace", f["trace"], "-o", str(d / "r.png")],
         "plot backtest": ["plot", "backtest", f["backtest"], "-o", str(d / "bt.png")],
+        "plot backtest series": ["plot", "backtest", f["series"], "-o", str(d / "bt2.svg")],
     }
 
 
 @pytest.mark.parametrize("name", list(_json_argv({"trace": "", "plan": "", "dir": __import__("pathlib").Path("."),
-                                                   "backtest": ""})))
+                                                   "backtest": "", "series": ""})))
 def test_json_output_parses(name, files, capsys):
     argv = _json_argv(files)[name]
     assert main(argv + ["--json"]) == 0
@@ -73,6 +84,21 @@ def test_json_output_parses(name, files, capsys):
     assert isinstance(data, dict) and data
     if name.startswith("plot"):
         assert os.path.getsize(data["output"]) == data["bytes"] > 5_000
+
+
+def test_plot_backtest_draws_what_eplb_backtest_wrote(files, capsys):
+    results = json.loads(open(files["backtest"]).read())["results"]
+    argv = ["plot", "backtest", files["backtest"], "--dispatch", "resplit", "-o", str(files["dir"] / "bt.pdf"), "--json"]
+    assert main(argv) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["series"] == ["greedy", "contiguous"]
+    # The plotted line is the backtest's own per-window score for that dispatch policy.
+    for name, res in zip(info["series"], results):
+        want = np.mean([w["imbalance"]["resplit"] for w in res["per_window"]])
+        assert info["imbalance_mean"][name] == pytest.approx(want)
+    assert open(info["output"], "rb").read(5) == b"%PDF-"
+    # History 1, re-planned every window: 3 plans, the 2 later ones charged their copies.
+    assert [p["moves"] is None for p in results[0]["per_plan"]] == [True, False, False]
 
 
 def test_quiet_prints_nothing(files, capsys):
@@ -128,10 +154,13 @@ def _bad_inputs(f):
                                             "--gpu-memory", "h200", "--context", "10"],
         "plot bad extension": ["plot", "heatmap", f["trace"], "-o", str(f["dir"] / "x.jpg")],
         "plot backtest not json": ["plot", "backtest", f["trace"], "-o", str(f["dir"] / "x.png")],
+        "plot backtest policy not scored": ["plot", "backtest", f["backtest"], "--dispatch", "optimal",
+                                            "-o", str(f["dir"] / "x.png")],
+        "plot backtest a plan file": ["plot", "backtest", f["plan"], "-o", str(f["dir"] / "x.png")],
     }
 
 
-@pytest.mark.parametrize("case", list(_bad_inputs({"trace": "", "plan": "", "bad_shape": "",
+@pytest.mark.parametrize("case", list(_bad_inputs({"trace": "", "plan": "", "bad_shape": "", "backtest": "",
                                                    "dir": __import__("pathlib").Path(".")})))
 def test_bad_input_exits_2_with_one_line(case, files, capsys):
     argv = _bad_inputs(files)[case]

@@ -93,11 +93,78 @@ def test_backtest_timeline(tmp_path):
     assert len(fig.axes) == 2 and fig.axes[1].get_xlabel() == "window (4,096 tokens)"
 
 
-def test_backtest_inputs_from_plain_objects():
-    runs = plot.as_timeline([{"name": "a", "imbalance": [1.2, 1.1], "rebalance_at": [0], "moves": [5]}])
-    assert runs[0].name == "a" and runs[0].moves.tolist() == [5.0]
+@pytest.fixture(scope="module")
+def backtests():
+    from eplb.backtest import backtest
+
+    rng = np.random.default_rng(5)
+    counts = rng.poisson(rng.gamma(0.7, 40.0, size=(9, 2, 16)))
+    kw = dict(gpus=4, history=3, dispatch=("even", "resplit"), oracle=False, quiet=True)
+    return [backtest(counts, planner="greedy", interval=2, **kw),
+            backtest(counts, planner="greedy", interval=3, **kw),
+            backtest(counts, planner="contiguous", interval=9, **kw)]
+
+
+def test_timeline_from_backtest_results_and_their_json(backtests):
+    import json
+
+    direct = plot.timeline_from_backtest(backtests, dispatch="resplit")
+    # What `eplb backtest --json` prints, through a file, gives the same series.
+    data = json.loads(json.dumps({"results": [r.summary() for r in backtests]}))
+    for via_json in (plot.timeline_from_json(data, "resplit"), plot.timeline_from_backtest(data["results"], "resplit")):
+        for a, b in zip(direct, via_json):
+            assert a.name == b.name and np.array_equal(a.rebalance_at, b.rebalance_at)
+            assert np.array_equal(a.imbalance_T, b.imbalance_T)
+            assert (a.moves is None and b.moves is None) or np.array_equal(a.moves, b.moves, equal_nan=True)
+    every2, every3, once = direct
+    # The same planner twice is told apart by its interval.
+    assert [s.name for s in direct] == ["greedy, every 2 windows", "greedy, every 3 windows", "contiguous"]
+    r = backtests[0]
+    assert np.array_equal(every2.imbalance_T, r.column("imbalance")[:, r.dispatch.index("resplit")])
+    # 6 scored windows (3..8): plans start serving at windows 3, 5, 7 = positions 0, 2, 4.
+    assert every2.rebalance_at.tolist() == [0, 2, 4] and every3.rebalance_at.tolist() == [0, 3]
+    assert np.isnan(every2.moves[0]) and every2.moves[1:].tolist() == [p.moves for p in r.plans[1:]]
+    assert once.rebalance_at.tolist() == [0] and once.moves is None  # one plan: nothing was moved
+    assert [s.name for s in plot.as_timeline(backtests[:1])] == ["greedy"]
+
+
+def test_timeline_from_backtest_errors_name_the_problem(backtests):
+    from eplb.backtest import backtest
+
+    with pytest.raises(EplbError, match="has no 'optimal' dispatch scores \\(it scored even, resplit\\)"):
+        plot.timeline_from_backtest(backtests, dispatch="optimal")
+    other = backtest(np.random.default_rng(1).poisson(30, size=(9, 2, 16)), gpus=4, history=5, dispatch=("even",),
+                     oracle=False, quiet=True)
+    with pytest.raises(EplbError, match="score different windows \\(greedy: windows 3..8, greedy: windows 5..8\\)"):
+        plot.timeline_from_backtest([backtests[0], other])
+    with pytest.raises(EplbError, match="lacks 'per_window'"):
+        plot.timeline_from_backtest([{"planner": "greedy"}])
+    with pytest.raises(EplbError, match="read it with eplb.plot.timeline_from_json"):
+        plot.as_timeline(backtests[0].summary())
+    with pytest.raises(EplbError, match="expected the output of `eplb backtest --json`"):
+        plot.timeline_from_json({"runs": []})
+
+
+def test_timeline_from_explicit_series_and_mapping():
+    data = {"series": [{"name": "a", "imbalance": [1.2, 1.1], "rebalance_at": [0, 1], "moves": [None, 5]}]}
+    (a,) = plot.timeline_from_json(data)
+    assert a.name == "a" and np.isnan(a.moves[0]) and a.moves[1] == 5.0
+    with pytest.raises(EplbError, match=r"unknown key\(s\) \['imbalance_T'\]"):
+        plot.timeline_from_json({"series": [{"name": "a", "imbalance": [1.0], "imbalance_T": [1.0]}]})
     runs = plot.as_timeline({"static": [1.3, 1.3, 1.2]})
-    assert runs[0].rebalance_at.size == 0
+    assert runs[0].rebalance_at.size == 0 and runs[0].moves is None
+
+
+def test_backtest_figure_from_results(tmp_path, backtests):
+    p = tmp_path / "bt.png"
+    fig = plot.backtest_timeline(plot.timeline_from_backtest(backtests), path=p)
+    _assert_png_has_content(p)
+    top, bottom = fig.axes
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert labels[0].startswith("greedy, every 2 windows (mean ") and "3 plans, median" in labels[0]
+    assert labels[2].startswith("contiguous") and "1 plan)" in labels[2]
+    # Bars only for counted rebalances: 2 for every-2, 1 for every-3, none for the first plans.
+    assert sum(len(c.patches) for c in bottom.containers) == 3
 
 
 @pytest.mark.parametrize("kw, msg", [
