@@ -9,8 +9,12 @@ and the script says so. Real traces: SGLang DeepSeek-V3 expert statistics under
 ../shared/traces/deepseek_v3_sglang (never copied into the repo); figures made from them are
 named real_*.png. Everything is seeded: the same inputs give the same figures.
 
-Backtest figure: uses eplb.backtest when that module exists; otherwise a small replay here
-(plan on the previous windows, score the next one) stands in, and the script says which.
+Backtest figure: `eplb.backtest.backtest` on the shipped trace, each plan made from the 8
+windows before it and scored (even dispatch) on the windows it serves: contiguous (no EPLB),
+greedy re-planned every 8 and every 2 windows, robust every 8; moves are experts copied per
+rebalance after relabelling GPUs. The same figure from the CLI:
+    eplb backtest traces/deepseek.npz --gpus 32 -p greedy --interval 2 --history 8 --no-oracle --json
+and `eplb plot backtest` on that output.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eplb import plot, stats  # noqa: E402
+from eplb import plot  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
 from eplb.planning import plan, planner_names  # noqa: E402
 from eplb.topology import Topology  # noqa: E402
@@ -56,63 +60,32 @@ def contiguous(trace: Trace, gpus: int, redundant: int | None = None) -> Placeme
                      layer_ids=trace.layer_ids, planner="contiguous")
 
 
-def replay(trace: Trace, gpus: int, every: int, history: int, planner: str = "greedy") -> plot.TimelineSeries:
-    """Re-plan every `every` windows on the previous `history` windows; score each window as it comes.
-
-    Window t is served by the plan made from windows before t (never from t itself), so the
-    figure shows what a serving system would have seen. Moves: replicas copied onto a GPU
-    that did not hold that expert (eplb.migration.count_moves after relabelling, if present).
-    """
-    counts = trace.counts_TLE.astype(np.float64)
-    T = trace.num_windows
-    current = None
-    imb, at, moves = [], [], []
-    for t in range(history, T):
-        if current is None or (t - history) % every == 0:
-            new = plan(counts[t - history:t], gpus=gpus, planner=planner).placement
-            moves.append(_moves(current, new, gpus, trace.num_experts))
-            at.append(t - history)
-            current = new
-        imb.append(float(stats.imbalance(current.gpu_loads(counts[t])).mean()))
-    name = f"{planner}, re-planned every {every} windows" if every < T else f"{planner}, planned once"
-    return plot.TimelineSeries(name, np.array(imb), np.array(at), np.array(moves, dtype=float))
+BACKTEST_HISTORY = 8
+BACKTEST_RUNS = (
+    ("contiguous (no EPLB)", "contiguous", None),
+    ("greedy, re-planned every 8 windows", "greedy", 8),
+    ("greedy, re-planned every 2 windows", "greedy", 2),
+    ("robust, re-planned every 8 windows", "robust", 8),
+)
+"""(legend, planner, re-plan interval in windows; None = planned once) in the backtest figure."""
 
 
-def _moves(old: Placement | None, new: Placement, gpus: int, E: int) -> float:
-    if old is None:
-        return 0.0  # the first plan replaces the startup placement; not counted against the policy
-    try:
-        from eplb.migration import count_moves, relabel
+def backtest_series(trace: Trace, gpus: int) -> list:
+    """The backtest figure's series: each window served by a plan made from earlier windows only."""
+    from eplb.backtest import backtest
 
-        perm_LP = relabel(old.phy2log_LP, new.phy2log_LP, gpus, E)
-        new_LP = np.take_along_axis(new.phy2log_LP, perm_LP, axis=1)
-        return float(count_moves(old.phy2log_LP, new_LP, gpus, E).sum())
-    except ImportError:
-        return float((old.phy2log_LP != new.phy2log_LP).sum())
-
-
-def backtest_series(trace: Trace, gpus: int) -> tuple[list, str]:
-    try:
-        import eplb.backtest as bt  # noqa: F401
-        runner = getattr(bt, "run_backtest", None) or getattr(bt, "backtest", None)
-    except ImportError:
-        runner = None
-    if runner is not None:
-        try:
-            return plot.as_timeline(runner(trace, gpus=gpus)), "eplb.backtest"
-        except Exception as exc:  # a different signature: say so and use the local replay
-            print(f"  eplb.backtest did not run with (trace, gpus=...): {exc}; using the local replay")
-    history = 4
-    T = trace.num_windows
-    counts = trace.counts_TLE.astype(np.float64)
-    base = contiguous(trace, gpus)
-    series = [plot.TimelineSeries("contiguous (no EPLB)",
-                                  np.array([stats.imbalance(base.gpu_loads(counts[t])).mean()
-                                            for t in range(history, T)]))]
-    series.append(replay(trace, gpus, every=T, history=history))
-    series.append(replay(trace, gpus, every=8, history=history))
-    series.append(replay(trace, gpus, every=2, history=history))
-    return series, "local replay in make_figures.py (eplb.backtest absent)"
+    results = []
+    for legend, planner, every in BACKTEST_RUNS:
+        t0 = time.perf_counter()
+        r = backtest(trace, gpus=gpus, planner=planner, interval=every or trace.num_windows,
+                     history=BACKTEST_HISTORY, dispatch=("even",), oracle=False, quiet=True)
+        moves = r.summary()["moves_median"]
+        print(f"  backtest {legend:<36} {len(r.plans):2d} plans, busiest/mean mean {r.column('imbalance').mean():.4f}"
+              f" median {np.median(r.column('imbalance')):.4f}, moves per rebalance median "
+              f"{'n/a' if moves is None else f'{moves:,.0f}'} ({time.perf_counter() - t0:.1f} s)")
+        results.append(r)
+    return [plot.TimelineSeries(legend, s.imbalance_T, s.rebalance_at, s.moves)
+            for (legend, _, _), s in zip(BACKTEST_RUNS, plot.timeline_from_backtest(results, dispatch="even"))]
 
 
 def write(fig, out: Path, name: str, made: list) -> None:
@@ -140,16 +113,18 @@ def figures_for(trace: Trace, out: Path, prefix: str, gpus: int, planners: list[
     first = next(n for n in planners if n != "contiguous")
     write(plot.replica_map(results[first], load, title=f"{first} placement on {gpus} GPUs, {label}"),
           out, f"{prefix}replicas.png", made)
-    if backtest and trace.num_windows >= 8:
-        series, how = backtest_series(trace, gpus)
-        print(f"  backtest: {how}")
+    if backtest and trace.num_windows > BACKTEST_HISTORY + 2:
+        series = backtest_series(trace, gpus)
         tpw = trace.meta.get("tokens_per_window")
-        xl = f"window ({tpw:,} tokens each)" if tpw else "window"
+        xl = (f"scored window (0 = trace window {BACKTEST_HISTORY}"
+              + (f"; {tpw:,} tokens each)" if tpw else ")"))
         write(plot.backtest_timeline(series, window_label=xl,
-                                     metric_label="busiest / mean GPU load,\nmean over layers",
-                                     title=f"Backtest on {label}: each window served by a plan made from earlier "
-                                           f"windows ({gpus} GPUs)"),
+                                     metric_label="busiest / mean GPU load,\nmedian over layers (even dispatch)",
+                                     title=f"Backtest on {label}: each window served by a plan made from the "
+                                           f"{BACKTEST_HISTORY} windows before it ({gpus} GPUs)"),
               out, f"{prefix}backtest.png", made)
+    elif backtest:
+        print(f"  backtest figure not made: {trace.num_windows} windows, it needs more than {BACKTEST_HISTORY + 2}")
 
 
 def main() -> int:
