@@ -101,6 +101,17 @@ def planner_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def planner_settings(name: str) -> list[str]:
+    """Names of the settings a registered planner's constructor takes."""
+    import inspect
+
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
+    params = inspect.signature(_REGISTRY[name]).parameters
+    return [k for k in params if k != "self"]
+
+
 def get_planner(name: str, **settings: Any) -> Planner:
     _load_builtin()
     if name not in _REGISTRY:

@@ -79,10 +79,13 @@ def run(args) -> int:
     import numpy as np
 
     from eplb.errors import EplbError
-    from eplb.planning import plan
+    from eplb.planning import plan, planner_settings
     from eplb.trace import load_history
 
     trace = load_history(args.traces)
+    settings = parse_settings(args.set)
+    if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):
+        settings.setdefault("quiet", True)  # no progress bar when asked for silence
     slots = None
     capacity = None
     if args.slots_per_gpu == "auto":
@@ -105,7 +108,7 @@ def run(args) -> int:
     result = plan(
         trace, gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
-        num_groups=args.groups, settings=parse_settings(args.set), previous=previous,
+        num_groups=args.groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
         bytes_per_expert=args.bytes_per_expert,
     )
