@@ -39,11 +39,19 @@ def trace_from_logical_count(logical_count: Any, *, source: str) -> Trace:
         raise EplbError(f"{source}: logical_count must be [layers, experts] or [steps, layers, experts], got shape {c.shape}")
     if not np.all(np.isfinite(c)) or (c.size and c.min() < 0):
         raise EplbError(f"{source}: logical_count holds negative, NaN or infinite values")
+    # Counts are whole tokens; rounding fractions (or wrapping values past int64) would change
+    # the data without saying so.
+    if c.size and c.max() >= 2.0**62:
+        raise EplbError(f"{source}: logical_count holds {c.max():g}, too large for a token count")
+    if not np.array_equal(c, np.rint(c)):
+        idx = tuple(int(i) for i in np.argwhere(c != np.rint(c))[0])
+        raise EplbError(f"{source}: logical_count must be whole token counts, got {float(c[idx]):g} at "
+                        f"[step, layer, expert] {list(idx)}")
     moe = np.flatnonzero(c.sum(axis=(0, 2)) > 0)
     if moe.size == 0:
         raise EplbError(f"{source}: every layer of logical_count is zero (no tokens recorded)")
     meta = default_meta(c.shape[1], c.shape[2], source=f"sglang expert-distribution recorder: {Path(source).name}")
-    return Trace(np.rint(c[:, moe]).astype(np.int64), moe.astype(np.int64), meta)
+    return Trace(c[:, moe].astype(np.int64), moe.astype(np.int64), meta)
 
 
 def read_json(path: Path, data: Any | None = None) -> Trace:
@@ -65,7 +73,10 @@ def read_pt(path: Path) -> Trace:
         raise EplbError(f"{path}: torch file holds no 'logical_count' (not an SGLang expert-distribution dump)")
     lc = obj["logical_count"]
     if isinstance(lc, torch.Tensor):
-        lc = lc.detach().cpu().numpy()
+        if lc.is_complex():
+            raise EplbError(f"{path}: logical_count has dtype {lc.dtype}; expected integer or real token counts")
+        # float64 first: numpy has no bfloat16, and every count dtype converts to float64 exactly.
+        lc = lc.detach().cpu().to(torch.float64).numpy()
     return trace_from_logical_count(lc, source=str(path))
 
 

@@ -181,6 +181,23 @@ def test_sglang_pt_rejects_pickled_objects_and_wrong_content(tmp_path):
         load_trace(tmp_path / "neg.pt")
 
 
+def test_sglang_counts_of_other_dtypes_and_bad_values(tmp_path, rng):
+    c = sglang_counts(rng)
+    # bfloat16 has no numpy dtype; it must still load (its small integers are exact).
+    torch.save({"logical_count": torch.from_numpy(c).to(torch.bfloat16)}, tmp_path / "bf16.pt")
+    np.testing.assert_array_equal(load_trace(tmp_path / "bf16.pt").total(), c[2:])
+    torch.save({"logical_count": torch.ones(3, 4, dtype=torch.complex64)}, tmp_path / "c.pt")
+    with pytest.raises(EplbError, match="complex64"):
+        load_trace(tmp_path / "c.pt")
+    # Fractions are not rounded away and huge values do not wrap to negative int64.
+    (tmp_path / "frac.json").write_text(json.dumps({"logical_count": [[1.5, 2.0]]}))
+    with pytest.raises(EplbError, match=r"whole token counts, got 1.5 at .* \[0, 0, 0\]"):
+        load_trace(tmp_path / "frac.json")
+    (tmp_path / "huge.json").write_text(json.dumps({"logical_count": [[1e300, 2.0]]}))
+    with pytest.raises(EplbError, match="1e\\+300, too large"):
+        load_trace(tmp_path / "huge.json")
+
+
 def write_trtllm_dump(path, counts_RILE, layer_ids, iter_start=100, top_k=2):
     """A directory as TensorRT-LLM's ExpertStatistic writes it: meta + one file per rank."""
     path.mkdir()
