@@ -230,6 +230,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     if G < 2:
         return phy
     s_idx = np.arange(S)
+    gpu_G = np.arange(G)
 
     def fits(g_list, d_list):
         """Can every change of a batch be paid for, in any order? (positive parts only)"""
@@ -381,20 +382,30 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         dx = Wx / rx - Wx / (rx + 1)                                              # fall per x replica
         cnt_x_ASG = cnt_x_AHSG[:, 0]                                              # [A, S, G]
         cnt_b_ADG = cnt_LEG[la2, b_AD]                                            # [A, D, G]
-        new_ASDG = ((gl_AG[:, None, :] - cnt_x_ASG * dx[:, :, None])[:, :, None, :]
-                    + (cnt_b_ADG * db[:, :, None])[:, None, :, :])
-        # GPU g of the donor slot also gains x's new replica and loses b's old one; the
-        # busiest of the other GPUs is taken with g masked out.
-        ia, isx, idd = np.ix_(ar, s_idx, np.arange(D))
+        # New load of GPU g after the change: (gl - cnt_x * dx) + cnt_b * db, for the GPUs
+        # the change touches (holding x or b) except g_q, the donor slot's GPU, priced apart.
+        # The busiest touched GPU is the larger of two max-plus reductions, over GPUs holding x
+        # (any b) and over GPUs holding b (any x): two [A, S, D, G] passes instead of a
+        # masked [A, S, D, G] array built, gathered, scattered and reduced (same values).
         gq3 = gq_AD[:, None, :]
-        at_g = new_ASDG[ia, isx, idd, gq3] + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :]
-        new_ASDG[ia, isx, idd, gq3] = -np.inf
-        untouched = (cnt_x_ASG == 0)[:, :, None, :] & (cnt_b_ADG == 0)[:, None, :, :]
-        new_ASDG[untouched] = -np.inf
-        rep_gain = Lh[:, None, None] - np.maximum(new_ASDG.max(axis=3), at_g)
+        y_ASG = gl_AG[:, None, :] - cnt_x_ASG * dx[:, :, None]
+        cbdb_ADG = cnt_b_ADG * db[:, :, None]
+        not_gq_ADG = gpu_G[None, None, :] != gq_AD[:, :, None]
+        xm_ASG = np.where(cnt_x_ASG > 0, y_ASG, -np.inf)
+        bm_ADG = np.where((cnt_b_ADG > 0) & not_gq_ADG, cbdb_ADG, -np.inf)
+        buf = np.add(xm_ASG[:, :, None, :], cbdb_ADG[:, None, :, :])
+        top_ASD = buf.max(axis=3)
+        np.add(y_ASG[:, :, None, :], bm_ADG[:, None, :, :], out=buf)
+        np.maximum(top_ASD, buf.max(axis=3), out=top_ASD)
+        # GPU g_q of the donor slot gains x's new replica and loses b's old one.
         cn_gx = np.take_along_axis(cnt_x_ASG, gq3, axis=2)                        # [A, S, D]
+        cb_gq_AD = np.take_along_axis(cnt_b_ADG, gq_AD[:, :, None], axis=2)[:, :, 0]
+        gl_gq_AD = np.take_along_axis(gl_AG, gq_AD, axis=1)
+        at_g = (((gl_gq_AD[:, None, :] - cn_gx * dx[:, :, None]) + (cb_gq_AD * db)[:, None, :])
+                + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :])
+        rep_gain = Lh[:, None, None] - np.maximum(top_ASD, at_g)
         rep_cost = ((~np.take_along_axis(old_x_AHSG[:, 0], gq3, axis=2)).astype(np.int64)
-                    - ((~old_LEG[la2, b_AD, gq_AD]) & (cnt_b_ADG[ia[:, :, 0], idd[:, 0], gq_AD] == 1))[:, None, :])
+                    - ((~old_LEG[la2, b_AD, gq_AD]) & (cb_gq_AD == 1))[:, None, :])
         rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == ea_AS[:, :, None])
         rbad |= (rep_cost > room_G[gq_AD][:, None, :]) | (rep_cost > room_tot)
         rep_gain[rbad] = -np.inf
