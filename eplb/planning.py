@@ -217,6 +217,14 @@ def plan(
             f"more GPUs ({topo.gpus}) than logical experts ({E}): expert parallelism over more ranks "
             f"than experts leaves ranks without an expert of their own; use at most {E} GPUs"
         )
+    if topo.slots_per_gpu > E:
+        # Checked here, before any planner or the contiguous baseline allocates [L, P] arrays:
+        # a GPU with more slots than experts must hold two copies of one, which never helps.
+        raise EplbError(
+            f"{topo.slots_per_gpu} slots per GPU ({topo.num_slots} in total) exceed the {E} logical "
+            f"experts: a GPU never needs two copies of one expert; use at most {E} slots per GPU "
+            f"(redundant <= {topo.gpus * E - E})"
+        )
     if num_groups is None and meta.get("num_expert_groups"):
         num_groups = int(meta["num_expert_groups"])
     if previous is not None:

@@ -49,7 +49,9 @@ class Topology:
         """Size a topology for E logical experts.
 
         Give either `redundant` (extra slots in total, P - E) or `slots_per_gpu`. With neither,
-        one redundant slot per GPU is added (P = E rounded up to a multiple of G, plus G).
+        one redundant slot per GPU is added (P = E rounded up to a multiple of G, plus G), but
+        never more than E slots per GPU: a GPU that already holds every expert has no use for a
+        second copy of one (so a single GPU gets no redundant slot).
         """
         if gpus is None or isinstance(gpus, bool) or int(gpus) < 1:
             raise EplbError(f"gpus must be a positive integer, got {gpus!r}")
@@ -68,7 +70,7 @@ class Topology:
                 )
         else:
             if redundant is None:
-                slots = -(-num_experts // gpus) + 1
+                slots = min(-(-num_experts // gpus) + 1, max(int(num_experts), 1))
             else:
                 redundant = int(redundant)
                 if redundant < 0:

@@ -122,6 +122,9 @@ def test_topology_sizing():
     assert Topology.for_experts(256, gpus=32, redundant=0).slots_per_gpu == 8
     assert Topology.for_experts(256, gpus=32, nodes=4, slots_per_gpu=10).gpus_per_node == 8
     assert Topology.for_experts(10, gpus=4).slots_per_gpu == 4  # ceil(10 / 4) + 1
+    # One GPU already holds every expert: the default adds no redundant slot (was E + 1).
+    assert Topology.for_experts(16, gpus=1).slots_per_gpu == 16
+    assert Topology.for_experts(1, gpus=1).slots_per_gpu == 1
     t = Topology(gpus=8, slots_per_gpu=2, nodes=2)
     assert t.gpu_of_slot().tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
     assert t.node_of_gpu().tolist() == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -259,3 +259,13 @@ def test_plan_front_door_history_and_errors():
         eplb.plan(-np.ones((1, 8)), gpus=4)
     with pytest.raises(EplbError, match="do not\\s+split evenly"):
         eplb.plan(np.ones((1, 8)), gpus=3, redundant=0)
+
+
+@pytest.mark.parametrize("name", ["greedy", "contiguous", "robust"])
+def test_plan_one_gpu_default_and_too_many_slots(name):
+    load = np.arange(1.0, 17.0)[None]
+    res = eplb.plan(load, gpus=1, planner=name)  # default sizing used to give 17 slots and fail
+    assert res.placement.num_slots == 16
+    # Checked before any [L, P] array is allocated, with the fix in the message.
+    with pytest.raises(EplbError, match="use at most 16 slots per GPU"):
+        eplb.plan(load, gpus=4, redundant=10**9, planner=name)
