@@ -118,8 +118,21 @@ def get_planner(name: str, **settings: Any) -> Planner:
         raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
     try:
         return _REGISTRY[name](**settings)
+    except EplbError:
+        raise
     except TypeError as exc:
-        raise EplbError(f"planner {name!r} does not take these settings: {exc}") from None
+        raise EplbError(f"planner {name!r} does not take these settings ({settings!r}): {exc}") from None
+    except ValueError as exc:  # e.g. float("abc") on a setting given as text (--set key=abc)
+        raise EplbError(f"planner {name!r}: a setting has a value of the wrong type ({settings!r}): {exc}") from None
+
+
+def whole_setting(name: str, value: Any, minimum: int = 0) -> int:
+    """A planner setting that must be a whole number >= minimum (2.7, True or "x" are refused)."""
+    ok = not isinstance(value, bool) and (
+        isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer()))
+    if not ok or int(value) < minimum:
+        raise EplbError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True, eq=False)

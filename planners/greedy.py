@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register
+from eplb.planning import PlanRequest, Solution, register, whole_setting
 from eplb.stats import replica_counts_minmax
 
 
@@ -158,9 +158,7 @@ class GreedyPlanner:
     """
 
     def __init__(self, refine_rounds: int = 0):
-        if refine_rounds < 0:
-            raise EplbError(f"refine_rounds must be >= 0, got {refine_rounds}")
-        self.refine_rounds = int(refine_rounds)
+        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology

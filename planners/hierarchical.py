@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register
+from eplb.planning import PlanRequest, Solution, register, whole_setting
 from planners.greedy import pack, pack_replicas, refine, replicate
 
 
@@ -212,10 +212,8 @@ class HierarchicalPlanner:
         if not 0.0 <= float(node_tolerance) < 1.0:
             raise EplbError(f"node_tolerance must be in [0, 1), got {node_tolerance}")
         self.node_tolerance = float(node_tolerance)
-        if int(refine_rounds) < 0:
-            raise EplbError(f"refine_rounds must be >= 0, got {refine_rounds}")
         self.tolerance = float(tolerance)
-        self.refine_rounds = int(refine_rounds)
+        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology

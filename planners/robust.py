@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register
+from eplb.planning import PlanRequest, Solution, register, whole_setting
 from eplb.stats import replica_counts_minmax
 
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
@@ -218,12 +218,10 @@ class RobustPlanner:
             raise EplbError(f"quantile must be in (0, 1], got {quantile!r}")
         if not float(beta) > 0:
             raise EplbError(f"beta must be > 0, got {beta!r}")
-        if int(refine_rounds) < 0:
-            raise EplbError(f"refine_rounds must be >= 0, got {refine_rounds!r}")
         self.blends = blends
         self.quantile = float(quantile)
         self.beta = float(beta)
-        self.refine_rounds = int(refine_rounds)
+        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         topo = request.topology

@@ -269,3 +269,16 @@ def test_plan_one_gpu_default_and_too_many_slots(name):
     # Checked before any [L, P] array is allocated, with the fix in the message.
     with pytest.raises(EplbError, match="use at most 16 slots per GPU"):
         eplb.plan(load, gpus=4, redundant=10**9, planner=name)
+
+
+@pytest.mark.parametrize("name, settings, message", [
+    ("greedy", {"refine_rounds": 1.5}, "refine_rounds must be a whole number"),  # was truncated to 1
+    ("greedy", {"refine_rounds": True}, "refine_rounds must be a whole number"),
+    ("robust", {"refine_rounds": "abc"}, "refine_rounds must be a whole number"),  # was a traceback
+    ("robust", {"quantile": "abc"}, "wrong type"),
+    ("hierarchical", {"refine_rounds": -1}, "whole number >= 0"),
+])
+def test_planner_settings_of_the_wrong_type_are_refused(name, settings, message):
+    with pytest.raises(EplbError, match=message):
+        get_planner(name, **settings)
+    assert get_planner(name, refine_rounds=3.0).refine_rounds == 3  # --set refine_rounds=3.0
