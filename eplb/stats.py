@@ -32,6 +32,13 @@ def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha:
     window, computed oldest to newest, so the result is on the scale of one window).
     """
     c = _as_counts_TLE(counts_TLE)
+    # A window or alpha the chosen aggregation would not use is a mistake, not a no-op.
+    if window is not None and how != "window":
+        raise EplbError(f"window ({window!r}) only applies to aggregation 'window', not {how!r}: "
+                        f"add --aggregate window (aggregate='window') or drop the window")
+    if alpha is not None and how != "ema":
+        raise EplbError(f"alpha ({alpha!r}) only applies to aggregation 'ema', not {how!r}: "
+                        f"add --aggregate ema (aggregate='ema') or drop alpha")
     if how == "sum":
         return c.sum(axis=0)
     if how == "mean":

@@ -98,6 +98,11 @@ def test_aggregation_errors_name_the_value():
         stats.sliding_sum(c, 4)
     with pytest.raises(EplbError, match="shape"):
         stats.aggregate(np.ones(4))
+    # A window or alpha the aggregation does not use was silently ignored (eplb plan --window 2).
+    with pytest.raises(EplbError, match="only applies to aggregation 'window'"):
+        stats.aggregate(c, "sum", window=2)
+    with pytest.raises(EplbError, match="only applies to aggregation 'ema'"):
+        stats.aggregate(c, "last", alpha=0.5)
 
 
 def test_evaluate_report_and_summary():
