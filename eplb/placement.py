@@ -228,6 +228,11 @@ class Placement:
             phy = phy.astype(np.int64)
         except (ValueError, TypeError) as exc:
             raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
+        for key in ("num_gpus", "num_logical_experts", "num_nodes"):
+            v = d.get(key, 1)
+            # int(4.7) would silently read a damaged file as 4 GPUs.
+            if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+                raise EplbError(f"{source}: {key} must be a whole number, got {v!r}")
         weights = d.get("dispatch_weights")
         try:
             return cls(

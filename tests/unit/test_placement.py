@@ -112,6 +112,11 @@ def test_load_errors(tmp_path):
         Placement.load(bad)
     with pytest.raises(EplbError, match="expected a JSON object"):
         Placement.from_dict([1, 2])  # type: ignore[arg-type]
+    # A fractional GPU count was truncated (4.7 -> 4) and the file read as valid.
+    d = {"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 4.7, "num_logical_experts": 4}
+    with pytest.raises(EplbError, match="num_gpus must be a whole number, got 4.7"):
+        Placement.from_dict(d)
+    assert Placement.from_dict({**d, "num_gpus": 4.0}).num_gpus == 4
 
 
 # Topology ---------------------------------------------------------------------------------------
