@@ -22,6 +22,7 @@ def run(args) -> int:
     import numpy as np
 
     from eplb import stats
+    from eplb.errors import EplbError
     from eplb.topology import Topology
     from eplb.trace import load_history
     from planners.contiguous import contiguous_map
@@ -31,6 +32,9 @@ def run(args) -> int:
     load = trace.total().astype(np.float64)
     L, E = load.shape
     topo = Topology.for_experts(E, gpus=args.gpus, redundant=args.redundant)
+    if topo.slots_per_gpu > E:  # as in eplb.plan: refused before [L, P] arrays and a P-step bound
+        raise EplbError(f"{topo.num_slots} slots give {topo.slots_per_gpu} per GPU, more than the {E} "
+                        f"logical experts: use --redundant <= {topo.gpus * E - E}")
     base = Placement(contiguous_map(E, topo, L), topo.gpus, E, layer_ids=trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.gpus

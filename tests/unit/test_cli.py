@@ -144,6 +144,10 @@ def _bad_inputs(f):
         "more GPUs than experts": ["plan", f["trace"], "--gpus", "64"],
         "bad slots text": ["plan", f["trace"], "--gpus", "4", "--slots-per-gpu", "many"],
         "stats missing file": ["stats", str(f["dir"] / "nope.npz")],
+        # Were: a minutes-long hang, a silently ignored option, a traceback.
+        "stats more slots per GPU than experts": ["stats", f["trace"], "--gpus", "4", "--redundant", "40000000"],
+        "window without aggregate window": ["plan", f["trace"], "--gpus", "4", "--window", "2"],
+        "planner setting of the wrong type": ["plan", f["trace"], "--gpus", "4", "--set", "quantile=abc"],
         "inspect missing file": ["inspect", str(f["dir"] / "nope.json")],
         "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80", "--context", "10"],
         "capacity bad memory": ["capacity", "--model", "deepseek-v3", "--gpus", "8", "--gpu-memory", "lots",
