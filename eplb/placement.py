@@ -162,7 +162,10 @@ class Placement:
                 f"loads have shape {load_LE.shape}, but the placement needs "
                 f"{(self.num_layers, self.num_logical_experts)} [layers, logical experts]"
             )
-        w_LP = self.replica_weights() if weights_LP is None else weights_LP
+        w_LP = self.replica_weights() if weights_LP is None else np.asarray(weights_LP, dtype=np.float64)
+        if w_LP.shape != self.phy2log_LP.shape:  # a [P] row would broadcast over layers silently
+            raise EplbError(f"dispatch weights have shape {w_LP.shape}, but the placement needs "
+                            f"{self.phy2log_LP.shape} [layers, slots]")
         return np.take_along_axis(load_LE, self.phy2log_LP, axis=1) * w_LP
 
     def gpu_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:

@@ -39,6 +39,9 @@ def test_gpu_loads_even_and_weighted():
     assert p.with_weights(w).gpu_loads(load).tolist() == [[16.0, 9.5, 11.5]]
     with pytest.raises(EplbError, match="loads have shape"):
         p.gpu_loads(np.ones((2, 4)))
+    assert p.gpu_loads(load, w).tolist() == [[16.0, 9.5, 11.5]]  # weights given per call
+    with pytest.raises(EplbError, match=r"dispatch weights have shape \(6,\)"):
+        p.gpu_loads(load, w[0])  # a [P] row used to broadcast over layers
 
 
 @pytest.mark.parametrize("phy, kwargs, message", [
