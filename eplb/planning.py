@@ -244,7 +244,9 @@ def plan(
         if previous.phy2log_LP.shape != (L, topo.num_slots) or previous.num_logical_experts != E:
             raise EplbError(
                 f"previous placement is {previous.num_layers} layers x {previous.num_slots} slots of "
-                f"{previous.num_logical_experts} experts; this plan needs {L} x {topo.num_slots} of {E}"
+                f"{previous.num_logical_experts} experts; this plan needs {L} x {topo.num_slots} of {E}: "
+                f"plan for the same slots (gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
+                f"on a trace of the same model"
             )
     request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_groups, previous)
     impl = get_planner(planner, **(settings or {}))

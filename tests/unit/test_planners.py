@@ -282,3 +282,10 @@ def test_planner_settings_of_the_wrong_type_are_refused(name, settings, message)
     with pytest.raises(EplbError, match=message):
         get_planner(name, **settings)
     assert get_planner(name, refine_rounds=3.0).refine_rounds == 3  # --set refine_rounds=3.0
+
+
+def test_plan_previous_of_other_shape_names_the_fix():
+    load = np.arange(1.0, 17.0)[None]
+    old = eplb.plan(load, gpus=4).placement
+    with pytest.raises(EplbError, match=r"gpus=4, slots_per_gpu=5"):
+        eplb.plan(load, gpus=8, slots_per_gpu=5, previous=old)
