@@ -351,7 +351,7 @@ class IlpPlanner:
 
     def __init__(self, time_limit: float = 12.0, workers: int | None = None, jobs: int | None = None,
                  seed: int = 0, dispatch: str = "weighted", chain: bool = True, quiet: bool = False):
-        if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        if isinstance(time_limit, bool) or not (isinstance(time_limit, (int, float)) and time_limit > 0):
             raise EplbError(f"time_limit must be a positive number of seconds per layer, got {time_limit!r}")
         for name, value in (("workers", workers), ("jobs", jobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
@@ -360,6 +360,9 @@ class IlpPlanner:
             raise EplbError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise EplbError(f"seed must be an integer, got {seed!r}")
+        for name, value in (("chain", chain), ("quiet", quiet)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise EplbError(f"{name} must be true or false, got {value!r}")
         self.time_limit = float(time_limit)
         self.workers = workers
         self.jobs = jobs

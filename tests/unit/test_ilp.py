@@ -132,3 +132,12 @@ def test_helpers():
 def test_bad_settings_raise(settings, match):
     with pytest.raises(EplbError, match=match):
         planning.plan(np.ones((1, 8)), gpus=2, planner="ilp", settings=settings)
+
+
+def test_boolean_and_time_settings_are_checked():
+    from eplb.errors import EplbError
+    from eplb.planning import get_planner
+
+    for bad in ({"chain": "abc"}, {"quiet": 1}, {"time_limit": True}, {"time_limit": 0}):
+        with pytest.raises(EplbError):
+            get_planner("ilp", **bad)
