@@ -33,7 +33,8 @@ traces/README.md for the measured numbers); `calibration_stats` measures a trace
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -93,6 +94,10 @@ class SynthSettings:
             if not ok:
                 raise EplbError(msg)
 
+        for f in fields(self):
+            v = getattr(self, f.name)
+            # NaN passes no comparison and inf passes ">= 0": say which setting is not a number.
+            need(not isinstance(v, float) or math.isfinite(v), f"{f.name} must be a finite number, got {v}")
         need(self.num_windows >= 1, f"num_windows must be >= 1, got {self.num_windows}")
         need(self.tokens_per_window >= 1, f"tokens_per_window must be >= 1, got {self.tokens_per_window}")
         need(0 <= self.first_moe_layer < self.num_hidden_layers,

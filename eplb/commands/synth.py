@@ -43,7 +43,11 @@ def run(args) -> int:
     settings = SynthSettings(**overrides)
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = generate(settings, progress=lambda done, total: bar.update())
-    trace.save(args.output)
+    try:
+        trace.save(args.output)
+    except OSError as exc:
+        raise EplbError(f"cannot write the trace to {args.output!r} ({exc.strerror}); "
+                        f"give -o a path in an existing, writable folder") from None
 
     try:
         corr = phase_correlation(trace)

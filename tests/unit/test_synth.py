@@ -127,6 +127,8 @@ def test_route_tokens_matches_plain_group_limited_routing():
     (dict(keep_tokens=10**6), "keep_tokens"),
     (dict(first_moe_layer=61), "first_moe_layer"),
     (dict(id_trend=-0.1), "id_trend"),
+    (dict(id_trend=float("inf")), "id_trend must be a finite number, got inf"),
+    (dict(skew=float("nan")), "skew must be a finite number, got nan"),
 ])
 def test_bad_settings(kw, message):
     with pytest.raises(EplbError, match=message):
@@ -148,3 +150,6 @@ def test_cli_writes_a_loadable_trace(tmp_path, capsys):
     assert t.num_windows == 2 and t.meta["synthetic"] is True
     assert main(["synth", "-o", str(out), "--windows", "0"]) == 2
     assert "num_windows must be >= 1" in capsys.readouterr().err
+    assert main(["synth", "-o", str(tmp_path / "no" / "s.npz"), "--windows", "1", "--tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the trace to" in err and "existing, writable folder" in err and "Traceback" not in err
