@@ -93,6 +93,21 @@ def _backtest_labels(data, dispatch: str) -> tuple[str, str]:
     return f"scored window (0 = trace window {w0})", metric
 
 
+def _check_layer_ids(plan_path, pl, trace, trace_path) -> None:
+    """Same shape is not enough: rows of another model's layers would be scored silently."""
+    import numpy as np
+
+    from eplb.errors import EplbError
+
+    if pl.layer_ids.shape == trace.layer_ids.shape and not np.array_equal(pl.layer_ids, trace.layer_ids):
+        raise EplbError(f"placement {plan_path} is for MoE layers {_ids(pl.layer_ids)} but {trace_path} holds "
+                        f"layers {_ids(trace.layer_ids)}: plan on a trace of the same model")
+
+
+def _ids(ids) -> str:
+    return f"{int(ids[0])}..{int(ids[-1])}" if len(ids) else "-"
+
+
 def run(args) -> int:
     import numpy as np
 
@@ -133,6 +148,7 @@ def run(args) -> int:
             if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_experts:
                 raise EplbError(f"placement {path} is {pl.num_layers} layers x {pl.num_logical_experts} experts, "
                                 f"the trace {trace.num_layers} x {trace.num_experts}")
+            _check_layer_ids(path, pl, trace, args.traces[0])
             placements[os.path.basename(path)] = pl
         fig = plot.gpu_load_comparison(load, placements, layer_ids=trace.layer_ids, title=args.title)
         from eplb import stats
@@ -147,7 +163,9 @@ def run(args) -> int:
         if args.trace:
             from eplb.trace import load_trace
 
-            load = load_trace(args.trace).total()
+            trace = load_trace(args.trace)
+            _check_layer_ids(args.placement, pl, trace, args.trace)
+            load = trace.total()
         fig = plot.replica_map(pl, load, layer=args.layer, title=args.title)
         info["max_replicas"] = int(pl.replica_count_LE.max())
     elif args.kind == "backtest":

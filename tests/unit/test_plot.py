@@ -193,3 +193,20 @@ def test_plotting_does_not_touch_pyplot_state(tmp_path, load_LE):
     plot.expert_heatmap(load_LE, path=tmp_path / "h.png")
     # Figures are built without pyplot: nothing global (backend, open figures) changes.
     assert "matplotlib.pyplot" not in sys.modules or not sys.modules["matplotlib.pyplot"].get_fignums()
+
+
+def test_cli_refuses_a_placement_for_other_layer_ids(tmp_path, load_LE, capsys):
+    from eplb.cli import main
+    from eplb.trace import Trace, default_meta
+
+    counts = load_LE.astype(np.int64)[None]
+    trace = Trace(counts, np.arange(3, 3 + L), default_meta(3 + L, E, source="t"))
+    trace.save(tmp_path / "t.npz")
+    Trace(counts, np.arange(L), default_meta(3 + L, E, source="u")).save(tmp_path / "shifted.npz")
+    plan(trace, gpus=G, planner="greedy").placement.save(tmp_path / "p.json")
+    assert main(["plot", "balance", str(tmp_path / "t.npz"), "--placement", str(tmp_path / "p.json"),
+                 "-o", str(tmp_path / "ok.png"), "-q"]) == 0
+    for argv in (["balance", str(tmp_path / "shifted.npz"), "--placement", str(tmp_path / "p.json")],
+                 ["replicas", str(tmp_path / "p.json"), "--trace", str(tmp_path / "shifted.npz")]):
+        assert main(["plot", *argv, "-o", str(tmp_path / "x.png")]) == 2
+        assert "is for MoE layers 3..8 but" in capsys.readouterr().err
