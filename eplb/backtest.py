@@ -313,7 +313,8 @@ def backtest(
     start = 1 if history is None else int(history)
     if T <= start:
         raise EplbError(
-            f"a backtest needs more windows than its history: {T} window(s), history {history} "
+            f"a backtest needs more windows than its history: {T} window(s), history "
+            f"{'all past (at least 1)' if history is None else history} "
             f"(use a trace with more windows, a shorter --history, or --leave-one-out over several files)"
         )
     run = _Runner(planner, gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,

@@ -103,6 +103,11 @@ def test_bad_input_is_a_user_error(rng, kwargs, match):
         backtest(_counts(rng, T=6), gpus=4, quiet=True, **kwargs)
 
 
+def test_one_window_without_history_says_all_past_not_none(rng):
+    with pytest.raises(EplbError, match=r"1 window\(s\), history all past \(at least 1\)"):
+        backtest(_counts(rng, T=1), gpus=4, quiet=True)
+
+
 def test_leave_one_out_needs_two_matching_workloads(rng):
     with pytest.raises(EplbError, match="at least 2"):
         leave_one_out([_counts(rng)], gpus=4, quiet=True)
