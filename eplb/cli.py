@@ -3,7 +3,8 @@
 Each command lives in `eplb/commands/<name>.py` with `add_parser(subparsers)` and
 `run(args) -> int`; command modules import heavy libraries (torch, matplotlib, OR-Tools)
 only inside `run`, so `eplb plan` starts fast. Errors are caught here, at one boundary:
-bad input (EplbError) prints one line and exits 2; a failure (PlanningError) exits 1.
+bad input (EplbError, or a path that cannot be read or
+written) prints one line and exits 2; a failure (PlanningError) exits 1.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except EplbError as exc:
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that cannot be read or written (missing folder, permissions)
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"eplb {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 2
     except PlanningError as exc:
         print(f"eplb {args.command}: failed: {exc}", file=sys.stderr)

@@ -38,6 +38,9 @@ def run(args) -> int:
         if trace.num_layers != pl.num_layers or trace.num_experts != pl.num_logical_experts:
             raise EplbError(f"trace {args.trace} is {trace.num_layers} layers x {trace.num_experts} experts, "
                             f"the placement {pl.num_layers} x {pl.num_logical_experts}")
+        if not np.array_equal(trace.layer_ids, pl.layer_ids):
+            raise EplbError(f"trace {args.trace} has MoE layer ids {trace.layer_ids[:3].tolist()}..., the placement "
+                            f"{pl.layer_ids[:3].tolist()}...: score a placement on a trace of the same model")
         info["scored_on"] = args.trace
         info["score"] = stats.evaluate(pl, trace.total()).summary()
     if args.json:

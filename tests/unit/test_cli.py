@@ -188,3 +188,23 @@ def test_plan_does_not_import_heavy_libraries(files):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0"], f"eplb plan imported {out[1:]}"
+
+
+def test_unwritable_output_is_one_line(tmp_path, capsys):
+    counts = np.random.default_rng(3).poisson(20, size=(2, 3, 16))
+    path = tmp_path / "t.npz"
+    Trace(counts, np.arange(3), default_meta(3, 16)).save(path)
+    assert main(["plan", str(path), "--gpus", "4", "-p", "greedy", "-o", str(tmp_path / "no" / "p.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No such file or directory" in err[0] and "p.json" in err[0]
+
+
+def test_inspect_refuses_a_trace_of_other_layers(tmp_path, capsys):
+    counts = np.random.default_rng(4).poisson(20, size=(1, 3, 16))
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    Trace(counts, np.arange(3), default_meta(3, 16)).save(a)
+    Trace(counts, np.arange(3, 6), default_meta(6, 16)).save(b)
+    plan_path = tmp_path / "p.json"
+    assert main(["plan", str(a), "--gpus", "4", "-p", "greedy", "-o", str(plan_path), "-q"]) == 0
+    assert main(["inspect", str(plan_path), "--trace", str(b)]) == 2
+    assert "layer ids" in capsys.readouterr().err
