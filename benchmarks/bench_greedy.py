@@ -34,8 +34,8 @@ from eplb import stats  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
 from eplb.planning import PlanRequest, get_planner  # noqa: E402
 from eplb.topology import Topology  # noqa: E402
-from eplb.trace import load_trace  # noqa: E402
 from planners.hierarchical import group_span  # noqa: E402
+from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 
 def load_reference():
@@ -54,19 +54,6 @@ def load_reference():
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     return mod, str(path)
-
-
-def workloads(traces_dir: Path, fallback: Path, num_experts: int):
-    """(name, load_LE) pairs: real traces, else the synthetic trace, else a generated load."""
-    if traces_dir.is_dir() and sorted(traces_dir.glob("*.json")):
-        for f in sorted(traces_dir.glob("*.json")):
-            yield f.stem, load_trace(f).counts_TLE.sum(axis=0).astype(np.float64)
-        return
-    if fallback.is_file():
-        yield f"{fallback.name} (synthetic, all windows)", load_trace(fallback).counts_TLE.sum(axis=0).astype(np.float64)
-        return
-    rng = np.random.default_rng(0)
-    yield "generated (seeded Pareto)", np.floor(rng.pareto(1.2, (58, num_experts)) * 1000) + 1
 
 
 def timed(fn, repeats: int):

@@ -35,22 +35,9 @@ from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import optimal_weights  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
 from eplb.planning import plan  # noqa: E402
-from eplb.trace import load_trace  # noqa: E402
 from planners.greedy import plan_greedy  # noqa: E402
 from planners.ilp import scale_loads, solve_layer  # noqa: E402
-
-
-def workloads(traces_dir: Path, fallback: Path, num_experts: int = 256):
-    """(name, load_LE) pairs: real traces, else the synthetic trace, else a generated load."""
-    if traces_dir.is_dir() and sorted(traces_dir.glob("*.json")):
-        for f in sorted(traces_dir.glob("*.json")):
-            yield f.stem, load_trace(f).counts_TLE.sum(axis=0).astype(np.float64)
-        return
-    if fallback.is_file():
-        yield f"{fallback.name} (synthetic)", load_trace(fallback).counts_TLE.sum(axis=0).astype(np.float64)
-        return
-    rng = np.random.default_rng(0)
-    yield "generated (seeded Pareto)", np.floor(rng.pareto(1.2, (58, num_experts)) * 1000) + 1
+from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 
 def med_max(a) -> str:
