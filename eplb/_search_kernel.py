@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D):
     """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D)."""
     P = G * S
@@ -88,23 +88,27 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
         ea = ph[a]
         wa = w[a]
         out_h = 1 if ((not old_LEG[l, ea, h]) and cnt_LEG[l, ea, h] == 1) else 0
-        for qi in range(Q):
-            key = -np.inf
-            g = g_Q[qi]
-            eb = eb_Q[qi]
-            if ok_Q[qi] and cnt_LEG[l, ea, g] == 0 and ea != eb:
-                d_g = (0 if old_LEG[l, ea, g] else 1) - out_g_Q[qi]
-                d_h = dh_in_Q[qi] - out_h
-                cost = d_g + d_h
-                if not (d_g > room_G[g] or d_h > room_G[h] or cost > room_tot):
-                    delta = wa - wq_Q[qi]
-                    gain = Lh - max(Lh - delta, gl[g] + delta)
-                    if gain >= need * max(cost, 1):
-                        key = gain / max(cost, 0.25)
-            if first or key > skey:
-                skey = key
-                s_i = s * Q + qi
-                first = False
+        for c in range(C):
+            g = light[c]
+            ea_on_g = cnt_LEG[l, ea, g] != 0
+            in_g = 0 if old_LEG[l, ea, g] else 1
+            glg = gl[g]
+            for qi in range(c * S, (c + 1) * S):
+                key = -np.inf
+                eb = eb_Q[qi]
+                if ok_Q[qi] and not ea_on_g and ea != eb:
+                    d_g = in_g - out_g_Q[qi]
+                    d_h = dh_in_Q[qi] - out_h
+                    cost = d_g + d_h
+                    if not (d_g > room_G[g] or d_h > room_G[h] or cost > room_tot):
+                        delta = wa - wq_Q[qi]
+                        gain = Lh - max(Lh - delta, glg + delta)
+                        if gain >= need * max(cost, 1):
+                            key = gain / max(cost, 0.25)
+                if first or key > skey:
+                    skey = key
+                    s_i = s * Q + qi
+                    first = False
 
     # Replicate: expert x on h gets one more replica in donor slot q (expert b, r_b >= 2).
     hE = np.empty(E)
@@ -220,7 +224,7 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
     return skey, s_i, rkey, r_i, h, light, q_D
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S):
     """Apply one change to layer l (copy slot a's expert over slot q, or swap a and q); returns its moves."""
     g = q // S
@@ -248,7 +252,7 @@ def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S):
     return dg + dh
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
            min_gain_L, active, G, S, C, D, iters):
     """Run the budgeted search in place on phy, r_LE, cnt_LEG, in_G; returns the move total."""
@@ -371,3 +375,80 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
                 m += 1
         active = nxt
     return total
+
+
+@njit(cache=True, error_model="numpy")
+def _occurrence_keys(x, S, key):
+    """key[j] = x[j] * S + (occurrences of x[j] before j), or -1 - j for an empty slot."""
+    for j in range(S):
+        if x[j] < 0:
+            key[j] = -1 - j
+            continue
+        k = 0
+        for i in range(j):
+            if x[i] == x[j]:
+                k += 1
+        key[j] = x[j] * S + k
+
+
+@njit(cache=True, error_model="numpy")
+def keep_slots(old_RS, new_RS):
+    """Compiled `migration.keep_slots` on rows of S slots (one row per layer and GPU): the
+    within-row source slot of each old position, int64 [R, S]; same rules, same output."""
+    R, S = new_RS.shape
+    out = np.empty((R, S), dtype=np.int64)
+    kn = np.empty(S, dtype=np.int64)
+    ko = np.empty(S, dtype=np.int64)
+    matched = np.empty(S, dtype=np.bool_)
+    taken = np.empty(S, dtype=np.bool_)
+    for r in range(R):
+        _occurrence_keys(new_RS[r], S, kn)
+        _occurrence_keys(old_RS[r], S, ko)
+        for i in range(S):
+            taken[i] = False
+            out[r, i] = -1
+        for j in range(S):
+            matched[j] = False
+            for i in range(S):
+                if kn[j] == ko[i]:        # keys are unique in a row: at most one match
+                    matched[j] = True
+                    taken[i] = True
+                    out[r, i] = j
+                    break
+        # Unmatched new slots fill the free positions, both in increasing order.
+        i = 0
+        for j in range(S):
+            if matched[j]:
+                continue
+            while taken[i]:
+                i += 1
+            out[r, i] = j
+            i += 1
+    return out
+
+
+@njit(cache=True, error_model="numpy")
+def count_moves(old_RS, new_RS):
+    """Compiled `migration.count_moves` on rows of S slots: experts (>= 0) a row of new_RS
+    holds that its row of old_RS does not, each counted once, int64 [R]."""
+    R, S = new_RS.shape
+    out = np.zeros(R, dtype=np.int64)
+    for r in range(R):
+        for j in range(S):
+            x = new_RS[r, j]
+            if x < 0:
+                continue
+            seen = False
+            for i in range(j):
+                if new_RS[r, i] == x:
+                    seen = True
+                    break
+            if seen:
+                continue
+            for i in range(S):
+                if old_RS[r, i] == x:
+                    seen = True
+                    break
+            if not seen:
+                out[r] += 1
+    return out
