@@ -34,6 +34,17 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def read_json_file(path: str | Path, what: str) -> Any:
+    """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EplbError(f"{what} {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EplbError(f"{path}: not valid JSON ({exc})") from None
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     """An expert-to-slot map for every MoE layer, with optional per-replica token shares."""
@@ -258,11 +269,4 @@ class Placement:
 
     @classmethod
     def load(cls, path: str | Path) -> "Placement":
-        path = Path(path)
-        if not path.is_file():
-            raise EplbError(f"placement file {str(path)!r} does not exist")
-        try:
-            d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EplbError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json_file(path, "placement file"), source=str(path))

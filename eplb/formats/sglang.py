@@ -106,15 +106,10 @@ def write_sglang(placement, path, num_hidden_layers: int | None = None) -> Path:
 def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int | None = None,
                 num_nodes: int = 1):
     """A Placement from an `--init-expert-location` JSON; layer_ids picks the MoE rows."""
-    from eplb.placement import Placement
+    from eplb.placement import Placement, read_json_file
 
     path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"SGLang expert-location file {str(path)!r} does not exist")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not valid JSON ({exc})") from None
+    d = read_json_file(path, "SGLang expert-location file")
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:
         raise EplbError(f"{path}: no physical_to_logical_map (not an SGLang --init-expert-location file)")
     try:
