@@ -8,13 +8,7 @@ torch = pytest.importorskip("torch")
 from eplb.errors import EplbError  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread avoids OpenMP spin-waits that slow them 10x+ on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 from eplb.runtime.model import (  # noqa: E402
     DeepSeekModel, MLAttention, ModelConfig, MoE, Router, inclusion_probs, sample_distinct, swiglu,
 )
