@@ -55,9 +55,7 @@ def v3_workloads(directory):
     files = sorted(glob.glob(os.path.join(directory, "*.json"))) if directory else []
     if files:
         return {os.path.basename(f)[:-5]: load_trace(f).counts_TLE.sum(axis=0).astype(float) for f in files}, directory
-    from eplb.trace import load_trace as lt
-
-    c = lt(SYNTH).counts_TLE.astype(float)
+    c = load_trace(SYNTH).counts_TLE.astype(float)
     # 8 synthetic "workloads": consecutive quarters of the windows.
     return {f"synthetic windows {i * 4}-{i * 4 + 3}": c[i * 4:(i + 1) * 4].sum(axis=0) for i in range(8)}, SYNTH
 
