@@ -281,9 +281,9 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
 
     baseline = Placement(contiguous_map(request.num_experts, topo, request.num_layers), topo.gpus,
                          request.num_experts, topo.nodes, request.layer_ids)
-    before = stats.evaluate(baseline, request.load_LE)
-    after = stats.evaluate(placement, request.load_LE)
     lb = stats.lower_bound(request.load_LE, topo.gpus, topo.num_slots)
+    before = stats.evaluate(baseline, request.load_LE, lower_bound_L=lb)
+    after = stats.evaluate(placement, request.load_LE, lower_bound_L=lb)
     metrics = {
         "imbalance_median": float(np.median(after.imbalance_L)),
         "imbalance_max": float(np.max(after.imbalance_L)),

@@ -281,7 +281,8 @@ class Rebalancer:
                    move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert)
         new = Placement(res.placement.phy2log_LP, pl.num_gpus, pl.num_logical_experts, pl.num_nodes,
                         pl.layer_ids, res.placement.dispatch_weights_LP, res.planner, res.placement.metrics)
-        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        # The plan was scored on this same load and topology: reuse its report and lower bound.
+        before, after = stats.evaluate(pl, load, lower_bound_L=res.lower_bound_L), res.after
         t1 = time.perf_counter()
         mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                        layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,

@@ -171,11 +171,16 @@ class LoadReport:
                 "balancedness": self.balancedness}
 
 
-def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None) -> LoadReport:
-    """Score a placement on a logical load [L, E] (dispatch weights of the plan unless given)."""
+def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
+             lower_bound_L: np.ndarray | None = None) -> LoadReport:
+    """Score a placement on a logical load [L, E] (dispatch weights of the plan unless given).
+
+    lower_bound_L: `lower_bound(load_LE, G, P)` when the caller already has it (it is the same
+    for every placement of one load on one topology), so scoring several plans computes it once.
+    """
     load = np.asarray(load_LE, dtype=np.float64)
     gpu_LG = placement.gpu_loads(load, weights_LP)
-    lb = lower_bound(load, placement.num_gpus, placement.num_slots)
+    lb = lower_bound(load, placement.num_gpus, placement.num_slots) if lower_bound_L is None else lower_bound_L
     mx = gpu_LG.max(axis=1)
     ratio = np.where(lb > 0, mx / np.where(lb > 0, lb, 1), 1.0)
     return LoadReport(gpu_LG, imbalance(gpu_LG), ratio, balancedness(gpu_LG))
