@@ -21,20 +21,68 @@ from numba import njit
 
 
 @njit(cache=True, error_model="numpy")
-def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D):
-    """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D)."""
+def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw):
+    """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D).
+
+    fw, iw: float64 and int64 scratch allocated once by `search` (light_C and q_D are views into iw, valid until the
+    next call). A candidate is skipped without pricing only when a bound proves that it
+    cannot beat the best so far; keys and tie-breaking (first maximum) are the reference's.
+    """
     P = G * S
     E = load_LE.shape[1]
+    Q = C * S
     ld = load_LE[l]
     r = r_LE[l]
     ph = phy[l]
-    wE = np.empty(E)
+    cnt = cnt_LEG[l]
+    old = old_LEG[l]
+    o = 0
+    wE = fw[o:o + E]
+    o += E
+    hE = fw[o:o + E]
+    o += E
+    w = fw[o:o + P]
+    o += P
+    harm = fw[o:o + P]
+    o += P
+    gl = fw[o:o + G]
+    o += G
+    wq_Q = fw[o:o + Q]
+    o += Q
+    db_D = fw[o:o + D]
+    o += D
+    wdb_D = fw[o:o + D]                       # wb_q + db, as the reference adds them
+    o = 0
+    light = iw[o:o + C]
+    o += C
+    eb_Q = iw[o:o + Q]
+    o += Q
+    ok_Q = iw[o:o + Q]                        # eb not on h, g != h
+    o += Q
+    dh_in_Q = iw[o:o + Q]                     # 1 if eb lands on h where it was not before
+    o += Q
+    out_g_Q = iw[o:o + Q]                     # 1 if eb leaves g, its only copy moved there
+    o += Q
+    q_D = iw[o:o + D]
+    o += D
+    nb = iw[o:o + D]                          # GPUs holding donor d's expert (-1: not listed yet)
+    o += D
+    b_D = iw[o:o + D]
+    o += D
+    gq_D = iw[o:o + D]
+    o += D
+    cb_D = iw[o:o + D]
+    o += D
+    out_D = iw[o:o + D]                       # 1 if b leaves gq, its only copy moved there
+    o += D
+    gb = iw[o:o + D * G]
+    o += D * G
+    gx = iw[o:o + G]
+
     for e in range(E):
         wE[e] = ld[e] / r[e]
-    w = np.empty(P)
     for p in range(P):
         w[p] = wE[ph[p]]
-    gl = np.empty(G)
     for g in range(G):
         acc = w[g * S]
         for s in range(1, S):
@@ -47,7 +95,6 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
         if gl[g] > gl[h]:
             h = g
     Lh = gl[h]
-    light = np.empty(C, dtype=np.int64)
     n = 0
     for g in range(G - 1, -1, -1):
         v = gl[g]
@@ -60,68 +107,60 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
         light[k] = g
         if n < C:
             n += 1
-    Q = C * S
 
     # Swap: slot a on h <-> slot q on one of the C lightest GPUs; flat index s * Q + qi.
     # Everything that depends on q alone is gathered once (Q values), not per (s, q).
-    eb_Q = np.empty(Q, dtype=np.int64)
-    g_Q = np.empty(Q, dtype=np.int64)
-    wq_Q = np.empty(Q)
-    ok_Q = np.empty(Q, dtype=np.bool_)        # eb not on h, g != h
-    dh_in_Q = np.empty(Q, dtype=np.int64)     # 1 if eb lands on h where it was not before
-    out_g_Q = np.empty(Q, dtype=np.int64)     # 1 if eb leaves g, its only copy moved there
     for qi in range(Q):
         g = light[qi // S]
         q = g * S + qi % S
         eb = ph[q]
         eb_Q[qi] = eb
-        g_Q[qi] = g
         wq_Q[qi] = w[q]
-        ok_Q[qi] = cnt_LEG[l, eb, h] == 0 and g != h
-        dh_in_Q[qi] = 0 if old_LEG[l, eb, h] else 1
-        out_g_Q[qi] = 1 if ((not old_LEG[l, eb, g]) and cnt_LEG[l, eb, g] == 1) else 0
+        ok_Q[qi] = 1 if (cnt[eb, h] == 0 and g != h) else 0
+        dh_in_Q[qi] = 0 if old[eb, h] else 1
+        out_g_Q[qi] = 1 if ((not old[eb, g]) and cnt[eb, g] == 1) else 0
+    # Starting from -inf and replacing only on a strictly larger key picks the same index as
+    # the reference's first maximum (index 0 when every key is -inf).
     skey = -np.inf
     s_i = 0
-    first = True
     for s in range(S):
         a = h * S + s
         ea = ph[a]
         wa = w[a]
-        out_h = 1 if ((not old_LEG[l, ea, h]) and cnt_LEG[l, ea, h] == 1) else 0
+        out_h = 1 if ((not old[ea, h]) and cnt[ea, h] == 1) else 0
         for c in range(C):
             g = light[c]
-            ea_on_g = cnt_LEG[l, ea, g] != 0
-            in_g = 0 if old_LEG[l, ea, g] else 1
+            if cnt[ea, g] != 0:
+                continue
+            in_g = 0 if old[ea, g] else 1
             glg = gl[g]
+            rg = room_G[g]
             for qi in range(c * S, (c + 1) * S):
-                key = -np.inf
                 eb = eb_Q[qi]
-                if ok_Q[qi] and not ea_on_g and ea != eb:
-                    d_g = in_g - out_g_Q[qi]
-                    d_h = dh_in_Q[qi] - out_h
-                    cost = d_g + d_h
-                    if not (d_g > room_G[g] or d_h > room_G[h] or cost > room_tot):
-                        delta = wa - wq_Q[qi]
-                        gain = Lh - max(Lh - delta, glg + delta)
-                        if gain >= need * max(cost, 1):
-                            key = gain / max(cost, 0.25)
-                if first or key > skey:
-                    skey = key
-                    s_i = s * Q + qi
-                    first = False
+                if ok_Q[qi] == 0 or ea == eb:
+                    continue
+                d_g = in_g - out_g_Q[qi]
+                d_h = dh_in_Q[qi] - out_h
+                cost = d_g + d_h
+                if d_g > rg or d_h > room_G[h] or cost > room_tot:
+                    continue
+                delta = wa - wq_Q[qi]
+                gain = Lh - max(Lh - delta, glg + delta)
+                if gain >= need * max(cost, 1):
+                    key = gain / max(cost, 0.25)
+                    if key > skey:
+                        skey = key
+                        s_i = s * Q + qi
 
     # Replicate: expert x on h gets one more replica in donor slot q (expert b, r_b >= 2).
-    hE = np.empty(E)
     for e in range(E):
         hE[e] = ld[e] / max(r[e] - 1, 1) if r[e] >= 2 else np.inf
-    harm = np.empty(P)
     for p in range(P):
         gp = p // S
         harm[p] = gl[gp] + hE[ph[p]] if gp != h else np.inf
     if D < P:
         # The first D of a stable sort of harm (D smallest, ties by slot index), by insertion
         # into a sorted list: a full sort per layer and iteration costs more than the pricing.
-        q_D = np.empty(D, dtype=np.int64)
         n = 0
         for p in range(P):
             v = harm[p]
@@ -135,26 +174,8 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
             if n < D:
                 n += 1
     else:
-        q_D = np.arange(P)
-    # GPUs holding each donor's expert b, listed once per layer and iteration.
-    nb = np.zeros(D, dtype=np.int64)
-    gb = np.empty((D, G), dtype=np.int64)
-    for d in range(D):
-        b = ph[q_D[d]]
-        for g in range(G):
-            if cnt_LEG[l, b, g] > 0:
-                gb[d, nb[d]] = g
-                nb[d] += 1
-    gx = np.empty(G, dtype=np.int64)
-    rkey = -np.inf
-    r_i = 0
-    first = True
-    b_D = np.empty(D, dtype=np.int64)
-    gq_D = np.empty(D, dtype=np.int64)
-    db_D = np.empty(D)
-    wdb_D = np.empty(D)                       # wb_q + db, as the reference adds them
-    cb_D = np.empty(D, dtype=np.int64)
-    out_D = np.empty(D, dtype=np.int64)       # 1 if b leaves gq, its only copy moved there
+        for d in range(D):
+            q_D[d] = d
     for d in range(D):
         q = q_D[d]
         b = ph[q]
@@ -166,61 +187,72 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
         gq_D[d] = gq
         db_D[d] = db
         wdb_D[d] = wb_q + db
-        cb_D[d] = cnt_LEG[l, b, gq]
-        out_D[d] = 1 if ((not old_LEG[l, b, gq]) and cnt_LEG[l, b, gq] == 1) else 0
+        cb_D[d] = cnt[b, gq]
+        out_D[d] = 1 if ((not old[b, gq]) and cnt[b, gq] == 1) else 0
+        nb[d] = -1
+    rkey = -np.inf
+    r_i = 0
     for s in range(S):
         x = ph[h * S + s]
         rx = float(r[x])
         Wx = ld[x]
         wx1 = Wx / (rx + 1)
         dx = Wx / rx - wx1
-        nx = 0
-        for g in range(G):
-            if cnt_LEG[l, x, g] > 0:
-                gx[nx] = g
-                nx += 1
+        nx = -1                               # GPUs holding x, listed on first use
         for d in range(D):
             q = q_D[d]
             if not np.isfinite(harm[q]):
-                key = -np.inf
-                if first or key > rkey:
-                    rkey = key
-                    r_i = s * D + d
-                    first = False
                 continue
             b = b_D[d]
             gq = gq_D[d]
+            cn_gx = cnt[x, gq]
+            cost = (0 if old[x, gq] else 1) - out_D[d]
+            if cn_gx > 0 or b == x or cost > room_G[gq] or cost > room_tot:
+                continue
             db = db_D[d]
+            at_g = (((gl[gq] - cn_gx * dx) + cb_D[d] * db) + wx1) - wdb_D[d]
+            # gain = Lh - max(top, at_g) <= Lh - at_g (rounding is monotone): skip the
+            # candidate when even that bound fails the threshold or cannot beat the best.
+            ub = Lh - at_g
+            if not ub >= need * max(cost, 1) or not ub / max(cost, 0.25) > rkey:
+                continue
             # Busiest GPU the change touches other than gq: max over GPUs holding x (any b)
             # and over GPUs holding b (any x), exactly as the reference's two passes.
             # Only GPUs holding x or b can be finite in either pass, so only they are visited
             # (same values, same maximum).
+            if nx < 0:
+                nx = 0
+                for g in range(G):
+                    if cnt[x, g] > 0:
+                        gx[nx] = g
+                        nx += 1
+            if nb[d] < 0:
+                m = 0
+                for g in range(G):
+                    if cnt[b, g] > 0:
+                        gb[d * G + m] = g
+                        m += 1
+                nb[d] = m
             top = -np.inf
             for k in range(nx):
                 g = gx[k]
-                y = gl[g] - cnt_LEG[l, x, g] * dx
-                v1 = y + cnt_LEG[l, b, g] * db
+                y = gl[g] - cnt[x, g] * dx
+                v1 = y + cnt[b, g] * db
                 if v1 > top:
                     top = v1
             for k in range(nb[d]):
-                g = gb[d, k]
+                g = gb[d * G + k]
                 if g != gq:
-                    y = gl[g] - cnt_LEG[l, x, g] * dx
-                    v2 = y + cnt_LEG[l, b, g] * db
+                    y = gl[g] - cnt[x, g] * dx
+                    v2 = y + cnt[b, g] * db
                     if v2 > top:
                         top = v2
-            cn_gx = cnt_LEG[l, x, gq]
-            at_g = (((gl[gq] - cn_gx * dx) + cb_D[d] * db) + wx1) - wdb_D[d]
             gain = Lh - max(top, at_g)
-            cost = (0 if old_LEG[l, x, gq] else 1) - out_D[d]
-            bad = (cn_gx > 0 or b == x or cost > room_G[gq] or cost > room_tot)
-            key = -np.inf
-            if not bad and gain >= need * max(cost, 1):
+            if gain >= need * max(cost, 1):
                 key = gain / max(cost, 0.25)
-            if first or key > rkey:
-                rkey = key
-                r_i = s * D + d
-                first = False
+                if key > rkey:
+                    rkey = key
+                    r_i = s * D + d
     return skey, s_i, rkey, r_i, h, light, q_D
 
 
@@ -263,6 +295,8 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
     slot_q = np.zeros(L, dtype=np.int64)
     best = np.empty(L)
     room_G = np.empty(G)
+    fw = np.empty(2 * load_LE.shape[1] + 2 * P + G + C * S + 2 * D)
+    iw = np.empty(C + 4 * C * S + 6 * D + D * G + 2 * G, dtype=np.int64)
     if not (np.isfinite(cap_total) or np.isfinite(cap_gpu)):
         # No move cap: no change is ever refused and layers share nothing, so each layer can
         # run all its iterations in turn (same changes as iteration by iteration, and its
@@ -272,7 +306,7 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
             l = active[ai]
             for _ in range(iters):
                 skey, s_i, rkey, r_i, h, light, q_D = _price_layer(
-                    l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, np.inf, min_gain_L[l], G, S, C, D)
+                    l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, np.inf, min_gain_L[l], G, S, C, D, fw, iw)
                 if not np.isfinite(max(skey, rkey)):
                     break
                 if rkey > skey:
@@ -295,7 +329,7 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
         for ai in range(A):
             l = active[ai]
             skey, s_i, rkey, r_i, h, light, q_D = _price_layer(
-                l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L[l], G, S, C, D)
+                l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L[l], G, S, C, D, fw, iw)
             if rkey > skey:
                 kind[l] = 1
                 slot_a[l] = h * S + r_i // D
