@@ -486,3 +486,53 @@ def count_moves(old_RS, new_RS):
             if not seen:
                 out[r] += 1
     return out
+
+
+@njit(cache=True, error_model="numpy")
+def holdings_LEG(phy_LP, G, E):
+    """Compiled `migration.holdings` in the search's layout: replicas of each expert on each
+    GPU, int16 [L, E, G] (slots < 0 skipped)."""
+    L, P = phy_LP.shape
+    S = P // G
+    out = np.zeros((L, E, G), dtype=np.int16)
+    for l in range(L):
+        for p in range(P):
+            e = phy_LP[l, p]
+            if e >= 0:
+                out[l, e, p // S] += 1
+    return out
+
+
+@njit(cache=True, error_model="numpy")
+def keep_counts(old_LP, new_LP, G, E):
+    """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too (each counted once),
+    float64 [L, G, G]; the overlap matrix `migration.relabel` assigns on."""
+    L, P = new_LP.shape
+    S = P // G
+    out = np.zeros((L, G, G))
+    old_EG = np.zeros((E, G), dtype=np.bool_)
+    for l in range(L):
+        for p in range(P):
+            e = old_LP[l, p]
+            if e >= 0:
+                old_EG[e, p // S] = True
+        for a in range(G):
+            for j in range(S):
+                x = new_LP[l, a * S + j]
+                if x < 0:
+                    continue
+                seen = False
+                for i in range(j):
+                    if new_LP[l, a * S + i] == x:
+                        seen = True
+                        break
+                if seen:
+                    continue
+                for b in range(G):
+                    if old_EG[x, b]:
+                        out[l, a, b] += 1.0
+        for p in range(P):
+            e = old_LP[l, p]
+            if e >= 0:
+                old_EG[e, p // S] = False
+    return out

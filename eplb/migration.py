@@ -34,6 +34,41 @@ CHECKPOINT = -1
 """Source rank of a transfer that reloads an expert from the checkpoint (no replica survived)."""
 
 
+
+def _kernel_ints(a) -> np.ndarray:
+    """a as a writable, C-ordered int64 array (copied only when it is not one already).
+
+    numba compiles one machine-code version per argument type, and a read-only array (every
+    Placement's) is another type than a writable one: feeding the kernels one kind keeps it
+    to one version each, which `warm_up` compiles or loads ahead of the first decision."""
+    a = np.asarray(a)
+    if a.dtype == np.int64 and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, dtype=np.int64, order="C")
+
+
+def warm_up() -> float:
+    """Load (or, on a fresh install, compile: ~10 s) the numba kernels of this module now,
+    so that the first rebalance decision does not pay for it; returns the seconds it took.
+    A no-op after the first call in a process."""
+    import time
+
+    t0 = time.perf_counter()
+    from eplb import _search_kernel  # noqa: F401  (numba import, ~0.5 s)
+
+    # Two layers, 3 experts, 2 GPUs x 2 slots: runs every kernel on the argument types the
+    # real calls use (all sizes share one compiled version).
+    old = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
+    new = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
+    load = np.array([[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]])
+    count_moves(old, new, 2, 3)
+    relabel(old, new, 2, 3)
+    keep_slots(old, new, 2)
+    budgeted_search(load, old, 2, Budget(move_cost=0.001))
+    budgeted_search(load, old, 2, Budget(max_moves=1))
+    return time.perf_counter() - t0
+
+
 # 1. Counting ------------------------------------------------------------------------------------
 
 def holdings(phy_LP: np.ndarray, gpus: int, num_experts: int) -> np.ndarray:
@@ -57,8 +92,8 @@ def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: 
 
         L, P = np.shape(new_LP)
         R = L * gpus
-        return _search_kernel.count_moves(np.ascontiguousarray(old_LP, dtype=np.int64).reshape(R, -1),
-                                          np.ascontiguousarray(new_LP, dtype=np.int64).reshape(R, -1)).reshape(L, gpus)
+        return _search_kernel.count_moves(_kernel_ints(old_LP).reshape(R, -1),
+                                          _kernel_ints(new_LP).reshape(R, -1)).reshape(L, gpus)
     old = holdings(old_LP, gpus, num_experts) > 0
     new = holdings(new_LP, gpus, num_experts) > 0
     return (new & ~old).sum(axis=2)
@@ -99,6 +134,20 @@ def _gpu_assignment(keep_LGG: np.ndarray, nodes: int) -> np.ndarray:
     return out
 
 
+def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
+                 *, compiled: bool = True) -> np.ndarray:
+    """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too, float64 [L, G, G].
+    compiled=False: the numpy version (the tests' reference)."""
+    if compiled:
+        # Two [L, G, E] holdings and a batched matmul cost ~3 ms at DeepSeek-V3 shape.
+        from eplb import _search_kernel
+
+        return _search_kernel.keep_counts(_kernel_ints(old_LP), _kernel_ints(new_LP), gpus, num_experts)
+    old_h = (holdings(old_LP, gpus, num_experts) > 0).astype(np.float64)
+    new_h = (holdings(new_LP, gpus, num_experts) > 0).astype(np.float64)
+    return new_h @ old_h.transpose(0, 2, 1)
+
+
 def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
             nodes: int = 1) -> np.ndarray:
     """Slot permutation perm_LP that makes new_LP[l, perm_LP[l]] keep the most old replicas.
@@ -112,9 +161,7 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
     new_LP = np.asarray(new_LP)
     L, P = new_LP.shape
     G, S = gpus, P // gpus
-    old_h = (holdings(old_LP, G, num_experts) > 0).astype(np.float32)
-    new_h = (holdings(new_LP, G, num_experts) > 0).astype(np.float32)
-    keep_LGG = new_h @ old_h.transpose(0, 2, 1)
+    keep_LGG = _keep_counts(old_LP, new_LP, G, num_experts)
     gsrc_LG = _gpu_assignment(keep_LGG, nodes)             # new GPU placed at each old GPU position
     # Slots of new GPU gsrc[l, b] placed on GPU b, still in their own order.
     base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
@@ -135,8 +182,8 @@ def keep_slots(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, *, compiled: b
         # ~6 ms of numpy per call at DeepSeek-V3 shape, twice per rebalance decision.
         from eplb import _search_kernel
 
-        src_RS = _search_kernel.keep_slots(np.ascontiguousarray(old_LP, dtype=np.int64).reshape(L * G, S),
-                                           np.ascontiguousarray(new_LP, dtype=np.int64).reshape(L * G, S))
+        src_RS = _search_kernel.keep_slots(_kernel_ints(old_LP).reshape(L * G, S),
+                                           _kernel_ints(new_LP).reshape(L * G, S))
         return src_RS.reshape(L, P) + (np.arange(P) // S * S)[None, :]
     moved_LP = new_LP
     # Match the k-th copy of expert e in the new slots to the k-th copy of e
@@ -204,7 +251,7 @@ class Budget:
 
 
 def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: Budget,
-                    *, donors: int = 16, partners: int = 8, max_iters: int | None = None,
+                    *, donors: int = 8, partners: int = 4, max_iters: int | None = None,
                     compiled: bool = True) -> np.ndarray:
     """Start from old_LP and apply the best replica changes per move until the budget is spent.
 
@@ -217,6 +264,9 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
       cheapest per layer) with another replica of an expert on the busiest GPU (1 move).
     Every active layer takes its change with the best gain per move in each iteration; when
     the budget cannot pay for all, the best gains per move over all layers go first.
+    partners=4, donors=8 (was 8, 16): on the 56 real DeepSeek-V3 workload pairs of
+    benchmarks/bench_migration.py the median busiest GPU differs by 0.04% (worst pair 0.9995
+    vs 0.9984 of the scratch plan's), at ~60% of the search time.
     old_LP may lack experts (failed ranks): call `restore_missing` first. Returns phy2log_LP.
     compiled=True runs the per-layer loop of `eplb._search_kernel` (numba; identical results,
     ~10x faster at DeepSeek-V3 shape); compiled=False runs the numpy version below, kept as
@@ -231,7 +281,12 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     # [L, E, G] layout: the GPUs of one (layer, expert) are contiguous, so the gathers below
     # read short rows instead of scattered bytes.
     # phy starts as a copy of old_LP: one holdings serves both.
-    cnt_LEG = np.ascontiguousarray(holdings(phy, G, E).transpose(0, 2, 1)).astype(np.int16)
+    if compiled:
+        from eplb import _search_kernel
+
+        cnt_LEG = _search_kernel.holdings_LEG(phy, G, E)
+    else:
+        cnt_LEG = np.ascontiguousarray(holdings(phy, G, E).transpose(0, 2, 1)).astype(np.int16)
     old_LEG = cnt_LEG > 0
     r_LE = cnt_LEG.sum(axis=2).astype(np.int64)
     if (r_LE == 0).any():
@@ -255,7 +310,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         # Imported here: numba costs ~0.5 s to import, and `eplb plan` must start fast.
         from eplb import _search_kernel
         state["total"] = _search_kernel.search(
-            np.ascontiguousarray(load_LE), phy, r_LE, cnt_LEG, old_LEG, in_G, state["total"], float(cap_total), float(cap_gpu),
+            np.array(load_LE, order="C"), phy, r_LE, cnt_LEG, old_LEG, in_G, state["total"], float(cap_total), float(cap_gpu),
             min_gain_L, active.astype(np.int64), G, S, C, D, iters)
         return phy
     s_idx = np.arange(S)
@@ -563,8 +618,9 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     if not budget.limited:
         info["method"] = "relabel"
         return relabeled, perm, info
-    start = restore_missing(load_LE, old_LP, gpus) if (old_LP < 0).any() or (
-        holdings(old_LP, gpus, E).sum(axis=1) == 0).any() else old_LP
+    L = old_LP.shape[0]
+    present_LE = np.bincount((np.arange(L)[:, None] * E + old_LP)[old_LP >= 0], minlength=L * E)
+    start = restore_missing(load_LE, old_LP, gpus) if (old_LP < 0).any() or (present_LE == 0).any() else old_LP
     searched = budgeted_search(load_LE, start, gpus, budget)
     searched = np.take_along_axis(searched, keep_slots(old_LP, searched, gpus), axis=1)
     # The relabelled target wins if the budget can pay for it and it costs no more: summed

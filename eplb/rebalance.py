@@ -117,9 +117,15 @@ class Rebalancer:
         from eplb.planning import get_planner
 
         get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
-        # The migration step needs scipy; import it now (~1 s) rather than in the first rebalance.
+        # The migration step needs scipy and the numba kernels: load them now (~1 s; ~10 s
+        # the first time after an install, when numba compiles and caches the kernels) rather
+        # than in the first rebalance decision.
         import scipy.optimize  # noqa: F401
         import scipy.sparse.csgraph  # noqa: F401
+
+        from eplb.migration import warm_up
+
+        warm_up()
         self.budget = Budget(max_moves, max_moves_per_gpu, float(move_cost))
         self.window = None if window is None else int(window)
         self.alpha = None if alpha is None else float(alpha)

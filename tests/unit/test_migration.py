@@ -87,7 +87,8 @@ def test_relabel_keeps_balance_and_dispatch_weights(rng):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1))
 def test_compiled_keep_slots_and_count_moves_match_the_numpy_reference(seed):
-    """Rows with repeated experts and empty slots (-1): same permutation and counts as the reference."""
+    """Rows with repeated experts and empty slots (-1): same permutation, move counts, overlap
+    matrix and holdings as the reference."""
     rng = np.random.default_rng(seed)
     L, G, S, E = (int(v) for v in rng.integers(1, 6, 4))
     old, new = rng.integers(-1, E + 1, (2, L, G * S))
@@ -96,6 +97,12 @@ def test_compiled_keep_slots_and_count_moves_match_the_numpy_reference(seed):
     assert (np.sort(perm, axis=1) == np.arange(G * S)).all()
     np.testing.assert_array_equal(mg.count_moves(old, new, G, E + 1),
                                   mg.count_moves(old, new, G, E + 1, compiled=False))
+    np.testing.assert_array_equal(mg._keep_counts(old, new, G, E + 1),
+                                  mg._keep_counts(old, new, G, E + 1, compiled=False))
+    from eplb import _search_kernel
+
+    np.testing.assert_array_equal(_search_kernel.holdings_LEG(new, G, E + 1),
+                                  mg.holdings(new, G, E + 1).transpose(0, 2, 1))
 
 
 BUDGETS = [mg.Budget(), mg.Budget(move_cost=0.001), mg.Budget(max_moves=9), mg.Budget(max_moves_per_gpu=2),
