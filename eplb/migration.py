@@ -251,7 +251,7 @@ class Budget:
 
 
 def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: Budget,
-                    *, donors: int = 8, partners: int = 4, max_iters: int | None = None,
+                    *, donors: int = 8, partners: int = 8, max_iters: int | None = None,
                     compiled: bool = True) -> np.ndarray:
     """Start from old_LP and apply the best replica changes per move until the budget is spent.
 
@@ -264,9 +264,12 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
       cheapest per layer) with another replica of an expert on the busiest GPU (1 move).
     Every active layer takes its change with the best gain per move in each iteration; when
     the budget cannot pay for all, the best gains per move over all layers go first.
-    partners=4, donors=8 (was 8, 16): on the 56 real DeepSeek-V3 workload pairs of
-    benchmarks/bench_migration.py the median busiest GPU differs by 0.04% (worst pair 0.9995
-    vs 0.9984 of the scratch plan's), at ~60% of the search time.
+    donors=8 (was 16): on the 56 real DeepSeek-V3 workload pairs of
+    benchmarks/bench_migration.py the same balance to 0.01% (worst pair 0.9984 of the scratch
+    plan's either way) in ~85% of the time. partners=4 would save another ~20% of the
+    decision but makes the schedule stage ~1.8x more copies (more swaps between the same few
+    light GPUs become 2-cycles): 6% more network transfers, which cost more than milliseconds
+    of planning.
     old_LP may lack experts (failed ranks): call `restore_missing` first. Returns phy2log_LP.
     compiled=True runs the per-layer loop of `eplb._search_kernel` (numba; identical results,
     ~10x faster at DeepSeek-V3 shape); compiled=False runs the numpy version below, kept as

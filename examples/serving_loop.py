@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
                     min_improvement=args.min_improvement, max_moves=args.max_moves,
                     bytes_per_expert=BYTES_PER_EXPERT)
-    print(f"trace: {source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs, "
+    print(f"trace: {os.path.relpath(source) if os.path.exists(source) else source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs, "
           f"{start.num_slots} slots; {args.steps_per_window} steps per window")
     print(f"rebalancer: sliding window {4 * args.steps_per_window} steps, check every {args.interval}, "
           f"rebalance if predicted gain >= {args.min_improvement:.0%}, <= {args.max_moves} copies each")
