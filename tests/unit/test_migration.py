@@ -288,3 +288,24 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
     m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2)
     replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
     assert m.moves <= 20
+
+
+def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
+    """Read-only Placement arrays, int32 maps, float32 and non-contiguous loads all reach the
+    kernels as the types warm_up compiled: a decision never compiles (seconds) on first use."""
+    from eplb import _search_kernel as K
+    from eplb.rebalance import Rebalancer
+
+    assert mg.warm_up() >= 0.0
+    names = ("search", "keep_slots", "count_moves", "keep_counts", "holdings_LEG")
+    before = {n: len(getattr(K, n).signatures) for n in names}
+    rng = np.random.default_rng(3)
+    load = rng.gamma(0.5, 1.0, (3, 64)) * 100
+    pl = plan(load, gpus=8, redundant=8).placement
+    assert not pl.phy2log_LP.flags.writeable
+    rb = Rebalancer(pl, move_cost=0.001)
+    rb.observe(load[:, ::-1].copy())
+    rb.rebalance()
+    mg.budgeted_search(np.asfortranarray(load.astype(np.float32)), pl.phy2log_LP.astype(np.int32), 8,
+                       mg.Budget(max_moves=5))
+    assert {n: len(getattr(K, n).signatures) for n in names} == before
