@@ -21,6 +21,22 @@ from numba import njit
 
 
 @njit(cache=True, error_model="numpy")
+def _keep_smallest(values, i, out, n, k):
+    """Insert index i into out[:n], the indices of the (at most k) smallest values seen so far
+    in increasing order, earlier insertions first among ties (a stable sort's first k, in one
+    pass: a full sort per layer and iteration costs more than the pricing). Returns the new n."""
+    v = values[i]
+    if n == k and not v < values[out[k - 1]]:
+        return n
+    j = n if n < k else k - 1
+    while j > 0 and v < values[out[j - 1]]:
+        out[j] = out[j - 1]
+        j -= 1
+    out[j] = i
+    return n + 1 if n < k else n
+
+
+@njit(cache=True, error_model="numpy")
 def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw):
     """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D).
 
@@ -97,16 +113,7 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
     Lh = gl[h]
     n = 0
     for g in range(G - 1, -1, -1):
-        v = gl[g]
-        if n == C and not v < gl[light[C - 1]]:
-            continue
-        k = n if n < C else C - 1
-        while k > 0 and v < gl[light[k - 1]]:
-            light[k] = light[k - 1]
-            k -= 1
-        light[k] = g
-        if n < C:
-            n += 1
+        n = _keep_smallest(gl, g, light, n, C)
 
     # Swap: slot a on h <-> slot q on one of the C lightest GPUs; flat index s * Q + qi.
     # Everything that depends on q alone is gathered once (Q values), not per (s, q).
@@ -159,20 +166,10 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
         gp = p // S
         harm[p] = gl[gp] + hE[ph[p]] if gp != h else np.inf
     if D < P:
-        # The first D of a stable sort of harm (D smallest, ties by slot index), by insertion
-        # into a sorted list: a full sort per layer and iteration costs more than the pricing.
+        # The first D of a stable sort of harm (D smallest, ties by slot index).
         n = 0
         for p in range(P):
-            v = harm[p]
-            if n == D and not v < harm[q_D[D - 1]]:
-                continue
-            k = n if n < D else D - 1
-            while k > 0 and v < harm[q_D[k - 1]]:
-                q_D[k] = q_D[k - 1]
-                k -= 1
-            q_D[k] = p
-            if n < D:
-                n += 1
+            n = _keep_smallest(harm, p, q_D, n, D)
     else:
         for d in range(D):
             q_D[d] = d
