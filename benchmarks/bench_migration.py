@@ -16,7 +16,8 @@ Part 2 (DeepSeek-V2-Lite per-token, 8 GPUs, 72 slots): windows of ~4k tokens in 
 the Rebalancer observes each window and rebalances when due; every window is scored with
 the placement chosen *before* it was seen. Compared with a static plan and a from-scratch
 replan after every window.
-Part 3 (DeepSeek-V3 shape): cost of observe(), of the decision check and of rebalance().
+Part 3 (DeepSeek-V3 shape): cost of observe(), of the decision check and of rebalance(), and
+how long a serving thread is held up (GIL) while rebalance() runs on a side thread.
 Without the real files, parts 1-2 fall back to the shipped synthetic trace (traces/deepseek.npz).
 """
 
@@ -192,6 +193,30 @@ def part2(args):
                        [[k] + [float(np.mean(np.asarray(v)[s])) for s in slices] for k, v in bal.items()]))
 
 
+def serving_stall(fn):
+    """Run fn on a side thread while this thread sleeps 0.2 ms at a time, as a serving loop
+    waiting on its GPU would: (fn's seconds, longest gap between wake-ups in seconds). A gap
+    well above 0.2 ms means fn held the GIL that long."""
+    import threading
+
+    out = {}
+
+    def work():
+        t0 = time.perf_counter()
+        fn()
+        out["seconds"] = time.perf_counter() - t0
+
+    th = threading.Thread(target=work)
+    gap, last = 0.0, time.perf_counter()
+    th.start()
+    while th.is_alive():
+        time.sleep(0.0002)
+        now = time.perf_counter()
+        gap, last = max(gap, now - last), now
+    th.join()
+    return out["seconds"], gap
+
+
 def part3(args):
     from eplb.trace import load_trace
 
@@ -217,6 +242,7 @@ def part3(args):
         rb.observe(phys)
         t_phy.append(time.perf_counter() - t0)
     t_check, t_plan, t_dec, t_sched, t_total, moves = [], [], [], [], [], []
+    t_py, stall_rb, stall_py = [], [], []
     for t in range(1, min(T, 1 + args.decisions)):
         rb = Rebalancer(start, window=8, interval=10**9, move_cost=0.001)
         rb.observe(c[max(0, t - 3):t + 1].sum(axis=0))
@@ -224,12 +250,19 @@ def part3(args):
         rb.predicted_improvement()
         t_check.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        res = rb.rebalance()
+        res = rb.rebalance(apply=False)
         t_total.append(time.perf_counter() - t0)
         t_plan.append(res.info["seconds"])
         t_dec.append(res.info["decision_seconds"])
         t_sched.append(res.info["schedule_seconds"])
         moves.append(res.moves)
+        # The same rebalance on a side thread, as a serving engine runs it: how long is the
+        # serving (main) thread held up? And the Python reference schedule the same way.
+        stall_rb.append(serving_stall(rb.rebalance)[1])
+        old_LP, new_LP = start.phy2log_LP, res.placement.phy2log_LP
+        sec, stall = serving_stall(lambda: mg.schedule(old_LP, new_LP, G, E, compiled=False))
+        t_py.append(sec)
+        stall_py.append(stall)
         start = res.placement
     ms = lambda x: f"{np.median(x) * 1e3:.2f}"  # noqa: E731
     print(format_table(["operation", "median ms", "max ms"], [
@@ -238,9 +271,14 @@ def part3(args):
         ["decision check (current vs lower bound)", float(ms(t_check)), float(np.max(t_check) * 1e3)],
         ["migration step of plan (relabel + budgeted search)", float(ms(t_plan)), float(np.max(t_plan) * 1e3)],
         ["rebalance() decision (greedy + migration + metrics)", float(ms(t_dec)), float(np.max(t_dec) * 1e3)],
-        ["rebalance() migration schedule", float(ms(t_sched)), float(np.max(t_sched) * 1e3)],
+        ["rebalance() migration schedule (compiled)", float(ms(t_sched)), float(np.max(t_sched) * 1e3)],
         ["rebalance() total", float(ms(t_total)), float(np.max(t_total) * 1e3)],
+        ["migration schedule, Python reference (compiled=False)", float(ms(t_py)), float(np.max(t_py) * 1e3)],
+        ["serving-thread stall while rebalance() runs aside", float(ms(stall_rb)), float(np.max(stall_rb) * 1e3)],
+        ["serving-thread stall while the Python schedule runs", float(ms(stall_py)), float(np.max(stall_py) * 1e3)],
     ]))
+    print(f"compiled / Python schedule time: {np.median(t_sched) / np.median(t_py):.3f} (medians); "
+          f"stall = longest gap between the serving thread's 0.2 ms sleeps")
     print(f"{len(moves)} consecutive rebalances on drifting windows: moves median {np.median(moves):.0f}")
 
 

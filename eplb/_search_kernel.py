@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _keep_smallest(values, i, out, n, k):
     """Insert index i into out[:n], the indices of the (at most k) smallest values seen so far
     in increasing order, earlier insertions first among ties (a stable sort's first k, in one
@@ -36,7 +36,7 @@ def _keep_smallest(values, i, out, n, k):
     return n + 1 if n < k else n
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw):
     """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D).
 
@@ -253,7 +253,7 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
     return skey, s_i, rkey, r_i, h, light, q_D
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S):
     """Apply one change to layer l (copy slot a's expert over slot q, or swap a and q); returns its moves."""
     g = q // S
@@ -281,7 +281,7 @@ def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S):
     return dg + dh
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
            min_gain_L, active, G, S, C, D, iters):
     """Run the budgeted search in place on phy, r_LE, cnt_LEG, in_G; returns the move total."""
@@ -408,7 +408,7 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
     return total
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _occurrence_keys(x, S, key):
     """key[j] = x[j] * S + (occurrences of x[j] before j), or -1 - j for an empty slot."""
     for j in range(S):
@@ -422,7 +422,7 @@ def _occurrence_keys(x, S, key):
         key[j] = x[j] * S + k
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def keep_slots(old_RS, new_RS):
     """Compiled `migration.keep_slots` on rows of S slots (one row per layer and GPU): the
     within-row source slot of each old position, int64 [R, S]; same rules, same output."""
@@ -458,7 +458,7 @@ def keep_slots(old_RS, new_RS):
     return out
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def count_moves(old_RS, new_RS):
     """Compiled `migration.count_moves` on rows of S slots: experts (>= 0) a row of new_RS
     holds that its row of old_RS does not, each counted once, int64 [R]."""
@@ -485,7 +485,7 @@ def count_moves(old_RS, new_RS):
     return out
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def holdings_LEG(phy_LP, G, E):
     """Compiled `migration.holdings` in the search's layout: replicas of each expert on each
     GPU, int16 [L, E, G] (slots < 0 skipped)."""
@@ -500,7 +500,7 @@ def holdings_LEG(phy_LP, G, E):
     return out
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def keep_counts(old_LP, new_LP, G, E):
     """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too (each counted once),
     float64 [L, G, G]; the overlap matrix `migration.relabel` assigns on."""

@@ -54,7 +54,7 @@ def warm_up() -> float:
     import time
 
     t0 = time.perf_counter()
-    from eplb import _search_kernel  # noqa: F401  (numba import, ~0.5 s)
+    from eplb import _schedule_kernel, _search_kernel  # noqa: F401  (numba import, ~0.5 s)
 
     # Two layers, 3 experts, 2 GPUs x 2 slots: runs every kernel on the argument types the
     # real calls use (all sizes share one compiled version).
@@ -66,6 +66,7 @@ def warm_up() -> float:
     keep_slots(old, new, 2)
     budgeted_search(load, old, 2, Budget(move_cost=0.001))
     budgeted_search(load, old, 2, Budget(max_moves=1))
+    schedule(old, new, 2, 3)
     return time.perf_counter() - t0
 
 
@@ -893,6 +894,12 @@ class MigrationPlan:
                 assert not lost, f"round {k}: experts {sorted(lost)} of layer {l} have no serving replica"
 
 
+_NO_SAFE_MIGRATION = (
+    "no safe migration: every pending slot holds the only replica of its expert and no slot holds "
+    "a spare replica to stage through (a layer with as many slots as experts); add redundant slots "
+    "or migrate with the experts offline")
+
+
 def _ro(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.setflags(write=False)
@@ -901,7 +908,7 @@ def _ro(a: np.ndarray) -> np.ndarray:
 
 def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int, *,
              layers_per_chunk: int | None = None, rank_ids=None,
-             bytes_per_expert: int | None = None) -> MigrationPlan:
+             bytes_per_expert: int | None = None, compiled: bool = True) -> MigrationPlan:
     """Order the copies from old_LP to new_LP into safe rounds (see MigrationPlan).
 
     Greedy per round: ranks with the most copies left go first; each takes its first
@@ -919,6 +926,10 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
 
     layers_per_chunk: rounds only mix layers of one chunk of that many consecutive layers,
     and chunks run in order, so an engine can migrate (and free buffers) chunk by chunk.
+    compiled=True runs `eplb._schedule_kernel` (numba, releases the GIL: ~10x faster, and a
+    serving thread is not stalled while a side thread schedules); compiled=False runs the
+    Python version below. Both are held to the same checks; their rounds can differ (the
+    compiled one gives the link matching to the ranks with the most copies left first).
     """
     old_LP = np.asarray(old_LP, dtype=np.int64)
     new_LP = np.asarray(new_LP, dtype=np.int64)
@@ -942,12 +953,21 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     ranks = np.arange(gpus) if rank_ids is None else np.asarray(rank_ids, dtype=np.int64)
     if ranks.shape != (gpus,):
         raise EplbError(f"rank_ids must name {gpus} ranks, got {ranks.shape[0]}")
-    cols: list[tuple] = []
-    chunk_R: list[int] = []
-    for c, first in enumerate(range(0, L, chunk)):
-        layers = range(first, min(L, first + chunk))
-        _schedule_chunk(old_LP, new_LP, layers, S, gpus, c, cols, chunk_R)
-    arr = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
+    if compiled:
+        from eplb import _schedule_kernel
+
+        arr, chunk_R, status, layer = _schedule_kernel.schedule(
+            _kernel_ints(old_LP), _kernel_ints(new_LP), gpus, num_experts, chunk, 8)
+        if status == _schedule_kernel.STATUS_NO_SPARE:
+            raise EplbError(f"{_NO_SAFE_MIGRATION} (layer index {layer})")
+        assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
+    else:
+        cols: list[tuple] = []
+        chunk_R = []
+        for c, first in enumerate(range(0, L, chunk)):
+            layers = range(first, min(L, first + chunk))
+            _schedule_chunk(old_LP, new_LP, layers, S, gpus, c, cols, chunk_R)
+        arr = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
     return MigrationPlan(
         old_LP=old_LP, new_LP=new_LP, slots_per_gpu=S, num_experts=num_experts,
         round_M=arr[:, 0], layer_M=arr[:, 1], expert_M=arr[:, 2], src_rank_M=arr[:, 3],
@@ -1127,8 +1147,5 @@ def _stage_cycles(cur, tgt, holders, pend, S):
         holders[(l, cur[l][s])].discard(s)
         out.append((l, s, cur[l][p], p // S, p, s // S, True))
     if not out:
-        raise EplbError(
-            "no safe migration: every pending slot holds the only replica of its expert and no "
-            "slot holds a spare replica to stage through (a layer with as many slots as experts); "
-            "add redundant slots or migrate with the experts offline")
+        raise EplbError(_NO_SAFE_MIGRATION)
     return out

@@ -226,11 +226,13 @@ def replay_and_check(m: mg.MigrationPlan, old, new, G):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), G=st.integers(2, 5), S=st.integers(1, 3), L=st.integers(1, 3),
        chunk=st.integers(1, 3), spare=st.integers(1, 4))
-def test_schedule_keeps_every_expert_served(seed, G, S, L, chunk, spare):
+@pytest.mark.parametrize("compiled", [True, False])
+def test_schedule_keeps_every_expert_served(compiled, seed, G, S, L, chunk, spare):
+    """Both schedulers (numba and the Python reference) pass the independent replay."""
     rng = np.random.default_rng(seed)
     E = max(1, G * S - spare)
     old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
-    m = mg.schedule(old, new, G, E, layers_per_chunk=chunk)
+    m = mg.schedule(old, new, G, E, layers_per_chunk=chunk, compiled=compiled)
     replay_and_check(m, old, new, G)
     m.check()
     # Rounds never mix layer chunks, and chunks run in order.
@@ -241,11 +243,12 @@ def test_schedule_keeps_every_expert_served(seed, G, S, L, chunk, spare):
     assert m.moves == mg.count_moves(old, new, G, E).sum()
 
 
-def test_swap_of_only_replicas_is_staged_through_a_spare_slot():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_swap_of_only_replicas_is_staged_through_a_spare_slot(compiled):
     # GPU0 [A, C], GPU1 [B, C] -> GPU0 [B, C], GPU1 [A, C]: A and B have one replica each.
     old = np.array([[0, 2, 1, 2]])
     new = np.array([[1, 2, 0, 2]])
-    m = mg.schedule(old, new, 2, 3)
+    m = mg.schedule(old, new, 2, 3, compiled=compiled)
     replay_and_check(m, old, new, 2)
     assert m.staging_M.sum() == 1
     # The staging copy lands in a slot of C, which keeps its other replica meanwhile.
@@ -260,18 +263,20 @@ def test_new_placement_must_keep_every_expert():
         mg.schedule(np.array([[0, 1, 2, 0]]), np.array([[0, 2, 2, 0]]), 2, 3)
 
 
-def test_cycle_without_spare_slot_is_refused():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_cycle_without_spare_slot_is_refused(compiled):
     old = np.array([[0, 1]])
     new = np.array([[1, 0]])
     with pytest.raises(EplbError, match="no safe migration"):
-        mg.schedule(old, new, 2, 2)
+        mg.schedule(old, new, 2, 2, compiled=compiled)
 
 
-def test_lost_experts_are_reloaded_from_checkpoint_once():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_lost_experts_are_reloaded_from_checkpoint_once(compiled):
     # Expert 3 has no replica left (its rank failed): one checkpoint read, then a copy.
     old = np.array([[0, 1, 2, 0, 1, 2]])
     new = np.array([[0, 1, 3, 2, 3, 0]])
-    m = mg.schedule(old, new, 2, 4, bytes_per_expert=7)
+    m = mg.schedule(old, new, 2, 4, bytes_per_expert=7, compiled=compiled)
     assert m.reloads == 1 and (m.expert_M == 3).sum() == 2
     replay_and_check(m, old, new, 2)
     assert m.bytes == 7 * (m.network_mask.sum() + 1)
@@ -285,9 +290,10 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
     b = rng.gamma(0.4, 100.0, (L, E))
     prev = plan(a, gpus=G, redundant=8).placement
     r = plan(b, gpus=G, redundant=8, previous=prev, max_moves=20)
-    m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2)
-    replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
-    assert m.moves <= 20
+    for compiled in (True, False):
+        m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2, compiled=compiled)
+        replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
+        assert m.moves <= 20
 
 
 def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
