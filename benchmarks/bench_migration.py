@@ -184,8 +184,8 @@ def part2(args):
               f"{np.median(moves_rb):.0f} (max {max(moves_rb)}); from-scratch replan moves per window median "
               f"{np.median(moves_replan):.0f}")
         print(f"decision time: observe+check median {np.median(checks) * 1e3:.2f} ms; rebalance() median "
-              f"{np.median(times) * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms (decision median "
-              f"{np.median(dec) * 1e3:.0f} ms, schedule median {np.median(sch) * 1e3:.0f} ms)")
+              f"{np.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms (decision median "
+              f"{np.median(dec) * 1e3:.1f} ms, schedule median {np.median(sch) * 1e3:.1f} ms)")
     # Balancedness over time, in 8 equal slices of the run.
     slices = np.array_split(np.arange(T - 1), 8)
     print("balancedness over time (mean per eighth of the run):")
