@@ -277,10 +277,9 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
         dispatch_weights_LP=sol.dispatch_weights_LP,
         planner=planner,
     )
-    from planners.contiguous import contiguous_map
+    from planners.contiguous import contiguous_placement
 
-    baseline = Placement(contiguous_map(request.num_experts, topo, request.num_layers), topo.gpus,
-                         request.num_experts, topo.nodes, request.layer_ids)
+    baseline = contiguous_placement(placement)
     lb = stats.lower_bound(request.load_LE, topo.gpus, topo.num_slots)
     before = stats.evaluate(baseline, request.load_LE, lower_bound_L=lb)
     after = stats.evaluate(placement, request.load_LE, lower_bound_L=lb)

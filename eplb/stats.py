@@ -111,6 +111,15 @@ def balancedness(gpu_load_LG) -> float:
     return float(g.mean(axis=-1).sum() / mx) if mx > 0 else 1.0
 
 
+def window_balancedness(placement, counts_TLE) -> np.ndarray:
+    """`balancedness` of a placement on each window alone, [T] (empty windows give 1).
+
+    A plan made for the summed history can look balanced on the sum yet leave single windows
+    (a prefill burst, a code-heavy minute) skewed; this is what each window saw."""
+    c = _as_counts_TLE(counts_TLE)
+    return np.array([balancedness(placement.gpu_loads(c[t])) for t in range(c.shape[0])])
+
+
 def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
     """Replica counts r [L, E] (sum P, each >= 1) minimising max_e load_e / r_e, per layer.
 

@@ -27,6 +27,15 @@ def contiguous_map(num_experts: int, topo: Topology, num_layers: int) -> np.ndar
     return np.tile(row, (num_layers, 1))
 
 
+def contiguous_placement(like):
+    """The no-EPLB baseline on the same GPUs, nodes, slots and layers as Placement `like`."""
+    from eplb.placement import Placement
+
+    topo = Topology(like.num_gpus, like.slots_per_gpu, like.num_nodes)
+    return Placement(contiguous_map(like.num_logical_experts, topo, like.num_layers), like.num_gpus,
+                     like.num_logical_experts, like.num_nodes, like.layer_ids, planner="contiguous")
+
+
 @register("contiguous")
 class ContiguousPlanner:
     """No load balancing: the baseline every report compares against."""

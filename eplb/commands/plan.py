@@ -80,6 +80,7 @@ def run(args) -> int:
 
     from eplb.errors import EplbError
     from eplb.planning import plan, planner_settings
+    from eplb.stats import window_balancedness
     from eplb.trace import load_history
 
     trace = load_history(args.traces)
@@ -115,8 +116,18 @@ def run(args) -> int:
     migration = result.info.get("migration")
     if args.output:
         write_placement(result.placement, args.output, args.format, trace.meta)
+    window_bal = None
+    if trace.num_windows > 1:
+        # Each window alone (robust plans for these; the summed-load columns hide them).
+        from planners.contiguous import contiguous_placement
+
+        scored = [("contiguous", contiguous_placement(result.placement))]
+        scored += [("previous", previous)] if previous is not None else []
+        window_bal = {name: window_balancedness(p, trace.counts_TLE)
+                      for name, p in scored + [("plan", result.placement)]}
     if args.json:
         out = result.summary()
+        out["window_balancedness"] = None if window_bal is None else {k: v.tolist() for k, v in window_bal.items()}
         out["output"] = args.output
         out["format"] = args.format
         out["capacity"] = capacity.to_dict() if capacity else None
@@ -141,12 +152,16 @@ def run(args) -> int:
 
         reports.append((f"previous ({args.previous})", evaluate(previous, result.load_LE)))
     reports.append((f"{result.planner}", result.after))
-    for name, rep in reports:
+    for (name, rep), wb in zip(reports, (window_bal or {}).values() if window_bal else [None] * len(reports)):
         imb, br = rep.imbalance_L, rep.bound_ratio_L
         rows.append([name, float(np.min(imb)), float(np.median(imb)), float(np.max(imb)),
-                     float(np.median(br)), float(np.max(br)), rep.balancedness])
+                     float(np.median(br)), float(np.max(br)), rep.balancedness]
+                    + ([] if wb is None else [float(np.median(wb)), float(np.min(wb))]))
     print(format_table(["placement", "max/mean min", "median", "max", "/bound median", "/bound max",
-                        "balancedness"], rows))
+                        "balancedness"] + (["per window: median", "worst"] if window_bal else []), rows))
+    if window_bal:
+        print(f"max/mean and /bound: per layer on the planning load ({args.aggregate} of "
+              f"{trace.num_windows} windows); per window: balancedness of each window alone")
     print(f"planner {result.planner}: {result.status}, {result.seconds * 1e3:.1f} ms"
           + (f" ({result.message})" if result.message else ""))
     if migration:

@@ -101,6 +101,23 @@ def test_plot_backtest_draws_what_eplb_backtest_wrote(files, capsys):
     assert [p["moves"] is None for p in results[0]["per_plan"]] == [True, False, False]
 
 
+def test_plan_scores_each_window_alone(files, capsys):
+    """The per-window columns are the balancedness of each window of the trace under the plan."""
+    from eplb import plan
+    from eplb.stats import balancedness
+    from eplb.trace import load_trace
+
+    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--json"]) == 0
+    wb = json.loads(capsys.readouterr().out)["window_balancedness"]
+    trace = load_trace(files["trace"])
+    greedy = plan(trace, gpus=G).placement
+    assert wb["plan"] == pytest.approx([balancedness(greedy.gpu_loads(c)) for c in trace.counts_TLE])
+    assert len(wb["contiguous"]) == trace.num_windows and max(wb["contiguous"]) < min(wb["plan"])
+    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy"]) == 0
+    out = capsys.readouterr().out
+    assert "per window: median" in out and "balancedness of each window alone" in out
+
+
 def test_quiet_prints_nothing(files, capsys):
     assert main(_json_argv(files)["plan"] + ["--quiet"]) == 0
     assert main(_json_argv(files)["capacity"] + ["--quiet"]) == 0
