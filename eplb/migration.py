@@ -47,6 +47,37 @@ def _kernel_ints(a) -> np.ndarray:
     return np.array(a, dtype=np.int64, order="C")
 
 
+def _check_maps(gpus: int, num_experts: int, **maps) -> tuple[int, int]:
+    """Validate [L, P] expert maps (keyword = name in the error): 2-D, whole numbers, one shape,
+    P a multiple of gpus, entries in -1..num_experts-1 (-1 = empty slot). Returns (L, P).
+
+    The compiled kernels index arrays by these values and do not check bounds, so a bad
+    map must fail here, with its name and the offending value, not corrupt memory there."""
+    if isinstance(gpus, bool) or int(gpus) != gpus or gpus < 1:
+        raise EplbError(f"gpus must be a positive whole number, got {gpus!r}")
+    if isinstance(num_experts, bool) or int(num_experts) != num_experts or num_experts < 1:
+        raise EplbError(f"num_experts must be a positive whole number, got {num_experts!r}")
+    shape = None
+    for name, m in maps.items():
+        a = np.asarray(m)
+        if a.ndim != 2 or a.shape[1] == 0:
+            raise EplbError(f"{name} must be a [layers, slots] map, got shape {a.shape}")
+        if a.dtype.kind not in "iu" and not (a.dtype.kind == "f" and np.array_equal(a, np.round(a))):
+            raise EplbError(f"{name} must hold whole expert ids, got dtype {a.dtype}")
+        if shape is not None and a.shape != shape:
+            raise EplbError(f"{name} has shape {a.shape} but {next(iter(maps))} has {shape}: "
+                            f"maps of the same layers and slots are needed")
+        shape = a.shape
+        if a.shape[1] % gpus:
+            raise EplbError(f"{name} has {a.shape[1]} slots, which do not split evenly over {gpus} GPUs")
+        bad = (a < -1) | (a >= num_experts)
+        if bad.any():
+            l, p = np.argwhere(bad)[0]
+            raise EplbError(f"{name} holds expert {a[l, p]} in slot {p} of layer index {l}: expert ids are "
+                            f"0..{num_experts - 1} (-1 = empty slot)")
+    return shape
+
+
 def warm_up() -> float:
     """Load (or, on a fresh install, compile: ~10 s) the numba kernels of this module now,
     so that the first rebalance decision does not pay for it; returns the seconds it took.
@@ -87,6 +118,7 @@ def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: 
                 *, compiled: bool = True) -> np.ndarray:
     """Moves onto each GPU, int64 [L, G]: experts the GPU holds in new_LP but not in old_LP.
     compiled=False: the numpy version (the tests' reference)."""
+    _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
     if compiled:
         # Called ~5 times per rebalance decision; the [L, G, E] holdings cost ~1.5 ms each.
         from eplb import _search_kernel
@@ -139,6 +171,7 @@ def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts:
                  *, compiled: bool = True) -> np.ndarray:
     """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too, float64 [L, G, G].
     compiled=False: the numpy version (the tests' reference)."""
+    _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
     if compiled:
         # Two [L, G, E] holdings and a batched matmul cost ~3 ms at DeepSeek-V3 shape.
         from eplb import _search_kernel
@@ -177,7 +210,8 @@ def keep_slots(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, *, compiled: b
     even copied locally. compiled=False runs the numpy version (the tests' reference)."""
     old_LP = np.asarray(old_LP)
     new_LP = np.asarray(new_LP)
-    L, P = new_LP.shape
+    L, P = _check_maps(gpus, max(int(old_LP.max(initial=0)), int(new_LP.max(initial=0))) + 1,
+                       old_LP=old_LP, new_LP=new_LP)
     G, S = gpus, P // gpus
     if compiled:
         # ~6 ms of numpy per call at DeepSeek-V3 shape, twice per rebalance decision.
@@ -277,6 +311,12 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     the reference the tests compare against.
     """
     load_LE = np.asarray(load_LE, dtype=np.float64)
+    if load_LE.ndim != 2 or np.shape(old_LP)[:1] != load_LE.shape[:1]:
+        raise EplbError(f"load must be [layers, experts] for the {len(old_LP)} layers of old_LP, "
+                        f"got shape {load_LE.shape}")
+    if not np.isfinite(load_LE).all() or (load_LE < 0).any():
+        raise EplbError("load must be finite and >= 0")
+    _check_maps(gpus, load_LE.shape[1], old_LP=old_LP)
     phy = np.array(old_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
@@ -931,14 +971,10 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     Python version below. Both are held to the same checks; their rounds can differ (the
     compiled one gives the link matching to the ranks with the most copies left first).
     """
+    L, P = _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
     old_LP = np.asarray(old_LP, dtype=np.int64)
     new_LP = np.asarray(new_LP, dtype=np.int64)
-    if old_LP.shape != new_LP.shape:
-        raise EplbError(f"old placement is {old_LP.shape} [layers, slots] but new is {new_LP.shape}")
-    L, P = new_LP.shape
-    if P % gpus:
-        raise EplbError(f"{P} slots do not split evenly over {gpus} GPUs")
-    if (new_LP < 0).any() or (new_LP >= num_experts).any():
+    if (new_LP < 0).any():
         raise EplbError(f"the new placement must hold expert ids 0..{num_experts - 1} in every slot")
     S = P // gpus
     had = holdings(old_LP, 1, num_experts)[:, 0] > 0

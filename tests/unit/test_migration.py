@@ -315,3 +315,25 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     mg.budgeted_search(np.asfortranarray(load.astype(np.float32)), pl.phy2log_LP.astype(np.int32), 8,
                        mg.Budget(max_moves=5))
     assert {n: len(getattr(K, n).signatures) for n in names} == before
+
+
+_OLD = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
+_NEW = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: mg.count_moves(_OLD, _NEW, 2, 2), "old_LP holds expert 2 in slot 2"),
+    (lambda: mg.count_moves(_OLD, _NEW[:, :2], 2, 3), "new_LP has shape"),
+    (lambda: mg.relabel(_OLD, np.array([[1, 0, 7, 1], [2, 1, 0, 0]]), 2, 3), "expert 7"),
+    (lambda: mg.keep_slots(_OLD, _NEW[:1], 2), "same layers and slots"),
+    (lambda: mg.budgeted_search(np.ones((3, 3)), _OLD, 2, mg.Budget()), "load must be"),
+    (lambda: mg.budgeted_search(np.full((2, 3), np.nan), _OLD, 2, mg.Budget()), "finite"),
+    (lambda: mg.schedule(np.array([[0, 1, 9, 0]]), np.array([[0, 1, 2, 0]]), 2, 3), "expert 9"),
+    (lambda: mg.schedule(_OLD, _NEW, 3, 3), "do not split evenly over 3 GPUs"),
+    (lambda: mg.schedule(_OLD + 0.5, _NEW, 2, 3), "whole expert ids"),
+    (lambda: mg.schedule(_OLD, _NEW, 0, 3), "gpus must be"),
+])
+def test_bad_maps_are_refused_before_any_kernel_runs(call, match):
+    """The numba kernels index by expert id without bounds checks: bad maps must stop here."""
+    with pytest.raises(EplbError, match=match):
+        call()
