@@ -18,7 +18,11 @@ the placement chosen *before* it was seen. Compared with a static plan and a fro
 replan after every window.
 Part 3 (DeepSeek-V3 shape): cost of observe(), of the decision check and of rebalance(), and
 how long a serving thread is held up (GIL) while rebalance() runs on a side thread.
-Without the real files, parts 1-2 fall back to the shipped synthetic trace (traces/deepseek.npz).
+Part 4 (DeepSeek-V3, 32 GPUs on 4 nodes, 8 expert groups): the node-aware (hierarchical) plan
+for A is serving when traffic becomes B; the move-budgeted search at several `span_cost`
+prices against a from-scratch hierarchical plan for B: balance, group span (nodes holding a
+replica of each expert group), moves, decision time.
+Without the real files, parts 1, 2 and 4 fall back to the shipped synthetic trace (traces/deepseek.npz).
 """
 
 from __future__ import annotations
@@ -282,6 +286,45 @@ def part3(args):
     print(f"{len(moves)} consecutive rebalances on drifting windows: moves median {np.median(moves):.0f}")
 
 
+def part4(args):
+    from eplb.stats import group_span
+
+    loads, source = v3_workloads(args.v3_dir)
+    names = list(loads)
+    G, N, K, R = 32, 4, 8, 32
+    E = next(iter(loads.values())).shape[1]
+    print(f"\n## Part 4: node-aware rebalancing (DeepSeek-V3, {G} GPUs on {N} nodes, {K} expert groups, "
+          f"{E + R} slots)")
+    print(f"source: {source}; serving: the hierarchical plan for A; reference: a from-scratch hierarchical "
+          f"plan for B; budgeted plans use the greedy target (as the Rebalancer does by default)")
+    hier = {n: plan(loads[n], gpus=G, nodes=N, redundant=R, planner="hierarchical", num_groups=K).placement
+            for n in names}
+    span = lambda phy: float(group_span(phy, G, N, K, E).mean())  # noqa: E731
+    pairs = [(a, b) for a in names for b in names if a != b]
+    ref_span = np.median([span(hier[b].phy2log_LP) for _, b in pairs])
+    rows = []
+    for cost in args.span_costs:
+        out = {"15": [], "c": []}
+        for a, b in pairs:
+            prev, load = hier[a], loads[b]
+            ref = imbalance(load, hier[b].phy2log_LP, G)[0]
+            budget = int(args.budget * mg.count_moves(prev.phy2log_LP, hier[b].phy2log_LP, G, E).sum())
+            for key, kw in (("15", dict(max_moves=budget)), ("c", dict(move_cost=0.001))):
+                t0 = time.perf_counter()
+                res = plan(load, gpus=G, nodes=N, redundant=R, num_groups=K, previous=prev, span_cost=cost, **kw)
+                dt = time.perf_counter() - t0
+                phy = res.placement.phy2log_LP
+                out[key].append((imbalance(load, phy, G)[0] / ref, span(phy), res.info["migration"]["moves"], dt))
+        for key, label in (("15", f"{args.budget:.0%} budget"), ("c", "move_cost 0.001")):
+            a = np.array(out[key])
+            rows.append([label, cost, float(np.median(a[:, 0])), float(a[:, 0].max()), float(np.median(a[:, 1])),
+                         float(np.median(a[:, 2])), float(np.median(a[:, 3]) * 1e3)])
+    print(format_table(["budgeted plan for B", "span_cost", "busiest vs hierarchical (median)", "worst pair",
+                        "group span", "moves", "decision ms"], rows))
+    print(f"group span of the from-scratch hierarchical plans: median {ref_span:.2f} nodes (greedy: {N}.00); "
+          f"medians over {len(pairs)} ordered pairs")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--v3-dir", default=os.path.join(SHARED, "deepseek_v3_sglang"))
@@ -292,7 +335,9 @@ def main(argv=None) -> int:
     ap.add_argument("--min-improvement", type=float, default=0.02)
     ap.add_argument("--move-cost", type=float, default=0.002)
     ap.add_argument("--decisions", type=int, default=10, help="rebalances timed in part 3")
-    ap.add_argument("--parts", default="123")
+    ap.add_argument("--span-costs", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 4.0],
+                    help="span_cost values compared in part 4")
+    ap.add_argument("--parts", default="1234")
     args = ap.parse_args(argv)
     print(f"eplb migration benchmark ({os.cpu_count()} CPUs; timings are wall-clock, single process)")
     # The kernels are compiled by numba: the first calls in a process import numba and load the
@@ -305,6 +350,8 @@ def main(argv=None) -> int:
         part2(args)
     if "3" in args.parts:
         part3(args)
+    if "4" in args.parts:
+        part4(args)
     return 0
 
 

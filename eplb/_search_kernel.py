@@ -37,12 +37,37 @@ def _keep_smallest(values, i, out, n, k):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw):
+def _span_delta_swap(A, B, nh, ng, gn_KN):
+    """(group, node) pairs added minus removed when group A's replica moves from node nh to ng
+    and group B's from ng to nh."""
+    if A == B or nh == ng:
+        return 0
+    new = (1 if gn_KN[A, ng] == 0 else 0) + (1 if gn_KN[B, nh] == 0 else 0)
+    gone = (1 if gn_KN[B, ng] == 1 else 0) + (1 if gn_KN[A, nh] == 1 else 0)
+    return new - gone
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _span_delta_copy(X, B, ng, gn_KN):
+    """(group, node) pairs added minus removed when a replica of group X overwrites one of
+    group B on node ng."""
+    if X == B:
+        return 0
+    return (1 if gn_KN[X, ng] == 0 else 0) - (1 if gn_KN[B, ng] == 1 else 0)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
+                 span, grp_E, node_G, gn_KN):
     """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D).
 
     fw, iw: float64 and int64 scratch allocated once by `search` (light_C and q_D are views into iw, valid until the
     next call). A candidate is skipped without pricing only when a bound proves that it
     cannot beat the best so far; keys and tie-breaking (first maximum) are the reference's.
+    span > 0: every (group, node) pair a change adds to the layer (an expert group on a node
+    where it had no replica), net of pairs it clears, costs `span` moves in its price (not
+    in the budget); span = inf refuses such changes (grp_E: group of each expert, node_G:
+    node of each GPU, gn_KN: replicas of each group on each node in this layer).
     """
     P = G * S
     E = load_LE.shape[1]
@@ -153,8 +178,18 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
                     continue
                 delta = wa - wq_Q[qi]
                 gain = Lh - max(Lh - delta, glg + delta)
-                if gain >= need * max(cost, 1):
-                    key = gain / max(cost, 0.25)
+                # Exact bounds first (the price is >= 0.25 in the key and >= 1 in the
+                # threshold): most candidates stop here, before the span lookups.
+                if gain < need or gain * 4.0 <= skey:
+                    continue
+                price = float(cost)
+                if span > 0.0:
+                    dsp = _span_delta_swap(grp_E[ea], grp_E[eb], node_G[h], node_G[g], gn_KN)
+                    if dsp > 0 and span == np.inf:
+                        continue
+                    price += span * dsp
+                if gain >= need * max(price, 1.0):
+                    key = gain / max(price, 0.25)
                     if key > skey:
                         skey = key
                         s_i = s * Q + qi
@@ -209,9 +244,18 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
             db = db_D[d]
             at_g = (((gl[gq] - cn_gx * dx) + cb_D[d] * db) + wx1) - wdb_D[d]
             # gain = Lh - max(top, at_g) <= Lh - at_g (rounding is monotone): skip the
-            # candidate when even that bound fails the threshold or cannot beat the best.
+            # candidate when even that bound fails the threshold or cannot beat the best,
+            # first at the most favourable price (0.25 in the key, 1 in the threshold).
             ub = Lh - at_g
-            if not ub >= need * max(cost, 1) or not ub / max(cost, 0.25) > rkey:
+            if not ub >= need or not ub * 4.0 > rkey:
+                continue
+            price = float(cost)
+            if span > 0.0:
+                dsp = _span_delta_copy(grp_E[x], grp_E[b], node_G[gq], gn_KN)
+                if dsp > 0 and span == np.inf:
+                    continue
+                price += span * dsp
+            if not ub >= need * max(price, 1.0) or not ub / max(price, 0.25) > rkey:
                 continue
             # Busiest GPU the change touches other than gq: max over GPUs holding x (any b)
             # and over GPUs holding b (any x), exactly as the reference's two passes.
@@ -245,8 +289,8 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
                     if v2 > top:
                         top = v2
             gain = Lh - max(top, at_g)
-            if gain >= need * max(cost, 1):
-                key = gain / max(cost, 0.25)
+            if gain >= need * max(price, 1.0):
+                key = gain / max(price, 0.25)
                 if key > rkey:
                     rkey = key
                     r_i = s * D + d
@@ -254,12 +298,18 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S):
+def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN):
     """Apply one change to layer l (copy slot a's expert over slot q, or swap a and q); returns its moves."""
     g = q // S
     hh = a // S
     ea = phy[l, a]
     eb = phy[l, q]
+    if span > 0.0:
+        gn_LKN[l, grp_E[eb], node_G[g]] -= 1
+        gn_LKN[l, grp_E[ea], node_G[g]] += 1
+        if not replicate:
+            gn_LKN[l, grp_E[ea], node_G[hh]] -= 1
+            gn_LKN[l, grp_E[eb], node_G[hh]] += 1
     dg = (0 if old_LEG[l, ea, g] else 1) - (1 if ((not old_LEG[l, eb, g]) and cnt_LEG[l, eb, g] == 1) else 0)
     if replicate:
         in_G[g] += dg
@@ -283,7 +333,7 @@ def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
-           min_gain_L, active, G, S, C, D, iters):
+           min_gain_L, active, G, S, C, D, iters, span, grp_E, node_G, gn_LKN):
     """Run the budgeted search in place on phy, r_LE, cnt_LEG, in_G; returns the move total."""
     P = G * S
     L = phy.shape[0]
@@ -303,7 +353,8 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
             l = active[ai]
             for _ in range(iters):
                 skey, s_i, rkey, r_i, h, light, q_D = _price_layer(
-                    l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, np.inf, min_gain_L[l], G, S, C, D, fw, iw)
+                    l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, np.inf, min_gain_L[l], G, S, C, D, fw, iw,
+                    span, grp_E, node_G, gn_LKN[l])
                 if not np.isfinite(max(skey, rkey)):
                     break
                 if rkey > skey:
@@ -313,7 +364,7 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
                     a = h * S + s_i // (C * S)
                     qi = s_i % (C * S)
                     q = light[qi // S] * S + qi % S
-                total += _apply(l, rkey > skey, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S)
+                total += _apply(l, rkey > skey, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN)
         return total
     for _ in range(iters):
         A = active.size
@@ -326,7 +377,8 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
         for ai in range(A):
             l = active[ai]
             skey, s_i, rkey, r_i, h, light, q_D = _price_layer(
-                l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L[l], G, S, C, D, fw, iw)
+                l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L[l], G, S, C, D, fw, iw,
+                span, grp_E, node_G, gn_LKN[l])
             if rkey > skey:
                 kind[l] = 1
                 slot_a[l] = h * S + r_i // D
@@ -385,7 +437,7 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
                 if not fit and (total + dg + dh > cap_total or in_G[g] + dg > cap_gpu
                                 or in_G[hh] + dh > cap_gpu):
                     continue
-            total += _apply(l, kind[l] == 1, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S)
+            total += _apply(l, kind[l] == 1, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN)
             applied[k] = True
         m = 0
         for k in range(n):
@@ -532,4 +584,90 @@ def keep_counts(old_LP, new_LP, G, E):
             e = old_LP[l, p]
             if e >= 0:
                 old_EG[e, p // S] = False
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _assign_max(w, r0, c0, n, u, v, p, way, minv, used, out):
+    """Maximum-weight perfect matching of the n x n block w[r0:r0+n, c0:c0+n] (Hungarian
+    method with potentials, O(n^3)); out[j] = row (0..n-1) matched to column j. Returns the
+    matched weight. u, v, p, way, minv, used: scratch of n + 1 entries."""
+    for j in range(n + 1):
+        u[j] = 0.0
+        v[j] = 0.0
+        p[j] = 0
+        way[j] = 0
+    for i in range(1, n + 1):
+        p[0] = i
+        j0 = 0
+        for j in range(n + 1):
+            minv[j] = np.inf
+            used[j] = False
+        while True:
+            used[j0] = True
+            i0 = p[j0]
+            delta = np.inf
+            j1 = 0
+            for j in range(1, n + 1):
+                if not used[j]:
+                    cur = -w[r0 + i0 - 1, c0 + j - 1] - u[i0] - v[j]
+                    if cur < minv[j]:
+                        minv[j] = cur
+                        way[j] = j0
+                    if minv[j] < delta:
+                        delta = minv[j]
+                        j1 = j
+            for j in range(n + 1):
+                if used[j]:
+                    u[p[j]] += delta
+                    v[j] -= delta
+                else:
+                    minv[j] -= delta
+            j0 = j1
+            if p[j0] == 0:
+                break
+        while True:
+            j1 = way[j0]
+            p[j0] = p[j1]
+            j0 = j1
+            if j0 == 0:
+                break
+    total = 0.0
+    for j in range(1, n + 1):
+        out[j - 1] = p[j] - 1
+        total += w[r0 + p[j] - 1, c0 + j - 1]
+    return total
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gpu_assignment(keep_LGG, nodes):
+    """Compiled `migration._gpu_assignment`: out[l, b] = new GPU placed at old GPU b, int64
+    [L, G]; the best GPU matching inside every (new node, old node) pair, then the best node
+    matching (nodes = 1: one matching of all GPUs). Optimal like scipy's; ties may differ."""
+    L, G, _ = keep_LGG.shape
+    n = G // nodes
+    m = max(n, nodes)
+    u = np.empty(m + 1)
+    v = np.empty(m + 1)
+    p = np.empty(m + 1, dtype=np.int64)
+    way = np.empty(m + 1, dtype=np.int64)
+    minv = np.empty(m + 1)
+    used = np.empty(m + 1, dtype=np.bool_)
+    inner = np.empty((nodes, nodes, n), dtype=np.int64)
+    node_keep = np.empty((nodes, nodes))
+    node_of = np.empty(nodes, dtype=np.int64)
+    out = np.empty((L, G), dtype=np.int64)
+    for l in range(L):
+        w = keep_LGG[l]
+        for a in range(nodes):
+            for b in range(nodes):
+                node_keep[a, b] = _assign_max(w, a * n, b * n, n, u, v, p, way, minv, used, inner[a, b])
+        if nodes == 1:
+            node_of[0] = 0
+        else:
+            _assign_max(node_keep, 0, 0, nodes, u, v, p, way, minv, used, node_of)
+        for b in range(nodes):
+            a = node_of[b]
+            for j in range(n):
+                out[l, b * n + j] = a * n + inner[a, b, j]
     return out

@@ -134,13 +134,20 @@ def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: 
 
 # 2a. Relabelling --------------------------------------------------------------------------------
 
-def _gpu_assignment(keep_LGG: np.ndarray, nodes: int) -> np.ndarray:
+def _gpu_assignment(keep_LGG: np.ndarray, nodes: int, *, compiled: bool = True) -> np.ndarray:
     """For each layer, which new GPU goes to each old GPU position, int64 [L, G].
 
     keep_LGG[l, a, b]: experts new GPU a would keep if it became old GPU b. With several
     nodes a node's GPUs move as a whole (node-aware planners packed them together): first
     the best GPU matching for every (new node, old node) pair, then the best node matching.
+    compiled=True: a Hungarian method in numba (with 4 nodes, 17 small matchings per layer
+    cost ~7 ms of scipy calls at DeepSeek-V3 shape); compiled=False: scipy's
+    linear_sum_assignment (the tests' reference: same kept totals, ties may differ).
     """
+    if compiled:
+        from eplb import _search_kernel
+
+        return _search_kernel.gpu_assignment(np.ascontiguousarray(keep_LGG, dtype=np.float64), int(nodes))
     from scipy.optimize import linear_sum_assignment
 
     L, G, _ = keep_LGG.shape
@@ -271,14 +278,25 @@ class Budget:
     """A move is made only if it lowers its layer's busiest-GPU load by at least this
     fraction of the layer's mean GPU load (0.002 = 0.2% per copied expert). With bytes per
     expert B, this is a price of move_cost / B of balance per byte."""
+    span_cost: float = 1.0
+    """With several nodes and expert groups: each (group, node) pair a change adds to a layer
+    (a group reaching a node it had no replica on) is priced like this many moves, net of
+    pairs the change clears. It keeps the node locality of a node-aware plan: on real
+    DeepSeek-V3 loads (4 nodes, 8 groups, hierarchical plans) a 15% budget spreads groups
+    over 3.35 nodes at 0, 2.26 at 1 and 2.0 at 4, for busiest GPUs 0.25%, 0.40% and 0.65%
+    above a from-scratch hierarchical plan (benchmarks/bench_migration.py, part 4). Prices
+    the choice only; the budget counts moves."""
 
     def __post_init__(self) -> None:
         for name in ("max_moves", "max_moves_per_gpu"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or int(v) != v or v < 0):
                 raise EplbError(f"{name} must be a whole number >= 0 or None, got {v!r}")
-        if not np.isfinite(self.move_cost) or self.move_cost < 0:
-            raise EplbError(f"move_cost must be a finite number >= 0, got {self.move_cost!r}")
+        for name in ("move_cost", "span_cost"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not np.isfinite(v) or v < 0:
+                raise EplbError(f"{name} must be a finite number >= 0, got {v!r}")
 
     @property
     def limited(self) -> bool:
@@ -286,8 +304,8 @@ class Budget:
 
 
 def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: Budget,
-                    *, donors: int = 8, partners: int = 8, max_iters: int | None = None,
-                    compiled: bool = True) -> np.ndarray:
+                    *, nodes: int = 1, num_groups: int | None = None, donors: int = 8,
+                    partners: int = 8, max_iters: int | None = None, compiled: bool = True) -> np.ndarray:
     """Start from old_LP and apply the best replica changes per move until the budget is spent.
 
     Per layer and iteration, two kinds of change are priced exactly (even dispatch among
@@ -305,6 +323,10 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     decision but makes the schedule stage ~1.8x more copies (more swaps between the same few
     light GPUs become 2-cycles): 6% more network transfers, which cost more than milliseconds
     of planning.
+    nodes > 1 with num_groups (expert groups of group-limited routing, E / num_groups
+    consecutive experts each): a change that spreads a group onto one more node is priced
+    `budget.span_cost` extra moves (see Budget), so the search keeps most of the node
+    locality a node-aware plan such as `hierarchical` built. Compiled only.
     old_LP may lack experts (failed ranks): call `restore_missing` first. Returns phy2log_LP.
     compiled=True runs the per-layer loop of `eplb._search_kernel` (numba; identical results,
     ~10x faster at DeepSeek-V3 shape); compiled=False runs the numpy version below, kept as
@@ -348,14 +370,31 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     C = min(partners, G - 1)
     H = 1                                                       # busy GPUs priced per layer
     iters = max_iters if max_iters is not None else 4 * P
+    span = nodes > 1 and num_groups is not None and budget.span_cost > 0
+    if span:
+        if G % nodes or E % num_groups:
+            raise EplbError(f"node locality needs GPUs ({G}) divisible by nodes ({nodes}) and experts ({E}) "
+                            f"divisible by groups ({num_groups})")
+        if not compiled:
+            raise EplbError("the numpy reference (compiled=False) does not keep group span: "
+                            "use compiled=True, or nodes=1")
     if G < 2:
         return phy
     if compiled:
         # Imported here: numba costs ~0.5 s to import, and `eplb plan` must start fast.
         from eplb import _search_kernel
+        if span:
+            grp_E = np.arange(E, dtype=np.int64) // (E // num_groups)
+            node_G = np.arange(G, dtype=np.int64) // (G // nodes)
+            gn_LKN = np.zeros((L, num_groups, nodes), dtype=np.int64)
+            valid = phy >= 0
+            np.add.at(gn_LKN, (np.nonzero(valid)[0], grp_E[phy[valid]], node_G[np.nonzero(valid)[1] // S]), 1)
+        else:
+            grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)
         state["total"] = _search_kernel.search(
             np.array(load_LE, order="C"), phy, r_LE, cnt_LEG, old_LEG, in_G, state["total"], float(cap_total), float(cap_gpu),
-            min_gain_L, active.astype(np.int64), G, S, C, D, iters)
+            min_gain_L, active.astype(np.int64), G, S, C, D, iters, float(budget.span_cost) if span else 0.0,
+            grp_E, node_G, gn_LKN)
         return phy
     s_idx = np.arange(S)
     gpu_G = np.arange(G)
@@ -642,12 +681,14 @@ def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.nd
 
 
 def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus: int,
-            nodes: int = 1, budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+            nodes: int = 1, budget: Budget | None = None,
+            num_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """Turn a from-scratch plan into one that fits the old placement and the budget.
 
     Returns (phy2log_LP, perm_LP, info). perm_LP maps each slot of the result to a slot of
     target_LP (so the planner's dispatch weights can follow), or is None when the budgeted
-    search replaced the target. info holds the move counts of each candidate.
+    search replaced the target. info holds the move counts of each candidate. With nodes > 1
+    and num_groups the search keeps each layer's group span (see `budgeted_search`).
     """
     load_LE = np.asarray(load_LE, dtype=np.float64)
     old_LP = np.asarray(old_LP, dtype=np.int64)
@@ -665,16 +706,25 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     L = old_LP.shape[0]
     present_LE = np.bincount((np.arange(L)[:, None] * E + old_LP)[old_LP >= 0], minlength=L * E)
     start = restore_missing(load_LE, old_LP, gpus) if (old_LP < 0).any() or (present_LE == 0).any() else old_LP
-    searched = budgeted_search(load_LE, start, gpus, budget)
+    searched = budgeted_search(load_LE, start, gpus, budget, nodes=nodes, num_groups=num_groups)
     searched = np.take_along_axis(searched, keep_slots(old_LP, searched, gpus), axis=1)
     # The relabelled target wins if the budget can pay for it and it costs no more: summed
-    # busiest-GPU load plus move_cost x the layer's mean GPU load per move (the search's price).
+    # busiest-GPU load plus move_cost x the layer's mean GPU load per move (the search's price,
+    # new (group, node) pairs included).
     fits = ((budget.max_moves is None or moves_rel_LG.sum() <= budget.max_moves)
             and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
     price_L = budget.move_cost * load_LE.sum(axis=1) / gpus
+    span = nodes > 1 and num_groups is not None and budget.span_cost > 0
+    if span:
+        from eplb.stats import group_span
+
+        pairs0_L = group_span(old_LP, gpus, nodes, num_groups, E).sum(axis=1)
 
     def cost(phy):
-        return float((max_load(load_LE, phy, gpus) + price_L * count_moves(old_LP, phy, gpus, E).sum(axis=1)).sum())
+        moves_L = count_moves(old_LP, phy, gpus, E).sum(axis=1).astype(np.float64)
+        if span:   # the search's price of spreading groups over nodes, in moves
+            moves_L += budget.span_cost * (group_span(phy, gpus, nodes, num_groups, E).sum(axis=1) - pairs0_L)
+        return float((max_load(load_LE, phy, gpus) + price_L * moves_L).sum())
 
     if fits and cost(relabeled) <= cost(searched):
         info["method"] = "relabel"
@@ -701,7 +751,8 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
     if bytes_per_expert is not None and (int(bytes_per_expert) != bytes_per_expert or bytes_per_expert < 1):
         raise EplbError(f"bytes_per_expert must be a positive whole number, got {bytes_per_expert!r}")
     t0 = time.perf_counter()
-    phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.gpus, topo.nodes, budget)
+    phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.gpus, topo.nodes, budget,
+                              request.num_groups)
     weights = None
     if perm is not None and sol.dispatch_weights_LP is not None:
         weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
@@ -713,6 +764,12 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
         "max_moves": budget.max_moves, "max_moves_per_gpu": budget.max_moves_per_gpu,
         "move_cost": budget.move_cost, "seconds": time.perf_counter() - t0,
     })
+    if topo.nodes > 1 and request.num_groups:
+        from eplb.stats import group_span
+
+        info.update(span_cost=budget.span_cost, **{
+            f"group_span_{k}": float(group_span(m, topo.gpus, topo.nodes, request.num_groups, request.num_experts).mean())
+            for k, m in (("before", prev.phy2log_LP), ("after", phy))})
     if info["method"] == "relabel":
         return Solution(phy, weights, sol.status, sol.message, {**sol.info, "migration": info})
     note = (f"move-budgeted search from the previous placement ({info['moves']} moves; the planner's "

@@ -208,6 +208,7 @@ def plan(
     max_moves_per_gpu: int | None = None,
     move_cost: float = 0.0,
     bytes_per_expert: int | None = None,
+    span_cost: float = 1.0,
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -220,6 +221,8 @@ def plan(
     its replicas in place; `max_moves` (total), `max_moves_per_gpu` and `move_cost` bound how
     many replicas may be copied (a budgeted search from `previous` then competes with the
     relabelled plan). Moves (and bytes, given `bytes_per_expert`) are reported in `info`.
+    With nodes > 1 and expert groups, `span_cost` prices spreading a group onto one more node
+    in moves (eplb.migration.Budget.span_cost), so that search keeps node locality.
     """
     history_TLE, layer_ids, meta = as_history(loads_or_trace)
     load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
@@ -256,7 +259,7 @@ def plan(
     if previous is not None:
         from eplb import migration
 
-        sol = migration.adapt_solution(request, sol, migration.Budget(max_moves, max_moves_per_gpu, move_cost),
+        sol = migration.adapt_solution(request, sol, migration.Budget(max_moves, max_moves_per_gpu, move_cost, span_cost),
                                        bytes_per_expert)
     elif max_moves is not None or max_moves_per_gpu is not None or move_cost:
         raise EplbError("max_moves, max_moves_per_gpu and move_cost need the placement now served (previous=... / --previous OLD.json)")

@@ -95,13 +95,17 @@ class Rebalancer:
       least 0.1% of a layer's mean GPU load.
     bytes_per_expert: size of one expert's weights, for byte counts.
     layers_per_chunk: rounds of the migration only mix layers of one chunk.
+    num_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
+      placements over several nodes, for `span_cost`: spreading a group onto one more node
+      costs that many moves (Budget.span_cost), which keeps a node-aware plan's locality.
     """
 
     def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
                  interval: int = 1000, min_improvement: float = 0.02, planner: str = "greedy",
                  settings: dict | None = None, max_moves: int | None = None,
                  max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
-                 bytes_per_expert: int | None = None, layers_per_chunk: int | None = None):
+                 bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
+                 num_groups: int | None = None, span_cost: float = 1.0):
         if not isinstance(placement, Placement):
             raise EplbError(f"Rebalancer needs a Placement, got {type(placement).__name__}")
         if window is not None and alpha is not None:
@@ -126,7 +130,11 @@ class Rebalancer:
         from eplb.migration import warm_up
 
         warm_up()
-        self.budget = Budget(max_moves, max_moves_per_gpu, float(move_cost))
+        self.budget = Budget(max_moves, max_moves_per_gpu, float(move_cost), float(span_cost))
+        if num_groups is not None and (isinstance(num_groups, bool) or int(num_groups) != num_groups
+                                       or num_groups < 1 or placement.num_logical_experts % num_groups):
+            raise EplbError(f"num_groups must divide the {placement.num_logical_experts} experts, got {num_groups!r}")
+        self.num_groups = None if num_groups is None else int(num_groups)
         self.window = None if window is None else int(window)
         self.alpha = None if alpha is None else float(alpha)
         self.interval = int(interval)
@@ -282,9 +290,10 @@ class Rebalancer:
 
         t0 = time.perf_counter()
         res = plan(load, gpus=pl.num_gpus, nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
-                   planner=self.planner, settings=self.settings, num_groups=None, previous=pl,
+                   planner=self.planner, settings=self.settings, num_groups=self.num_groups, previous=pl,
                    max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
-                   move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert)
+                   move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert,
+                   span_cost=self.budget.span_cost)
         new = Placement(res.placement.phy2log_LP, pl.num_gpus, pl.num_logical_experts, pl.num_nodes,
                         pl.layer_ids, res.placement.dispatch_weights_LP, res.planner, res.placement.metrics)
         # The plan was scored on this same load and topology: reuse its report and lower bound.
@@ -318,7 +327,8 @@ class Rebalancer:
         present[np.arange(L)[:, None], old_LP] = True
         lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
         # Surviving ranks need not split evenly over the old nodes: plan them as one node.
-        target = plan(load, gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings)
+        target = plan(load, gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings,
+                      num_groups=self.num_groups)
         budget = self.budget
         phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)
         new = Placement(phy, Ga, E, 1, pl.layer_ids, planner=target.planner)

@@ -120,6 +120,23 @@ def window_balancedness(placement, counts_TLE) -> np.ndarray:
     return np.array([balancedness(placement.gpu_loads(c[t])) for t in range(c.shape[0])])
 
 
+def group_span(phy2log_LP: np.ndarray, gpus: int, nodes: int, num_groups: int, num_experts: int) -> np.ndarray:
+    """Number of nodes holding any replica of each expert group, int [L, K] (1 = fully local).
+
+    Groups are num_groups blocks of num_experts / num_groups consecutive experts (DeepSeek-V3's
+    group-limited routing sends a token to at most 4 of 8 groups); a group on one node keeps a
+    token's traffic to that group on the node's fast links. Empty slots (-1) hold nothing."""
+    L, P = phy2log_LP.shape
+    S = P // gpus
+    node_P = (np.arange(P) // S) // (gpus // nodes)
+    group_LP = phy2log_LP // (num_experts // num_groups)
+    present_LKN = np.zeros((L, num_groups, nodes), dtype=bool)
+    valid = phy2log_LP >= 0
+    rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
+    present_LKN[rows[valid], group_LP[valid], np.broadcast_to(node_P, (L, P))[valid]] = True
+    return present_LKN.sum(axis=2)
+
+
 def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
     """Replica counts r [L, E] (sum P, each >= 1) minimising max_e load_e / r_e, per layer.
 

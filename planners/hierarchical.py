@@ -35,18 +35,8 @@ import numpy as np
 
 from eplb.errors import EplbError
 from eplb.planning import PlanRequest, Solution, register, whole_setting
+from eplb.stats import group_span
 from planners.greedy import pack, pack_replicas, refine, replicate
-
-
-def group_span(phy2log_LP: np.ndarray, gpus: int, nodes: int, num_groups: int, num_experts: int) -> np.ndarray:
-    """Number of nodes holding any replica of each expert group, int [L, K] (1 = fully local)."""
-    L, P = phy2log_LP.shape
-    S = P // gpus
-    node_P = (np.arange(P) // S) // (gpus // nodes)
-    group_LP = phy2log_LP // (num_experts // num_groups)
-    present_LKN = np.zeros((L, num_groups, nodes), dtype=bool)
-    present_LKN[np.arange(L)[:, None], group_LP, node_P[None, :]] = True
-    return present_LKN.sum(axis=2)
 
 
 def _order_groups(rep_K: np.ndarray, load_K: np.ndarray, C: int, T: float) -> list[int]:

@@ -44,6 +44,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     mig.add_argument("--move-cost", type=float, default=0.0, metavar="C",
                      help="with --previous: a copy must lower its layer's busiest GPU by C x mean GPU load")
     mig.add_argument("--bytes-per-expert", type=int, metavar="B", help="size of one expert's weights, to report bytes moved")
+    mig.add_argument("--span-cost", type=float, default=1.0, metavar="C",
+                     help="with --previous, --nodes > 1 and expert groups: spreading a group onto one more "
+                          "node costs C moves (default 1; 0 ignores node locality)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set time_limit=30 (repeatable)")
     from eplb.capacity import add_arguments as add_capacity_arguments
@@ -111,7 +114,7 @@ def run(args) -> int:
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
         num_groups=args.groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
-        bytes_per_expert=args.bytes_per_expert,
+        bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
     )
     migration = result.info.get("migration")
     if args.output:
@@ -170,6 +173,9 @@ def run(args) -> int:
               f"(most onto one GPU: {migration['moves_max_per_gpu']}; from-scratch plan: "
               f"{migration['moves_from_scratch']}, relabelled: {migration['moves_relabeled']}; "
               f"method: {migration['method']}, {migration['seconds'] * 1e3:.0f} ms)")
+        if "group_span_after" in migration:
+            print(f"expert groups span {migration['group_span_before']:.2f} -> {migration['group_span_after']:.2f} "
+                  f"nodes on average (--span-cost {migration['span_cost']:g})")
     if args.output:
         print(f"wrote {args.output} ({args.format})")
     return 0

@@ -59,6 +59,22 @@ def test_relabel_moves_nodes_as_wholes(rng):
         assert (src_node.reshape(N, -1) == src_node.reshape(N, -1)[:, :1]).all()
 
 
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_compiled_gpu_assignment_keeps_as_much_as_scipys(nodes):
+    """Same kept total per layer as scipy's linear_sum_assignment (ties may pick other GPUs),
+    and every assignment a permutation that moves nodes as wholes."""
+    rng = np.random.default_rng(nodes)
+    L, G = 20, 8
+    keep = rng.integers(0, 4, (L, G, G)).astype(float)    # small integers: many ties
+    fast = mg._gpu_assignment(keep, nodes)
+    ref = mg._gpu_assignment(keep, nodes, compiled=False)
+    kept = lambda out: keep[np.arange(L)[:, None], out, np.arange(G)[None, :]].sum(axis=1)  # noqa: E731
+    np.testing.assert_array_equal(kept(fast), kept(ref))
+    n = G // nodes
+    assert (np.sort(fast, axis=1) == np.arange(G)).all()
+    assert (fast.reshape(L, nodes, n) // n == (fast.reshape(L, nodes, n) // n)[:, :, :1]).all()
+
+
 def test_relabel_is_optimal_against_brute_force(rng):
     L, G, S, E = 4, 4, 2, 6
     old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
@@ -337,3 +353,53 @@ def test_bad_maps_are_refused_before_any_kernel_runs(call, match):
     """The numba kernels index by expert id without bounds checks: bad maps must stop here."""
     with pytest.raises(EplbError, match=match):
         call()
+
+
+def _two_node_case(seed=5, L=4, E=64, G=8, N=2, K=8):
+    """A node-aware (hierarchical) plan served for one load while traffic shifts to another."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.gamma(0.4, 100.0, (2, L, E))
+    prev = plan(a, gpus=G, nodes=N, redundant=G, planner="hierarchical", num_groups=K).placement
+    return prev, b, G, N, K, E
+
+
+def test_span_cost_prices_spreading_groups_over_nodes():
+    from eplb.stats import group_span
+
+    prev, load, G, N, K, E = _two_node_case()
+    old = prev.phy2log_LP
+    pairs = lambda phy: group_span(phy, G, N, K, E).sum(axis=1)  # noqa: E731
+    runs = {c: mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001, span_cost=c), nodes=N, num_groups=K)
+            for c in (0.0, 1.0, 1e6)}
+    # span_cost 0 is the node-blind search, to the slot.
+    np.testing.assert_array_equal(runs[0.0], mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001)))
+    # A prohibitive price: no layer gains a (group, node) pair; a unit price: fewer than blind.
+    assert (pairs(runs[1e6]) <= pairs(old)).all()
+    assert pairs(runs[1.0]).sum() < pairs(runs[0.0]).sum()
+    for phy in runs.values():
+        Placement(phy, G, E)                                  # every expert keeps a replica
+        assert (mg.max_load(load, phy, G) <= mg.max_load(load, old, G) * (1 + 1e-12)).all()
+    # Budgets still bind with a span price.
+    capped = mg.budgeted_search(load, old, G, mg.Budget(max_moves=7, span_cost=1.0), nodes=N, num_groups=K)
+    assert mg.count_moves(old, capped, G, E).sum() <= 7
+
+
+def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
+    from eplb.rebalance import Rebalancer
+    from eplb.stats import group_span
+
+    prev, load, G, N, K, E = _two_node_case(seed=9)
+    span = lambda pl: group_span(pl.phy2log_LP, G, N, K, E).mean()  # noqa: E731
+    kw = dict(gpus=G, nodes=N, redundant=G, previous=prev, move_cost=0.001, num_groups=K)
+    blind, aware = (plan(load, span_cost=c, **kw).placement for c in (0.0, 4.0))
+    assert span(aware) < span(blind)
+    rb = Rebalancer(prev, num_groups=K, span_cost=4.0, move_cost=0.001)
+    rb.observe(load)
+    assert span(rb.rebalance().placement) == pytest.approx(span(aware))
+    with pytest.raises(EplbError, match="span_cost"):
+        mg.Budget(span_cost=-1.0)
+    with pytest.raises(EplbError, match="num_groups"):
+        Rebalancer(prev, num_groups=7)
+    with pytest.raises(EplbError, match="numpy reference"):
+        mg.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), nodes=N, num_groups=K,
+                           compiled=False)

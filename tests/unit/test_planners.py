@@ -24,7 +24,7 @@ from eplb.placement import Placement
 from eplb.planning import PlanRequest, _REGISTRY, get_planner, planner_names
 from eplb.topology import Topology
 from planners.deepseek import rebalance_experts
-from planners.hierarchical import group_span
+from eplb.stats import group_span
 
 # DeepSeek's EPLB README worked example (github.com/deepseek-ai/EPLB, "Interface and Example"):
 # 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs, and the map it prints.
