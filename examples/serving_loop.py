@@ -4,6 +4,7 @@ Run (from the repository root):
 
     python examples/serving_loop.py                       # traces/deepseek.npz, 32 GPUs
     python examples/serving_loop.py --trace my.npz --gpus 16 --steps-per-window 8 --fail-rank 5
+    python examples/serving_loop.py --nodes 4             # node-aware: hierarchical start, span_cost
 
 Legend: T = trace windows, L = MoE layers, E = logical experts, P = physical slots.
 
@@ -12,7 +13,9 @@ split at random over the steps). Every step, the engine reports its per-slot tok
 (physical [L, P], what an engine's dispatcher sees) to `Rebalancer.observe`. When a rebalance
 is due, it is planned on a side thread, as a server would, while the loop keeps serving
 and observing; the placement switches when the plan is ready. Optionally a rank fails
-halfway. Without the trace file, seeded random loads of DeepSeek-V3 shape are used.
+halfway. With --nodes > 1 the server starts from a node-aware (hierarchical) plan and the
+Rebalancer is told the expert groups, so its search keeps groups on few nodes (span_cost).
+Without the trace file, seeded random loads of DeepSeek-V3 shape are used.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from eplb.rebalance import Rebalancer  # noqa: E402
 BYTES_PER_EXPERT = 3 * 7168 * 2048  # DeepSeek-V3 expert: 3 matrices 7168 x 2048 at 1 byte (FP8)
 
 
-def load_windows(path: str, seed: int) -> tuple[np.ndarray, str]:
-    """counts [T, L, E] from an eplb trace, or seeded random drifting loads if it is absent."""
+def load_windows(path: str, seed: int) -> tuple[np.ndarray, str, int | None]:
+    """(counts [T, L, E], source, expert groups) from an eplb trace, or seeded random drifting
+    loads (8 groups, as DeepSeek-V3) if it is absent."""
     if os.path.exists(path):
         from eplb.trace import load_trace
 
-        return load_trace(path).counts_TLE.astype(np.float64), path
+        trace = load_trace(path)
+        return trace.counts_TLE.astype(np.float64), path, trace.meta.get("num_expert_groups")
     rng = np.random.default_rng(seed)
     T, L, E = 32, 58, 256
     base = rng.gamma(0.6, 1.0, (L, E))
@@ -47,7 +52,7 @@ def load_windows(path: str, seed: int) -> tuple[np.ndarray, str]:
     for t in range(T):
         base = 0.9 * base + 0.1 * rng.gamma(0.6, 1.0, (L, E))      # slow drift of the hot set
         out[t] = rng.poisson(base / base.sum(axis=1, keepdims=True) * 16384)
-    return out, f"seeded random loads (seed {seed}; {path} not found)"
+    return out, f"seeded random loads (seed {seed}; {path} not found)", 8
 
 
 def finish(worker: threading.Thread, pending: dict, step: int) -> None:
@@ -58,7 +63,9 @@ def finish(worker: threading.Thread, pending: dict, step: int) -> None:
     print(f"step {step:5d}: rebalanced (planned in {pending.pop('wall') * 1e3:.0f} ms on the side thread): "
           f"busiest/mean GPU {np.median(res.before.imbalance_L):.3f} -> {np.median(res.after.imbalance_L):.3f} "
           f"(median layer), {s['moves']} copies in {s['rounds']} rounds "
-          f"({s['bytes'] / 2**30:.1f} GiB, {s['staging_copies']} staging)")
+          f"({s['bytes'] / 2**30:.1f} GiB, {s['staging_copies']} staging)"
+          + (f"; groups span {res.info['group_span_before']:.2f} -> {res.info['group_span_after']:.2f} nodes"
+             if "group_span_after" in res.info else ""))
     return None
 
 
@@ -66,6 +73,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=os.path.join(ROOT, "traces", "deepseek.npz"))
     ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (> 1: node-aware)")
+    ap.add_argument("--span-cost", type=float, default=1.0,
+                    help="with --nodes > 1: moves a group's spread onto one more node costs (0: node-blind)")
     ap.add_argument("--redundant", type=int, default=32)
     ap.add_argument("--steps-per-window", type=int, default=10)
     ap.add_argument("--interval", type=int, default=40, help="observations between checks")
@@ -77,16 +87,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    counts_TLE, source = load_windows(args.trace, args.seed)
+    counts_TLE, source, groups = load_windows(args.trace, args.seed)
     T, L, E = counts_TLE.shape
     rng = np.random.default_rng(args.seed)
     # The server starts with a plan made on the first window only (stale soon after).
-    start = plan(counts_TLE[0], gpus=args.gpus, redundant=args.redundant).placement
+    start = plan(counts_TLE[0], gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, num_groups=groups,
+                 planner="hierarchical" if args.nodes > 1 else "greedy").placement
     rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
                     min_improvement=args.min_improvement, max_moves=args.max_moves,
-                    bytes_per_expert=BYTES_PER_EXPERT)
-    print(f"trace: {os.path.relpath(source) if os.path.exists(source) else source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs, "
-          f"{start.num_slots} slots; {args.steps_per_window} steps per window")
+                    bytes_per_expert=BYTES_PER_EXPERT, num_groups=groups, span_cost=args.span_cost)
+    print(f"trace: {os.path.relpath(source) if os.path.exists(source) else source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
+          f"{start.num_slots} slots, {groups} expert groups; {args.steps_per_window} steps per window")
     print(f"rebalancer: sliding window {4 * args.steps_per_window} steps, check every {args.interval}, "
           f"rebalance if predicted gain >= {args.min_improvement:.0%}, <= {args.max_moves} copies each")
 
