@@ -152,4 +152,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from eplb.errors import EplbError
+
+    try:
+        sys.exit(main())
+    except EplbError as exc:                     # bad options: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
