@@ -9,14 +9,17 @@ the runtime and the `.pt` importer/exporter.
 __version__ = "0.1.0"
 
 from eplb.errors import EplbError, PlanningError
+from eplb.migration import Budget, MigrationPlan
 from eplb.placement import Placement
 from eplb.planning import PlanRequest, PlanResult, Solution, get_planner, plan, planner_names, register
+from eplb.rebalance import RebalanceResult, Rebalancer
 from eplb.stats import LoadReport, evaluate, lower_bound
 from eplb.topology import Topology
 from eplb.trace import Trace, load_history, load_trace
 
 __all__ = [
-    "EplbError", "PlanningError", "Placement", "PlanRequest", "PlanResult", "Solution",
+    "Budget", "EplbError", "MigrationPlan", "PlanningError", "Placement", "PlanRequest", "PlanResult",
+    "RebalanceResult", "Rebalancer", "Solution",
     "Topology", "Trace", "LoadReport", "evaluate", "get_planner", "load_history", "load_trace",
     "lower_bound", "plan", "planner_names", "register",
 ]
