@@ -43,7 +43,10 @@ def write_vllm(placement: Placement, path: str | Path) -> Path:
     state["layer_ids"] = torch.from_numpy(np.array(placement.layer_ids, dtype=np.int64))
     state["num_gpus"] = torch.tensor(placement.num_gpus, dtype=torch.int64)
     state["num_nodes"] = torch.tensor(placement.num_nodes, dtype=torch.int64)
-    torch.save(state, path)
+    # Open the file here: a missing folder or a folder as path is then an OSError naming the
+    # path (one line from the CLI), where torch.save(state, path) raises a RuntimeError.
+    with open(path, "wb") as f:
+        torch.save(state, f)
     return path
 
 

@@ -40,6 +40,15 @@ def test_round_trip_every_format(tmp_path, placement, fmt):
     assert back.layer_ids.tolist() == [3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unwritable_path_is_an_os_error_in_every_format(tmp_path, placement, fmt):
+    """The CLI turns OSError into one line; torch.save alone raised RuntimeError (a traceback)."""
+    for bad in (tmp_path / "no" / "plan.out", tmp_path):  # a missing folder, a folder
+        with pytest.raises(OSError) as info:
+            write_placement(placement, bad, fmt)
+        assert str(bad) in str(info.value.filename)
+
+
 def test_sglang_file_is_what_sglang_loads(tmp_path, placement):
     path = write_placement(placement, tmp_path / "loc.json", "sglang", num_hidden_layers=9)
     d = json.loads(path.read_text())
