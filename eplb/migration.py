@@ -78,6 +78,35 @@ def _check_maps(gpus: int, num_experts: int, **maps) -> tuple[int, int]:
     return shape
 
 
+def _check_count(name: str, v, lo: int = 1) -> int:
+    """v as an int, if it is a whole number >= lo (bools refused: True is no count)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(v) or int(v) != v or v < lo:
+        raise EplbError(f"{name} must be a whole number >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _check_nodes(gpus: int, nodes) -> int:
+    """nodes as an int, if it is a positive whole number that splits the GPUs evenly (the
+    compiled GPU assignment fills nodes x (gpus // nodes) columns and no more)."""
+    nodes = _check_count("nodes", nodes)
+    if gpus % nodes:
+        raise EplbError(f"nodes ({nodes}) must divide the {gpus} GPUs evenly")
+    return nodes
+
+
+def _check_load(load_LE, layers: int | None = None) -> np.ndarray:
+    """load_LE as float64 [layers, E] (any number of layers with None), finite and >= 0."""
+    load_LE = np.asarray(load_LE, dtype=np.float64)
+    if load_LE.ndim != 2 or load_LE.shape[0] != (load_LE.shape[0] if layers is None else layers) \
+            or load_LE.shape[1] == 0:
+        raise EplbError(f"load must be [layers, experts] for the {layers} layers of the maps, "
+                        f"got shape {load_LE.shape}")
+    if not np.isfinite(load_LE).all() or (load_LE < 0).any():
+        raise EplbError("load must be finite and >= 0")
+    return load_LE
+
+
 def warm_up() -> float:
     """Load (or, on a fresh install, compile: ~10 s) the numba kernels of this module now,
     so that the first rebalance decision does not pay for it; returns the seconds it took.
@@ -198,9 +227,10 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
     pairs of old_LP is an assignment problem. Inside a GPU, an expert it already held goes
     back to the slot it occupied, so a kept replica is not even copied locally.
     """
+    L, P = _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    nodes = _check_nodes(gpus, nodes)
     old_LP = np.asarray(old_LP)
     new_LP = np.asarray(new_LP)
-    L, P = new_LP.shape
     G, S = gpus, P // gpus
     keep_LGG = _keep_counts(old_LP, new_LP, G, num_experts)
     gsrc_LG = _gpu_assignment(keep_LGG, nodes)             # new GPU placed at each old GPU position
@@ -690,9 +720,14 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     search replaced the target. info holds the move counts of each candidate. With nodes > 1
     and num_groups the search keeps each layer's group span (see `budgeted_search`).
     """
-    load_LE = np.asarray(load_LE, dtype=np.float64)
+    load_LE = _check_load(load_LE)
+    L, _ = _check_maps(gpus, load_LE.shape[1], old_LP=old_LP, target_LP=target_LP)
+    load_LE = _check_load(load_LE, L)
     old_LP = np.asarray(old_LP, dtype=np.int64)
     target_LP = np.asarray(target_LP, dtype=np.int64)
+    if (target_LP < 0).any():
+        l, p = np.argwhere(target_LP < 0)[0]
+        raise EplbError(f"target_LP has an empty slot ({p} of layer index {l}): a plan fills every slot")
     E = load_LE.shape[1]
     budget = budget or Budget()
     perm = relabel(old_LP, target_LP, gpus, E, nodes)
@@ -703,7 +738,6 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     if not budget.limited:
         info["method"] = "relabel"
         return relabeled, perm, info
-    L = old_LP.shape[0]
     present_LE = np.bincount((np.arange(L)[:, None] * E + old_LP)[old_LP >= 0], minlength=L * E)
     start = restore_missing(load_LE, old_LP, gpus) if (old_LP < 0).any() or (present_LE == 0).any() else old_LP
     searched = budgeted_search(load_LE, start, gpus, budget, nodes=nodes, num_groups=num_groups)
