@@ -362,13 +362,20 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     ~10x faster at DeepSeek-V3 shape); compiled=False runs the numpy version below, kept as
     the reference the tests compare against.
     """
-    load_LE = np.asarray(load_LE, dtype=np.float64)
-    if load_LE.ndim != 2 or np.shape(old_LP)[:1] != load_LE.shape[:1]:
-        raise EplbError(f"load must be [layers, experts] for the {len(old_LP)} layers of old_LP, "
-                        f"got shape {load_LE.shape}")
-    if not np.isfinite(load_LE).all() or (load_LE < 0).any():
-        raise EplbError("load must be finite and >= 0")
+    if not isinstance(budget, Budget):
+        raise EplbError(f"budget must be a Budget, got {type(budget).__name__}")
+    load_LE = _check_load(load_LE)
     _check_maps(gpus, load_LE.shape[1], old_LP=old_LP)
+    load_LE = _check_load(load_LE, np.shape(old_LP)[0])
+    # The search prices every slot as a replica (an empty one would be read as expert E - 1
+    # and its counts go wrong): restore_missing fills them first.
+    if (np.asarray(old_LP) < 0).any():
+        l, p = np.argwhere(np.asarray(old_LP) < 0)[0]
+        raise EplbError(f"old_LP has an empty slot ({p} of layer index {l}): fill it with "
+                        f"restore_missing(load_LE, old_LP, gpus) before searching")
+    donors, partners = _check_count("donors", donors), _check_count("partners", partners)
+    if max_iters is not None:
+        max_iters = _check_count("max_iters", max_iters, 0)
     phy = np.array(old_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
@@ -400,8 +407,10 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     C = min(partners, G - 1)
     H = 1                                                       # busy GPUs priced per layer
     iters = max_iters if max_iters is not None else 4 * P
+    nodes = _check_count("nodes", nodes)
     span = nodes > 1 and num_groups is not None and budget.span_cost > 0
     if span:
+        num_groups = _check_count("num_groups", num_groups)
         if G % nodes or E % num_groups:
             raise EplbError(f"node locality needs GPUs ({G}) divisible by nodes ({nodes}) and experts ({E}) "
                             f"divisible by groups ({num_groups})")

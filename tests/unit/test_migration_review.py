@@ -44,3 +44,42 @@ def test_migrate_keeps_a_permutation_of_the_target():
     phy, perm, _ = mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, nodes=3)
     assert (np.sort(perm, axis=1) == np.arange(12)).all()
     assert np.array_equal(np.sort(phy, axis=1), np.sort(_NEW6, axis=1))
+
+
+# Budgeted search ------------------------------------------------------------------------------
+
+def test_budgeted_search_refuses_empty_slots():
+    """An empty slot (-1) was priced as expert E - 1 (negative index): the search then emptied
+    a replica of expert 0 here, in both versions. restore_missing must fill it first."""
+    load = np.array([[0.06002583, 0.97334402]])
+    old = np.array([[0, -1, 1, 0]])
+    for compiled in (True, False):
+        with pytest.raises(EplbError, match="restore_missing"):
+            mg.budgeted_search(load, old, 4, mg.Budget(move_cost=0.001), compiled=compiled)
+    fixed = mg.restore_missing(load, old, 4)
+    out = mg.budgeted_search(load, fixed, 4, mg.Budget(move_cost=0.001))
+    assert (out >= 0).all() and set(out[0].tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(donors=0), "donors"), (dict(donors=-1), "donors"), (dict(partners=0), "partners"),
+    (dict(donors=2.5), "donors"), (dict(max_iters=-1), "max_iters"),
+    (dict(nodes=2, num_groups=0), "num_groups"), (dict(nodes=2, num_groups=-3), "num_groups"),
+    (dict(nodes=2, num_groups=1.5), "num_groups"), (dict(nodes=0), "nodes"),
+])
+def test_budgeted_search_names_bad_settings(kw, match):
+    """donors=0 / partners=0 made the kernel's top-k insertion write index -1 of an empty
+    view (into the next scratch array) while the numpy version raised ValueError."""
+    for compiled in (True, False):
+        with pytest.raises(EplbError, match=match):
+            mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), compiled=compiled, **kw)
+
+
+def test_budgeted_search_accepts_whole_float_settings():
+    ref = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), nodes=2, num_groups=3)
+    got = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), nodes=2.0, num_groups=3.0, donors=8.0)
+    np.testing.assert_array_equal(got, ref)
+    with pytest.raises(EplbError, match="budget must be a Budget"):
+        mg.budgeted_search(_LOAD, _OLD, 2, None)
+    with pytest.raises(EplbError, match="old_LP must be"):
+        mg.budgeted_search(_LOAD, 5, 2, mg.Budget())
