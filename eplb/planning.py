@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -178,7 +178,11 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
     """Normalise a Trace, [L, E] or [T, L, E] array into (history_TLE, layer_ids, meta)."""
     if isinstance(loads_or_trace, Trace):
         return loads_or_trace.counts_TLE.astype(np.float64), loads_or_trace.layer_ids, loads_or_trace.meta
-    a = np.asarray(loads_or_trace, dtype=np.float64)
+    try:
+        a = np.asarray(loads_or_trace, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise EplbError(f"loads must be a rectangular array of numbers [layers, experts] or "
+                        f"[windows, layers, experts], or a Trace ({exc})") from None
     if a.ndim == 2:
         a = a[None]
     if a.ndim != 3:
@@ -208,7 +212,7 @@ def plan(
     max_moves_per_gpu: int | None = None,
     move_cost: float = 0.0,
     bytes_per_expert: int | None = None,
-    span_cost: float = 1.0,
+    span_cost: float | None = None,
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -222,11 +226,36 @@ def plan(
     many replicas may be copied (a budgeted search from `previous` then competes with the
     relabelled plan). Moves (and bytes, given `bytes_per_expert`) are reported in `info`.
     With nodes > 1 and expert groups, `span_cost` prices spreading a group onto one more node
-    in moves (eplb.migration.Budget.span_cost), so that search keeps node locality.
+    in moves (eplb.migration.Budget.span_cost, default 1), so that search keeps node locality.
+    Whole-number arguments (gpus, nodes, redundant, slots_per_gpu, num_groups) refuse 2.5 or
+    "4" rather than truncate them; the migration options without `previous` are refused.
     """
+    gpus = whole_setting("gpus", gpus, 1)
+    nodes = whole_setting("nodes", nodes, 1)
+    redundant = None if redundant is None else whole_setting("redundant", redundant, 0)
+    slots_per_gpu = None if slots_per_gpu is None else whole_setting("slots_per_gpu", slots_per_gpu, 0)
+    if num_groups is not None:
+        num_groups = whole_setting("num_groups", num_groups, 1)
+    if settings is not None and not isinstance(settings, Mapping):
+        raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
+                        f"got {type(settings).__name__}")
+    if previous is not None and not isinstance(previous, Placement):
+        raise EplbError(f"previous must be a Placement (the one now served, e.g. Placement.load('old.json')), "
+                        f"got {type(previous).__name__}")
+    if previous is None:
+        # Checked before planning: these only price or count migration from `previous`.
+        given = [f"{k} ({v!r})" for k, v in (("max_moves", max_moves), ("max_moves_per_gpu", max_moves_per_gpu),
+                                             ("move_cost", move_cost or None), ("span_cost", span_cost),
+                                             ("bytes_per_expert", bytes_per_expert)) if v is not None]
+        if given:
+            raise EplbError(f"{', '.join(given)}: migration options need the placement now served "
+                            f"(previous=... / --previous OLD.json); drop them for a plan from scratch")
     history_TLE, layer_ids, meta = as_history(loads_or_trace)
     load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
     L, E = load_LE.shape
+    if num_groups is not None and E % num_groups:
+        raise EplbError(f"{E} experts do not split into {num_groups} equal expert groups: group-limited "
+                        f"routing uses equal contiguous groups, so give num_groups (--groups) dividing {E}")
     topo = Topology.for_experts(E, gpus=gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu)
     if topo.gpus > E:
         raise EplbError(
@@ -259,10 +288,8 @@ def plan(
     if previous is not None:
         from eplb import migration
 
-        sol = migration.adapt_solution(request, sol, migration.Budget(max_moves, max_moves_per_gpu, move_cost, span_cost),
-                                       bytes_per_expert)
-    elif max_moves is not None or max_moves_per_gpu is not None or move_cost:
-        raise EplbError("max_moves, max_moves_per_gpu and move_cost need the placement now served (previous=... / --previous OLD.json)")
+        budget = migration.Budget(max_moves, max_moves_per_gpu, move_cost, 1.0 if span_cost is None else span_cost)
+        sol = migration.adapt_solution(request, sol, budget, bytes_per_expert)
     return finish(request, sol, planner, seconds)
 
 

@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     mig.add_argument("--move-cost", type=float, default=0.0, metavar="C",
                      help="with --previous: a copy must lower its layer's busiest GPU by C x mean GPU load")
     mig.add_argument("--bytes-per-expert", type=int, metavar="B", help="size of one expert's weights, to report bytes moved")
-    mig.add_argument("--span-cost", type=float, default=1.0, metavar="C",
+    mig.add_argument("--span-cost", type=float, metavar="C",
                      help="with --previous, --nodes > 1 and expert groups: spreading a group onto one more "
                           "node costs C moves (default 1; 0 ignores node locality)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -106,6 +106,10 @@ def run(args) -> int:
     if args.previous:
         from eplb.placement import Placement
 
+        if args.span_cost is not None and (args.nodes == 1 or not (args.groups or trace.meta.get("num_expert_groups"))):
+            raise EplbError(f"--span-cost {args.span_cost:g} prices spreading an expert group onto one more node, so "
+                            f"it needs --nodes > 1 and expert groups (--groups, or the trace's num_expert_groups); "
+                            f"give both or drop --span-cost")
         previous = Placement.load(args.previous)
         if slots is None and args.redundant is None:
             slots = previous.slots_per_gpu  # same slots as the placement being replaced

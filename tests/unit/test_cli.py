@@ -165,6 +165,11 @@ def _bad_inputs(f):
         "stats more slots per GPU than experts": ["stats", f["trace"], "--gpus", "4", "--redundant", "40000000"],
         "window without aggregate window": ["plan", f["trace"], "--gpus", "4", "--window", "2"],
         "planner setting of the wrong type": ["plan", f["trace"], "--gpus", "4", "--set", "quantile=abc"],
+        # Were silently ignored: --span-cost and --bytes-per-expert only act with --previous,
+        # and --span-cost only with nodes and expert groups.
+        "span cost without previous": ["plan", f["trace"], "--gpus", "4", "--span-cost", "2"],
+        "bytes per expert without previous": ["plan", f["trace"], "--gpus", "4", "--bytes-per-expert", "10"],
+        "span cost on one node": ["plan", f["trace"], "--gpus", "4", "--previous", f["plan"], "--span-cost", "2"],
         "inspect missing file": ["inspect", str(f["dir"] / "nope.json")],
         "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80", "--context", "10"],
         "capacity bad memory": ["capacity", "--model", "deepseek-v3", "--gpus", "8", "--gpu-memory", "lots",

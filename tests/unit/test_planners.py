@@ -183,7 +183,7 @@ def test_deepseek_policies_and_refusals():
     with pytest.raises(EplbError, match="do not split evenly over 3 nodes"):
         eplb.plan(README_WEIGHT, gpus=6, nodes=3, redundant=6, planner="deepseek", num_groups=4,
                   settings={"policy": "hierarchical"})
-    with pytest.raises(EplbError, match="equal groups"):
+    with pytest.raises(EplbError, match="equal (expert )?groups"):  # refused at the front door now
         eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=5,
                   settings={"policy": "hierarchical"})
     with pytest.raises(EplbError, match="needs num_groups"):
@@ -289,3 +289,33 @@ def test_plan_previous_of_other_shape_names_the_fix():
     old = eplb.plan(load, gpus=4).placement
     with pytest.raises(EplbError, match=r"gpus=4, slots_per_gpu=5"):
         eplb.plan(load, gpus=8, slots_per_gpu=5, previous=old)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpus=2.5), r"gpus must be a whole number >= 1, got 2.5"),  # was planned for 2 GPUs
+    (dict(gpus="4"), r"gpus must be a whole number >= 1, got '4'"),
+    (dict(gpus=4, slots_per_gpu=4.5), r"slots_per_gpu must be a whole number >= 0, got 4.5"),  # was 4
+    (dict(gpus=4, redundant="4"), r"redundant must be a whole number >= 0, got '4'"),
+    (dict(gpus=4, nodes=2, planner="hierarchical", num_groups=2.5), r"num_groups must be a whole number >= 1"),
+    (dict(gpus=4, num_groups=0), r"num_groups must be a whole number >= 1, got 0"),
+    (dict(gpus=4, num_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
+    (dict(gpus=4, settings=["quantile=0.9"]), r"settings must be a dict of planner settings"),  # was a TypeError
+    (dict(gpus=4, previous="old.json"), r"previous must be a Placement.*Placement.load"),  # was an AttributeError
+])
+def test_plan_front_door_refuses_arguments_of_the_wrong_type(kwargs, message):
+    with pytest.raises(EplbError, match=message):
+        eplb.plan(np.arange(1.0, 17.0)[None], **kwargs)
+    assert eplb.plan(np.arange(1.0, 17.0)[None], gpus=4.0, slots_per_gpu=np.int64(5)).placement.num_slots == 20
+
+
+def test_plan_front_door_refuses_ragged_loads():
+    with pytest.raises(EplbError, match="rectangular array of numbers"):  # was a bare numpy ValueError
+        eplb.plan([[1.0, 2.0], [3.0]], gpus=1)
+
+
+@pytest.mark.parametrize("kwargs", [dict(span_cost=2.0), dict(span_cost=-1.0), dict(bytes_per_expert=100)])
+def test_plan_migration_options_without_previous_are_refused(kwargs):
+    """Like max_moves: an option that only prices migration must not be ignored silently."""
+    name = next(iter(kwargs))
+    with pytest.raises(EplbError, match=rf"{name} \({kwargs[name]!r}\).*previous"):
+        eplb.plan(np.arange(1.0, 17.0)[None], gpus=4, **kwargs)
