@@ -80,8 +80,9 @@ def _check_maps(gpus: int, num_experts: int, **maps) -> tuple[int, int]:
 
 def _check_count(name: str, v, lo: int = 1) -> int:
     """v as an int, if it is a whole number >= lo (bools refused: True is no count)."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
-            or not np.isfinite(v) or int(v) != v or v < lo:
+    whole = isinstance(v, (int, np.integer)) or (isinstance(v, (float, np.floating)) and np.isfinite(v)
+                                                  and float(v).is_integer())
+    if isinstance(v, (bool, np.bool_)) or not whole or v < lo:
         raise EplbError(f"{name} must be a whole number >= {lo}, got {v!r}")
     return int(v)
 
@@ -153,9 +154,9 @@ def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: 
         from eplb import _search_kernel
 
         L, P = np.shape(new_LP)
-        R = L * gpus
-        return _search_kernel.count_moves(_kernel_ints(old_LP).reshape(R, -1),
-                                          _kernel_ints(new_LP).reshape(R, -1)).reshape(L, gpus)
+        R, S = L * gpus, P // gpus
+        return _search_kernel.count_moves(_kernel_ints(old_LP).reshape(R, S),
+                                          _kernel_ints(new_LP).reshape(R, S)).reshape(L, gpus)
     old = holdings(old_LP, gpus, num_experts) > 0
     new = holdings(new_LP, gpus, num_experts) > 0
     return (new & ~old).sum(axis=2)
@@ -406,7 +407,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     D = min(donors, P)
     C = min(partners, G - 1)
     H = 1                                                       # busy GPUs priced per layer
-    iters = max_iters if max_iters is not None else 4 * P
+    iters = min(max_iters, 2**62) if max_iters is not None else 4 * P      # an int64 in the kernel
     nodes = _check_count("nodes", nodes)
     span = nodes > 1 and num_groups is not None and budget.span_cost > 0
     if span:
@@ -676,7 +677,9 @@ def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.nd
     replicas and the lowest load per replica, on the least-loaded GPU that does not hold the
     expert. Returns a copy of phy_LP with no expert missing.
     """
-    load_LE = np.asarray(load_LE, dtype=np.float64)
+    load_LE = _check_load(load_LE)
+    _check_maps(gpus, load_LE.shape[1], phy_LP=phy_LP)
+    load_LE = _check_load(load_LE, np.shape(phy_LP)[0])
     phy = np.array(phy_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
@@ -1083,12 +1086,13 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
         l, e = np.argwhere(gone)[0]
         raise EplbError(f"expert {e} of layer index {l} is in the old placement but not the new one: "
                         f"every expert needs a replica in the new placement")
-    chunk = L if layers_per_chunk is None else int(layers_per_chunk)
-    if chunk < 1:
-        raise EplbError(f"layers_per_chunk must be >= 1, got {layers_per_chunk}")
-    ranks = np.arange(gpus) if rank_ids is None else np.asarray(rank_ids, dtype=np.int64)
-    if ranks.shape != (gpus,):
-        raise EplbError(f"rank_ids must name {gpus} ranks, got {ranks.shape[0]}")
+    # All layers in one chunk by default (at least 1: a map of no layers has nothing to chunk).
+    chunk = max(L, 1) if layers_per_chunk is None else _check_count("layers_per_chunk", layers_per_chunk)
+    chunk = min(chunk, max(L, 1))                           # the kernel takes an int64
+    ranks = np.arange(gpus) if rank_ids is None else np.asarray(rank_ids)
+    if ranks.shape != (gpus,) or (ranks.size and ranks.dtype.kind not in "iu"):
+        raise EplbError(f"rank_ids must be {gpus} whole numbers (one engine rank per GPU), got {rank_ids!r}")
+    ranks = ranks.astype(np.int64)
     if compiled:
         from eplb import _schedule_kernel
 

@@ -83,3 +83,35 @@ def test_budgeted_search_accepts_whole_float_settings():
         mg.budgeted_search(_LOAD, _OLD, 2, None)
     with pytest.raises(EplbError, match="old_LP must be"):
         mg.budgeted_search(_LOAD, 5, 2, mg.Budget())
+
+
+# Counting, restoring, scheduling: edge shapes and bad settings ---------------------------------
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_no_layers_is_a_valid_empty_migration(compiled):
+    """L = 0 (a model slice without MoE layers): no moves, no rounds, not an error."""
+    assert mg.count_moves(_OLD[:0], _NEW[:0], 2, 3, compiled=compiled).shape == (0, 2)
+    m = mg.schedule(_OLD[:0], _NEW[:0], 2, 3, compiled=compiled)
+    assert m.num_rounds == 0 and m.num_transfers == 0 and m.moves == 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: mg.restore_missing(_LOAD, np.array([[0, 1, 5, 0], [0, 1, 2, 2]]), 2), "expert 5"),
+    (lambda: mg.restore_missing(_LOAD, _OLD, 3), "do not split evenly over 3 GPUs"),
+    (lambda: mg.restore_missing(np.full((2, 3), np.nan), _OLD, 2), "finite"),
+    (lambda: mg.restore_missing(_LOAD[:1], _OLD, 2), "load must be"),
+    (lambda: mg.restore_missing(_LOAD[0], _OLD, 2), "load must be"),
+    (lambda: mg.schedule(_OLD, _NEW, 2, 3, rank_ids=4), "rank_ids"),
+    (lambda: mg.schedule(_OLD, _NEW, 2, 3, rank_ids=[0.5, 1]), "rank_ids"),
+    (lambda: mg.schedule(_OLD, _NEW, 2, 3, layers_per_chunk="a"), "layers_per_chunk"),
+    (lambda: mg.schedule(_OLD, _NEW, 2, 3, layers_per_chunk=1.5), "layers_per_chunk"),
+    (lambda: mg.schedule(_OLD, _NEW, 2, 3, layers_per_chunk=0), "layers_per_chunk"),
+])
+def test_restore_and_schedule_name_bad_input(call, match):
+    with pytest.raises(EplbError, match=match):
+        call()
+
+
+def test_huge_layers_per_chunk_is_one_chunk():
+    m = mg.schedule(_OLD, _NEW, 2, 3, layers_per_chunk=10**30)
+    assert set(m.chunk_R.tolist()) == {0}
