@@ -27,6 +27,10 @@ REQUIRED_META = (
     "model", "num_hidden_layers", "num_experts", "top_k", "num_expert_groups",
     "tokens_per_window", "source", "synthetic",
 )
+WHOLE_META = ("num_hidden_layers", "num_experts", "top_k", "num_expert_groups", "tokens_per_window")
+"""Meta fields that are whole numbers >= 1 when known (None when not)."""
+MAX_COUNT = 2**62
+"""Largest token count accepted: beyond it int64 sums over windows could wrap."""
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -77,6 +81,8 @@ class Trace:
                 raise EplbError("counts must be whole token counts, got fractional values")
         elif c.dtype.kind not in "iu":
             raise EplbError(f"counts must be integers, got dtype {c.dtype}")
+        if c.size and float(c.max()) > MAX_COUNT:  # uint64 or float values past int64 would wrap on conversion
+            raise EplbError(f"counts hold {c.max():g}, too large for a token count (at most 2**62)")
         if c.size and c.min() < 0:
             t, l, e = np.argwhere(c < 0)[0]
             raise EplbError(f"counts must be >= 0, got {c[t, l, e]} at window {t}, layer {l}, expert {e}")
@@ -92,6 +98,18 @@ class Trace:
         missing = [k for k in REQUIRED_META if k not in meta]
         if missing:
             raise EplbError(f"trace meta is missing key(s): {', '.join(missing)}")
+        for key in WHOLE_META:  # int(v) below and in planners would truncate 2.5 or fail on "abc"
+            v = meta[key]
+            if v is None:
+                continue
+            whole = not isinstance(v, bool) and (isinstance(v, (int, np.integer))
+                                                 or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+            if not whole or v < 1:
+                raise EplbError(f"meta {key} must be a whole number >= 1 or null, got {v!r}")
+            meta[key] = int(v)
+        if meta["num_expert_groups"] is not None and E % meta["num_expert_groups"]:
+            raise EplbError(f"meta num_expert_groups ({meta['num_expert_groups']}) must divide the {E} experts "
+                            f"(group-limited routing uses equal groups); fix the meta or set it to null")
         if meta["num_experts"] is not None and int(meta["num_experts"]) != E:
             raise EplbError(f"meta num_experts ({meta['num_experts']}) does not match counts ({E} experts)")
         nh = meta["num_hidden_layers"]

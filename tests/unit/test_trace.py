@@ -90,6 +90,32 @@ def test_bad_meta_values(tmp_path):
         load_trace(tmp_path / "d.npz")
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("num_hidden_layers", "abc", "num_hidden_layers must be a whole number >= 1 or null, got 'abc'"),  # was a traceback
+    ("num_experts", 8.5, "num_experts must be a whole number >= 1 or null, got 8.5"),  # was read as 8
+    ("num_expert_groups", 2.5, "num_expert_groups must be a whole number"),  # was planned with 2 groups
+    ("num_expert_groups", [4], "num_expert_groups must be a whole number"),
+    ("num_expert_groups", 0, "num_expert_groups must be a whole number >= 1"),
+    ("num_expert_groups", 3, r"num_expert_groups \(3\) must divide the 8 experts"),
+    ("top_k", True, "top_k must be a whole number"),
+    ("tokens_per_window", "2048", "tokens_per_window must be a whole number"),
+])
+def test_meta_numbers_are_checked(tmp_path, key, value, message):
+    with pytest.raises(EplbError, match=message):
+        load_trace(write_npz(tmp_path / "bad.npz", meta_obj=meta(**{key: value})))
+    good = load_trace(write_npz(tmp_path / "good.npz", meta_obj=meta(num_expert_groups=4.0, top_k=None)))
+    assert good.meta["num_expert_groups"] == 4 and isinstance(good.meta["num_expert_groups"], int)
+
+
+@pytest.mark.parametrize("counts", [
+    np.full((1, 3, 8), 2**63 + 5, dtype=np.uint64),  # wrapped to negative int64 counts
+    np.full((1, 3, 8), 1e30),
+])
+def test_counts_too_large_for_int64_are_refused(tmp_path, counts):
+    with pytest.raises(EplbError, match="too large for a token count"):
+        load_trace(write_npz(tmp_path / "big.npz", counts=counts))
+
+
 def test_missing_arrays(tmp_path):
     np.savez(tmp_path / "m.npz", counts=np.ones((1, 3, 8), dtype=np.int64))
     with pytest.raises(EplbError, match="missing array.*layer_ids.*meta"):
