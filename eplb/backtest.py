@@ -265,7 +265,7 @@ class _Runner:
         mean_L = load_LE.sum(axis=1) / G
         lb_L = stats.lower_bound(load_LE, G, scorer.placement.num_slots)
         imb_D = np.median(_ratio(peak_DL, mean_L[None]), axis=1)
-        imb_sum_D = peak_DL.sum(axis=1) / max(mean_L.sum(), 1e-300)
+        imb_sum_D = _ratio(peak_DL.sum(axis=1), mean_L.sum())  # an idle window is balanced (1), not 0
         bound_D = np.median(_ratio(peak_DL, lb_L[None]), axis=1)
         if self.oracle:
             oracle = make_plan(load_LE, **self.kw)

@@ -24,7 +24,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
     p.add_argument("--planner", "-p", action="append", choices=planner_names(), metavar="NAME",
                    help=f"planner to test, repeatable ({', '.join(planner_names())}; default greedy)")
-    p.add_argument("--interval", type=positive_int, default=1,
+    p.add_argument("--interval", type=positive_int,
                    help="windows served by each plan before the next rebalance (default 1)")
     p.add_argument("--history", type=positive_int,
                    help="past windows each plan looks at (default: all past windows)")
@@ -33,7 +33,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dispatch", action="append", choices=DISPATCH, metavar="POLICY",
                    help=f"dispatch policies to score, repeatable ({', '.join(DISPATCH)}; default all)")
     p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
-                   help="how history windows become the planning load (default sum)")
+                   help="how history windows become the planning load (default sum; 'window' sums the "
+                        "newest --history windows, which is what sum over --history does)")
     p.add_argument("--no-oracle", action="store_true",
                    help="skip the oracle plans made on each scored window (no forecast gap; faster)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -47,10 +48,25 @@ def run(args) -> int:
     from eplb.commands.plan import parse_settings
     from eplb.trace import load_history, load_trace
 
+    from eplb.errors import EplbError
+
+    if args.leave_one_out:
+        # Each fold plans on all other workloads: there is no replay order to step through.
+        given = [f"--{k} {v}" for k, v in (("interval", args.interval), ("history", args.history)) if v is not None]
+        if given:
+            raise EplbError(f"{' and '.join(given)} apply to sequential backtests; --leave-one-out plans each "
+                            f"fold on all other workloads: drop {' and '.join(g.split()[0] for g in given)}")
+    aggregate = args.aggregate
+    if aggregate == "window":
+        # A plan sees only its --history windows, so summing the newest N of them is "sum".
+        if args.history is None or args.leave_one_out:
+            raise EplbError("--aggregate window sums the newest windows each plan sees: give them with "
+                            "--history N (sequential mode), or use --aggregate sum")
+        aggregate = "sum"
     planners = args.planner or ["greedy"]
     dispatch = tuple(dict.fromkeys(args.dispatch)) if args.dispatch else DISPATCH
     common = dict(gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=args.slots_per_gpu,
-                  dispatch=dispatch, settings=parse_settings(args.set), aggregate=args.aggregate,
+                  dispatch=dispatch, settings=parse_settings(args.set), aggregate=aggregate,
                   oracle=not args.no_oracle, quiet=args.quiet or args.json)
     results = []
     if args.leave_one_out:
@@ -60,7 +76,7 @@ def run(args) -> int:
     else:
         trace = load_history(args.traces)
         for name in planners:
-            results.append(backtest(trace, planner=name, interval=args.interval, history=args.history, **common))
+            results.append(backtest(trace, planner=name, interval=args.interval or 1, history=args.history, **common))
     if args.json:
         print_json({"results": [r.summary() for r in results]})
         return 0

@@ -135,3 +135,30 @@ def test_cli_table_json_and_leave_one_out(rng, tmp_path, capsys):
     assert res["mode"] == "leave-one-out" and res["plans"] == 2 and res["scored_windows"] == 5
     assert main(["backtest", b, "--gpus", "4"]) == 2
     assert "more windows than its history" in capsys.readouterr().err
+
+
+def test_idle_window_scores_as_balanced(rng):
+    """A window with no tokens is perfectly balanced under every score (sum max/mean was 0)."""
+    c = _counts(rng, T=4)
+    c[2] = 0
+    r = backtest(c, gpus=4, planner="greedy", quiet=True, dispatch=("even", "resplit"))
+    idle = next(w for w in r.windows if w.window == 2)
+    np.testing.assert_array_equal(idle.imbalance_D, 1.0)
+    np.testing.assert_array_equal(idle.imbalance_sum_D, 1.0)
+    np.testing.assert_array_equal(idle.bound_ratio_D, 1.0)
+    assert (r.column("imbalance_sum") >= 1.0).all()
+
+
+@pytest.mark.parametrize("argv, match", [
+    # --aggregate window had no --window to go with it: always "needs window >= 1, got None".
+    (["--aggregate", "window"], "--history"),
+    # --interval and --history apply to sequential backtests; leave-one-out ignored them.
+    (["--leave-one-out", "--interval", "2"], "--interval"),
+    (["--leave-one-out", "--history", "2"], "--history"),
+])
+def test_cli_refuses_options_that_cannot_apply(rng, tmp_path, capsys, argv, match):
+    a = _write(tmp_path, "a.npz", _counts(rng, T=4))
+    b = _write(tmp_path, "b.npz", _counts(rng, T=2))
+    assert main(["backtest", a, b, "--gpus", "4", "--no-oracle", "-q"] + argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("eplb backtest: error: ") and match in err
