@@ -74,9 +74,16 @@ class Placement:
         if not np.issubdtype(phy.dtype, np.integer):
             raise EplbError(f"physical_to_logical map must hold integers, got dtype {phy.dtype}")
         L, P = phy.shape
+        for name in ("num_gpus", "num_logical_experts", "num_nodes"):
+            v = getattr(self, name)  # int() would read 2.5 GPUs as 2
+            whole = not isinstance(v, bool) and (isinstance(v, (int, np.integer))
+                                                 or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+            if not whole or v < 1:
+                raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
         G, E, N = int(self.num_gpus), int(self.num_logical_experts), int(self.num_nodes)
-        if G < 1 or E < 1 or N < 1:
-            raise EplbError(f"num_gpus ({G}), num_logical_experts ({E}) and num_nodes ({N}) must be >= 1")
+        if P < 1:
+            raise EplbError(f"physical_to_logical map has no slots (shape {phy.shape}): a placement needs "
+                            f"at least one slot per GPU")
         if P % G:
             raise EplbError(f"{P} physical slots do not split evenly over {G} GPUs")
         if G % N:

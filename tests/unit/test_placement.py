@@ -54,7 +54,7 @@ def test_gpu_loads_even_and_weighted():
     (np.array([[0, 1, 1, 2]]), {}, "logical expert 3 has no replica in layer index 0"),
     (np.array([[0, 1, 2, 3]]), {"layer_ids": np.array([1, 2])}, "layer_ids must be 1 integers"),
     (np.array([[0, 1, 2, 3], [0, 1, 2, 3]]), {"layer_ids": np.array([5, 5])}, "distinct"),
-    (np.array([[0, 1, 2, 3]]), {"num_gpus": 0}, "must be >= 1"),
+    (np.array([[0, 1, 2, 3]]), {"num_gpus": 0}, "num_gpus must be a whole number >= 1, got 0"),
 ])
 def test_invariant_errors_name_the_problem(phy, kwargs, message):
     args = {"num_gpus": 2, "num_logical_experts": 4, **kwargs}
@@ -120,6 +120,25 @@ def test_load_errors(tmp_path):
     with pytest.raises(EplbError, match="num_gpus must be a whole number, got 4.7"):
         Placement.from_dict(d)
     assert Placement.from_dict({**d, "num_gpus": 4.0}).num_gpus == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_gpus=2.5), r"num_gpus must be a whole number >= 1, got 2.5"),  # was a 2-GPU placement
+    (dict(num_gpus="2"), r"num_gpus must be a whole number >= 1, got '2'"),
+    (dict(num_logical_experts=4.7), r"num_logical_experts must be a whole number >= 1, got 4.7"),
+    (dict(num_nodes=1.5), r"num_nodes must be a whole number >= 1, got 1.5"),
+    (dict(num_gpus=True), r"num_gpus must be a whole number >= 1, got True"),
+])
+def test_constructor_refuses_fractional_counts(kwargs, message):
+    args = dict(phy2log_LP=np.array([[0, 1, 2, 3, 0, 1]]), num_gpus=2, num_logical_experts=4)
+    with pytest.raises(EplbError, match=message):
+        Placement(**{**args, **kwargs})
+    assert Placement(**{**args, "num_gpus": 2.0, "num_nodes": np.int64(2)}).num_gpus == 2
+
+
+def test_constructor_refuses_zero_slots():
+    with pytest.raises(EplbError, match="at least one slot"):  # was numpy's "zero-size array" ValueError
+        Placement(np.zeros((1, 0), dtype=np.int64), 2, 4)
 
 
 # Topology ---------------------------------------------------------------------------------------
