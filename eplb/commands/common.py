@@ -21,6 +21,27 @@ def positive_int(text: str) -> int:
     return v
 
 
+def check_output_path(path: str, what: str, flag: str = "-o") -> None:
+    """Refuse an output path that cannot be written, before the (maybe long) work that fills it."""
+    import os
+    from pathlib import Path
+
+    from eplb.errors import EplbError
+
+    if not path:
+        raise EplbError(f"{flag} is empty: give a file name for {what}")
+    p = Path(path)
+    if p.is_dir():
+        raise EplbError(f"cannot write {what} to {path!r}: it is a folder; give {flag} a file name inside it")
+    parent = p.parent
+    if not parent.is_dir():
+        raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r} does not exist (No such file or "
+                        f"directory); give {flag} a path in an existing, writable folder")
+    if not os.access(parent, os.W_OK):
+        raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r} is not writable (Permission "
+                        f"denied); give {flag} a path in an existing, writable folder")
+
+
 def add_command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A subcommand parser whose help ends with a worked example."""
     return sub.add_parser(

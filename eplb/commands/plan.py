@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eplb.commands.common import add_command, positive_int, add_output_flags, format_table, print_json
+from eplb.commands.common import (add_command, add_output_flags, check_output_path, format_table, positive_int,
+                                  print_json)
 
 FORMATS = ("eplb", "sglang", "vllm", "trtllm")
 
@@ -86,6 +87,8 @@ def run(args) -> int:
     from eplb.stats import window_balancedness
     from eplb.trace import load_history
 
+    if args.output is not None:
+        check_output_path(args.output, "the placement")  # before planning, which may take minutes
     trace = load_history(args.traces)
     settings = parse_settings(args.set)
     if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):

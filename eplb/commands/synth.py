@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.commands.common import add_command, add_output_flags, check_output_path, format_table, print_json
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def run(args) -> int:
     from eplb.synth import CONTIGUOUS_GPUS, SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
     from eplb.trace import load_trace
 
+    check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
                        ("phase_share", args.phase_share), ("drift_share", args.drift_share)):

@@ -230,3 +230,24 @@ def test_inspect_refuses_a_trace_of_other_layers(tmp_path, capsys):
     assert main(["plan", str(a), "--gpus", "4", "-p", "greedy", "-o", str(plan_path), "-q"]) == 0
     assert main(["inspect", str(plan_path), "--trace", str(b)]) == 2
     assert "layer ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "synth"])
+@pytest.mark.parametrize("where", ["missing folder", "a folder", "empty"])
+def test_unwritable_output_is_refused_before_the_work(tmp_path, capsys, monkeypatch, command, where):
+    """An ILP plan or a full synth takes minutes; a bad -o used to fail only after it (-o '' wrote nothing)."""
+    import eplb.planning
+    import eplb.synth
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the work started before the output path was checked")
+
+    monkeypatch.setattr(eplb.planning, "plan", must_not_run)
+    monkeypatch.setattr(eplb.synth, "generate", must_not_run)
+    out = {"missing folder": str(tmp_path / "no" / "x.out"), "a folder": str(tmp_path), "empty": ""}[where]
+    path = tmp_path / "t.npz"
+    Trace(np.ones((1, 2, 8), dtype=np.int64), np.arange(2), default_meta(2, 8)).save(path)
+    argv = {"plan": ["plan", str(path), "--gpus", "2"], "synth": ["synth", "--windows", "1"]}[command]
+    assert main(argv + ["-o", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"eplb {command}: error: ") and "-o" in err
