@@ -38,7 +38,8 @@ def run(args) -> int:
     base = Placement(contiguous_map(E, topo, L), topo.gpus, E, layer_ids=trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.gpus
-    bound = stats.lower_bound(load, topo.gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1)
+    # Idle layers count as balanced (1), like every other column; lb / 1 gave 0 for them.
+    bound = np.where(mean_gpu > 0, stats.lower_bound(load, topo.gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1), 1.0)
     hot, gini = stats.hot_ratio(load), stats.gini(load)
     per_window = trace.counts_TLE.astype(np.float64)
     win_hot = np.median(stats.hot_ratio(per_window), axis=1) if trace.num_windows > 1 else None

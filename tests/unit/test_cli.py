@@ -251,3 +251,14 @@ def test_unwritable_output_is_refused_before_the_work(tmp_path, capsys, monkeypa
     assert main(argv + ["-o", out]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"eplb {command}: error: ") and "-o" in err
+
+
+def test_stats_idle_layer_is_balanced_in_every_column(tmp_path, capsys):
+    counts = np.random.default_rng(5).poisson(20, size=(2, 3, 16))
+    counts[:, 1] = 0  # a layer that saw no tokens
+    path = tmp_path / "t.npz"
+    Trace(counts, np.arange(3), default_meta(3, 16)).save(path)
+    assert main(["stats", str(path), "--gpus", "4", "--json"]) == 0
+    per_layer = json.loads(capsys.readouterr().out)["per_layer"]
+    for column in ("hot/mean", "contiguous max/mean", "bound/mean"):
+        assert per_layer[column][1] == 1.0, column  # bound/mean was 0.0
