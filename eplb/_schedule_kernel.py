@@ -85,7 +85,7 @@ def pend_layer(pend, npend, P):
 
 
 @njit(cache=True, nogil=True)
-def _stage(cur, tgt, hc, writing, pend, npend, wf, state, path, cyc_buf, cyc_start, cyc_len,
+def _stage(cur, tgt, hc, writing, staged_blk, pend, npend, wf, state, path, cyc_buf, cyc_start, cyc_len,
            send_busy, recv_busy, done, G, S, P):
     """Break every cycle of blocked slots at once, one staging copy per cycle; returns the
     copies written to done (0: no spare slot anywhere).
@@ -94,7 +94,10 @@ def _stage(cur, tgt, hc, writing, pend, npend, wf, state, path, cyc_buf, cyc_sta
     the first pending slot whose target is o. Following these waits from any pending slot
     ends in a cycle or at a slot nobody waits for. Per cycle, one member's expert is copied
     into a spare slot (final, and its expert has another complete replica), on the member's
-    rank if possible (no link), else over links still free in this round.
+    rank if possible (no link), else over links still free in this round. Only when no final
+    slot is spare: a pending one that is empty or holds a duplicate and stages nothing yet
+    (with as many slots as experts, the slots of experts lost with failed ranks are the only
+    room, and their reloads wait for the end; see `schedule`).
     """
     for d in range(G):
         for k in range(npend[d]):
@@ -140,20 +143,28 @@ def _stage(cur, tgt, hc, writing, pend, npend, wf, state, path, cyc_buf, cyc_sta
         l = cyc_buf[cyc_start[c]] // P
         bp = -1
         bs = -1
-        for t in range(cyc_len[c]):
-            p = cyc_buf[cyc_start[c] + t] % P
-            for s in range(P):
-                x = cur[l, s]
-                if x != tgt[l, s] or x < 0 or writing[l, s] or hc[l, x] < 2:
-                    continue
-                if s // S == p // S:
-                    bp = p
-                    bs = s
+        for final in (True, False):
+            for t in range(cyc_len[c]):
+                p = cyc_buf[cyc_start[c] + t] % P
+                for s in range(P):
+                    x = cur[l, s]
+                    if writing[l, s]:
+                        continue
+                    if final:
+                        if x != tgt[l, s] or x < 0 or hc[l, x] < 2:
+                            continue
+                    elif x == tgt[l, s] or (x >= 0 and hc[l, x] < 2) or staged_blk[l, s] >= 0:
+                        continue
+                    if s // S == p // S:
+                        bp = p
+                        bs = s
+                        break
+                    if bp < 0 and not send_busy[p // S] and not recv_busy[s // S]:
+                        bp = p
+                        bs = s
+                if bp >= 0 and bs // S == bp // S:
                     break
-                if bp < 0 and not send_busy[p // S] and not recv_busy[s // S]:
-                    bp = p
-                    bs = s
-            if bp >= 0 and bs // S == bp // S:
+            if bp >= 0:
                 break
         if bp < 0:
             continue
@@ -161,7 +172,8 @@ def _stage(cur, tgt, hc, writing, pend, npend, wf, state, path, cyc_buf, cyc_sta
             send_busy[bp // S] = True
             recv_busy[bs // S] = True
         writing[l, bs] = True
-        hc[l, cur[l, bs]] -= 1
+        if cur[l, bs] >= 0:
+            hc[l, cur[l, bs]] -= 1
         done[nd, 0] = l
         done[nd, 1] = bs
         done[nd, 2] = cur[l, bp]
@@ -213,6 +225,13 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     cyc_len = np.empty(L * P, dtype=np.int64)
     send_busy = np.zeros(G, dtype=np.bool_)
     recv_busy = np.zeros(G, dtype=np.bool_)
+    # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
+    # keep it, reloads of lost experts use it up, and a cycle needs one unit to stage through:
+    # a reload that would leave none waits until it is its layer's last pending slot. Only
+    # with E >= P can a reload leave none (else it leaves >= P - E + 1 - 1 >= 1).
+    tight = E >= P
+    ndist = np.zeros(L, dtype=np.int64)      # experts held per layer, round start + reloads
+    npl = np.zeros(L, dtype=np.int64)        # pending slots per layer at round start
     M = 0
     R = 0
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
@@ -233,6 +252,16 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
             nd = 0
             ncand[:] = 0
+            if tight:
+                for l in range(c0, c1):
+                    npl[l] = 0
+                    ndist[l] = 0
+                    for e in range(E):
+                        if hc[l, e] > 0:
+                            ndist[l] += 1
+                for d in range(G):
+                    for k in range(npend[d]):
+                        npl[pend[d, k] // P] += 1
             # Scan: local copies are taken at once (no link); network and checkpoint
             # candidates (at most per_rank per destination rank) go to the link matching.
             for d in range(G):
@@ -283,6 +312,8 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                             ncand[d] += 1
                     elif inflight[l, e]:
                         continue                   # e's only copy is still being written
+                    elif tight and P - ndist[l] < 2 and npl[l] > 1:
+                        continue                   # the layer's last spare room: reload last
                     elif ncand[d] < per_rank:      # lost with every replica: checkpoint reload
                         i = ncand[d]
                         cand[d, i] = code
@@ -322,6 +353,10 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                             continue               # the source is being written this round
                         if src < 0 and inflight[l, e]:
                             continue
+                        if src < 0 and tight:
+                            if P - ndist[l] < 2 and npl[l] > 1:
+                                continue           # another reload this round took the room
+                            ndist[l] += 1
                         if o >= 0:
                             hc[l, o] -= 1
                         writing[l, p] = True
@@ -340,8 +375,8 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
             if nd == 0:
                 # Every pending slot is blocked: break each cycle of "waits for" links with
                 # one staging copy into a spare slot.
-                nd = _stage(cur, tgt, hc, writing, pend, npend, wf, state, path, cyc_buf, cyc_start,
-                            cyc_len, send_busy, recv_busy, done, G, S, P)
+                nd = _stage(cur, tgt, hc, writing, staged_blk, pend, npend, wf, state, path, cyc_buf,
+                            cyc_start, cyc_len, send_busy, recv_busy, done, G, S, P)
                 if nd == 0:
                     return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(pend, npend, P)
                 for i in range(nd):

@@ -1065,7 +1065,9 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     into a *staging* slot: a slot already in its final state whose expert has another
     complete replica (exists whenever a layer has more slots than experts present). The
     cycle then unwinds, and the staging slot is restored last. With no such slot (P = E
-    and a cycle) a safe schedule does not exist and EplbError says so.
+    and a cycle) a safe schedule does not exist and EplbError says so. After failed ranks
+    with P = E, the slots of the lost experts are the only room to stage through: a reload
+    that would use up a layer's last such room waits until it is the layer's last copy.
 
     layers_per_chunk: rounds only mix layers of one chunk of that many consecutive layers,
     and chunks run in order, so an engine can migrate (and free buffers) chunk by chunk.
@@ -1106,7 +1108,7 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
         chunk_R = []
         for c, first in enumerate(range(0, L, chunk)):
             layers = range(first, min(L, first + chunk))
-            _schedule_chunk(old_LP, new_LP, layers, S, gpus, c, cols, chunk_R)
+            _schedule_chunk(old_LP, new_LP, layers, S, gpus, num_experts, c, cols, chunk_R)
         arr = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
     return MigrationPlan(
         old_LP=old_LP, new_LP=new_LP, slots_per_gpu=S, num_experts=num_experts,
@@ -1117,8 +1119,15 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     )
 
 
-def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R, per_rank: int = 8) -> None:
-    """Append the rounds of one layer chunk to cols / chunk_R (see `schedule`)."""
+def _schedule_chunk(old_LP, new_LP, layers, S, G, E, chunk_id, cols, chunk_R, per_rank: int = 8) -> None:
+    """Append the rounds of one layer chunk to cols / chunk_R (see `schedule`).
+
+    Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
+    keep it, reloads of lost experts use it up, and a cycle needs one unit to stage through:
+    a reload that would leave none waits until it is its layer's last pending slot (with
+    E < P every reload leaves some)."""
+    P = G * S
+    tight = E >= P
     cur = {l: old_LP[l].tolist() for l in layers}
     tgt = {l: new_LP[l].tolist() for l in layers}
     holders: dict[tuple[int, int], set] = {}
@@ -1140,6 +1149,12 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R, per_r
         assert guard > 0, "migration schedule does not converge (bug)"
         rnd = len(chunk_R)
         sourcing, done, inflight = set(), [], set()
+        if tight:
+            npl = {l: 0 for l in layers}
+            for q in pend:
+                for (l, _p) in q:
+                    npl[l] += 1
+            ndist = {l: sum(1 for e in range(E) if holders.get((l, e))) for l in layers}
 
         def commit(l, p, e, src, src_rank, d):
             o = cur[l][p]
@@ -1176,6 +1191,8 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R, per_r
                         by_rank.setdefault(s // S, s)
                 elif (l, e) in inflight:
                     continue                      # e's only copy is still being written
+                elif tight and P - ndist[l] < 2 and npl[l] > 1:
+                    continue                      # the layer's last spare room: reload last
                 else:
                     by_rank = {G + d: -1}         # lost with every replica: checkpoint reload
                 if len(cand[d]) < per_rank:
@@ -1207,10 +1224,14 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R, per_r
                         continue                  # the source is being written this round
                     if src < 0 and (l, e) in inflight:
                         continue
+                    if src < 0 and tight:
+                        if P - ndist[l] < 2 and npl[l] > 1:
+                            continue              # another reload this round took the room
+                        ndist[l] += 1
                     commit(l, p, e, src, CHECKPOINT if src < 0 else r, d)
                     break
         if not done:
-            done = _stage_cycles(cur, tgt, holders, pend, S)
+            done = _stage_cycles(cur, tgt, holders, pend, S, staged_for)
             for (l, s_, a, _r, src, *_) in done:
                 staged_for[(l, s_)] = (src, a)
         for (l, p, e, src_rank, src, d, staged) in done:
@@ -1229,14 +1250,16 @@ def _schedule_chunk(old_LP, new_LP, layers, S, G, chunk_id, cols, chunk_R, per_r
         left = sum(len(q) for q in pend)
 
 
-def _stage_cycles(cur, tgt, holders, pend, S):
+def _stage_cycles(cur, tgt, holders, pend, S, staged_for):
     """Break every cycle of blocked slots at once, one staging copy per cycle.
 
     Slot p is blocked when it holds the last replica of its expert o; it waits for a
     pending slot whose target is o. Following these waits from any blocked slot ends in a
     cycle (everything is blocked when this runs). Per cycle, one member's expert is copied
     into a spare slot: a finished slot whose own expert has another complete replica,
-    on the member's GPU if possible (no link), else over free links.
+    on the member's GPU if possible (no link), else over free links. Only when no finished
+    slot is spare: a pending one that is empty or holds a duplicate and stages nothing yet
+    (a layer with as many slots as experts whose lost experts' reloads wait for the end).
     """
     waiting_for: dict[tuple[int, int], list] = {}
     for q in pend:
@@ -1259,23 +1282,29 @@ def _stage_cycles(cur, tgt, holders, pend, S):
             for n in path:
                 state[n] = 2
     out, used, send_busy, recv_busy = [], set(), set(), set()
-    spares_by_layer: dict[int, list[int]] = {}
+    spares_by_layer: dict[int, tuple[list[int], list[int]]] = {}
+    spare = lambda l, s: cur[l][s] < 0 or len(holders[(l, cur[l][s])]) >= 2  # noqa: E731
     for cyc in cycles:
         l = cyc[0][0]
         if l not in spares_by_layer:
-            spares_by_layer[l] = [s for s in range(len(cur[l])) if cur[l][s] == tgt[l][s]
-                                  and cur[l][s] >= 0 and len(holders[(l, cur[l][s])]) >= 2]
+            P = len(cur[l])
+            spares_by_layer[l] = ([s for s in range(P) if cur[l][s] == tgt[l][s] and cur[l][s] >= 0 and spare(l, s)],
+                                  [s for s in range(P) if cur[l][s] != tgt[l][s] and (l, s) not in staged_for
+                                   and spare(l, s)])
         best = None
-        for (_, p) in cyc:
-            for s in spares_by_layer[l]:
-                if (l, s) in used or len(holders[(l, cur[l][s])]) < 2:
-                    continue
-                if s // S == p // S:
-                    best = (p, s)
+        for spares in spares_by_layer[l]:
+            for (_, p) in cyc:
+                for s in spares:
+                    if (l, s) in used or not spare(l, s):
+                        continue
+                    if s // S == p // S:
+                        best = (p, s)
+                        break
+                    if best is None and p // S not in send_busy and s // S not in recv_busy:
+                        best = (p, s)
+                if best is not None and best[1] // S == best[0] // S:
                     break
-                if best is None and p // S not in send_busy and s // S not in recv_busy:
-                    best = (p, s)
-            if best is not None and best[1] // S == best[0] // S:
+            if best is not None:
                 break
         if best is None:
             continue
@@ -1284,7 +1313,8 @@ def _stage_cycles(cur, tgt, holders, pend, S):
             send_busy.add(p // S)
             recv_busy.add(s // S)
         used.add((l, s))
-        holders[(l, cur[l][s])].discard(s)
+        if cur[l][s] >= 0:
+            holders[(l, cur[l][s])].discard(s)
         out.append((l, s, cur[l][p], p // S, p, s // S, True))
     if not out:
         raise EplbError(_NO_SAFE_MIGRATION)

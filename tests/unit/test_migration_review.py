@@ -115,3 +115,76 @@ def test_restore_and_schedule_name_bad_input(call, match):
 def test_huge_layers_per_chunk_is_one_chunk():
     m = mg.schedule(_OLD, _NEW, 2, 3, layers_per_chunk=10**30)
     assert set(m.chunk_R.tolist()) == {0}
+
+
+# Schedules where the lost experts' slots are the only spare room --------------------------------
+
+def _replay(m, old, new, G):
+    from tests.unit.test_migration import replay_and_check
+
+    replay_and_check(m, old, new, G)
+    m.check()
+
+
+def _feasible(old, new, E):
+    """Brute force over one-copy steps (a schedule of one-copy rounds is a valid schedule): can
+    one layer go from old to new with every expert it holds keeping a replica at every step?"""
+    import collections
+
+    start, goal = tuple(old), tuple(new)
+    seen, queue = {start}, collections.deque([start])
+    while queue:
+        cur = queue.popleft()
+        if cur == goal:
+            return True
+        held = collections.Counter(x for x in cur if x >= 0)
+        for s, o in enumerate(cur):
+            if o >= 0 and held[o] < 2:
+                continue                       # the only replica of o
+            for e in range(E):
+                nxt = cur[:s] + (e,) + cur[s + 1:]
+                if e != o and nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+    return False
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("G, old, new", [
+    (3, [0, 1, 1], [1, 2, 0]),                   # 2 lost, 1 doubled: its reload must come last
+    (3, [2, 0, -1], [0, 2, 1]),                  # 1 lost: stage the 0 <-> 2 swap through its slot
+    (3, [8, 6, 4, 0, 6, 3, 5, 1, 2], [8, 2, 4, 7, 1, 0, 5, 3, 6]),
+])
+def test_as_many_slots_as_experts_with_lost_experts_is_scheduled(compiled, G, old, new):
+    """P = E after failed ranks: the lost experts' slots are the only spare room. Reloading the
+    last one early left every pending slot holding an only replica ('no safe migration')
+    although a safe order exists."""
+    old, new = np.array([old]), np.array([new])
+    assert _feasible(old[0].tolist(), new[0].tolist(), new.shape[1])
+    m = mg.schedule(old, new, G, new.shape[1], compiled=compiled)
+    _replay(m, old, new, G)
+
+
+def test_schedules_succeed_exactly_when_a_safe_order_exists():
+    """Small layers with E >= P - 1, lost experts, duplicates and empty slots: both schedulers
+    find a schedule if and only if brute force finds one."""
+    seen = set()
+    for seed in range(600):
+        rng = np.random.default_rng(seed)
+        G, S = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        P = G * S
+        if P > 5:
+            continue
+        E = int(rng.integers(max(1, P - 1), P + 1))
+        base = np.arange(E)[rng.random(E) > 0.35]
+        old = rng.permutation(np.concatenate([base, rng.integers(-1, E, P - base.size)]))[None]
+        new = rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, P - E)]))[None]
+        feasible = _feasible(old[0].tolist(), new[0].tolist(), E)
+        seen.add(feasible)
+        for compiled in (True, False):
+            if feasible:
+                _replay(mg.schedule(old, new, G, E, compiled=compiled), old, new, G)
+            else:
+                with pytest.raises(EplbError, match="no safe migration"):
+                    mg.schedule(old, new, G, E, compiled=compiled)
+    assert seen == {True, False}

@@ -162,3 +162,18 @@ def test_observe_from_threads_while_rebalancing(rng, start):
     assert rb.placement is res.placement
     # No observation was lost or counted twice around the switch.
     assert np.allclose(rb.load_LE, skewed_first + 600 * counts)
+
+
+def test_failed_rank_leaving_as_many_slots_as_experts():
+    """5 GPUs x 4 slots, 16 experts: one rank fails and 16 slots remain. The migration must
+    stage through the slots of the lost experts before reloading them (it was refused as
+    'no safe migration' every time)."""
+    rng = np.random.default_rng(0)
+    for seed in range(5):
+        r = np.random.default_rng(seed)
+        pl = plan(r.gamma(0.5, 10, (3, 16)), gpus=5, slots_per_gpu=4).placement
+        rb = Rebalancer(pl, interval=10**6)
+        rb.observe(r.gamma(0.5, 10, (3, 16)))
+        res = rb.rebalance(failed_ranks=[int(rng.integers(5))])
+        res.migration.check()
+        assert res.placement.num_slots == 16 and res.lost_experts
