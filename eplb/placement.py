@@ -276,4 +276,31 @@ class Placement:
 
     @classmethod
     def load(cls, path: str | Path) -> "Placement":
-        return cls.from_dict(read_json_file(path, "placement file"), source=str(path))
+        """Read eplb's own JSON; an engine export (SGLang, vLLM, TensorRT-LLM) is named as such."""
+        path = Path(path)
+        fmt = _engine_format(path)
+        if fmt is None:
+            d = read_json_file(path, "placement file")
+            if isinstance(d, dict) and set(d) == {"physical_to_logical_map"}:
+                fmt = "sglang"  # SGLang's --init-expert-location file holds this key and nothing else
+            else:
+                return cls.from_dict(d, source=str(path))
+        name = {"vllm": "vLLM .pt", "trtllm": "TensorRT-LLM YAML", "sglang": "SGLang JSON"}[fmt]
+        extra = "" if fmt == "vllm" else ", num_gpus=G"
+        raise EplbError(f"{path}: a {name} placement export, not an eplb placement file: read it with "
+                        f"eplb.formats.export.read_placement(path, '{fmt}'{extra}); eplb commands take the "
+                        f"file `eplb plan --format eplb` writes")
+
+
+def _engine_format(path: Path) -> str | None:
+    """Which non-JSON engine export a file looks like ("vllm", "trtllm"), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None  # read_json_file says what is wrong with the path
+    if head.startswith(b"PK\x03\x04"):
+        return "vllm"  # a torch .pt zip
+    if head.lstrip().startswith((b"num_slots:", b"initial_global_assignments:")):
+        return "trtllm"
+    return None

@@ -175,3 +175,15 @@ def test_topology_value_errors():
         Topology(gpus=4, slots_per_gpu=0)
     with pytest.raises(EplbError, match="nodes must be a positive integer"):
         Topology(gpus=4, slots_per_gpu=1, nodes=True)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm", "trtllm"])
+def test_load_of_an_engine_file_names_the_reader(tmp_path, fmt):
+    """`eplb inspect out.yaml` said only "not valid JSON"; now it names the format and the way to read it."""
+    pytest.importorskip("torch")
+    from eplb.formats.export import write_placement
+
+    path = tmp_path / f"plan.{fmt}"
+    write_placement(Placement(np.array([[0, 1, 2, 3, 0, 1]]), 2, 4), path, fmt)
+    with pytest.raises(EplbError, match=rf"{fmt}.*read_placement\(path, '{fmt}'"):
+        Placement.load(path)
