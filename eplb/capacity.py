@@ -140,6 +140,8 @@ class ModelShape:
         if not 0 <= self.num_dense_layers <= self.num_hidden_layers:
             raise EplbError(f"model {self.name}: num_dense_layers ({self.num_dense_layers}) must be in "
                             f"0..num_hidden_layers ({self.num_hidden_layers})")
+        if self.num_experts and self.top_k > self.num_experts:
+            raise EplbError(f"model {self.name}: top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
         if self.num_experts and not self.moe_intermediate_size:
             raise EplbError(f"model {self.name}: {self.num_experts} experts need moe_intermediate_size > 0")
         if self.num_experts and self.num_dense_layers == self.num_hidden_layers:
