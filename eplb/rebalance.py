@@ -184,7 +184,13 @@ class Rebalancer:
         counts: logical [L, E], or physical-slot [L, P] (mapped back through the current
         placement). When E == P the shape does not say which: pass `physical`.
         """
-        c = np.asarray(counts, dtype=np.float64)
+        try:
+            c = np.asarray(counts, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise EplbError(f"counts must be an array of numbers, got {type(counts).__name__}: {exc}") from None
+        # Checked before the window changes: one NaN would stay in a sliding sum for good.
+        if not np.isfinite(c).all() or (c < 0).any():
+            raise EplbError("counts must be finite and >= 0 (tokens routed to each expert or slot)")
         with self._lock:
             pl = self.placement
             L, E, P = pl.num_layers, pl.num_logical_experts, pl.num_slots

@@ -177,3 +177,19 @@ def test_failed_rank_leaving_as_many_slots_as_experts():
         res = rb.rebalance(failed_ranks=[int(rng.integers(5))])
         res.migration.check()
         assert res.placement.num_slots == 16 and res.lost_experts
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_observe_refuses_counts_that_are_not_finite_and_non_negative(rng, start, bad):
+    """One NaN used to stay in a sliding-window sum forever (NaN - NaN is NaN), and negative
+    counts made the load negative: both must be refused, leaving the window as it was."""
+    rb = Rebalancer(start, window=2, interval=10**6)
+    good = rng.poisson(5.0, (L, E)).astype(float)
+    rb.observe(good)
+    for physical in (False, True):
+        c = np.ones((L, E if not physical else start.num_slots))
+        c[1, 3] = bad
+        with pytest.raises(EplbError, match="finite and >= 0"):
+            rb.observe(c, physical=physical)
+    assert rb.step == 1 and np.array_equal(rb.load_LE, good)
+
