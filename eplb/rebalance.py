@@ -174,7 +174,13 @@ class Rebalancer:
     def load_LE(self) -> np.ndarray:
         """The load the next rebalance plans on (copy), float64 [L, E]."""
         with self._lock:
-            return self._load_LE.copy()
+            return self._load_snapshot()
+
+    def _load_snapshot(self) -> np.ndarray:
+        """Copy of the window load (lock held). A sliding sum of float counts leaves rounding
+        residue (-1e-16 where the window holds only zeros), which planners refuse as negative:
+        it is cut at 0 here rather than in `observe`, which runs every step."""
+        return np.maximum(self._load_LE, 0.0)
 
     # Observe / decide -------------------------------------------------------------------------
 
@@ -260,7 +266,7 @@ class Rebalancer:
         """
         with self._lock:
             pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step
-            load = self._load_LE.copy()
+            load = self._load_snapshot()
         if load.sum() <= 0:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
