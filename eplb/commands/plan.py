@@ -123,6 +123,10 @@ def run(args) -> int:
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
         bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
     )
+    if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
+        which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
+        raise EplbError(f"{which} holds no tokens (every count is zero): there is no load to balance; "
+                        f"check the collector, or plan on windows with traffic")
     migration = result.info.get("migration")
     if args.output:
         write_placement(result.placement, args.output, args.format, trace.meta)

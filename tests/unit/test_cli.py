@@ -262,3 +262,18 @@ def test_stats_idle_layer_is_balanced_in_every_column(tmp_path, capsys):
     per_layer = json.loads(capsys.readouterr().out)["per_layer"]
     for column in ("hot/mean", "contiguous max/mean", "bound/mean"):
         assert per_layer[column][1] == 1.0, column  # bound/mean was 0.0
+
+
+def test_plan_refuses_a_trace_without_tokens(tmp_path, capsys):
+    """An all-zero trace was 'planned' (HEURISTIC, every ratio 1.0) and written without a word."""
+    path = tmp_path / "zero.npz"
+    Trace(np.zeros((2, 3, 16), dtype=np.int64), np.arange(3), default_meta(3, 16)).save(path)
+    assert main(["plan", str(path), "--gpus", "4", "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no tokens" in err and not (tmp_path / "p.json").exists()
+    counts = np.random.default_rng(6).poisson(20, size=(2, 3, 16))
+    counts[-1] = 0  # traffic, but not in the newest window
+    Trace(counts, np.arange(3), default_meta(3, 16)).save(path)
+    assert main(["plan", str(path), "--gpus", "4", "--aggregate", "last"]) == 2
+    assert "--aggregate last" in capsys.readouterr().err
+    assert main(["plan", str(path), "--gpus", "4", "-q"]) == 0
