@@ -282,11 +282,33 @@ class Rebalancer:
 
     def adopt(self, result: RebalanceResult, *, _expect_version: int | None = None) -> None:
         """Serve `result.placement` from now on (physical counts map through it)."""
+        new = result.placement
+        ranks = np.asarray(result.rank_ids)
+        if not isinstance(new, Placement) or ranks.shape != (new.num_gpus,):
+            raise EplbError("adopt needs a RebalanceResult: a Placement and one engine rank per GPU")
         with self._lock:
+            pl = self.placement
+            # The window keeps logical loads of these layers and experts: a placement of another
+            # shape would make every later observe fail (ranks may fail: GPUs can change).
+            if (new.num_layers, new.num_logical_experts, new.slots_per_gpu) != \
+                    (pl.num_layers, pl.num_logical_experts, pl.slots_per_gpu):
+                raise EplbError(f"result is for {new.num_layers} layers x {new.num_logical_experts} experts, "
+                                f"{new.slots_per_gpu} slots per GPU; this Rebalancer serves "
+                                f"{pl.num_layers} x {pl.num_logical_experts}, {pl.slots_per_gpu} per GPU")
             if _expect_version is not None and _expect_version != self._version:
                 raise EplbError("the placement changed while this rebalance was planned "
                                 "(two rebalances at once?): plan again")
-            self._adopt(result.placement, result.rank_ids)
+            # The result's migration must start from what is served now (its surviving ranks'
+            # slots): a result planned before another one was adopted would move the engine
+            # from a placement it no longer has.
+            where = {int(r): i for i, r in enumerate(self.rank_ids)}
+            pos = np.array([where.get(int(r), -1) for r in ranks], dtype=np.int64)
+            L, S = pl.num_layers, pl.slots_per_gpu
+            served = pl.phy2log_LP.reshape(L, pl.num_gpus, S)[:, pos].reshape(L, -1)
+            if (pos < 0).any() or not np.array_equal(served, result.migration.old_LP):
+                raise EplbError("this result was planned from another placement than the one served now "
+                                "(another rebalance was adopted since): plan again")
+            self._adopt(new, ranks)
 
     def _failed_indices(self, failed_ranks, ranks: np.ndarray) -> np.ndarray:
         failed = np.unique(np.asarray(list(failed_ranks), dtype=np.int64))

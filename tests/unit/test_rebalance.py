@@ -205,3 +205,34 @@ def test_window_of_float_counts_never_plans_on_negative_load(start):
     assert (rb.load_LE >= 0).all()
     rb.rebalance()
 
+
+
+def test_adopt_refuses_a_result_for_another_model(rng, start):
+    """A placement of other layers / experts was adopted, and every later observe failed."""
+    rb = Rebalancer(start, interval=10**6)
+    foreign = plan(rng.gamma(1.0, 10.0, (L + 1, E)), gpus=G, redundant=8).placement
+    rb2 = Rebalancer(foreign, interval=10**6)
+    rb2.observe(rng.gamma(1.0, 10.0, (L + 1, E)))
+    with pytest.raises(EplbError, match="layers"):
+        rb.adopt(rb2.rebalance(apply=False))
+    assert rb.placement is start
+    rb.observe(rng.poisson(5.0, (L, E)).astype(float))     # still serving the old shape
+
+
+def test_adopt_refuses_a_result_planned_before_another_was_adopted(rng, start):
+    """rebalance(apply=False) on one thread, rebalance() on another: the first result's
+    migration starts from a placement no longer served, and adopting it must fail."""
+    rb = Rebalancer(start, interval=10**6)
+    rb.observe(skewed(rng, [9]))
+    stale = rb.rebalance(apply=False)
+    rb.observe(skewed(rng, [20, 21]) * 50)
+    fresh = rb.rebalance()
+    assert not np.array_equal(fresh.placement.phy2log_LP, start.phy2log_LP)
+    with pytest.raises(EplbError, match="another placement"):
+        rb.adopt(stale)
+    assert rb.placement is fresh.placement
+    # A failed-rank result adopted later (apply=False) starts from the survivors' slots.
+    rb = Rebalancer(plan(skewed(rng, [1]), gpus=G, redundant=16).placement, interval=10**6)
+    rb.observe(skewed(rng, [9]))
+    rb.adopt(rb.rebalance(failed_ranks=[2], apply=False))
+    assert rb.rank_ids.tolist() == [0, 1, 3]
