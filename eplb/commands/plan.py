@@ -90,6 +90,9 @@ def run(args) -> int:
     if args.output is not None:
         check_output_path(args.output, "the placement")  # before planning, which may take minutes
     trace = load_history(args.traces)
+    if args.window is not None and args.window > trace.num_windows:
+        raise EplbError(f"--window {args.window} asks for more windows than the trace holds ({trace.num_windows}): "
+                        f"use --window {trace.num_windows} or less (or --aggregate sum for all of them)")
     settings = parse_settings(args.set)
     if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):
         settings.setdefault("quiet", True)  # no progress bar when asked for silence
@@ -174,8 +177,12 @@ def run(args) -> int:
     print(format_table(["placement", "max/mean min", "median", "max", "/bound median", "/bound max",
                         "balancedness"] + (["per window: median", "worst"] if window_bal else []), rows))
     if window_bal:
-        print(f"max/mean and /bound: per layer on the planning load ({args.aggregate} of "
-              f"{trace.num_windows} windows); per window: balancedness of each window alone")
+        T = trace.num_windows
+        how = {"window": f"sum of the newest {args.window} of {T} windows",
+               "ema": f"EMA of {T} windows, alpha {0.3 if args.alpha is None else args.alpha:g}",
+               "last": f"the last of {T} windows"}.get(args.aggregate, f"{args.aggregate} of {T} windows")
+        print(f"max/mean and /bound: per layer on the planning load ({how}); "
+              f"per window: balancedness of each window alone")
     print(f"planner {result.planner}: {result.status}, {result.seconds * 1e3:.1f} ms"
           + (f" ({result.message})" if result.message else ""))
     if migration:

@@ -277,3 +277,13 @@ def test_plan_refuses_a_trace_without_tokens(tmp_path, capsys):
     assert main(["plan", str(path), "--gpus", "4", "--aggregate", "last"]) == 2
     assert "--aggregate last" in capsys.readouterr().err
     assert main(["plan", str(path), "--gpus", "4", "-q"]) == 0
+
+
+def test_plan_says_which_windows_it_planned_on(files, capsys):
+    """--aggregate window --window 2 printed "(window of 4 windows)"; --window 9 of 4 was clipped silently."""
+    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "window", "--window", "2"]) == 0
+    assert "planning load (sum of the newest 2 of 4 windows)" in capsys.readouterr().out
+    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "ema"]) == 0
+    assert "planning load (EMA of 4 windows, alpha 0.3)" in capsys.readouterr().out
+    assert main(["plan", files["trace"], "--gpus", str(G), "--aggregate", "window", "--window", "9"]) == 2
+    assert "--window 4 or less" in capsys.readouterr().err
