@@ -188,3 +188,80 @@ def test_schedules_succeed_exactly_when_a_safe_order_exists():
                 with pytest.raises(EplbError, match="no safe migration"):
                     mg.schedule(old, new, G, E, compiled=compiled)
     assert seen == {True, False}
+
+
+# Node-locality accounting of the search ---------------------------------------------------------
+
+def _random_case(seed, nodes, groups):
+    rng = np.random.default_rng(seed)
+    G = nodes * int(rng.integers(1, 4))
+    S = int(rng.integers(2, 5))
+    E = groups * int(rng.integers(1, max(2, G * S // groups)))
+    E = min(E, G * S - 1) // groups * groups or groups
+    from tests.unit.test_migration import random_map
+
+    return rng, G, S, E, random_map(rng, int(rng.integers(1, 4)), G, S, E)
+
+
+@pytest.mark.parametrize("budget", [mg.Budget(move_cost=0.001, span_cost=0.5), mg.Budget(max_moves=6, span_cost=1.0),
+                                    mg.Budget(max_moves_per_gpu=1, span_cost=2.0),
+                                    mg.Budget(max_moves=20, max_moves_per_gpu=2, move_cost=0.002, span_cost=1.0)])
+def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, budget):
+    """After the kernel ran: its (group, node) counts, replica counts and moves per GPU equal
+    the ones recomputed from the map it returns (the prices of the next change read them)."""
+    from eplb import _search_kernel
+    from eplb.stats import group_span
+
+    seen = {}
+    real = _search_kernel.search
+
+    def spy(*args):
+        total = real(*args)
+        seen.update(phy=args[1], r_LE=args[2], cnt_LEG=args[3], in_G=args[5], total=total, gn_LKN=args[-1])
+        return total
+
+    monkeypatch.setattr(_search_kernel, "search", spy)
+    checked = 0
+    for seed in range(40):
+        nodes, groups = (2, 2) if seed % 2 else (2, 4)
+        rng, G, S, E, old = _random_case(seed, nodes, groups)
+        if E % groups or E >= G * S:
+            continue
+        load = rng.gamma(0.4, 10.0, (old.shape[0], E))
+        out = mg.budgeted_search(load, old, G, budget, nodes=nodes, num_groups=groups)
+        assert seen["phy"] is out
+        L = old.shape[0]
+        gn = np.zeros((L, groups, nodes), dtype=np.int64)
+        grp, node = out // (E // groups), (np.arange(G * S) // S) // (G // nodes)
+        np.add.at(gn, (np.arange(L)[:, None], grp, np.broadcast_to(node, out.shape)), 1)
+        np.testing.assert_array_equal(seen["gn_LKN"], gn)
+        np.testing.assert_array_equal(seen["cnt_LEG"], mg.holdings(out, G, E).transpose(0, 2, 1))
+        np.testing.assert_array_equal(seen["r_LE"], seen["cnt_LEG"].sum(axis=2))
+        moves_LG = mg.count_moves(old, out, G, E)
+        np.testing.assert_array_equal(seen["in_G"], moves_LG.sum(axis=0))
+        assert seen["total"] == moves_LG.sum()
+        assert (group_span(out, G, nodes, groups, E) >= 1).all()
+        checked += 1
+    assert checked >= 20
+
+
+def test_prohibitive_span_cost_never_adds_a_group_node_pair():
+    from eplb.stats import group_span
+
+    for seed in range(40):
+        nodes, groups = (2, 2) if seed % 2 else (2, 4)
+        rng, G, S, E, old = _random_case(seed, nodes, groups)
+        if E % groups or E >= G * S:
+            continue
+        load = rng.gamma(0.4, 10.0, (old.shape[0], E))
+        # With move_cost 0 the price only ranks changes (any gain passes the threshold): a
+        # price refuses a change only through move_cost x (1 + span_cost x pairs added).
+        for budget in (mg.Budget(move_cost=0.001, span_cost=1e6), mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
+            out = mg.budgeted_search(load, old, G, budget, nodes=nodes, num_groups=groups)
+            before = group_span(old, G, nodes, groups, E).sum(axis=1)
+            assert (group_span(out, G, nodes, groups, E).sum(axis=1) <= before).all()
+            # span_cost 0 is the node-blind search, to the slot.
+            blind = mg.Budget(budget.max_moves, budget.max_moves_per_gpu, budget.move_cost, 0.0)
+            np.testing.assert_array_equal(
+                mg.budgeted_search(load, old, G, blind, nodes=nodes, num_groups=groups),
+                mg.budgeted_search(load, old, G, blind, compiled=False))
