@@ -154,7 +154,10 @@ def read_expert_statistic(path: str | Path) -> Trace:
         raise EplbError(f"{path}: cannot read meta_info.json ({exc})") from None
     if not isinstance(info, dict) or "num_experts" not in info:
         raise EplbError(f"{path}/meta_info.json: no num_experts (not a TensorRT-LLM expert statistic dump)")
-    E = int(info["num_experts"])
+    E = info["num_experts"]
+    if isinstance(E, bool) or not (isinstance(E, int) or (isinstance(E, float) and E.is_integer())) or E < 1:
+        raise EplbError(f"{path}/meta_info.json: num_experts must be a whole number >= 1, got {E!r}")
+    E = int(E)
     files = _rank_files(path)
     if not files:
         raise EplbError(f"{path}: no rank*.safetensors files")
@@ -166,6 +169,9 @@ def read_expert_statistic(path: str | Path) -> Trace:
                 raise EplbError(f"{f}: tensor name {key!r} is not '<iteration>_<layer>'")
             if a.shape != (E,):
                 raise EplbError(f"{f}: tensor {key!r} has shape {a.shape}, expected ({E},) (num_experts in meta_info.json)")
+            if a.dtype.kind == "f" and not (np.all(np.isfinite(a)) and np.array_equal(a, np.rint(a))):
+                bad = a[~(np.isfinite(a) & (a == np.rint(a)))][0]
+                raise EplbError(f"{f}: tensor {key!r} holds {bad:g}; expert statistics are whole token counts")
             k = (int(m.group(1)), int(m.group(2)))
             total[k] = total.get(k, 0) + a.astype(np.int64)
     iters = sorted({i for i, _ in total})

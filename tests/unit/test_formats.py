@@ -249,6 +249,27 @@ def test_trtllm_expert_statistic_errors(tmp_path, rng):
         load_trace(tmp_path / "empty")
 
 
+@pytest.mark.parametrize("num_experts, message", [
+    ("eight", r"num_experts must be a whole number >= 1, got 'eight'"),  # was a ValueError traceback
+    (8.5, r"num_experts must be a whole number >= 1, got 8.5"),  # was read as 8
+    (0, r"num_experts must be a whole number >= 1, got 0"),
+])
+def test_trtllm_meta_info_num_experts_is_checked(tmp_path, rng, num_experts, message):
+    d = write_trtllm_dump(tmp_path / "a", rng.integers(0, 50, (1, 1, 1, 8)), [3])
+    (d / "meta_info.json").write_text(json.dumps({"num_experts": num_experts}))
+    with pytest.raises(EplbError, match=message):
+        load_trace(d)
+
+
+def test_trtllm_fractional_counts_are_refused(tmp_path):
+    """float tensors were cast to int64: 0.5 tokens per expert became 0 without a word."""
+    d = write_trtllm_dump(tmp_path / "a", np.full((1, 1, 1, 8), 0.5, dtype=np.float32), [3])
+    with pytest.raises(EplbError, match=r"tensor '100_3' holds 0.5.*whole token counts"):
+        load_trace(d)
+    write_safetensors({"100_3": np.full(8, 3.0, dtype=np.float32)}, d / "rank0.safetensors")
+    assert load_trace(d).counts_TLE.sum() == 24  # whole numbers in a float tensor are fine
+
+
 def test_safetensors_reader_matches_the_library_when_installed(tmp_path, rng):
     a = rng.integers(0, 1000, 16).astype(np.int64)
     write_safetensors({"5_3": a}, tmp_path / "x.safetensors")
