@@ -64,15 +64,26 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     assign = d["initial_global_assignments"]
     if not isinstance(assign, dict) or not assign:
         raise EplbError(f"{path}: initial_global_assignments must map layer index -> list of expert ids")
+    def whole(x):  # int() would read layer 3.7 as 3 and expert 2.5 as 2
+        if isinstance(x, str) and x.strip().isdigit():  # a quoted key, "3": still layer 3
+            return int(x)
+        if isinstance(x, bool) or not (isinstance(x, int) or (isinstance(x, float) and x.is_integer())):
+            raise ValueError(f"{x!r} is not a whole number")
+        return int(x)
+
     try:
-        layer_ids = sorted(int(k) for k in assign)
-        rows = [[int(e) for e in assign[k]] for k in sorted(assign, key=int)]
+        keys = sorted(assign, key=whole)
+        layer_ids = [whole(k) for k in keys]
+        rows = [[whole(e) for e in assign[k]] for k in keys]
     except (TypeError, ValueError) as exc:
-        raise EplbError(f"{path}: initial_global_assignments must map integers to lists of integers ({exc})") from None
+        raise EplbError(f"{path}: initial_global_assignments must map layer indices to lists of expert ids, "
+                        f"all whole numbers ({exc})") from None
     if len({len(r) for r in rows}) != 1:
         raise EplbError(f"{path}: layers list different numbers of slots: {sorted({len(r) for r in rows})}")
     num_slots = d.get("num_slots")
-    if num_slots is not None and int(num_slots) != len(rows[0]):
+    if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int)):
+        raise EplbError(f"{path}: num_slots must be a whole number, got {num_slots!r}")
+    if num_slots is not None and num_slots != len(rows[0]):
         raise EplbError(f"{path}: num_slots is {num_slots} but each layer lists {len(rows[0])} slots")
     phy = np.array(rows, dtype=np.int64)
     E = int(num_logical_experts) if num_logical_experts is not None else int(phy.max()) + 1

@@ -270,6 +270,20 @@ def test_trtllm_fractional_counts_are_refused(tmp_path):
     assert load_trace(d).counts_TLE.sum() == 24  # whole numbers in a float tensor are fine
 
 
+@pytest.mark.parametrize("yaml_text, message", [
+    ("initial_global_assignments:\n  3: [0, 1, 2.5, 3]\n", "whole numbers"),  # 2.5 was read as expert 2
+    ("initial_global_assignments:\n  3.7: [0, 1, 2, 3]\n", "whole numbers"),  # layer 3.7 was layer 3
+    ("initial_global_assignments:\n  3: [0, 1, true, 3]\n", "whole numbers"),
+    ("num_slots: abc\ninitial_global_assignments:\n  3: [0, 1, 2, 3]\n", "num_slots"),  # was a ValueError
+])
+def test_trtllm_yaml_numbers_are_whole(tmp_path, yaml_text, message):
+    pytest.importorskip("yaml")
+    path = tmp_path / "lb.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(EplbError, match=message):
+        read_placement(path, "trtllm", num_gpus=2)
+
+
 def test_safetensors_reader_matches_the_library_when_installed(tmp_path, rng):
     a = rng.integers(0, 1000, 16).astype(np.int64)
     write_safetensors({"5_3": a}, tmp_path / "x.safetensors")
