@@ -887,10 +887,35 @@ class MigrationPlan:
         old, new = np.asarray(self.old_LP), np.asarray(self.new_LP)
         if old.shape != new.shape or old.ndim != 2:
             raise EplbError(f"old and new maps must be [layers, slots] of one shape, got {old.shape} and {new.shape}")
+        S = _check_count("slots_per_gpu", self.slots_per_gpu)
+        E = _check_count("num_experts", self.num_experts)
+        G = len(np.atleast_1d(self.rank_ids_G))
+        if np.ndim(self.rank_ids_G) != 1 or G * S != old.shape[1]:
+            raise EplbError(f"rank_ids_G names {G} ranks of {S} slots each, but the maps have "
+                            f"{old.shape[1]} slots: one engine rank per GPU is needed")
+        _check_maps(G, E, old_LP=old, new_LP=new)
         M = len(self.round_M)
-        for name in ("layer_M", "expert_M", "src_rank_M", "src_slot_M", "dst_rank_M", "dst_slot_M", "staging_M"):
-            if len(getattr(self, name)) != M:
-                raise EplbError(f"{name} has {len(getattr(self, name))} entries, round_M has {M}")
+        for name in ("round_M", "layer_M", "expert_M", "src_rank_M", "src_slot_M", "dst_rank_M", "dst_slot_M",
+                     "staging_M", "chunk_R", "rank_ids_G"):
+            a = np.asarray(getattr(self, name))
+            if a.ndim != 1 or (a.size and a.dtype.kind not in "biu"):
+                raise EplbError(f"{name} must be a 1-D array of whole numbers, got {a.dtype} of shape {a.shape}")
+            if name.endswith("_M") and len(a) != M:
+                raise EplbError(f"{name} has {len(a)} entries, round_M has {M}")
+        # Every index in range (serving, check and the engine index slots by them), and each
+        # transfer's ranks the ones its slots live on.
+        L, P = old.shape
+        lay, exp_ = np.asarray(self.layer_M), np.asarray(self.expert_M)
+        src, srank = np.asarray(self.src_slot_M), np.asarray(self.src_rank_M)
+        dst, drank = np.asarray(self.dst_slot_M), np.asarray(self.dst_rank_M)
+        reload = srank == CHECKPOINT
+        bad = ((lay < 0) | (lay >= L) | (exp_ < 0) | (exp_ >= E) | (dst < 0) | (dst >= P) | (drank != dst // S)
+               | np.where(reload, src != -1, (src < 0) | (src >= P) | (srank != src // S)))
+        if bad.any():
+            m = int(np.flatnonzero(bad)[0])
+            raise EplbError(f"transfer {m} (layer {lay[m]}, expert {exp_[m]}, slot {src[m]} on rank {srank[m]} -> "
+                            f"slot {dst[m]} on rank {drank[m]}) is outside the {L} x {P} maps of {E} experts "
+                            f"or names a rank its slot is not on")
         rnd = np.asarray(self.round_M, dtype=np.int64)
         if M and (np.any(np.diff(rnd) < 0) or rnd[0] < 0):
             raise EplbError("transfers must be sorted by round, from round 0")
@@ -961,8 +986,8 @@ class MigrationPlan:
 
     def state_before(self, k: int) -> np.ndarray:
         """Complete slot contents when round k starts, int64 [L, P] (k = num_rounds: the end)."""
-        if not 0 <= k <= self.num_rounds:
-            raise EplbError(f"round {k} is outside 0..{self.num_rounds}")
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.num_rounds:
+            raise EplbError(f"round {k!r} is outside 0..{self.num_rounds}")
         cur = self.old_LP.copy()
         done = self.round_M < k
         cur[self.layer_M[done], self.dst_slot_M[done]] = self.expert_M[done]
@@ -976,8 +1001,8 @@ class MigrationPlan:
         Experts with no complete replica (only possible for experts lost with failed ranks
         before their reload lands) have weight 0 everywhere.
         """
-        if not 0 <= k < self.num_rounds:
-            raise EplbError(f"round {k} is outside 0..{self.num_rounds - 1}")
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 0 <= k < self.num_rounds:
+            raise EplbError(f"round {k!r} is outside 0..{self.num_rounds - 1}")
         cur = self.state_before(k)
         now = self.round_M == k
         writing = np.zeros(cur.shape, dtype=bool)

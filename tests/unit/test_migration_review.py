@@ -265,3 +265,39 @@ def test_prohibitive_span_cost_never_adds_a_group_node_pair():
             np.testing.assert_array_equal(
                 mg.budgeted_search(load, old, G, blind, nodes=nodes, num_groups=groups),
                 mg.budgeted_search(load, old, G, blind, compiled=False))
+
+
+# MigrationPlan: invariants on construction -------------------------------------------------------
+
+def _plan_kw(**kw):
+    d = dict(old_LP=_OLD, new_LP=_NEW, slots_per_gpu=2, num_experts=3, round_M=[0], layer_M=[0], expert_M=[1],
+             src_rank_M=[0], src_slot_M=[1], dst_rank_M=[0], dst_slot_M=[0], staging_M=[False], chunk_R=[0],
+             rank_ids_G=[0, 1])
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(layer_M=[5]), "transfer 0"), (dict(dst_slot_M=[9]), "transfer 0"), (dict(expert_M=[9]), "transfer 0"),
+    (dict(src_slot_M=[-3]), "transfer 0"), (dict(dst_rank_M=[1]), "transfer 0"),
+    (dict(src_rank_M=[-1]), "transfer 0"),                       # a reload names no source slot
+    (dict(slots_per_gpu=3), "rank_ids_G"), (dict(rank_ids_G=[0, 1, 2]), "rank_ids_G"),
+    (dict(old_LP=_OLD + 5), "expert"), (dict(num_experts=0), "num_experts"),
+    (dict(round_M=[0.5]), "whole numbers"), (dict(layer_M=[[0]]), "1-D"),
+])
+def test_migration_plan_checks_its_indices(kw, match):
+    """serving / state_before / check index the maps by these values (an engine too): a plan
+    with one out of range used to be built, then failed with IndexError or served wrong slots."""
+    mg.MigrationPlan(**_plan_kw())                                # the valid one
+    with pytest.raises(EplbError, match=match):
+        mg.MigrationPlan(**_plan_kw(**kw))
+
+
+def test_migration_plan_rounds_must_be_whole():
+    m = mg.schedule(_OLD, _NEW, 2, 3)
+    for k in (1.5, "1", True, None):
+        with pytest.raises(EplbError, match="round"):
+            m.serving(k)
+        with pytest.raises(EplbError, match="round"):
+            m.state_before(k)
+    assert np.array_equal(m.state_before(np.int64(m.num_rounds)), _NEW)
