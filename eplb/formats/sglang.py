@@ -113,7 +113,12 @@ def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:
         raise EplbError(f"{path}: no physical_to_logical_map (not an SGLang --init-expert-location file)")
     try:
-        phy_HP = np.asarray(d["physical_to_logical_map"], dtype=np.int64)
+        phy_HP = np.asarray(d["physical_to_logical_map"])  # not dtype=int64: that reads 2.7 as 2
+        if phy_HP.dtype.kind not in "iuf":
+            raise ValueError(f"ragged or non-numeric, dtype {phy_HP.dtype}")
+        if phy_HP.dtype.kind == "f" and not np.array_equal(phy_HP, np.rint(phy_HP)):
+            raise ValueError(f"non-integer expert id {phy_HP[phy_HP != np.rint(phy_HP)][0]:g}")
+        phy_HP = phy_HP.astype(np.int64)
     except (TypeError, ValueError) as exc:
         raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
     if phy_HP.ndim != 2:

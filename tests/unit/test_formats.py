@@ -284,6 +284,15 @@ def test_trtllm_yaml_numbers_are_whole(tmp_path, yaml_text, message):
         read_placement(path, "trtllm", num_gpus=2)
 
 
+def test_sglang_location_file_ids_must_be_whole(tmp_path):
+    path = tmp_path / "loc.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2.7, 3]]}))  # 2.7 was read as expert 2
+    with pytest.raises(EplbError, match="integer"):
+        read_placement(path, "sglang", num_gpus=2)
+    path.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2.0, 3]]}))
+    assert read_placement(path, "sglang", num_gpus=2).phy2log_LP.tolist() == [[0, 1, 2, 3]]
+
+
 def test_safetensors_reader_matches_the_library_when_installed(tmp_path, rng):
     a = rng.integers(0, 1000, 16).astype(np.int64)
     write_safetensors({"5_3": a}, tmp_path / "x.safetensors")
