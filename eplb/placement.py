@@ -255,13 +255,19 @@ class Placement:
             if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
                 raise EplbError(f"{source}: {key} must be a whole number, got {v!r}")
         weights = d.get("dispatch_weights")
+        layer_ids = d.get("layer_ids")
+        if layer_ids is not None:  # asarray(dtype=int64) would read layer 3.5 as 3
+            ids = np.asarray(layer_ids)
+            if ids.dtype.kind not in "iuf" or (ids.dtype.kind == "f" and not np.array_equal(ids, np.rint(ids))):
+                raise EplbError(f"{source}: layer_ids must be whole numbers, got {layer_ids!r}")
+            layer_ids = ids.astype(np.int64)
         try:
             return cls(
                 phy2log_LP=phy,
                 num_gpus=int(d["num_gpus"]),
                 num_logical_experts=int(d["num_logical_experts"]),
                 num_nodes=int(d.get("num_nodes", 1)),
-                layer_ids=None if d.get("layer_ids") is None else np.asarray(d["layer_ids"], dtype=np.int64),
+                layer_ids=layer_ids,
                 dispatch_weights_LP=None if weights is None else np.asarray(weights, dtype=np.float64),
                 planner=str(d.get("planner", "")),
                 metrics=dict(d.get("metrics") or {}),

@@ -187,3 +187,12 @@ def test_load_of_an_engine_file_names_the_reader(tmp_path, fmt):
     write_placement(Placement(np.array([[0, 1, 2, 3, 0, 1]]), 2, 4), path, fmt)
     with pytest.raises(EplbError, match=rf"{fmt}.*read_placement\(path, '{fmt}'"):
         Placement.load(path)
+
+
+def test_from_dict_layer_ids_must_be_whole():
+    d = {"physical_to_logical_map": [[0, 1], [1, 0]], "num_gpus": 2, "num_logical_experts": 2}
+    with pytest.raises(EplbError, match="layer_ids must be"):  # [3.5, 4] was read as [3, 4]
+        Placement.from_dict({**d, "layer_ids": [3.5, 4]})
+    with pytest.raises(EplbError, match="layer_ids must be"):
+        Placement.from_dict({**d, "layer_ids": ["a", 4]})
+    assert Placement.from_dict({**d, "layer_ids": [3.0, 4]}).layer_ids.tolist() == [3, 4]
