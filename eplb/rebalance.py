@@ -79,6 +79,10 @@ class RebalanceResult:
         }
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
 class Rebalancer:
     """Observe router counts, decide when to rebalance, plan and schedule the migration.
 
@@ -106,18 +110,27 @@ class Rebalancer:
                  max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
                  bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
                  num_groups: int | None = None, span_cost: float = 1.0):
+        from eplb.migration import _check_count
+
         if not isinstance(placement, Placement):
             raise EplbError(f"Rebalancer needs a Placement, got {type(placement).__name__}")
         if window is not None and alpha is not None:
             raise EplbError(f"give either window ({window}) or alpha ({alpha}), not both")
-        if window is not None and (int(window) != window or window < 1):
-            raise EplbError(f"window must be a whole number of observations >= 1, got {window!r}")
-        if alpha is not None and not 0.0 < float(alpha) <= 1.0:
+        if window is not None:
+            _check_count("window (observations)", window)
+        if alpha is not None and not (_is_number(alpha) and 0.0 < float(alpha) <= 1.0):
             raise EplbError(f"alpha must be in (0, 1], got {alpha!r}")
-        if int(interval) != interval or interval < 1:
-            raise EplbError(f"interval must be a whole number of observations >= 1, got {interval!r}")
-        if not 0.0 <= float(min_improvement) < 1.0:
+        _check_count("interval (observations)", interval)
+        if not (_is_number(min_improvement) and 0.0 <= float(min_improvement) < 1.0):
             raise EplbError(f"min_improvement must be in [0, 1), got {min_improvement!r}")
+        # Used only once a rebalance has planned: checked now, not after the planning.
+        if layers_per_chunk is not None:
+            _check_count("layers_per_chunk", layers_per_chunk)
+        if bytes_per_expert is not None:
+            _check_count("bytes_per_expert", bytes_per_expert)
+        for name, v in (("move_cost", move_cost), ("span_cost", span_cost)):
+            if not _is_number(v):
+                raise EplbError(f"{name} must be a finite number >= 0, got {v!r}")
         from eplb.planning import get_planner
 
         get_planner(planner, **(settings or {}))          # fail now on a bad name or setting

@@ -236,3 +236,17 @@ def test_adopt_refuses_a_result_planned_before_another_was_adopted(rng, start):
     rb.observe(skewed(rng, [9]))
     rb.adopt(rb.rebalance(failed_ranks=[2], apply=False))
     assert rb.rank_ids.tolist() == [0, 1, 3]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(layers_per_chunk=0), "layers_per_chunk"), (dict(layers_per_chunk=1.5), "layers_per_chunk"),
+    (dict(bytes_per_expert=-1), "bytes_per_expert"), (dict(bytes_per_expert=2.5), "bytes_per_expert"),
+    (dict(interval="a"), "interval"), (dict(window="a"), "window"), (dict(window=True), "window"),
+    (dict(move_cost="a"), "move_cost"), (dict(span_cost=None), "span_cost"),
+])
+def test_settings_used_only_at_rebalance_are_checked_when_built(start, kw, match):
+    """layers_per_chunk=0 or bytes_per_expert=-1 were stored and failed only after a
+    rebalance had planned; strings gave a ValueError traceback."""
+    with pytest.raises(EplbError, match=match):
+        Rebalancer(start, **kw)
+
