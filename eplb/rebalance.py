@@ -324,7 +324,17 @@ class Rebalancer:
             self._adopt(new, ranks)
 
     def _failed_indices(self, failed_ranks, ranks: np.ndarray) -> np.ndarray:
-        failed = np.unique(np.asarray(list(failed_ranks), dtype=np.int64))
+        if failed_ranks is None or _is_number(failed_ranks):
+            given = [] if failed_ranks is None else [failed_ranks]
+        else:
+            try:
+                given = list(failed_ranks)
+            except TypeError:
+                given = [failed_ranks]
+        # Whole numbers only: [1.5] used to become rank 1 and plan without it.
+        if not all(_is_number(r) and float(r).is_integer() for r in given):
+            raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {failed_ranks!r}")
+        failed = np.unique(np.asarray(given, dtype=np.int64))
         unknown = failed[~np.isin(failed, ranks)]
         if unknown.size:
             raise EplbError(f"failed ranks {unknown.tolist()} are not among the serving ranks {ranks.tolist()}")

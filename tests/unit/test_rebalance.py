@@ -250,3 +250,18 @@ def test_settings_used_only_at_rebalance_are_checked_when_built(start, kw, match
     with pytest.raises(EplbError, match=match):
         Rebalancer(start, **kw)
 
+
+def test_failed_ranks_must_be_engine_ranks(rng, start):
+    """failed_ranks=[1.5] was truncated to rank 1 and planned without it."""
+    start = plan(skewed(rng, [1]), gpus=G, redundant=16).placement       # 3 ranks can hold all
+    rb = Rebalancer(start, interval=10**6)
+    rb.observe(skewed(rng, [3]))
+    for bad in ([1.5], ["a"], [[1]]):
+        with pytest.raises(EplbError, match="failed_ranks"):
+            rb.rebalance(failed_ranks=bad)
+    assert rb.placement is start
+    res = rb.rebalance(failed_ranks=np.int64(3), apply=False)       # one rank, as a scalar
+    assert res.rank_ids.tolist() == [0, 1, 2]
+    assert rb.rebalance(failed_ranks=None, apply=False).rank_ids.tolist() == [0, 1, 2, 3]
+    assert rb.rebalance(failed_ranks={1}, apply=False).rank_ids.tolist() == [0, 2, 3]
+    assert rb.rebalance(failed_ranks=(r for r in [2]), apply=False).rank_ids.tolist() == [0, 1, 3]
