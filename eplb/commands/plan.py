@@ -34,7 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, help="with --aggregate ema: weight of the newest window (default 0.3)")
     p.add_argument("--groups", type=positive_int, help="expert groups of the router (default: from the trace)")
     p.add_argument("--output", "-o", help="write the placement here")
-    p.add_argument("--format", "-f", default="eplb", choices=FORMATS,
+    p.add_argument("--format", "-f", choices=FORMATS,
                    help="file format of --output: eplb JSON, SGLang --init-expert-location JSON, "
                         "vLLM .pt tensors, TensorRT-LLM load_balancer YAML (default eplb)")
     mig = p.add_argument_group("migration (see eplb.migration)")
@@ -87,6 +87,15 @@ def run(args) -> int:
     from eplb.stats import window_balancedness
     from eplb.trace import load_history
 
+    # Options that only act together with another one are refused alone, not ignored.
+    if args.format is not None and args.output is None:
+        raise EplbError(f"--format {args.format} sets the file format of --output: add -o FILE")
+    args.format = args.format or "eplb"
+    if args.slots_per_gpu != "auto":
+        given = [f"--{k.replace('_', '-')}" for k in ("model", "gpu_memory", "context", "concurrency", "expert_dtype")
+                 if getattr(args, k) is not None]
+        if given:
+            raise EplbError(f"{', '.join(given)} size the slots only with --slots-per-gpu auto: add it, or drop them")
     if args.output is not None:
         check_output_path(args.output, "the placement")  # before planning, which may take minutes
     trace = load_history(args.traces)
