@@ -116,6 +116,15 @@ def get_planner(name: str, **settings: Any) -> Planner:
     _load_builtin()
     if name not in _REGISTRY:
         raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
+    import inspect
+
+    params = inspect.signature(_REGISTRY[name]).parameters
+    known = [k for k, p in params.items() if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    unknown = [] if takes_any else [k for k in settings if k not in known]
+    if unknown:  # named alone: the CLI adds quiet=True itself, which the user never typed
+        raise EplbError(f"planner {name!r} does not take these settings: {', '.join(map(repr, unknown))}; "
+                        f"its settings are {', '.join(known) or 'none'}")
     try:
         return _REGISTRY[name](**settings)
     except EplbError:

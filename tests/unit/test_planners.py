@@ -319,3 +319,10 @@ def test_plan_migration_options_without_previous_are_refused(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(EplbError, match=rf"{name} \({kwargs[name]!r}\).*previous"):
         eplb.plan(np.arange(1.0, 17.0)[None], gpus=4, **kwargs)
+
+
+def test_unknown_setting_is_named_with_the_known_ones():
+    with pytest.raises(EplbError, match=r"does not take these settings: 'gap'; its settings are time_limit, "):
+        get_planner("ilp", gap=2, quiet=True)  # quiet is the CLI's, not the user's: not in the message
+    with pytest.raises(EplbError, match=r"'bogus'; its settings are refine_rounds$"):
+        get_planner("greedy", bogus=1)
