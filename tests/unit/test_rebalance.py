@@ -265,3 +265,42 @@ def test_failed_ranks_must_be_engine_ranks(rng, start):
     assert rb.rebalance(failed_ranks=None, apply=False).rank_ids.tolist() == [0, 1, 2, 3]
     assert rb.rebalance(failed_ranks={1}, apply=False).rank_ids.tolist() == [0, 2, 3]
     assert rb.rebalance(failed_ranks=(r for r in [2]), apply=False).rank_ids.tolist() == [0, 1, 3]
+
+
+def test_physical_observes_race_repeated_rebalances(rng):
+    """Threads observe physical-slot counts while another thread rebalances (and adopts) again
+    and again: every count lands in the window exactly once, whatever placement it was mapped
+    through (the per-layer totals are placement-free), and no call sees a half-switched state."""
+    pl = plan(skewed(rng, [0, 1]), gpus=G, redundant=8).placement
+    rb = Rebalancer(pl, interval=10**6, move_cost=0.0)
+    rb.observe(skewed(rng, [4]))
+    first = rb.load_LE.sum(axis=1)
+    P = pl.num_slots
+    counts = rng.poisson(3.0, (L, P)).astype(float)
+    errors, results = [], []
+
+    def feed():
+        try:
+            for _ in range(300):
+                rb.observe(counts, physical=True)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def rebalance():
+        try:
+            for _ in range(5):
+                results.append(rb.rebalance())
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=feed) for _ in range(3)] + [threading.Thread(target=rebalance)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert rb.step == 901 and len(results) == 5
+    assert rb.placement is results[-1].placement
+    np.testing.assert_allclose(rb.load_LE.sum(axis=1), first + 900 * counts.sum(axis=1))
+    for r in results:
+        r.migration.check()
