@@ -794,8 +794,8 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
     if prev.num_gpus != topo.gpus or prev.num_nodes != topo.nodes:
         raise EplbError(f"previous placement is for {prev.num_gpus} GPUs on {prev.num_nodes} node(s); "
                         f"this plan is for {topo.gpus} on {topo.nodes}: plan for the same GPUs")
-    if bytes_per_expert is not None and (int(bytes_per_expert) != bytes_per_expert or bytes_per_expert < 1):
-        raise EplbError(f"bytes_per_expert must be a positive whole number, got {bytes_per_expert!r}")
+    if bytes_per_expert is not None:
+        _check_count("bytes_per_expert", bytes_per_expert)
     t0 = time.perf_counter()
     phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.gpus, topo.nodes, budget,
                               request.num_groups)
@@ -889,6 +889,8 @@ class MigrationPlan:
             raise EplbError(f"old and new maps must be [layers, slots] of one shape, got {old.shape} and {new.shape}")
         S = _check_count("slots_per_gpu", self.slots_per_gpu)
         E = _check_count("num_experts", self.num_experts)
+        if self.bytes_per_expert is not None:
+            _check_count("bytes_per_expert", self.bytes_per_expert)
         G = len(np.atleast_1d(self.rank_ids_G))
         if np.ndim(self.rank_ids_G) != 1 or G * S != old.shape[1]:
             raise EplbError(f"rank_ids_G names {G} ranks of {S} slots each, but the maps have "

@@ -333,3 +333,16 @@ def test_schedulers_agree_on_random_failed_rank_style_maps():
         assert got[0] == got[1], f"seed {seed}: compiled {got[0]}, python {got[1]}"
         outcomes.add(got[0])
     assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("bad", ["a", True, 0, 2.5])
+def test_bytes_per_expert_must_be_a_positive_count(bad):
+    """'a' gave a ValueError traceback; True and 0 were taken (bytes 1 x or 0 x the copies)."""
+    from eplb import plan
+
+    rng = np.random.default_rng(0)
+    prev = plan(rng.random((2, 8)), gpus=2).placement
+    with pytest.raises(EplbError, match="bytes_per_expert"):
+        plan(rng.random((2, 8)), gpus=2, previous=prev, bytes_per_expert=bad)
+    with pytest.raises(EplbError, match="bytes_per_expert"):
+        mg.schedule(_OLD, _NEW, 2, 3, bytes_per_expert=bad)
