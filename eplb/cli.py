@@ -4,7 +4,8 @@ Each command lives in `eplb/commands/<name>.py` with `add_parser(subparsers)` an
 `run(args) -> int`; command modules import heavy libraries (torch, matplotlib, OR-Tools)
 only inside `run`, so `eplb plan` starts fast. Errors are caught here, at one boundary:
 bad input (EplbError, or a path that cannot be read or
-written) prints one line and exits 2; a failure (PlanningError) exits 1.
+written) prints one line and exits 2; a failure (PlanningError) exits 1; a reader that
+closes the pipe early (`eplb stats ... --json | head`) ends the command quietly with 0.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except EplbError as exc:
         print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # before OSError, its base class: `eplb ... | head` is not an error of ours
+        _silence_stdout()
+        return 0
     except OSError as exc:  # a path that cannot be read or written (missing folder, permissions)
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"eplb {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
@@ -69,8 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eplb {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null after a broken pipe, so the interpreter's last flush of the
+    unwritten rest does not raise again ("Exception ignored ... BrokenPipeError", exit 120)."""
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (tests capture stdout)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -290,3 +290,18 @@ def test_plan_says_which_windows_it_planned_on(files, capsys):
     assert "planning load (EMA of 4 windows, alpha 0.3)" in capsys.readouterr().out
     assert main(["plan", files["trace"], "--gpus", str(G), "--aggregate", "window", "--window", "9"]) == 2
     assert "--window 4 or less" in capsys.readouterr().err
+
+
+def test_closed_pipe_is_not_an_error(tmp_path):
+    """`eplb stats --json | head -1` printed "eplb stats: error: Broken pipe" and exited 2."""
+    path = tmp_path / "many_layers.npz"  # > 64 KiB of JSON: the writer blocks until the reader leaves
+    Trace(np.random.default_rng(7).poisson(20, size=(1, 2000, 8)), np.arange(2000), default_meta(2000, 8)).save(path)
+    code = (
+        "import sys; from eplb.cli import main\n"
+        f"sys.exit(main(['stats', {str(path)!r}, '--gpus', '4', '--json']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # the reader goes away after one byte, like head -c1
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and err == ""
