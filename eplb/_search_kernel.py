@@ -1,17 +1,24 @@
-"""Compiled inner loop of `eplb.migration.budgeted_search` (numba), one layer at a time.
+"""Compiled kernels of `eplb.migration` (numba): the budgeted search and its helpers.
 
 Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots,
-A = layers still being improved, C = partner (lightest) GPUs per swap, D = donor slots.
+A = layers still being improved, C = partner (lightest) GPUs per swap, D = donor slots,
+K = expert groups, N = nodes.
 
-The numpy reference (`migration._budgeted_search_numpy`) prices every active layer's
-candidates with whole-array operations; at DeepSeek-V3 shape that is ~40 iterations of
-~100 numpy calls each, which cannot get under 50 ms. This module prices the same candidates
-with the same arithmetic (same operations in the same order, so the same float64 values),
-the same first-maximum tie-breaking and the same budget rules, in plain loops compiled by
-numba. Tests check the placements are identical to the reference.
+- `search`: the per-layer loop of `migration.budgeted_search`. Its numpy twin
+  (`budgeted_search(..., compiled=False)`) prices every active layer's candidates with
+  whole-array operations; at DeepSeek-V3 shape that is ~40 iterations of ~100 numpy calls
+  each, which cannot get under 50 ms. This kernel prices the same candidates with the same
+  arithmetic (same operations in the same order, so the same float64 values), the same
+  first-maximum tie-breaking and the same budget rules, in plain loops; candidates are
+  skipped early only when an exact bound shows they cannot win. Tests check the placements
+  are identical to the numpy twin. The node-locality price (`span`) exists only here.
+- `keep_slots`, `count_moves`, `keep_counts`, `holdings_LEG`, `gpu_assignment`: the
+  relabelling and counting steps of a rebalance decision (numpy / scipy twins in migration).
 
-Imported lazily (numba takes ~0.5 s to import and the first call compiles for a few
-seconds; `cache=True` stores the machine code next to this file so later processes load it).
+Every kernel trusts its inputs (no bounds checks): `migration` validates maps first. All
+release the GIL, so a serving thread keeps running while a side thread plans. Imported
+lazily (numba takes ~0.5 s to import; `cache=True` stores the machine code next to this
+file so later processes load it; `migration.warm_up()` loads or compiles everything).
 """
 
 from __future__ import annotations
