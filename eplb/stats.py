@@ -15,6 +15,19 @@ from eplb.errors import EplbError
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
 
 
+def _is_whole(v) -> bool:
+    """int-like (2, 2.0, np.int64(2)), not True, "2" or 2.5."""
+    return not isinstance(v, bool) and (isinstance(v, (int, np.integer))
+                                        or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+
+
+def _check_alpha(alpha) -> float:
+    ok = not isinstance(alpha, bool) and isinstance(alpha, (int, float, np.integer, np.floating))
+    if not ok or not 0.0 < float(alpha) <= 1.0:
+        raise EplbError(f"EMA alpha must be in (0, 1] (a number), got {alpha!r}")
+    return float(alpha)
+
+
 def _as_counts_TLE(counts) -> np.ndarray:
     c = np.asarray(counts, dtype=np.float64)
     if c.ndim == 2:
@@ -46,8 +59,8 @@ def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha:
     if how == "last":
         return c[-1].copy()
     if how == "window":
-        if window is None or int(window) < 1:
-            raise EplbError(f"aggregation 'window' needs window >= 1, got {window!r}")
+        if window is None or not _is_whole(window) or int(window) < 1:  # int(2.5) would sum 2 windows
+            raise EplbError(f"aggregation 'window' needs window >= 1, got {window!r} (a whole number of windows)")
         return c[-int(window):].sum(axis=0)
     if how == "ema":
         return ema(c, 0.3 if alpha is None else alpha)[-1]
@@ -57,16 +70,17 @@ def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha:
 def sliding_sum(counts_TLE, size: int) -> np.ndarray:
     """Sum over each run of `size` consecutive windows, [T - size + 1, L, E]."""
     c = _as_counts_TLE(counts_TLE)
-    if not 1 <= size <= c.shape[0]:
-        raise EplbError(f"sliding window size must be in 1..{c.shape[0]} (the number of windows), got {size}")
+    if not _is_whole(size) or not 1 <= size <= c.shape[0]:
+        raise EplbError(f"sliding window size must be a whole number in 1..{c.shape[0]} (the number of windows), "
+                        f"got {size!r}")
+    size = int(size)
     cs = np.concatenate([np.zeros_like(c[:1]), np.cumsum(c, axis=0)])
     return cs[size:] - cs[:-size]
 
 
 def ema(counts_TLE, alpha: float) -> np.ndarray:
     """Exponential moving average over windows, [T, L, E]: m_t = alpha x_t + (1 - alpha) m_{t-1}."""
-    if not 0.0 < float(alpha) <= 1.0:
-        raise EplbError(f"EMA alpha must be in (0, 1], got {alpha}")
+    alpha = _check_alpha(alpha)  # "0.5" passed float() here, then failed as a UFuncTypeError
     c = _as_counts_TLE(counts_TLE)
     out = np.empty_like(c)
     m = c[0]
@@ -170,8 +184,11 @@ def lower_bound(load_LE, gpus: int, num_slots: int) -> np.ndarray:
     max(total / G, min over replica counts r (sum r = P, r_e >= 1) of max_e load_e / r_e):
     no placement, however tokens are split among replicas, can beat either term.
     """
+    for name, v in (("gpus", gpus), ("num_slots", num_slots)):
+        if not _is_whole(v) or v < 1:  # gpus=0 gave inf, num_slots=4.5 a TypeError
+            raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
     load = np.asarray(load_LE, dtype=np.float64)
-    r = replica_counts_minmax(load, num_slots)
+    r = replica_counts_minmax(load, int(num_slots))
     return np.maximum(load.sum(axis=1) / gpus, (load / r).max(axis=1))
 
 
