@@ -96,8 +96,18 @@ class SynthSettings:
 
         for f in fields(self):
             v = getattr(self, f.name)
+            # Types first: 2.5 windows or a seed of 1.5 would be used as given, "8" fail in a comparison.
+            if f.type == "int":
+                need(isinstance(v, (int, np.integer)) and not isinstance(v, bool),
+                     f"{f.name} must be a whole number, got {v!r}")
+            elif f.type == "float":
+                need(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool),
+                     f"{f.name} must be a number, got {v!r}")
             # NaN passes no comparison and inf passes ">= 0": say which setting is not a number.
             need(not isinstance(v, float) or math.isfinite(v), f"{f.name} must be a finite number, got {v}")
+        need(len(self.phase_run) == 2 and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                                              for x in self.phase_run),
+             f"phase_run must be two whole numbers (shortest, longest), got {self.phase_run!r}")
         need(self.num_windows >= 1, f"num_windows must be >= 1, got {self.num_windows}")
         need(self.tokens_per_window >= 1, f"tokens_per_window must be >= 1, got {self.tokens_per_window}")
         need(0 <= self.first_moe_layer < self.num_hidden_layers,
@@ -112,8 +122,9 @@ class SynthSettings:
         need(per_group >= 2, f"each expert group needs >= 2 experts for the group score, got {per_group}")
         need(0 <= self.tail <= 1, f"tail must be in [0, 1], got {self.tail}")
         need(self.skew >= 0 and self.skew_spread >= 0 and self.group_skew >= 0,
-             "skew, skew_spread and group_skew must be >= 0")
-        need(self.id_trend >= 0 and self.id_trend_spread >= 0, "id_trend and id_trend_spread must be >= 0")
+             f"skew ({self.skew}), skew_spread ({self.skew_spread}) and group_skew ({self.group_skew}) must be >= 0")
+        need(self.id_trend >= 0 and self.id_trend_spread >= 0,
+             f"id_trend ({self.id_trend}) and id_trend_spread ({self.id_trend_spread}) must be >= 0")
         need(self.phase_share >= 0 and self.drift_share >= 0 and self.phase_share + self.drift_share <= 1,
              f"phase_share ({self.phase_share}) and drift_share ({self.drift_share}) must be >= 0 and sum to <= 1")
         need(0 <= self.drift_memory <= 1, f"drift_memory must be in [0, 1], got {self.drift_memory}")

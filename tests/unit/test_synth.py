@@ -129,6 +129,12 @@ def test_route_tokens_matches_plain_group_limited_routing():
     (dict(id_trend=-0.1), "id_trend"),
     (dict(id_trend=float("inf")), "id_trend must be a finite number, got inf"),
     (dict(skew=float("nan")), "skew must be a finite number, got nan"),
+    (dict(num_windows=2.5), "num_windows must be a whole number, got 2.5"),  # was accepted as 2.5
+    (dict(seed=1.5), "seed must be a whole number, got 1.5"),
+    (dict(tokens_per_window="8"), "tokens_per_window must be a whole number, got '8'"),  # was a TypeError
+    (dict(skew="a"), "skew must be a number, got 'a'"),
+    (dict(phase_run=(3, 4.5)), "phase_run must be two whole numbers"),
+    (dict(skew=-1.0), r"skew \(-1.0\), skew_spread \(0.05\) and group_skew \(0.1\) must be >= 0"),
 ])
 def test_bad_settings(kw, message):
     with pytest.raises(EplbError, match=message):
