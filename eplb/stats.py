@@ -222,6 +222,8 @@ def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
     for every placement of one load on one topology), so scoring several plans computes it once.
     """
     load = np.asarray(load_LE, dtype=np.float64)
+    if not np.all(np.isfinite(load)) or (load.size and load.min() < 0):
+        raise EplbError("loads must be finite and non-negative token counts")
     gpu_LG = placement.gpu_loads(load, weights_LP)
     lb = lower_bound(load, placement.num_gpus, placement.num_slots) if lower_bound_L is None else lower_bound_L
     mx = gpu_LG.max(axis=1)

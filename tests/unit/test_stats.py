@@ -131,3 +131,11 @@ def test_evaluate_report_and_summary():
 def test_argument_types_are_checked(call, message):
     with pytest.raises(EplbError, match=message):
         call(np.ones((3, 1, 2)))
+
+
+@pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf])
+def test_evaluate_refuses_loads_that_are_not_token_counts(bad):
+    """A negative or NaN load was scored (balancedness 1.0 for negative GPU loads)."""
+    p = Placement(np.array([[0, 1, 2, 3, 0, 1]]), 2, 4)
+    with pytest.raises(EplbError, match="finite and non-negative"):
+        stats.evaluate(p, [[bad, 2.0, 3.0, 4.0]])
