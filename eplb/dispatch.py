@@ -124,6 +124,8 @@ class Resplitter:
     """
 
     def __init__(self, placement: Placement):
+        if not isinstance(placement, Placement):
+            raise EplbError(f"Resplitter needs a Placement, got {type(placement).__name__}")
         self.placement = placement
         phy_LP = placement.phy2log_LP
         L, P = phy_LP.shape

@@ -218,9 +218,17 @@ def load_history(paths) -> Trace:
                 f"{p}: {t.num_layers} layers x {t.num_experts} experts (layer ids {t.layer_ids[:3].tolist()}...) "
                 f"does not match {paths[0]}: {first.num_layers} x {first.num_experts}"
             )
+        # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
+        for key in ("num_expert_groups", "top_k"):
+            a, b = first.meta.get(key), t.meta.get(key)
+            if a is not None and b is not None and a != b:
+                raise EplbError(f"{p}: {key} = {b} but {paths[0]} says {a}: traces of one model are needed")
     if len(traces) == 1:
         return first
     meta = dict(first.meta)
+    for key in ("num_expert_groups", "top_k"):
+        if meta.get(key) is None:
+            meta[key] = next((t.meta[key] for t in traces if t.meta.get(key) is not None), None)
     meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
     meta["synthetic"] = all(t.meta["synthetic"] for t in traces)
     return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)

@@ -27,6 +27,8 @@ def to_deepseek(placement: Placement, *, pad_to: int | None = None, as_torch: bo
     """
     log2phy_LEX = placement.log2phy_LEX
     if pad_to is not None:
+        if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)):
+            raise EplbError(f"pad_to must be a whole number of replica columns, got {pad_to!r}")
         X = log2phy_LEX.shape[2]
         if pad_to < X:
             raise EplbError(f"pad_to ({pad_to}) is smaller than the largest replica count ({X})")

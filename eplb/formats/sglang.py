@@ -123,7 +123,13 @@ def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int
         raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
     if phy_HP.ndim != 2:
         raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots], got shape {phy_HP.shape}")
-    ids = np.arange(phy_HP.shape[0]) if layer_ids is None else np.asarray(layer_ids, dtype=np.int64)
+    if layer_ids is None:
+        ids = np.arange(phy_HP.shape[0])
+    else:
+        raw = np.asarray(layer_ids)
+        if raw.ndim != 1 or (raw.size and (raw.dtype.kind not in "iuf" or not np.array_equal(raw, np.rint(raw)))):
+            raise EplbError(f"layer_ids must be a list of whole hidden-layer indices, got {layer_ids!r}")
+        ids = raw.astype(np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= phy_HP.shape[0]):
         raise EplbError(f"{path}: layer ids {ids.tolist()} outside the file's {phy_HP.shape[0]} rows")
     E = int(num_logical_experts) if num_logical_experts is not None else int(phy_HP.max()) + 1

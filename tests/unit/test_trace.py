@@ -189,3 +189,35 @@ def test_history_must_match(tmp_path, rng):
     assert h.num_windows == 3 and h.meta["synthetic"] is False
     with pytest.raises(EplbError, match="does not match"):
         load_history([tmp_path / "a.npz", tmp_path / "c.npz"])
+
+
+def test_history_of_traces_that_disagree_on_the_router_is_refused(tmp_path):
+    """Groups and top-k are facts of the model: files that disagree are not one model's history;
+    a file that does not say (None) takes the others' value."""
+    counts = np.ones((1, 2, 8), dtype=np.int64)
+    paths = []
+    for name, groups in (("a", 4), ("b", 2), ("c", None)):
+        path = tmp_path / f"{name}.npz"
+        Trace(counts, np.array([1, 2]), default_meta(3, 8, num_expert_groups=groups)).save(path)
+        paths.append(path)
+    with pytest.raises(EplbError, match="num_expert_groups = 2"):
+        load_history([paths[0], paths[1]])
+    assert load_history([paths[2], paths[0]]).meta["num_expert_groups"] == 4
+
+
+def test_small_api_inputs_are_named_errors(tmp_path):
+    from eplb import plan
+    from eplb.dispatch import Resplitter
+    from eplb.formats.deepseek import to_deepseek
+    from eplb.formats.sglang import read_sglang
+
+    pl = plan(np.random.default_rng(0).random((2, 8)), gpus=2).placement
+    with pytest.raises(EplbError, match="needs a Placement"):
+        Resplitter("x")
+    with pytest.raises(EplbError, match="pad_to"):
+        to_deepseek(pl, pad_to=2.5)
+    path = tmp_path / "loc.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [list(range(8))] * 3}))
+    with pytest.raises(EplbError, match="layer_ids"):
+        read_sglang(path, num_gpus=2, layer_ids=["a"])
+    assert read_sglang(path, num_gpus=2, layer_ids=[1, 2]).num_layers == 2
