@@ -42,14 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = importlib.import_module(f"eplb.commands.{name}")
         p = module.add_parser(sub)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # Unknown options or stray arguments belong to the command: say so in its name
+            # and with its usage line (the top-level parser would say "eplb: error").
+            (getattr(args, "_parser", None) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     if not getattr(args, "_run", None):

@@ -29,6 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         k.add_argument("--output", "-o", required=True, help="figure file: .png, .svg or .pdf")
         k.add_argument("--title", help="figure title (default: a summary of what is shown)")
         add_output_flags(k)
+        k.set_defaults(_parser=k)          # usage errors name "eplb plot KIND"
         return k
 
     k = kind("heatmap", "layer x expert load relative to the layer mean (log colour scale)")

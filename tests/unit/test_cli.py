@@ -305,3 +305,12 @@ def test_closed_pipe_is_not_an_error(tmp_path):
     proc.stdout.close()  # the reader goes away after one byte, like head -c1
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0 and err == ""
+
+
+@pytest.mark.parametrize("argv, prog", [(["stats", "x.npz", "--bogus"], "eplb stats"),
+                                        (["plot", "heatmap", "x.npz", "-o", "x.png", "--zzz"], "eplb plot heatmap"),
+                                        (["--zzz"], "eplb")])
+def test_unknown_arguments_are_reported_by_the_command_they_were_given_to(argv, prog, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"{prog}: error: unrecognized arguments: ")
