@@ -28,6 +28,12 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _carve(buf, o, n):
+    """The next n entries of scratch buf from offset o, and the offset after them."""
+    return buf[o:o + n], o + n
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def _keep_smallest(values, i, out, n, k):
     """Insert index i into out[:n], the indices of the (at most k) smallest values seen so far
     in increasing order, earlier insertions first among ties (a stable sort's first k, in one
@@ -85,47 +91,28 @@ def _price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
     cnt = cnt_LEG[l]
     old = old_LEG[l]
     o = 0
-    wE = fw[o:o + E]
-    o += E
-    hE = fw[o:o + E]
-    o += E
-    w = fw[o:o + P]
-    o += P
-    harm = fw[o:o + P]
-    o += P
-    gl = fw[o:o + G]
-    o += G
-    wq_Q = fw[o:o + Q]
-    o += Q
-    db_D = fw[o:o + D]
-    o += D
-    wdb_D = fw[o:o + D]                       # wb_q + db, as the reference adds them
+    wE, o = _carve(fw, o, E)
+    hE, o = _carve(fw, o, E)
+    w, o = _carve(fw, o, P)
+    harm, o = _carve(fw, o, P)
+    gl, o = _carve(fw, o, G)
+    wq_Q, o = _carve(fw, o, Q)
+    db_D, o = _carve(fw, o, D)
+    wdb_D, o = _carve(fw, o, D)  # wb_q + db, as the reference adds them
     o = 0
-    light = iw[o:o + C]
-    o += C
-    eb_Q = iw[o:o + Q]
-    o += Q
-    ok_Q = iw[o:o + Q]                        # eb not on h, g != h
-    o += Q
-    dh_in_Q = iw[o:o + Q]                     # 1 if eb lands on h where it was not before
-    o += Q
-    out_g_Q = iw[o:o + Q]                     # 1 if eb leaves g, its only copy moved there
-    o += Q
-    q_D = iw[o:o + D]
-    o += D
-    nb = iw[o:o + D]                          # GPUs holding donor d's expert (-1: not listed yet)
-    o += D
-    b_D = iw[o:o + D]
-    o += D
-    gq_D = iw[o:o + D]
-    o += D
-    cb_D = iw[o:o + D]
-    o += D
-    out_D = iw[o:o + D]                       # 1 if b leaves gq, its only copy moved there
-    o += D
-    gb = iw[o:o + D * G]
-    o += D * G
-    gx = iw[o:o + G]
+    light, o = _carve(iw, o, C)
+    eb_Q, o = _carve(iw, o, Q)
+    ok_Q, o = _carve(iw, o, Q)  # eb not on h, g != h
+    dh_in_Q, o = _carve(iw, o, Q)  # 1 if eb lands on h where it was not before
+    out_g_Q, o = _carve(iw, o, Q)  # 1 if eb leaves g, its only copy moved there
+    q_D, o = _carve(iw, o, D)
+    nb, o = _carve(iw, o, D)  # GPUs holding donor d's expert (-1: not listed yet)
+    b_D, o = _carve(iw, o, D)
+    gq_D, o = _carve(iw, o, D)
+    cb_D, o = _carve(iw, o, D)
+    out_D, o = _carve(iw, o, D)  # 1 if b leaves gq, its only copy moved there
+    gb, o = _carve(iw, o, D * G)
+    gx, o = _carve(iw, o, G)
 
     for e in range(E):
         wE[e] = ld[e] / r[e]
