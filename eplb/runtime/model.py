@@ -316,7 +316,8 @@ class Router(nn.Module):
             # Step 2: keep the best topk_groups groups; experts elsewhere cannot be chosen.
             keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
             keep_TG.scatter_(1, group_score_TG.topk(self.topk_groups, dim=-1).indices, True)
-            keep_TE = keep_TG[:, :, None].expand(T, self.num_groups, per_group).reshape(T, -1)
+            # reshape(T, E), not (T, -1): a rank with no tokens (T = 0) must still route.
+            keep_TE = keep_TG[:, :, None].expand(T, self.num_groups, per_group).reshape(T, self.num_experts)
             # Step 3: top-k experts among the kept groups.
             ids_TK = b_TE.masked_fill(~keep_TE, float("-inf")).topk(self.top_k, dim=-1).indices
         w_TK = s_TE.gather(1, ids_TK)

@@ -166,3 +166,16 @@ def test_drive_routing_reproduces_trace_skew_and_turns_off(cfg):
 def test_moe_layers_ids(cfg):
     model = DeepSeekModel(ModelConfig(num_layers=5, first_moe_layer=2))
     assert [i for i, _ in model.moe_layers()] == [2, 3, 4]
+
+
+def test_router_and_moe_take_a_batch_of_no_tokens(cfg):
+    # An idle data-parallel rank still calls its router (the EP all-to-all needs every rank).
+    torch.manual_seed(6)
+    moe = MoE(cfg)
+    x = torch.randn(0, cfg.hidden)
+    ids, w = moe.gate(x)
+    assert ids.shape == (0, cfg.top_k) and w.shape == (0, cfg.top_k)
+    assert moe(x).shape == (0, cfg.hidden)
+    model = DeepSeekModel(cfg).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, cfg.vocab)
