@@ -127,7 +127,50 @@ def _cut(w_E: np.ndarray, r_E: np.ndarray, group_E: np.ndarray, K: int, N: int, 
                 rem_E = 0 * rem_E
     if deferred_E.sum():
         cnt_NE[N - 1] += deferred_E
+    if (cnt_NE.sum(axis=1) != C).any():
+        # The groups ran out while a node still had room that its per-GPU limit kept it from
+        # filling with what was left; the last node then took more than C slots.
+        _fill_nodes(cnt_NE, C, Q)
     return cnt_NE
+
+
+def _fill_nodes(cnt_NE: np.ndarray, C: int, Q: int) -> None:
+    """Move replicas (in place) until every node holds exactly C, never adding an expert to a
+    node that already holds Q of it (per-node overflows beyond Q are left to `_even_out`).
+
+    Each move follows a path from a node above C to one below it: node u hands one replica of
+    an expert to node v where v has room for it (an augmenting path; one always exists while
+    some node is above C, because every expert has at most N x Q replicas)."""
+    N, E = cnt_NE.shape
+    while True:
+        sum_N = cnt_NE.sum(axis=1)
+        over = [int(a) for a in np.flatnonzero(sum_N > C)]
+        if not over:
+            return
+        # Breadth-first search over nodes; parent[v] = (u, e): move expert e from u to v.
+        parent: dict[int, tuple[int, int] | None] = {a: None for a in over}
+        queue, end = list(over), None
+        while queue and end is None:
+            u = queue.pop(0)
+            for v in range(N):
+                if v in parent:
+                    continue
+                movable = np.flatnonzero((cnt_NE[u] > 0) & (cnt_NE[v] < Q))
+                if not len(movable):
+                    continue
+                # The expert u holds most of (an overflow first) keeps groups least spread.
+                parent[v] = (u, int(movable[np.argmax(cnt_NE[u, movable])]))
+                if sum_N[v] < C:
+                    end = v
+                    break
+                queue.append(v)
+        assert end is not None, "no augmenting path between nodes (an expert has more than N x Q replicas)"
+        v = end
+        while parent[v] is not None:
+            u, e = parent[v]
+            cnt_NE[u, e] -= 1
+            cnt_NE[v, e] += 1
+            v = u
 
 
 def _even_out(cnt_NE: np.ndarray, w_E: np.ndarray, group_E: np.ndarray, K: int, Q: int,

@@ -232,6 +232,17 @@ def test_hierarchical_configurations_deepseek_rejects():
         get_planner("hierarchical", tolerance=-1)
 
 
+@pytest.mark.parametrize("groups", [None, 1, 4, 8])
+def test_hierarchical_node_cut_when_groups_run_out_before_a_node_is_full(groups):
+    # 8 GPUs on 4 nodes (2 per node), 4 slots each: expert 1 has 7 replicas; the cut reached
+    # node 2 with one slot left that only expert 1 could fill, and node 2 already held 2 of it
+    # (one per GPU). The leftover went to the last node: 7 and 9 slots, an AssertionError.
+    load = np.array([[1.0, 2, 1, 1, 1, 1, 1, 0]])
+    topo = Topology(gpus=8, slots_per_gpu=4, nodes=4)
+    sol = get_planner("hierarchical").plan(PlanRequest(load, topo, num_groups=groups))
+    check_invariants("hierarchical", sol.phy2log_LP, None, load, topo)
+
+
 # Front door ---------------------------------------------------------------------------------
 
 def test_plan_front_door_result():
