@@ -350,7 +350,9 @@ class MoE(nn.Module):
         order = flat_ids.argsort(stable=True)
         counts_E = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         tok_sorted = order // K
-        w_sorted = topk_weights_TK.reshape(-1)[order]
+        # Weights in the activations' dtype (engines often keep router weights in float32):
+        # index_add_ needs one dtype, and the EP shim combines the same way.
+        w_sorted = topk_weights_TK.reshape(-1)[order].to(x_TD.dtype)
         y_TD = torch.zeros_like(x_TD)
         start = 0
         for e, n in enumerate(counts_E):

@@ -179,3 +179,15 @@ def test_router_and_moe_take_a_batch_of_no_tokens(cfg):
     model = DeepSeekModel(cfg).eval()
     with torch.no_grad():
         assert model(torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, cfg.vocab)
+
+
+def test_routed_takes_float32_router_weights_with_bf16_activations(cfg):
+    torch.manual_seed(7)
+    moe = MoE(cfg).to(torch.bfloat16)
+    x = torch.randn(9, cfg.hidden, dtype=torch.bfloat16)
+    ids = torch.randint(0, cfg.num_experts, (9, cfg.top_k))
+    w = torch.rand(9, cfg.top_k)
+    with torch.no_grad():
+        y = moe.routed(x, ids, w)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, moe.routed(x, ids, w.to(torch.bfloat16)))
