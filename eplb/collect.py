@@ -233,7 +233,11 @@ class RouterCollector:
 
     def _window_tensor(self, w: int, device: torch.device) -> torch.Tensor:
         while len(self._windows) <= w:
-            self._windows.append(torch.zeros(len(self.routers), self.num_experts, dtype=torch.int64, device=device))
+            # A normal tensor even when the hook runs under torch.inference_mode(): an inference
+            # tensor could not be added to by a later forward outside inference mode.
+            with torch.inference_mode(False):
+                self._windows.append(torch.zeros(len(self.routers), self.num_experts, dtype=torch.int64,
+                                                 device=device))
         return self._windows[w]
 
     def _observe(self, l: int, ids: torch.Tensor) -> None:

@@ -195,3 +195,18 @@ def test_all_reduce_world_size_one(tmp_path):
         assert t.meta["ranks_summed"] == 1 and t.meta["tokens_per_window"] == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_forwards_in_and_out_of_inference_mode_count_into_one_window():
+    # Engines run under torch.inference_mode(); a warm-up there followed by forwards under
+    # no_grad (or plain) must keep counting into the same window.
+    model = ToyModel()
+    ids = np.array([[0, 1], [2, 3], [4, 5], [6, 7]])
+    with RouterCollector(model, router_class=IdsGate, ids_from=1, window_tokens=100, keep_tokens=3) as rec:
+        with torch.inference_mode():
+            model(_batch(ids[:2]))
+        with torch.no_grad():
+            model(_batch(ids[2:3]))
+        model(_batch(ids[3:]))
+    np.testing.assert_array_equal(rec.counts(), _expected_counts(ids, []))
+    np.testing.assert_array_equal(rec.trace().topk_ids_NLK[:, 0], ids[:3])
