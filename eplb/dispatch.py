@@ -141,10 +141,19 @@ class Resplitter:
             dup = (gpu_LEX[:, :, :j] == gpu_LEX[:, :, j:j + 1]).any(axis=2)
             use_LEX[:, :, j] &= ~dup
         n_gpus_LE = use_LEX.sum(axis=2)
-        use_LP = np.zeros((L, P), dtype=bool)
-        use_LP[np.broadcast_to(rows[:, :, None], log2phy_LEX.shape)[use_LEX], log2phy_LEX[use_LEX]] = True
-        # Starting point: even split over one slot per distinct GPU.
-        self.start_LP = use_LP / np.take_along_axis(n_gpus_LE, phy_LP, axis=1)
+        # Starting point: the engine's even split (1 / replicas), so that every sweep, which
+        # never raises the busiest GPU it touches, stays at or below the even split.
+        self.start_LP = _even_LP(placement)
+        # A second copy of an expert on one GPU takes no part in water-filling: its tokens are
+        # moved to the expert's first slot on that GPU (same GPU load) before the sweeps, or
+        # the sweeps would redistribute the expert's load while the copy kept its share too.
+        # home_LP: that first slot, for every slot; None when no GPU holds two copies.
+        self._home_flat = None
+        phy_LGS = phy_LP.reshape(L, G, S)
+        same_LGSS = phy_LGS[:, :, :, None] == phy_LGS[:, :, None, :]
+        if (same_LGSS.sum(axis=3) > 1).any():
+            home_LGS = same_LGSS.argmax(axis=3) + (np.arange(G) * S)[None, :, None]
+            self._home_flat = (home_LGS.reshape(L, P) + (np.arange(L) * P)[:, None]).ravel()
         # Greedy colouring, per layer, of the experts that span >= 2 GPUs (most replicas first).
         groups: list[list[list[int]]] = []  # groups[l][c] = experts of colour c in layer l
         for l in range(L):
@@ -196,6 +205,9 @@ class Resplitter:
         start_LP = self._last_LP if (warm and self._last_LP is not None) else self.start_LP
         flow_LP = np.zeros((L, P + 1))
         flow_LP[:, :P] = np.take_along_axis(load, p.phy2log_LP, axis=1) * start_LP
+        if self._home_flat is not None:
+            flow_LP[:, :P] = np.bincount(self._home_flat, weights=flow_LP[:, :P].ravel(),
+                                         minlength=L * P).reshape(L, P)
         gpu_LG = np.zeros((L, G + 1))
         gpu_LG[:, :G] = flow_LP[:, :P].reshape(L, G, S).sum(axis=2)
         if self.C and sweeps:

@@ -90,6 +90,36 @@ def test_resplit_handles_two_copies_on_one_gpu(rng):
     assert np.allclose(p.gpu_loads(load, w), p.gpu_loads(load))
 
 
+@pytest.mark.parametrize("sweeps", [0, 1, 2])
+def test_resplit_never_above_even_split_with_two_copies_on_one_gpu(sweeps):
+    # GPU 1 holds two copies of expert 0, GPUs 2 and 3 two of expert 1. The even split gives
+    # busiest 46.8; the sweeps used to start from a split over distinct GPUs instead (expert 0
+    # 32 + 32, busiest 71 at the start, 49.7 after one sweep).
+    p = Placement(np.array([[1, 0, 0, 0, 1, 1, 1, 1]]), 4, 2)
+    load = np.array([[64.0, 117.0]])
+    even = max_gpu_load(p, load)
+    assert even == pytest.approx([46.8])
+    w = resplit(p, load, sweeps=sweeps)
+    p.with_weights(w)
+    assert max_gpu_load(p, load, w) <= even * (1 + 1e-12)
+
+
+def test_warm_start_after_an_idle_expert_with_two_copies_on_one_gpu():
+    # Expert 0 has three copies on GPU 0 and one on GPU 1. After a batch where it had no
+    # tokens its shares are the even split (1/4 each); the next warm call water-filled its
+    # load over one slot per GPU but left the other two copies their 1/4, so the shares that
+    # came out put more on GPU 1 than the even split does.
+    p = Placement(np.array([[0, 0, 0, 1, 0, 0]]), 2, 2)
+    load = np.array([[234379.4, 70766.4]])
+    rs = Resplitter(p)
+    rs(np.zeros((1, 2)), sweeps=4)
+    w = rs(load, sweeps=4, warm=True)
+    p.with_weights(w)
+    best = max_gpu_load(p, load, optimal_weights(p, load))
+    assert max_gpu_load(p, load, w) == pytest.approx(best, rel=1e-9)
+    assert max_gpu_load(p, load, w) <= max_gpu_load(p, load) * (1 + 1e-12)
+
+
 def test_warm_start_reuses_previous_shares(rng):
     p, load = random_case(rng, E=32, G=8, S=5)
     rs = Resplitter(p)
