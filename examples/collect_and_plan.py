@@ -68,6 +68,11 @@ def main(argv=None) -> int:
                     help="torch CPU threads (1: the matmuls here are tiny; more threads only add "
                          "synchronisation, and on a loaded machine OpenMP spinning slows them 10x+)")
     args = ap.parse_args(argv)
+    for name in ("windows", "tokens_per_window", "gpus"):
+        if getattr(args, name) < 1:
+            raise EplbError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.layers is not None and args.layers < 1:
+        raise EplbError(f"--layers must be >= 1 (the first N MoE layers), got {args.layers}")
     torch.set_num_threads(args.threads)
 
     # Data: the source of routing frequencies, if any.
@@ -75,7 +80,9 @@ def main(argv=None) -> int:
     if not args.natural:
         if Path(args.trace).exists():
             source = eplb.load_trace(args.trace)
-            if args.layers:
+            if args.layers is not None:
+                if args.layers > source.num_layers:
+                    raise EplbError(f"--layers {args.layers}: {args.trace} has only {source.num_layers} MoE layers")
                 source = eplb.Trace(source.counts_TLE[:, : args.layers], source.layer_ids[: args.layers],
                                     dict(source.meta, num_hidden_layers=int(source.layer_ids[args.layers - 1]) + 1))
         else:

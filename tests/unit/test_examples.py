@@ -45,3 +45,18 @@ def test_collect_and_plan_writes_a_trace_and_plans_from_it(tmp_path, capsys, tor
     trace = load_trace(out_file)
     assert trace.num_windows == 2 and trace.counts_TLE.sum() > 0
     assert "planner greedy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (["--layers", "100"], "has only 58 MoE layers"),   # was an IndexError
+    (["--layers", "-1"], "--layers must be >= 1"),     # silently dropped the last layer
+    (["--layers", "0"], "--layers must be >= 1"),      # silently meant all layers
+    (["--windows", "0"], "--windows must be >= 1"),    # said no tokens were routed
+])
+def test_collect_and_plan_refuses_bad_counts_before_collecting(bad, msg, tmp_path):
+    from eplb.errors import EplbError
+
+    ex = load_example("collect_and_plan")
+    with pytest.raises(EplbError, match=msg):
+        ex.main(["--trace", str(ROOT / "traces" / "deepseek.npz"), "--out", str(tmp_path / "c.npz"), *bad])
+    assert not (tmp_path / "c.npz").exists()
