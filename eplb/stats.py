@@ -151,12 +151,16 @@ def group_span(phy2log_LP: np.ndarray, gpus: int, nodes: int, num_groups: int, n
     return present_LKN.sum(axis=2)
 
 
-def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
+def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = None,
+                          tie_break: bool = True) -> np.ndarray:
     """Replica counts r [L, E] (sum P, each >= 1) minimising max_e load_e / r_e, per layer.
 
     Giving each next slot to the expert with the highest load per replica is optimal for this
     min-max objective (exchange argument). `max_replicas` caps r_e (e.g. at G, since two
-    replicas of one expert on one GPU never help).
+    replicas of one expert on one GPU never help). `tie_break` spreads ties (e.g. an idle
+    layer's slots) over the experts in id order through a bonus of 1e-9 of the layer's hottest
+    load; that bonus can also decide between loads closer than it, so the exact optimum (what
+    `lower_bound` needs) takes tie_break=False.
     """
     load = np.asarray(load_LE, dtype=np.float64)
     L, E = load.shape
@@ -168,7 +172,8 @@ def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = No
     r = np.ones((L, E), dtype=np.int64)
     rows = np.arange(L)
     # Ties (e.g. all-zero layers) go to the lower expert id: a tiny id-dependent bonus.
-    key_LE = load + 1e-9 * np.maximum(load.max(axis=1, keepdims=True), 1.0) * (E - np.arange(E)) / E
+    key_LE = load + 1e-9 * np.maximum(load.max(axis=1, keepdims=True), 1.0) * (E - np.arange(E)) / E \
+        if tie_break else load
     per_LE = np.where(r >= cap, -np.inf, key_LE)
     for _ in range(num_slots - E):
         e = np.argmax(per_LE, axis=1)
@@ -188,7 +193,7 @@ def lower_bound(load_LE, gpus: int, num_slots: int) -> np.ndarray:
         if not _is_whole(v) or v < 1:  # gpus=0 gave inf, num_slots=4.5 a TypeError
             raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
     load = np.asarray(load_LE, dtype=np.float64)
-    r = replica_counts_minmax(load, int(num_slots))
+    r = replica_counts_minmax(load, int(num_slots), tie_break=False)
     return np.maximum(load.sum(axis=1) / gpus, (load / r).max(axis=1))
 
 

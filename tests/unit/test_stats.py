@@ -139,3 +139,17 @@ def test_evaluate_refuses_loads_that_are_not_token_counts(bad):
     p = Placement(np.array([[0, 1, 2, 3, 0, 1]]), 2, 4)
     with pytest.raises(EplbError, match="finite and non-negative"):
         stats.evaluate(p, [[bad, 2.0, 3.0, 4.0]])
+
+
+def test_lower_bound_is_exact_for_loads_closer_than_the_tie_break():
+    # Two experts 1e-4 apart at 1e6, 3 slots on 3 GPUs: the best placement gives the hotter
+    # expert the extra slot and its busiest GPU carries 1e6 (the colder expert alone). The id
+    # tie-break bonus (1e-9 of the hottest load, larger than 1e-4) gave the extra slot to the
+    # colder expert, and the "bound" came out at 1e6 + 1e-4, above what this placement achieves.
+    load = np.array([[1e6, 1e6 + 1e-4]])
+    best = Placement(np.array([[0, 1, 1]]), 3, 2)
+    assert best.gpu_loads(load).max() == 1e6
+    assert stats.lower_bound(load, 3, 3).tolist() == [1e6]
+    assert (stats.evaluate(best, load).bound_ratio_L >= 1.0).all()
+    # Planners keep the tie-break (it spreads an idle layer's slots over experts).
+    assert stats.replica_counts_minmax(np.zeros((1, 3)), 5).tolist() == [[2, 2, 1]]
