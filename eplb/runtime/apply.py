@@ -166,6 +166,10 @@ def apply_placement(moes: Sequence, new: Placement, *, plan: MigrationPlan | Non
     old = moes[0].placement
     if any(m.placement is not old for m in moes) or [m.layer for m in moes] != list(range(len(moes))):
         raise EplbError("apply_placement needs moes[l] to serve layer l of one shared placement")
+    # Every layer must accept `new` (and the mode) before a single weight moves: a refusal
+    # after the move would leave layers serving the old placement with the new weights.
+    for l, m in enumerate(moes):
+        m.check_placement(new, l, mode=mode)
     local = {"w_gate": [m.w_gate_SFD for m in moes], "w_up": [m.w_up_SFD for m in moes],
              "w_down": [m.w_down_SDF for m in moes]}
     done = migrate_weights(old, new, local, group=moes[0].group, plan=plan, reload=reload)

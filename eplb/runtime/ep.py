@@ -245,11 +245,12 @@ class ExpertParallelMoE(torch.nn.Module):
         return cls(placement, layer, w_gate_EFD[experts].clone(), w_up_EFD[experts].clone(),
                    w_down_EDF[experts].clone(), group=group, mode=mode, sync_timing=sync_timing)
 
-    def set_placement(self, placement: Placement, layer: int, *, mode: str | None = None,
-                      weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Serve `placement` from now on (with the local weights that go with it, if given).
+    def check_placement(self, placement: Placement, layer: int, *, mode: str | None = None,
+                        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> str:
+        """Raise EplbError unless `set_placement` would take these arguments; returns the mode.
 
-        Collective over the group (a check that every rank got the same placement)."""
+        Local (no communication) and changes nothing: `apply_placement` runs it on every layer
+        before the first weight moves, so a refused placement never leaves weights half-moved."""
         mode = self.mode if mode is None else mode
         if mode not in MODES:
             raise EplbError(f"unknown dispatch mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -261,19 +262,30 @@ class ExpertParallelMoE(torch.nn.Module):
         if mode == "weights" and placement.dispatch_weights_LP is None:
             raise EplbError("dispatch mode 'weights' needs a placement with dispatch_weights: use mode "
                             "'even' or a planner that sets weights")
-        if weights is not None:
-            self.w_gate_SFD, self.w_up_SFD, self.w_down_SDF = weights
+        w = (self.w_gate_SFD, self.w_up_SFD, self.w_down_SDF) if weights is None else weights
         S = placement.slots_per_gpu
-        shapes = (tuple(self.w_gate_SFD.shape), tuple(self.w_up_SFD.shape), tuple(self.w_down_SDF.shape))
+        shapes = tuple(tuple(t.shape) for t in w)
         Fh, D = shapes[0][1:] if len(shapes[0]) == 3 else (-1, -1)
         if shapes != ((S, Fh, D), (S, Fh, D), (S, D, Fh)):
             raise EplbError(f"local expert weights have shapes {shapes}; this placement gives each rank "
                             f"{S} slots: need gate/up [{S}, F, D] and down [{S}, D, F]")
+        return mode
+
+    def set_placement(self, placement: Placement, layer: int, *, mode: str | None = None,
+                      weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Serve `placement` from now on (with the local weights that go with it, if given).
+
+        Collective over the group (a check that every rank got the same placement). Nothing
+        changes if it raises."""
+        mode = self.check_placement(placement, layer, mode=mode, weights=weights)
         w_LP = placement.dispatch_weights_LP
-        if not ranks_agree(self.group, self.w_gate_SFD.device, placement.phy2log_LP[layer],
+        device = (self.w_gate_SFD if weights is None else weights[0]).device
+        if not ranks_agree(self.group, device, placement.phy2log_LP[layer],
                            np.zeros(0) if w_LP is None else w_LP[layer], np.array([layer, MODES.index(mode)])):
             raise EplbError(f"the ranks were given different placements or modes for layer {layer}: "
                             f"build the placement from the same inputs on every rank")
+        if weights is not None:
+            self.w_gate_SFD, self.w_up_SFD, self.w_down_SDF = weights
         self.mode = mode
         self.placement = placement
         self.layer = int(layer)

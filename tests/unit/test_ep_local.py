@@ -11,8 +11,10 @@ torch = pytest.importorskip("torch")
 from eplb.errors import EplbError  # noqa: E402
 from eplb.migration import schedule  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
-from eplb.runtime.apply import check_plan, plan_migration  # noqa: E402
-from eplb.runtime.ep import ReplicaTable, choose_slots, occurrence, swiglu_experts, weighted_choice  # noqa: E402
+from eplb.runtime.apply import apply_placement, check_plan, plan_migration  # noqa: E402
+from eplb.runtime.ep import (  # noqa: E402
+    ExpertParallelMoE, ReplicaTable, choose_slots, occurrence, swiglu_experts, weighted_choice,
+)
 from eplb.runtime.measure import RuntimeReport, percentiles, straggler_ratio  # noqa: E402
 from eplb.runtime.model import MoE, ModelConfig  # noqa: E402
 
@@ -152,3 +154,61 @@ def test_runtime_report_sums_steps_before_the_ratio():
     assert s["straggler_time"] == pytest.approx(1.0)
     assert rep.step_latency_B.tolist() == [0.2, 0.3]
     assert s["rows_received_per_layer_rank"] == [[4, 4]]
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A one-rank gloo group: drives ExpertParallelMoE and apply_placement without torchrun."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _small_moe(seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(hidden=16, num_experts=4, top_k=2, num_groups=2, topk_groups=1, expert_hidden=8)
+    return MoE(cfg).requires_grad_(False)
+
+
+def _routing(T: int = 7, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 16, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(T)])
+    return x, ids, torch.rand(T, 2, generator=g)
+
+
+def test_a_refused_placement_moves_no_weight(world_of_one):
+    moe = _small_moe()
+    old = Placement(np.array([[0, 1, 2, 3, 0]]), 1, 4, dispatch_weights_LP=np.array([[0.5, 1, 1, 1, 0.5]]))
+    new = Placement(np.array([[3, 2, 1, 0, 1]]), 1, 4)             # no dispatch weights
+    ep = ExpertParallelMoE.from_full(old, 0, moe.w_gate_EFD, moe.w_up_EFD, moe.w_down_EDF,
+                                     group=world_of_one, mode="weights")
+    x, ids, w = _routing()
+    kept = [t.clone() for t in (ep.w_gate_SFD, ep.w_up_SFD, ep.w_down_SDF)]
+
+    def unchanged():
+        assert ep.placement is old and ep.mode == "weights"
+        assert all(torch.equal(a, b) for a, b in zip(kept, (ep.w_gate_SFD, ep.w_up_SFD, ep.w_down_SDF)))
+        assert torch.allclose(ep(x, ids, w), moe.routed(x, ids, w), atol=1e-6)
+
+    # The layer's mode ('weights') does not suit `new`: refused before the weights move
+    # (they used to move first, and the layer then served `old` with `new`'s weights).
+    with pytest.raises(EplbError, match="needs a placement with dispatch_weights"):
+        apply_placement([ep], new)
+    unchanged()
+    with pytest.raises(EplbError, match="unknown dispatch mode"):
+        apply_placement([ep], new, mode="random")
+    unchanged()
+    # set_placement with weights of the wrong shape keeps the old weights too.
+    with pytest.raises(EplbError, match="local expert weights have shapes"):
+        ep.set_placement(old, 0, weights=tuple(t[:2].clone() for t in kept))
+    unchanged()
+    apply_placement([ep], new, mode="even")
+    assert ep.placement is new and torch.allclose(ep(x, ids, w), moe.routed(x, ids, w), atol=1e-6)
