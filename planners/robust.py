@@ -265,6 +265,8 @@ class RobustPlanner:
         return Solution(best_phy_LP, message=f"balanced against {T} window(s)", info=info)
 
     def _score(self, phy_LP, share_TLE, count_LE, gpus) -> np.ndarray:
-        """The objective per layer: the quantile of the per-window busiest/mean GPU, [L]."""
-        peak_LT = window_gpu_loads(phy_LP, share_TLE, count_LE, gpus).max(axis=1)
-        return np.quantile(peak_LT, self.quantile, axis=1, method="higher")
+        """The objective per layer: the worst busiest/mean GPU over the windows the swap search
+        keeps (`kept_windows`: the ceil(quantile x T) lowest peaks), [L]."""
+        load_LGT = window_gpu_loads(phy_LP, share_TLE, count_LE, gpus)
+        keep_LT = kept_windows(load_LGT, self.quantile)
+        return np.where(keep_LT, load_LGT.max(axis=1), -np.inf).max(axis=1)

@@ -102,6 +102,22 @@ def test_quantile_ignores_an_outlier_window(rng):
     assert share.shape == h.shape
 
 
+@pytest.mark.parametrize("T, quantile", [(10, 0.9), (10, 0.5), (4, 0.6), (7, 1.0)])
+def test_quantile_score_covers_the_windows_the_swap_search_keeps(rng, T, quantile):
+    # The plan kept per layer (and info's history peak) is judged on the ceil(quantile x T)
+    # lowest per-window peaks, the windows the swap search optimises. np.quantile("higher")
+    # picked one window more: with 10 windows and quantile 0.9 the outlier decided again.
+    L, E, G, S = 2, 12, 4, 4
+    h = rng.gamma(0.8, 50.0, size=(T, L, E)).round() + 1
+    res = RobustPlanner(quantile=quantile, refine_rounds=5).plan(PlanRequest(h.sum(0), Topology(G, S), h))
+    pl = Placement(res.phy2log_LP, G, E)
+    peak_LT = np.stack([pl.gpu_loads(h[t]).max(axis=1) / (h[t].sum(axis=1) / G) for t in range(T)], axis=1)
+    keep = int(np.ceil(quantile * T))
+    want_L = np.sort(peak_LT, axis=1)[:, keep - 1]
+    assert res.info["history_peak_max"] == pytest.approx(want_L.max(), rel=1e-12)
+    assert res.info["history_peak_median"] == pytest.approx(np.median(want_L), rel=1e-12)
+
+
 def test_settings_are_checked():
     assert RobustPlanner(blends="0, 0.5,1").blends == (0.0, 0.5, 1.0)
     for bad in (dict(quantile=0.0), dict(quantile=1.5), dict(beta=0), dict(blends="x"),
