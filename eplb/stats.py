@@ -74,8 +74,9 @@ def sliding_sum(counts_TLE, size: int) -> np.ndarray:
         raise EplbError(f"sliding window size must be a whole number in 1..{c.shape[0]} (the number of windows), "
                         f"got {size!r}")
     size = int(size)
-    cs = np.concatenate([np.zeros_like(c[:1]), np.cumsum(c, axis=0)])
-    return cs[size:] - cs[:-size]
+    # Each run summed on its own: differences of a running sum lose a small window after a
+    # large one (1e10 then 1e-3 gave 9.9945e-4).
+    return np.lib.stride_tricks.sliding_window_view(c, size, axis=0).sum(axis=-1)
 
 
 def ema(counts_TLE, alpha: float) -> np.ndarray:

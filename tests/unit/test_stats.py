@@ -153,3 +153,9 @@ def test_lower_bound_is_exact_for_loads_closer_than_the_tie_break():
     assert (stats.evaluate(best, load).bound_ratio_L >= 1.0).all()
     # Planners keep the tie-break (it spreads an idle layer's slots over experts).
     assert stats.replica_counts_minmax(np.zeros((1, 3)), 5).tolist() == [[2, 2, 1]]
+
+
+def test_sliding_sum_keeps_small_windows_after_large_ones():
+    c = np.array([1e10, 1e-3, 2e-3, 5.0])[:, None, None]
+    assert stats.sliding_sum(c, 1)[:, 0, 0].tolist() == [1e10, 1e-3, 2e-3, 5.0]
+    assert stats.sliding_sum(c, 2)[1:, 0, 0] == pytest.approx([3e-3, 5.002], rel=1e-12)
