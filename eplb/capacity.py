@@ -21,8 +21,9 @@ Memory model of one GPU (assumptions, stated because engines differ):
   `attention="dp"` (default; data-parallel attention, as in SGLang/vLLM wide-EP deployments of
   DeepSeek) keeps a full copy on every GPU; `attention="tp"` splits it evenly over the G GPUs.
 - KV cache: with "dp" each sequence lives on one GPU (ceil(concurrency / G) sequences on the
-  busiest); with "tp" every GPU holds a share of every sequence: 1/min(G, kv_heads) of it for
-  GQA, and all of it for MLA (the latent cannot be split by head, so TP replicates it).
+  busiest); with "tp" every GPU holds a share of every sequence: its ceil(kv_heads / G) whole
+  KV heads for GQA (1/min(G, kv_heads) when G divides kv_heads or exceeds it), and all of it
+  for MLA (the latent cannot be split by head, so TP replicates it).
 - dtypes: bits per element only; quantisation scales (fp8 block scales ~0.02%, NVFP4 one
   fp8 scale per 16 values = +12.5% on fp4) are not counted.
 """
@@ -380,11 +381,13 @@ class CapacityReport:
         return self.deployment.gpus * (self.slots_per_gpu or 0) - self.model.num_experts
 
 
-def _kv_split(model: ModelShape, dep: Deployment) -> int:
-    """How many ways tensor-parallel attention splits one sequence's KV (1 = replicated)."""
+def _kv_split(model: ModelShape, dep: Deployment) -> float:
+    """How many ways tensor-parallel attention splits one sequence's KV, as the busiest GPU
+    sees it (1 = replicated): KV heads go to GPUs whole, so the busiest holds
+    ceil(kv_heads / G) of them (G = 3 with 8 KV heads: 3 of 8, not a third)."""
     if dep.attention == "dp" or model.is_mla:
         return 1
-    return min(dep.gpus, model.num_kv_heads)
+    return model.num_kv_heads / -(-model.num_kv_heads // dep.gpus)
 
 
 def _kv_per_gpu(model: ModelShape, dep: Deployment, kv_seq: float, concurrency: int) -> float:

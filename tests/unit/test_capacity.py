@@ -164,3 +164,15 @@ def test_top_k_cannot_exceed_the_experts():
 
     with pytest.raises(EplbError, match=r"top_k \(1000\) must be at most num_experts \(256\)"):
         with_overrides(get_model("deepseek-v3"), top_k=1000)
+
+
+@pytest.mark.parametrize("gpus, heads_on_busiest", [(2, 4), (3, 3), (4, 2), (6, 2), (8, 1), (16, 1)])
+def test_tensor_parallel_gqa_kv_share_is_the_busiest_gpus_whole_heads(gpus, heads_on_busiest):
+    # Llama-3.1-70B: 8 KV heads x 128 x 80 layers x 2 (K, V) x 2 bytes = 327,680 B per token.
+    # KV heads are not cut: with 3 GPUs one holds 3 of the 8 heads (was counted as a third).
+    llama = get_model("llama-3.1-70b")
+    rep = plan_capacity(llama, Deployment(gpus=gpus, gpu_memory=parse_memory("h200"), context=1000,
+                                          concurrency=4, attention="tp", kv_dtype="bf16"))
+    per_head_per_token = 2 * 80 * 128 * 2
+    assert rep.kv_bytes_per_sequence_per_gpu == pytest.approx(1000 * heads_on_busiest * per_head_per_token)
+    assert rep.kv_bytes_per_gpu == pytest.approx(4 * 1000 * heads_on_busiest * per_head_per_token)
