@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -313,23 +314,69 @@ class ExpertParallelMoE(torch.nn.Module):
             self._tables[key] = ReplicaTable.build(self._one_layer, 0, self.rank, device)
         return self._tables[key]
 
-    def _resplit_weights(self, expert_N: torch.Tensor, table: ReplicaTable) -> torch.Tensor:
-        """Replica weights re-split from this batch's counts, summed over all ranks."""
+    def _resplit_weights(self, expert_N: torch.Tensor, table: ReplicaTable,
+                         refuse: Callable[[list[list[int]]], None], verdict_2: torch.Tensor) -> torch.Tensor:
+        """Replica weights re-split from this batch's counts, summed over all ranks.
+
+        The same all-reduce carries every rank's input verdict (see `forward`), since it is the
+        first exchange of a forward in this mode."""
         if self._resplitter is None:
             from eplb.dispatch import Resplitter  # numpy; its index tables are built once per placement
 
             self._resplitter = Resplitter(self._one_layer)
-        E = self.placement.num_logical_experts
-        counts_E = torch.bincount(expert_N, minlength=E)
+        E, G, r = self.placement.num_logical_experts, self.world, self.rank
+        counts = torch.zeros(E + 2 * G, dtype=torch.int64, device=expert_N.device)
+        counts[:E] = torch.bincount(expert_N, minlength=E)
+        counts[E + 2 * r:E + 2 * r + 2] = verdict_2
         # The batch is every rank's tokens: re-split on the summed counts, so that the ranks'
         # choices add up to the split that balances the GPUs.
-        dist.all_reduce(counts_E, group=self.group)
-        w_LP = np.asarray(self._resplitter(counts_E.cpu().numpy()[None].astype(np.float64)))
+        dist.all_reduce(counts, group=self.group)
+        c = counts.cpu().numpy()
+        refuse(c[E:].reshape(G, 2).tolist())
+        w_LP = np.asarray(self._resplitter(c[None, :E].astype(np.float64)))
         if w_LP.shape != (1, self.placement.num_slots):
             raise AssertionError(f"resplit returned shape {w_LP.shape}, expected {(1, self.placement.num_slots)}")
         w_P = torch.as_tensor(w_LP[0], device=expert_N.device)
         log2phy_EX = table.log2phy_EX
         return torch.where(log2phy_EX >= 0, w_P[log2phy_EX.clamp_min(0)], torch.zeros((), dtype=w_P.dtype, device=w_P.device))
+
+    def _input_problem(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
+                       topk_weights_TK: torch.Tensor) -> str | None:
+        """What is wrong with this rank's inputs, or None (shapes, dtypes, devices: no host sync)."""
+        w = self.w_gate_SFD
+        D = w.shape[2]
+        if x_TD.dim() != 2 or x_TD.shape[1] != D:
+            return f"x has shape {tuple(x_TD.shape)}: need [T, {D}] (tokens, model dim of the experts)"
+        T = x_TD.shape[0]
+        if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
+            return (f"x has {T} tokens but topk ids/weights have shapes {tuple(topk_ids_TK.shape)}"
+                    f"/{tuple(topk_weights_TK.shape)}: need [{T}, K] for both")
+        dt = topk_ids_TK.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            return (f"topk ids have dtype {dt}: need integer expert ids (forward takes x, topk_ids, "
+                    f"topk_weights in that order)")
+        if x_TD.dtype != w.dtype:
+            return f"x is {x_TD.dtype} but the expert weights are {w.dtype}: cast one to the other"
+        for name, t in (("x", x_TD), ("topk ids", topk_ids_TK), ("topk weights", topk_weights_TK)):
+            if t.device != w.device:
+                return f"{name} is on {t.device} but the expert weights are on {w.device}"
+        return None
+
+    def _refuse(self, verdict_G2: list[list[int]], problem: str | None, ids_N: torch.Tensor) -> None:
+        """Raise on every rank if any rank's verdict [ids out of range, malformed inputs] is bad."""
+        culprits = [g for g, (n_bad, malformed) in enumerate(verdict_G2) if n_bad or malformed]
+        if not culprits:
+            return
+        E = self.placement.num_logical_experts
+        if problem is not None:
+            raise EplbError(f"expert-parallel rank {self.rank}: {problem}")
+        if verdict_G2[self.rank][0]:
+            bad = ids_N[(ids_N < 0) | (ids_N >= E)]
+            raise EplbError(f"expert-parallel rank {self.rank}: topk ids hold {bad.numel()} expert id(s) outside "
+                            f"0..{E - 1} (first: {int(bad[0])}): drop padding or dropped-token markers before "
+                            f"the MoE")
+        raise EplbError(f"expert-parallel rank(s) {culprits} got bad inputs (their own error says which): "
+                        f"no rank ran this forward")
 
     def _timer(self, device: torch.device) -> float:
         # CUDA work is asynchronous: without a sync the clock would stop before the kernels do.
@@ -338,31 +385,52 @@ class ExpertParallelMoE(torch.nn.Module):
         return time.perf_counter()
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        """Routed-expert output y_TD of this rank's tokens (shared experts not included)."""
-        T, D = x_TD.shape
-        if topk_ids_TK.shape[0] != T or topk_weights_TK.shape != topk_ids_TK.shape:
-            raise EplbError(f"x has {T} tokens but topk ids/weights have shapes {tuple(topk_ids_TK.shape)}"
-                            f"/{tuple(topk_weights_TK.shape)}: need [{T}, K] for both")
-        device = x_TD.device
+        """Routed-expert output y_TD of this rank's tokens (shared experts not included).
+
+        Collective. Bad inputs on any rank (shapes, dtypes, devices, expert ids outside
+        0..E-1) raise EplbError on every rank, and the group stays usable."""
+        G, S, E = self.world, self.slots_per_rank, self.placement.num_logical_experts
+        D = self.w_gate_SFD.shape[2]
+        device = self.w_gate_SFD.device
         on_cpu = device.type == "cpu"
-        G, S = self.world, self.slots_per_rank
-        K = topk_ids_TK.shape[1]
         table = self._table(device)
+
+        # Step 0: this rank's verdict on its inputs, [ids out of range, malformed]. It travels
+        # with the forward's first exchange, so that a bad input raises on every rank instead
+        # of leaving the others waiting in that exchange; a malformed input joins it with no rows.
+        problem = self._input_problem(x_TD, topk_ids_TK, topk_weights_TK)
+        if problem is None:
+            T, K = topk_ids_TK.shape
+            ids_N = topk_ids_TK.reshape(-1).to(torch.int64)
+            bad_N = (ids_N < 0) | (ids_N >= E)
+            expert_N = ids_N.masked_fill(bad_N, 0)  # keeps the indexing below in bounds until the verdict
+            verdict_2 = torch.stack([bad_N.sum(), torch.zeros((), dtype=torch.int64, device=device)])
+        else:
+            T = K = 0
+            ids_N = expert_N = torch.zeros(0, dtype=torch.int64, device=device)
+            verdict_2 = torch.tensor([0, 1], dtype=torch.int64, device=device)
+
+        def refuse(verdict_G2: list[list[int]]) -> None:
+            self._refuse(verdict_G2, problem, ids_N)
+
         stats = ForwardStats(rows_sent=T * K)
 
         # Step 1: choose a replica (global slot) for every (token, expert) row.
-        expert_N = topk_ids_TK.reshape(-1).to(torch.int64)
         token_N = torch.arange(T, device=device).repeat_interleave(K)
-        resplit_EX = self._resplit_weights(expert_N, table) if self.mode == "resplit" else None
+        resplit_EX = self._resplit_weights(expert_N, table, refuse, verdict_2) if self.mode == "resplit" else None
         slot_N = choose_slots(expert_N, self.mode, table, self.rank, G, resplit_EX)
 
         # Step 2: sort rows by destination rank and exchange them.
         order_N = torch.argsort(slot_N // S, stable=True)
         send_G = torch.bincount(slot_N // S, minlength=G)
         t0 = self._timer(device)
-        recv_G = torch.empty_like(send_G)
-        dist.all_to_all_single(recv_G, send_G, group=self.group)
-        send_split, recv_split = send_G.tolist(), recv_G.tolist()
+        # Row counts each way, each with the sender's verdict: [rows, ids out of range, malformed].
+        send_G3 = torch.cat([send_G[:, None], verdict_2.expand(G, 2)], 1)
+        recv_G3 = torch.empty_like(send_G3)
+        dist.all_to_all_single(recv_G3, send_G3, group=self.group)
+        sent, got = torch.stack([send_G3, recv_G3]).tolist()  # one host sync for both
+        refuse([r[1:] for r in got])
+        send_split, recv_split = [r[0] for r in sent], [r[0] for r in got]
         R = sum(recv_split)
         x_RD = x_TD.new_empty((R, D))
         dist.all_to_all_single(x_RD, x_TD[token_N[order_N]], recv_split, send_split, group=self.group)

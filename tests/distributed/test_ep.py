@@ -187,6 +187,28 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         with pytest.raises(EplbError, match="different migration plans"):
             migrate_weights(ps["random"], mine, local, group=group, plan=plan_migration(ps["random"], mine))
 
+        # Bad inputs on one rank raise EplbError on every rank (the others used to wait in the
+        # all-to-all for it), and the group stays usable; a rank with no tokens takes part.
+        last = world - 1
+        for mode in ("even", "resplit"):
+            ep = ExpertParallelMoE.from_full(ps["random"], 0, *stacked(moes[0]), group=group, mode=mode)
+            x, ids, w = tokens(rank, world)
+            bad = ids.clone()
+            if rank == last:
+                bad[0, 0] = E + 5
+            mine = rf"outside 0\.\.{E - 1} \(first: {E + 5}\)" if rank == last else rf"rank\(s\) \[{last}\]"
+            with pytest.raises(EplbError, match=mine):
+                ep(x, bad, w)
+            mine = "need integer expert ids" if rank == last else rf"rank\(s\) \[{last}\]"
+            with pytest.raises(EplbError, match=mine):
+                ep(x, ids.float() if rank == last else ids, w)
+            if rank == 0:
+                x, ids, w = x[:0], ids[:0], w[:0]
+            y = ep(x, ids, w)
+            assert y.shape == x.shape
+            err = float((y - moes[0].routed(x, ids, w)).abs().max()) if len(y) else 0.0
+            assert err < 1e-5, f"{mode} after refused inputs, rank 0 without tokens: max abs err {err}"
+
         subgroups = []
         if world == 4:
             # Two independent 2-rank groups: ranks in a group are not global ranks.

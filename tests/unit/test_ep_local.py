@@ -212,3 +212,30 @@ def test_a_refused_placement_moves_no_weight(world_of_one):
     unchanged()
     apply_placement([ep], new, mode="even")
     assert ep.placement is new and torch.allclose(ep(x, ids, w), moe.routed(x, ids, w), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["even", "resplit"])
+def test_bad_forward_inputs_are_named_errors_and_the_layer_keeps_serving(world_of_one, mode):
+    moe = _small_moe(1)
+    p = Placement(np.array([[0, 1, 2, 3, 1, 1]]), 1, 4)
+    ep = ExpertParallelMoE.from_full(p, 0, moe.w_gate_EFD, moe.w_up_EFD, moe.w_down_EDF,
+                                     group=world_of_one, mode=mode)
+    x, ids, w = _routing(seed=1)
+    out_of_range = ids.clone()
+    out_of_range[3, 1] = 7
+    cases = [
+        ((x, out_of_range, w), r"1 expert id\(s\) outside 0\.\.3 \(first: 7\)"),      # was IndexError
+        ((x, ids.masked_fill(ids == 2, -1), w), r"outside 0\.\.3 \(first: -1\)"),       # was a bincount error
+        ((x, w, ids), "need integer expert ids"),                      # ids/weights swapped: was silently wrong
+        ((x.to(torch.bfloat16), ids, w), "x is torch.bfloat16 but the expert weights are torch.float32"),
+        ((x[:, :8], ids, w), r"x has shape \(7, 8\): need \[T, 16\]"),
+        ((x[None], ids, w), r"x has shape \(1, 7, 16\)"),
+        ((x, ids[:, 0], w[:, 0]), r"topk ids/weights have shapes \(7,\)/\(7,\)"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(EplbError, match=msg):
+            ep(*args)
+        assert torch.allclose(ep(x, ids, w), moe.routed(x, ids, w), atol=1e-6)
+    # A batch of one token, int32 ids (as engines produce) and non-contiguous inputs are fine.
+    xt = x.T.contiguous().T
+    assert torch.allclose(ep(xt[:1], ids[:1].int(), w[:1]), moe.routed(x[:1], ids[:1], w[:1]), atol=1e-6)
