@@ -107,6 +107,7 @@ def meta_from_model(model: nn.Module) -> dict:
         meta["num_experts"] = _config_value(cfg, "n_routed_experts", "num_experts", "num_local_experts")
         meta["top_k"] = _config_value(cfg, "num_experts_per_tok", "top_k", "moe_top_k")
         meta["num_expert_groups"] = _config_value(cfg, "n_group", "num_groups", "num_expert_groups")
+        meta["topk_groups"] = _config_value(cfg, "topk_group", "topk_groups")
     return meta
 
 

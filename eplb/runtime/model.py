@@ -156,13 +156,14 @@ class ModelConfig:
         return 2 * self.num_layers * kv_heads * head_dim * int(dtype_bytes)
 
     def trace_meta(self) -> dict:
-        """Trace metadata (eplb.trace.REQUIRED_META keys) describing this model."""
+        """Trace metadata (eplb.trace.REQUIRED_META keys, plus topk_groups) describing this model."""
         return {
             "model": self.name,
             "num_hidden_layers": self.num_layers,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
             "num_expert_groups": self.num_groups,
+            "topk_groups": self.topk_groups,
             "tokens_per_window": None,
             "source": None,
             "synthetic": False,

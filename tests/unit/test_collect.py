@@ -210,3 +210,17 @@ def test_forwards_in_and_out_of_inference_mode_count_into_one_window():
         model(_batch(ids[3:]))
     np.testing.assert_array_equal(rec.counts(), _expected_counts(ids, []))
     np.testing.assert_array_equal(rec.trace().topk_ids_NLK[:, 0], ids[:3])
+
+
+def test_meta_carries_the_group_limit(tmp_path):
+    # Groups a token may use (topk_groups) went missing from collected traces, so readers
+    # guessed num_groups // 2: a model with 3 of 4 groups and top-10 could not be rebuilt.
+    cfg = ModelConfig(num_layers=2, num_experts=16, num_groups=4, topk_groups=3, top_k=10)
+    torch.manual_seed(0)
+    with RouterCollector(DeepSeekModel(cfg).eval()) as rec, torch.no_grad():
+        rec.model(torch.randint(0, cfg.vocab, (1, 5)))
+    rec.save(tmp_path / "t.npz")
+    assert Trace.load_npz(tmp_path / "t.npz").meta["topk_groups"] == 3
+    model = ToyModel()
+    model.config.topk_group = 2                        # HF DeepSeek config name
+    assert RouterCollector(model, router_class=IdsGate, ids_from=1).meta["topk_groups"] == 2
