@@ -107,7 +107,7 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
     the per-window maximum (all windows when quantile is 1)."""
     peak_LT = load_LGT.max(axis=1)
     T = peak_LT.shape[1]
-    keep = int(np.ceil(quantile * T))
+    keep = int(np.ceil(quantile * T - 1e-9))  # 0.55 x 100 is 55.00000000000001 in floating point
     if keep >= T:
         return np.ones_like(peak_LT, dtype=bool)
     rank_LT = np.argsort(np.argsort(peak_LT, axis=1, kind="stable"), axis=1, kind="stable")

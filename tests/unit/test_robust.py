@@ -9,7 +9,7 @@ from eplb.placement import Placement
 from eplb.planning import PlanRequest, plan
 from eplb.topology import Topology
 from planners.greedy import plan_greedy
-from planners.robust import (RobustPlanner, normalise_windows, pack_vector, refine_swaps,
+from planners.robust import (RobustPlanner, kept_windows, normalise_windows, pack_vector, refine_swaps,
                              robust_demand, window_gpu_loads)
 from eplb.stats import replica_counts_minmax
 
@@ -138,3 +138,11 @@ def test_zero_windows_and_layers_are_harmless():
     h[1, 0] = np.arange(8) + 1.0
     r = plan(h, gpus=2, redundant=2, planner="robust")
     _check_valid(r.placement.phy2log_LP, 8, 2, 5)
+
+
+@pytest.mark.parametrize("quantile, T, keep", [(0.55, 100, 55), (0.28, 25, 7), (0.14, 50, 7), (0.9, 10, 9),
+                                               (0.5, 3, 2), (1.0, 4, 4), (0.01, 5, 1)])
+def test_kept_windows_count_is_the_quantile_of_the_windows(quantile, T, keep):
+    # quantile x T rounded up, without floating-point noise (0.55 x 100 = 55.00000000000001).
+    load_LGT = np.random.default_rng(T).random((2, 3, T))
+    assert (kept_windows(load_LGT, quantile).sum(axis=1) == keep).all()
