@@ -137,11 +137,22 @@ class Recorder:
                                np.asarray(self._step_s)[:, None]], axis=1)
 
     def gather(self, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> RuntimeReport:
-        """All ranks' numbers on every rank (collective over `group`; `device` must suit its backend)."""
+        """All ranks' numbers on every rank (collective over `group`; `device` must suit its backend).
+
+        Ranks that recorded different numbers of steps or layers (or none) all raise EplbError."""
+        world = dist.get_world_size(group)
+        # all_gather needs one shape on every rank (a mismatch aborted gloo and mixed up rows):
+        # agree on [steps, layers] first, so that every rank raises the same error.
+        shape = torch.tensor([len(self._step_s), self.num_layers], dtype=torch.int64, device=device)
+        shapes = [torch.empty_like(shape) for _ in range(world)]
+        dist.all_gather(shapes, shape, group=group)
+        shape_G2 = torch.stack(shapes).tolist()
+        if any(s != shape_G2[0] for s in shape_G2):
+            raise EplbError(f"ranks recorded different [steps, layers]: {shape_G2} (by rank): every rank must "
+                            f"run the same steps inside Recorder.step() with the same num_layers")
         if not self._step_s:
             raise EplbError("no steps were recorded: run at least one step inside Recorder.step()")
         mine = torch.as_tensor(self.local_arrays(), dtype=torch.float64, device=device)
-        world = dist.get_world_size(group)
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine, group=group)
         a_GBC = torch.stack(parts).cpu().numpy()

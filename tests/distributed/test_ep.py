@@ -209,6 +209,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             err = float((y - moes[0].routed(x, ids, w)).abs().max()) if len(y) else 0.0
             assert err < 1e-5, f"{mode} after refused inputs, rank 0 without tokens: max abs err {err}"
 
+        # Ranks that recorded different numbers of steps: a named error on every rank (gloo
+        # aborted the process, and the other ranks got a report of mixed-up rows).
+        uneven = Recorder(1)
+        for _ in range(2 if rank == 0 else 1):
+            with uneven.step():
+                pass
+        with pytest.raises(EplbError, match=r"different \[steps, layers\]: \[\[2, 1\], \[1, 1\]"):
+            uneven.gather(group)
+        # A rank with no steps at all: it used to raise alone, leaving the others in all_gather.
+        with pytest.raises(EplbError, match=r"different \[steps, layers\]: \[\[0, 1\], \[1, 1\]"):
+            (Recorder(1) if rank == 0 else uneven).gather(group)
+
         subgroups = []
         if world == 4:
             # Two independent 2-rank groups: ranks in a group are not global ranks.
