@@ -49,6 +49,12 @@ DISPATCH = ("even", "plan", "resplit", "optimal")
 """Dispatch policies a backtest can score (see the module docstring)."""
 
 
+def _whole(v) -> bool:
+    """int-like (2, 2.0, np.int64(2)), not True, "2" or 2.5."""
+    return not isinstance(v, bool) and (isinstance(v, (int, np.integer))
+                                        or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+
+
 def _check_dispatch(dispatch: Sequence[str]) -> tuple[str, ...]:
     dispatch = tuple(dispatch)
     bad = [d for d in dispatch if d not in DISPATCH]
@@ -305,11 +311,13 @@ def backtest(
     if num_groups is None and meta.get("num_expert_groups"):
         num_groups = int(meta["num_expert_groups"])
     T = c_TLE.shape[0]
-    if isinstance(interval, bool) or int(interval) < 1:
-        raise EplbError(f"interval must be >= 1 window, got {interval!r}")
+    # Whole numbers only: int(2.5) would plan on 2 windows and report history 2 as asked.
+    if not _whole(interval) or int(interval) < 1:
+        raise EplbError(f"interval must be a whole number of windows >= 1, got {interval!r}")
     interval = int(interval)
-    if history is not None and int(history) < 1:
-        raise EplbError(f"history must be >= 1 window (or None for all past windows), got {history!r}")
+    if history is not None and (not _whole(history) or int(history) < 1):
+        raise EplbError(f"history must be a whole number of windows >= 1 (or None for all past windows), "
+                        f"got {history!r}")
     start = 1 if history is None else int(history)
     if T <= start:
         raise EplbError(

@@ -95,6 +95,10 @@ def test_leave_one_out_scores_each_workload(rng):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(history=6), "more windows than its history"),
     (dict(interval=0), "interval"),
+    (dict(interval=2.5), r"interval must be a whole number of windows >= 1, got 2\.5"),
+    (dict(interval="2"), "interval must be a whole number"),
+    (dict(history=1.5), r"history must be a whole number of windows >= 1 .* got 1\.5"),
+    (dict(history=0), "history must be"),
     (dict(dispatch=("fast",)), "dispatch"),
     (dict(planner="nope"), "unknown planner"),
 ])
