@@ -113,47 +113,50 @@ def migrate_weights(old: Placement, new: Placement, local: Mapping[str, Any], *,
     def slot(n: str, layer: int, p: int) -> torch.Tensor:
         return local[n][layer][p - rank * S]
 
-    for k in range(plan.num_rounds):
-        ms = np.flatnonzero(plan.round_M == k)
-        src_G, dst_G = plan.src_rank_M[ms], plan.dst_rank_M[ms]
-        ops: list[dist.P2POp] = []
-        writes: list[tuple[int, int, dict[str, torch.Tensor]]] = []  # (layer, dst slot, weights)
-        # Step 1: snapshots and receive buffers. Both ends walk the round in the same order
-        # (peer, then tensor name, then transfer order) so messages match without tags.
-        for peer in range(world):
-            peer_global = dist.get_global_rank(group, peer)
-            if peer != rank:
-                out_m = ms[(src_G == rank) & (dst_G == peer)]
-                in_m = ms[(src_G == peer) & (dst_G == rank)]
+    # Moving weights is not an autograd op: engines' expert weights are often nn.Parameters
+    # (requires_grad=True), and in-place copies into views of those raise outside no_grad.
+    with torch.no_grad():
+        for k in range(plan.num_rounds):
+            ms = np.flatnonzero(plan.round_M == k)
+            src_G, dst_G = plan.src_rank_M[ms], plan.dst_rank_M[ms]
+            ops: list[dist.P2POp] = []
+            writes: list[tuple[int, int, dict[str, torch.Tensor]]] = []  # (layer, dst slot, weights)
+            # Step 1: snapshots and receive buffers. Both ends walk the round in the same order
+            # (peer, then tensor name, then transfer order) so messages match without tags.
+            for peer in range(world):
+                peer_global = dist.get_global_rank(group, peer)
+                if peer != rank:
+                    out_m = ms[(src_G == rank) & (dst_G == peer)]
+                    in_m = ms[(src_G == peer) & (dst_G == rank)]
+                    for n in names:
+                        if len(out_m):
+                            buf = torch.stack([slot(n, plan.layer_M[m], plan.src_slot_M[m]) for m in out_m])
+                            ops.append(dist.P2POp(dist.isend, buf, peer_global, group))
+                    bufs = {}
+                    for n in names:
+                        if len(in_m):
+                            ref = local[n][0][0]
+                            bufs[n] = torch.empty((len(in_m), *ref.shape), dtype=ref.dtype, device=ref.device)
+                            ops.append(dist.P2POp(dist.irecv, bufs[n], peer_global, group))
+                    writes += [(int(plan.layer_M[m]), int(plan.dst_slot_M[m]), {n: bufs[n][i] for n in names})
+                               for i, m in enumerate(in_m)]
+            for m in ms[(src_G == rank) & (dst_G == rank)]:
+                l = int(plan.layer_M[m])
+                writes.append((l, int(plan.dst_slot_M[m]), {n: slot(n, l, plan.src_slot_M[m]).clone() for n in names}))
+            # Step 2: the round's traffic.
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            # Step 3: writes (and checkpoint reloads) into their slots.
+            for m in ms[(src_G == CHECKPOINT) & (dst_G == rank)]:
+                l, e = int(plan.layer_M[m]), int(plan.expert_M[m])
+                w = reload(l, e)  # type: ignore[misc]
+                writes.append((l, int(plan.dst_slot_M[m]), {n: w[n] for n in names}))
+            for l, p, w in writes:
                 for n in names:
-                    if len(out_m):
-                        buf = torch.stack([slot(n, plan.layer_M[m], plan.src_slot_M[m]) for m in out_m])
-                        ops.append(dist.P2POp(dist.isend, buf, peer_global, group))
-                bufs = {}
-                for n in names:
-                    if len(in_m):
-                        ref = local[n][0][0]
-                        bufs[n] = torch.empty((len(in_m), *ref.shape), dtype=ref.dtype, device=ref.device)
-                        ops.append(dist.P2POp(dist.irecv, bufs[n], peer_global, group))
-                writes += [(int(plan.layer_M[m]), int(plan.dst_slot_M[m]), {n: bufs[n][i] for n in names})
-                           for i, m in enumerate(in_m)]
-        for m in ms[(src_G == rank) & (dst_G == rank)]:
-            l = int(plan.layer_M[m])
-            writes.append((l, int(plan.dst_slot_M[m]), {n: slot(n, l, plan.src_slot_M[m]).clone() for n in names}))
-        # Step 2: the round's traffic.
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        # Step 3: writes (and checkpoint reloads) into their slots.
-        for m in ms[(src_G == CHECKPOINT) & (dst_G == rank)]:
-            l, e = int(plan.layer_M[m]), int(plan.expert_M[m])
-            w = reload(l, e)  # type: ignore[misc]
-            writes.append((l, int(plan.dst_slot_M[m]), {n: w[n] for n in names}))
-        for l, p, w in writes:
-            for n in names:
-                slot(n, l, p).copy_(w[n])
-        if on_round is not None:
-            on_round(k)
+                    slot(n, l, p).copy_(w[n])
+            if on_round is not None:
+                on_round(k)
     return plan
 
 

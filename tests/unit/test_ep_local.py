@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from eplb.errors import EplbError  # noqa: E402
 from eplb.migration import schedule  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
-from eplb.runtime.apply import apply_placement, check_plan, plan_migration  # noqa: E402
+from eplb.runtime.apply import apply_placement, check_plan, migrate_weights, plan_migration  # noqa: E402
 from eplb.runtime.ep import (  # noqa: E402
     ExpertParallelMoE, ReplicaTable, choose_slots, occurrence, swiglu_experts, weighted_choice,
 )
@@ -239,3 +239,13 @@ def test_bad_forward_inputs_are_named_errors_and_the_layer_keeps_serving(world_o
     # A batch of one token, int32 ids (as engines produce) and non-contiguous inputs are fine.
     xt = x.T.contiguous().T
     assert torch.allclose(ep(xt[:1], ids[:1].int(), w[:1]), moe.routed(x[:1], ids[:1], w[:1]), atol=1e-6)
+
+
+def test_weights_held_as_parameters_that_require_grad_migrate(world_of_one):
+    # Engines keep expert weights as nn.Parameters; in-place copies into views of a leaf that
+    # requires grad raised a RuntimeError outside torch.no_grad().
+    old = Placement(np.array([[0, 1, 2, 3, 0]]), 1, 4)
+    new = Placement(np.array([[3, 2, 1, 0, 1]]), 1, 4)
+    w = torch.nn.Parameter(torch.tensor(old.phy2log_LP, dtype=torch.float32)[:, :, None].repeat(1, 1, 3))
+    migrate_weights(old, new, {"w": w}, group=world_of_one)
+    assert w.requires_grad and torch.equal(w[0, :, 0], torch.tensor([3.0, 2, 1, 0, 1]))
