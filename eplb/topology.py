@@ -53,8 +53,17 @@ class Topology:
         never more than E slots per GPU: a GPU that already holds every expert has no use for a
         second copy of one (so a single GPU gets no redundant slot).
         """
-        if gpus is None or isinstance(gpus, bool) or int(gpus) < 1:
-            raise EplbError(f"gpus must be a positive integer, got {gpus!r}")
+        # Whole numbers only: int() would read 2.5 GPUs as 2 and "4" as 4. (A negative
+        # redundant count and too few slots get their own messages below.)
+        for name, value, low in (("gpus", gpus, 1), ("redundant", redundant, None),
+                                 ("slots_per_gpu", slots_per_gpu, None)):
+            if value is None and name != "gpus":
+                continue
+            whole = not isinstance(value, bool) and (
+                isinstance(value, (int, np.integer))
+                or (isinstance(value, (float, np.floating)) and float(value).is_integer()))
+            if not whole or (low is not None and value < low):
+                raise EplbError(f"{name} must be a {'positive integer' if low else 'whole number'}, got {value!r}")
         gpus = int(gpus)
         if redundant is not None and slots_per_gpu is not None:
             raise EplbError(

@@ -295,6 +295,19 @@ def test_planner_settings_of_the_wrong_type_are_refused(name, settings, message)
     assert get_planner(name, refine_rounds=3.0).refine_rounds == 3  # --set refine_rounds=3.0
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpus=2.5), "gpus must be a positive integer, got 2.5"),
+    (dict(gpus="4"), "gpus must be a positive integer, got '4'"),
+    (dict(gpus=4, redundant=4.7), "redundant must be a whole number, got 4.7"),
+    (dict(gpus=4, slots_per_gpu=5.5), "slots_per_gpu must be a whole number, got 5.5"),
+])
+def test_topology_for_experts_refuses_fractional_sizes(kwargs, message):
+    # int() used to truncate them: 2.5 GPUs planned as 2, slots_per_gpu 5.5 as 5.
+    with pytest.raises(EplbError, match=message):
+        Topology.for_experts(16, **kwargs)
+    assert Topology.for_experts(16, gpus=4.0, redundant=4.0) == Topology(4, 5)
+
+
 def test_plan_previous_of_other_shape_names_the_fix():
     load = np.arange(1.0, 17.0)[None]
     old = eplb.plan(load, gpus=4).placement
