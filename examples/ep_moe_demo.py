@@ -37,6 +37,7 @@ from eplb.runtime.ep import MODES, ExpertParallelMoE
 from eplb.runtime.measure import Recorder
 from eplb.runtime.model import MoE, ModelConfig
 from eplb.topology import Topology
+from eplb.commands.common import positive_int
 from eplb.trace import Trace, load_trace
 from planners.contiguous import contiguous_map
 
@@ -46,13 +47,13 @@ def parse(argv):
     p.add_argument("--trace", default="traces/deepseek.npz", help="trace file (eplb .npz or SGLang JSON)")
     p.add_argument("--planner", default="greedy", help="planner name (eplb.planner_names())")
     p.add_argument("--json", default=None, help="write the report here (rank 0)")
-    p.add_argument("--layers", type=int, default=4, help="MoE layers to run, spread evenly over the trace's")
+    p.add_argument("--layers", type=positive_int, default=4, help="MoE layers to run, spread evenly over the trace's")
     p.add_argument("--window", type=int, default=-1, help="trace window that drives the routers (default: last)")
-    p.add_argument("--tokens", type=int, default=1024,
+    p.add_argument("--tokens", type=positive_int, default=1024,
                    help="tokens per rank per step (enough rows that compute time follows rows, not per-slot overhead)")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per phase")
-    p.add_argument("--hidden", type=int, default=64, help="D: model dim")
-    p.add_argument("--expert-hidden", type=int, default=64, help="F: expert intermediate size")
+    p.add_argument("--steps", type=positive_int, default=8, help="measured steps per phase")
+    p.add_argument("--hidden", type=positive_int, default=64, help="D: model dim")
+    p.add_argument("--expert-hidden", type=positive_int, default=64, help="F: expert intermediate size")
     p.add_argument("--mode", default="even", choices=MODES, help="replica choice of the planned phase")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

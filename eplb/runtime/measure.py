@@ -80,6 +80,14 @@ class RuntimeReport:
         }
 
 
+def backend_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a collective over `group` wants its tensors: this rank's current CUDA device for
+    NCCL (which rejects CPU tensors), the CPU for gloo and the others."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Recorder:
     """Collects one rank's numbers, step by step, for a stack of L MoE layers.
 
@@ -136,10 +144,13 @@ class Recorder:
         return np.concatenate([np.stack(self._rows), np.stack(self._compute), np.stack(self._a2a),
                                np.asarray(self._step_s)[:, None]], axis=1)
 
-    def gather(self, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> RuntimeReport:
-        """All ranks' numbers on every rank (collective over `group`; `device` must suit its backend).
+    def gather(self, group: dist.ProcessGroup, device: torch.device | str | None = None) -> RuntimeReport:
+        """All ranks' numbers on every rank (collective over `group`).
 
+        device: where the exchange tensors live; default the group's backend's own (this
+        rank's current CUDA device for NCCL, which rejects CPU tensors; the CPU otherwise).
         Ranks that recorded different numbers of steps or layers (or none) all raise EplbError."""
+        device = backend_device(group) if device is None else device
         world = dist.get_world_size(group)
         # all_gather needs one shape on every rank (a mismatch aborted gloo and mixed up rows):
         # agree on [steps, layers] first, so that every rank raises the same error.

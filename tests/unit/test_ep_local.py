@@ -249,3 +249,20 @@ def test_weights_held_as_parameters_that_require_grad_migrate(world_of_one):
     w = torch.nn.Parameter(torch.tensor(old.phy2log_LP, dtype=torch.float32)[:, :, None].repeat(1, 1, 3))
     migrate_weights(old, new, {"w": w}, group=world_of_one)
     assert w.requires_grad and torch.equal(w[0, :, 0], torch.tensor([3.0, 2, 1, 0, 1]))
+
+
+def test_recorder_gathers_on_the_backends_own_device(world_of_one, monkeypatch):
+    """gather() needs no device argument: CPU tensors for gloo, the current CUDA device for
+    NCCL (which rejects CPU tensors; checked by faking the backend, no GPU here)."""
+    import torch.distributed as dist
+
+    from eplb.runtime import measure
+
+    rec = measure.Recorder(1)
+    with rec.step():
+        pass
+    assert rec.gather(world_of_one).step_s_BG.shape == (1, 1)
+    assert measure.backend_device(world_of_one) == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert measure.backend_device(world_of_one) == torch.device("cuda", 3)

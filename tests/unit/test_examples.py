@@ -73,3 +73,13 @@ def test_collect_and_plan_rebuilds_the_router_of_a_collected_trace(tmp_path, tor
         rec.model(torch.randint(0, cfg.vocab, (1, 5)))
     rebuilt = load_example("collect_and_plan").model_config(rec.trace(), None)   # raised: top_k 10 > 2 x 4
     assert (rebuilt.num_groups, rebuilt.topk_groups, rebuilt.top_k) == (4, 3, 10)
+
+
+def test_ep_moe_demo_refuses_non_positive_sizes_before_starting_a_process_group(capsys):
+    demo = load_example("ep_moe_demo")
+    for flag in ("--tokens", "--steps", "--layers", "--hidden", "--expert-hidden"):
+        with pytest.raises(SystemExit) as exc:
+            demo.parse([flag, "0"])
+        assert exc.value.code == 2
+        assert f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+    assert demo.parse(["--tokens", "5"]).tokens == 5
