@@ -176,25 +176,18 @@ def test_scatter_count_matches_bincount():
     assert torch.equal(scatter_count(ids, 16), torch.bincount(ids, minlength=16))
 
 
-def test_all_reduce_world_size_one(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        group = dist.new_group([0])
-        model = ToyModel()
-        ids = np.array([[0, 1], [2, 3], [1, 4]])
-        with RouterCollector(model, router_class=IdsGate, ids_from=1, window_tokens=2,
-                             process_group=group) as rec:
-            model(_batch(ids))
-        t = rec.trace()
-        np.testing.assert_array_equal(t.counts_TLE, _expected_counts(ids, [2]))
-        assert t.meta["ranks_summed"] == 1 and t.meta["tokens_per_window"] == 2
-    finally:
-        dist.destroy_process_group()
+def test_all_reduce_world_size_one(world_of_one):
+    import torch.distributed as dist
+
+    group = dist.new_group([0])
+    model = ToyModel()
+    ids = np.array([[0, 1], [2, 3], [1, 4]])
+    with RouterCollector(model, router_class=IdsGate, ids_from=1, window_tokens=2,
+                         process_group=group) as rec:
+        model(_batch(ids))
+    t = rec.trace()
+    np.testing.assert_array_equal(t.counts_TLE, _expected_counts(ids, [2]))
+    assert t.meta["ranks_summed"] == 1 and t.meta["tokens_per_window"] == 2
 
 
 def test_forwards_in_and_out_of_inference_mode_count_into_one_window():

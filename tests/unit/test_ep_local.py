@@ -156,21 +156,6 @@ def test_runtime_report_sums_steps_before_the_ratio():
     assert s["rows_received_per_layer_rank"] == [[4, 4]]
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A one-rank gloo group: drives ExpertParallelMoE and apply_placement without torchrun."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def _small_moe(seed: int = 0) -> MoE:
     torch.manual_seed(seed)
     cfg = ModelConfig(hidden=16, num_experts=4, top_k=2, num_groups=2, topk_groups=1, expert_hidden=8)

@@ -203,6 +203,16 @@ def _random_case(seed, nodes, groups):
     return rng, G, S, E, random_map(rng, int(rng.integers(1, 4)), G, S, E)
 
 
+def _node_cases(count=40):
+    """(nodes, groups, G, E, old map, load) of the usable seeded cases (2 nodes, 2 or 4 groups)."""
+    for seed in range(count):
+        nodes, groups = (2, 2) if seed % 2 else (2, 4)
+        rng, G, S, E, old = _random_case(seed, nodes, groups)
+        if E % groups or E >= G * S:
+            continue
+        yield nodes, groups, G, E, old, rng.gamma(0.4, 10.0, (old.shape[0], E))
+
+
 @pytest.mark.parametrize("budget", [mg.Budget(move_cost=0.001, span_cost=0.5), mg.Budget(max_moves=6, span_cost=1.0),
                                     mg.Budget(max_moves_per_gpu=1, span_cost=2.0),
                                     mg.Budget(max_moves=20, max_moves_per_gpu=2, move_cost=0.002, span_cost=1.0)])
@@ -222,17 +232,12 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
 
     monkeypatch.setattr(_search_kernel, "search", spy)
     checked = 0
-    for seed in range(40):
-        nodes, groups = (2, 2) if seed % 2 else (2, 4)
-        rng, G, S, E, old = _random_case(seed, nodes, groups)
-        if E % groups or E >= G * S:
-            continue
-        load = rng.gamma(0.4, 10.0, (old.shape[0], E))
+    for nodes, groups, G, E, old, load in _node_cases():
         out = mg.budgeted_search(load, old, G, budget, nodes=nodes, num_groups=groups)
         assert seen["phy"] is out
-        L = old.shape[0]
+        L, P = old.shape
         gn = np.zeros((L, groups, nodes), dtype=np.int64)
-        grp, node = out // (E // groups), (np.arange(G * S) // S) // (G // nodes)
+        grp, node = out // (E // groups), (np.arange(P) // (P // G)) // (G // nodes)
         np.add.at(gn, (np.arange(L)[:, None], grp, np.broadcast_to(node, out.shape)), 1)
         np.testing.assert_array_equal(seen["gn_LKN"], gn)
         np.testing.assert_array_equal(seen["cnt_LEG"], mg.holdings(out, G, E).transpose(0, 2, 1))
@@ -248,12 +253,7 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
 def test_prohibitive_span_cost_never_adds_a_group_node_pair():
     from eplb.stats import group_span
 
-    for seed in range(40):
-        nodes, groups = (2, 2) if seed % 2 else (2, 4)
-        rng, G, S, E, old = _random_case(seed, nodes, groups)
-        if E % groups or E >= G * S:
-            continue
-        load = rng.gamma(0.4, 10.0, (old.shape[0], E))
+    for nodes, groups, G, E, old, load in _node_cases():
         # With move_cost 0 the price only ranks changes (any gain passes the threshold): a
         # price refuses a change only through move_cost x (1 + span_cost x pairs added).
         for budget in (mg.Budget(move_cost=0.001, span_cost=1e6), mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
