@@ -308,8 +308,9 @@ class Deployment:
             dtype_bits(self.expert_dtype)
         if self.attention not in ATTENTION_MODES:
             raise EplbError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
-        if not 0.0 < float(self.memory_utilization) <= 1.0:
-            raise EplbError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        mu = self.memory_utilization
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 < float(mu) <= 1.0:
+            raise EplbError(f"memory_utilization must be a number in (0, 1], got {mu!r}")
 
 
 @dataclass(frozen=True)

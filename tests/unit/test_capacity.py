@@ -139,7 +139,8 @@ def test_auto_slots_checks_expert_count_of_the_trace():
     (dict(context=-5), "context must be a positive integer, got -5"),
     (dict(kv_dtype="int3"), "unknown dtype 'int3'"),
     (dict(attention="pp"), "attention must be one of dp, tp, got 'pp'"),
-    (dict(memory_utilization=1.5), r"memory_utilization must be in \(0, 1\], got 1.5"),
+    (dict(memory_utilization=1.5), r"memory_utilization must be a number in \(0, 1\], got 1.5"),
+    (dict(memory_utilization="abc"), r"memory_utilization must be a number in \(0, 1\], got 'abc'"),
 ])
 def test_bad_deployment_errors_name_the_value(kw, msg):
     with pytest.raises(EplbError, match=msg):
