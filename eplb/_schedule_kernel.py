@@ -76,6 +76,26 @@ def _match(adj, npend, G):
 
 
 @njit(cache=True, nogil=True)
+def _commit(l, p, e, src_rank, src, d, cur, hc, writing, sourcing, inflight, done, nd):
+    """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
+    checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""
+    o = cur[l, p]
+    if o >= 0:
+        hc[l, o] -= 1
+    writing[l, p] = True
+    if src >= 0:
+        sourcing[l, src] = True
+    inflight[l, e] = True
+    done[nd, 0] = l
+    done[nd, 1] = p
+    done[nd, 2] = e
+    done[nd, 3] = src_rank
+    done[nd, 4] = src
+    done[nd, 5] = d
+    done[nd, 6] = 0
+
+
+@njit(cache=True, nogil=True)
 def pend_layer(pend, npend, P):
     """Layer of the first pending slot (for the error message), or -1."""
     for d in range(npend.size):
@@ -287,18 +307,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                                 local = s
                                 break
                         if local >= 0:
-                            if o >= 0:
-                                hc[l, o] -= 1
-                            writing[l, p] = True
-                            sourcing[l, local] = True
-                            inflight[l, e] = True
-                            done[nd, 0] = l
-                            done[nd, 1] = p
-                            done[nd, 2] = e
-                            done[nd, 3] = d
-                            done[nd, 4] = local
-                            done[nd, 5] = d
-                            done[nd, 6] = 0
+                            _commit(l, p, e, d, local, d, cur, hc, writing, sourcing, inflight, done, nd)
                             nd += 1
                             continue
                         if ncand[d] < per_rank:
@@ -357,19 +366,8 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                             if P - ndist[l] < 2 and npl[l] > 1:
                                 continue           # another reload this round took the room
                             ndist[l] += 1
-                        if o >= 0:
-                            hc[l, o] -= 1
-                        writing[l, p] = True
-                        if src >= 0:
-                            sourcing[l, src] = True
-                        inflight[l, e] = True
-                        done[nd, 0] = l
-                        done[nd, 1] = p
-                        done[nd, 2] = e
-                        done[nd, 3] = -1 if src < 0 else r
-                        done[nd, 4] = src
-                        done[nd, 5] = d
-                        done[nd, 6] = 0
+                        _commit(l, p, e, -1 if src < 0 else r, src, d, cur, hc, writing, sourcing, inflight,
+                                done, nd)
                         nd += 1
                         break
             if nd == 0:

@@ -96,16 +96,29 @@ def _check_nodes(gpus: int, nodes) -> int:
     return nodes
 
 
-def _check_load(load_LE, layers: int | None = None) -> np.ndarray:
-    """load_LE as float64 [layers, E] (any number of layers with None), finite and >= 0."""
+def _check_load(load_LE) -> np.ndarray:
+    """load_LE as float64 [layers, E >= 1], finite and >= 0."""
     load_LE = np.asarray(load_LE, dtype=np.float64)
-    if load_LE.ndim != 2 or load_LE.shape[0] != (load_LE.shape[0] if layers is None else layers) \
-            or load_LE.shape[1] == 0:
-        raise EplbError(f"load must be [layers, experts] for the {layers} layers of the maps, "
-                        f"got shape {load_LE.shape}")
+    if load_LE.ndim != 2 or load_LE.shape[1] == 0:
+        raise EplbError(f"load must be [layers, experts] with at least one expert, got shape {load_LE.shape}")
     if not np.isfinite(load_LE).all() or (load_LE < 0).any():
         raise EplbError("load must be finite and >= 0")
     return load_LE
+
+
+def _check_load_and_maps(load_LE, gpus: int, **maps) -> tuple[np.ndarray, int, int]:
+    """load_LE checked as float64 [L, E] (finite, >= 0) together with the [L, P] maps it is
+    planned on (see _check_maps, with E from the load). Returns (load_LE, L, P)."""
+    load_LE = _check_load(load_LE)
+    L, P = _check_maps(gpus, load_LE.shape[1], **maps)
+    if load_LE.shape[0] != L:
+        raise EplbError(f"load must be [layers, experts] for the {L} layers of the maps, got shape {load_LE.shape}")
+    return load_LE, L, P
+
+
+def _span_priced(nodes: int, num_groups: int | None, budget: "Budget") -> bool:
+    """Does the search price spreading expert groups over nodes (Budget.span_cost)?"""
+    return nodes > 1 and num_groups is not None and budget.span_cost > 0
 
 
 def warm_up() -> float:
@@ -313,10 +326,10 @@ class Budget:
     """With several nodes and expert groups: each (group, node) pair a change adds to a layer
     (a group reaching a node it had no replica on) is priced like this many moves, net of
     pairs the change clears. It keeps the node locality of a node-aware plan: on real
-    DeepSeek-V3 loads (4 nodes, 8 groups, hierarchical plans) a 15% budget spreads groups
-    over 3.35 nodes at 0, 2.26 at 1 and 2.0 at 4, for busiest GPUs 0.25%, 0.40% and 0.65%
-    above a from-scratch hierarchical plan (benchmarks/bench_migration.py, part 4). Prices
-    the choice only; the budget counts moves."""
+    DeepSeek-V3 loads (4 nodes, 8 groups, hierarchical plans, 56 workload pairs) a 15% budget
+    spreads groups over 3.34 nodes at 0, 2.25 at 1 and 2.0 at 4, for busiest GPUs 0.28%,
+    0.47% and 0.76% above a from-scratch hierarchical plan (benchmarks/bench_migration.py,
+    part 4). Prices the choice only; the budget counts moves."""
 
     def __post_init__(self) -> None:
         for name in ("max_moves", "max_moves_per_gpu"):
@@ -365,9 +378,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     """
     if not isinstance(budget, Budget):
         raise EplbError(f"budget must be a Budget, got {type(budget).__name__}")
-    load_LE = _check_load(load_LE)
-    _check_maps(gpus, load_LE.shape[1], old_LP=old_LP)
-    load_LE = _check_load(load_LE, np.shape(old_LP)[0])
+    load_LE, _, _ = _check_load_and_maps(load_LE, gpus, old_LP=old_LP)
     # The search prices every slot as a replica (an empty one would be read as expert E - 1
     # and its counts go wrong): restore_missing fills them first.
     if (np.asarray(old_LP) < 0).any():
@@ -409,12 +420,12 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     H = 1                                                       # busy GPUs priced per layer
     iters = min(max_iters, 2**62) if max_iters is not None else 4 * P      # an int64 in the kernel
     nodes = _check_count("nodes", nodes)
-    span = nodes > 1 and num_groups is not None and budget.span_cost > 0
+    span = _span_priced(nodes, num_groups, budget)
     if span:
+        nodes = _check_nodes(G, nodes)
         num_groups = _check_count("num_groups", num_groups)
-        if G % nodes or E % num_groups:
-            raise EplbError(f"node locality needs GPUs ({G}) divisible by nodes ({nodes}) and experts ({E}) "
-                            f"divisible by groups ({num_groups})")
+        if E % num_groups:
+            raise EplbError(f"node locality needs the {E} experts divisible by groups ({num_groups})")
         if not compiled:
             raise EplbError("the numpy reference (compiled=False) does not keep group span: "
                             "use compiled=True, or nodes=1")
@@ -426,9 +437,8 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         if span:
             grp_E = np.arange(E, dtype=np.int64) // (E // num_groups)
             node_G = np.arange(G, dtype=np.int64) // (G // nodes)
-            gn_LKN = np.zeros((L, num_groups, nodes), dtype=np.int64)
-            valid = phy >= 0
-            np.add.at(gn_LKN, (np.nonzero(valid)[0], grp_E[phy[valid]], node_G[np.nonzero(valid)[1] // S]), 1)
+            gn_LKN = np.zeros((L, num_groups, nodes), dtype=np.int64)     # no empty slots here
+            np.add.at(gn_LKN, (np.arange(L)[:, None], grp_E[phy], node_G[np.arange(P) // S][None, :]), 1)
         else:
             grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)
         state["total"] = _search_kernel.search(
@@ -677,9 +687,7 @@ def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.nd
     replicas and the lowest load per replica, on the least-loaded GPU that does not hold the
     expert. Returns a copy of phy_LP with no expert missing.
     """
-    load_LE = _check_load(load_LE)
-    _check_maps(gpus, load_LE.shape[1], phy_LP=phy_LP)
-    load_LE = _check_load(load_LE, np.shape(phy_LP)[0])
+    load_LE, _, _ = _check_load_and_maps(load_LE, gpus, phy_LP=phy_LP)
     phy = np.array(phy_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
@@ -732,9 +740,7 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     search replaced the target. info holds the move counts of each candidate. With nodes > 1
     and num_groups the search keeps each layer's group span (see `budgeted_search`).
     """
-    load_LE = _check_load(load_LE)
-    L, _ = _check_maps(gpus, load_LE.shape[1], old_LP=old_LP, target_LP=target_LP)
-    load_LE = _check_load(load_LE, L)
+    load_LE, L, _ = _check_load_and_maps(load_LE, gpus, old_LP=old_LP, target_LP=target_LP)
     old_LP = np.asarray(old_LP, dtype=np.int64)
     target_LP = np.asarray(target_LP, dtype=np.int64)
     if (target_LP < 0).any():
@@ -760,7 +766,7 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
     fits = ((budget.max_moves is None or moves_rel_LG.sum() <= budget.max_moves)
             and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
     price_L = budget.move_cost * load_LE.sum(axis=1) / gpus
-    span = nodes > 1 and num_groups is not None and budget.span_cost > 0
+    span = _span_priced(nodes, num_groups, budget)
     if span:
         from eplb.stats import group_span
 
