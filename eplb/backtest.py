@@ -40,19 +40,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from eplb import stats
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 from eplb.placement import Placement
 from eplb.planning import plan as make_plan
 from eplb.progress import progress
 
 DISPATCH = ("even", "plan", "resplit", "optimal")
 """Dispatch policies a backtest can score (see the module docstring)."""
-
-
-def _whole(v) -> bool:
-    """int-like (2, 2.0, np.int64(2)), not True, "2" or 2.5."""
-    return not isinstance(v, bool) and (isinstance(v, (int, np.integer))
-                                        or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
 
 
 def _check_dispatch(dispatch: Sequence[str]) -> tuple[str, ...]:
@@ -312,10 +306,10 @@ def backtest(
         num_groups = int(meta["num_expert_groups"])
     T = c_TLE.shape[0]
     # Whole numbers only: int(2.5) would plan on 2 windows and report history 2 as asked.
-    if not _whole(interval) or int(interval) < 1:
+    if not is_whole(interval) or int(interval) < 1:
         raise EplbError(f"interval must be a whole number of windows >= 1, got {interval!r}")
     interval = int(interval)
-    if history is not None and (not _whole(history) or int(history) < 1):
+    if history is not None and (not is_whole(history) or int(history) < 1):
         raise EplbError(f"history must be a whole number of windows >= 1 (or None for all past windows), "
                         f"got {history!r}")
     start = 1 if history is None else int(history)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, whole_number
 
 CHECKPOINT = -1
 """Source rank of a transfer that reloads an expert from the checkpoint (no replica survived)."""
@@ -80,11 +80,7 @@ def _check_maps(gpus: int, num_experts: int, **maps) -> tuple[int, int]:
 
 def _check_count(name: str, v, lo: int = 1) -> int:
     """v as an int, if it is a whole number >= lo (bools refused: True is no count)."""
-    whole = isinstance(v, (int, np.integer)) or (isinstance(v, (float, np.floating)) and np.isfinite(v)
-                                                  and float(v).is_integer())
-    if isinstance(v, (bool, np.bool_)) or not whole or v < lo:
-        raise EplbError(f"{name} must be a whole number >= {lo}, got {v!r}")
-    return int(v)
+    return whole_number(name, v, lo)
 
 
 def _check_nodes(gpus: int, nodes) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 from eplb.topology import Topology
 
 FORMAT_VERSION = 1
@@ -76,8 +76,7 @@ class Placement:
         L, P = phy.shape
         for name in ("num_gpus", "num_logical_experts", "num_nodes"):
             v = getattr(self, name)  # int() would read 2.5 GPUs as 2
-            whole = not isinstance(v, bool) and (isinstance(v, (int, np.integer))
-                                                 or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+            whole = is_whole(v)
             if not whole or v < 1:
                 raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
         G, E, N = int(self.num_gpus), int(self.num_logical_experts), int(self.num_nodes)
@@ -252,7 +251,7 @@ class Placement:
         for key in ("num_gpus", "num_logical_experts", "num_nodes"):
             v = d.get(key, 1)
             # int(4.7) would silently read a damaged file as 4 GPUs.
-            if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            if not is_whole(v):
                 raise EplbError(f"{source}: {key} must be a whole number, got {v!r}")
         weights = d.get("dispatch_weights")
         layer_ids = d.get("layer_ids")

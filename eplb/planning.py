@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from eplb import stats
-from eplb.errors import EplbError
+from eplb.errors import EplbError, whole_number
 from eplb.placement import Placement
 from eplb.topology import Topology
 from eplb.trace import Trace
@@ -137,11 +137,7 @@ def get_planner(name: str, **settings: Any) -> Planner:
 
 def whole_setting(name: str, value: Any, minimum: int = 0) -> int:
     """A planner setting that must be a whole number >= minimum (2.7, True or "x" are refused)."""
-    ok = not isinstance(value, bool) and (
-        isinstance(value, (int, np.integer)) or (isinstance(value, float) and value.is_integer()))
-    if not ok or int(value) < minimum:
-        raise EplbError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-    return int(value)
+    return whole_number(name, value, minimum)
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eplb import stats
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 from eplb.migration import Budget, MigrationPlan, count_moves, migrate, schedule
 from eplb.placement import Placement
 
@@ -332,7 +332,7 @@ class Rebalancer:
             except TypeError:
                 given = [failed_ranks]
         # Whole numbers only: [1.5] used to become rank 1 and plan without it.
-        if not all(_is_number(r) and float(r).is_integer() for r in given):
+        if not all(is_whole(r) for r in given):
             raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {failed_ranks!r}")
         failed = np.unique(np.asarray(given, dtype=np.int64))
         unknown = failed[~np.isin(failed, ranks)]

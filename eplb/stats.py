@@ -10,15 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
-
-
-def _is_whole(v) -> bool:
-    """int-like (2, 2.0, np.int64(2)), not True, "2" or 2.5."""
-    return not isinstance(v, bool) and (isinstance(v, (int, np.integer))
-                                        or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
 
 
 def _check_alpha(alpha) -> float:
@@ -59,7 +53,7 @@ def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha:
     if how == "last":
         return c[-1].copy()
     if how == "window":
-        if window is None or not _is_whole(window) or int(window) < 1:  # int(2.5) would sum 2 windows
+        if window is None or not is_whole(window) or int(window) < 1:  # int(2.5) would sum 2 windows
             raise EplbError(f"aggregation 'window' needs window >= 1, got {window!r} (a whole number of windows)")
         return c[-int(window):].sum(axis=0)
     if how == "ema":
@@ -70,7 +64,7 @@ def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha:
 def sliding_sum(counts_TLE, size: int) -> np.ndarray:
     """Sum over each run of `size` consecutive windows, [T - size + 1, L, E]."""
     c = _as_counts_TLE(counts_TLE)
-    if not _is_whole(size) or not 1 <= size <= c.shape[0]:
+    if not is_whole(size) or not 1 <= size <= c.shape[0]:
         raise EplbError(f"sliding window size must be a whole number in 1..{c.shape[0]} (the number of windows), "
                         f"got {size!r}")
     size = int(size)
@@ -191,7 +185,7 @@ def lower_bound(load_LE, gpus: int, num_slots: int) -> np.ndarray:
     no placement, however tokens are split among replicas, can beat either term.
     """
     for name, v in (("gpus", gpus), ("num_slots", num_slots)):
-        if not _is_whole(v) or v < 1:  # gpus=0 gave inf, num_slots=4.5 a TypeError
+        if not is_whole(v) or v < 1:  # gpus=0 gave inf, num_slots=4.5 a TypeError
             raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
     load = np.asarray(load_LE, dtype=np.float64)
     r = replica_counts_minmax(load, int(num_slots), tie_break=False)

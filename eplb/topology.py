@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,7 @@ class Topology:
                                  ("slots_per_gpu", slots_per_gpu, None)):
             if value is None and name != "gpus":
                 continue
-            whole = not isinstance(value, bool) and (
-                isinstance(value, (int, np.integer))
-                or (isinstance(value, (float, np.floating)) and float(value).is_integer()))
-            if not whole or (low is not None and value < low):
+            if not is_whole(value) or (low is not None and value < low):
                 raise EplbError(f"{name} must be a {'positive integer' if low else 'whole number'}, got {value!r}")
         gpus = int(gpus)
         if redundant is not None and slots_per_gpu is not None:

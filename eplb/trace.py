@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 
 REQUIRED_META = (
     "model", "num_hidden_layers", "num_experts", "top_k", "num_expert_groups",
@@ -102,8 +102,7 @@ class Trace:
             v = meta[key]
             if v is None:
                 continue
-            whole = not isinstance(v, bool) and (isinstance(v, (int, np.integer))
-                                                 or (isinstance(v, (float, np.floating)) and float(v).is_integer()))
+            whole = is_whole(v)
             if not whole or v < 1:
                 raise EplbError(f"meta {key} must be a whole number >= 1 or null, got {v!r}")
             meta[key] = int(v)

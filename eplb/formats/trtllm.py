@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_whole
 from eplb.placement import Placement
 from eplb.trace import Trace, default_meta
 
@@ -67,7 +67,7 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     def whole(x):  # int() would read layer 3.7 as 3 and expert 2.5 as 2
         if isinstance(x, str) and x.strip().isdigit():  # a quoted key, "3": still layer 3
             return int(x)
-        if isinstance(x, bool) or not (isinstance(x, int) or (isinstance(x, float) and x.is_integer())):
+        if not is_whole(x):
             raise ValueError(f"{x!r} is not a whole number")
         return int(x)
 
@@ -166,7 +166,7 @@ def read_expert_statistic(path: str | Path) -> Trace:
     if not isinstance(info, dict) or "num_experts" not in info:
         raise EplbError(f"{path}/meta_info.json: no num_experts (not a TensorRT-LLM expert statistic dump)")
     E = info["num_experts"]
-    if isinstance(E, bool) or not (isinstance(E, int) or (isinstance(E, float) and E.is_integer())) or E < 1:
+    if not is_whole(E) or E < 1:
         raise EplbError(f"{path}/meta_info.json: num_experts must be a whole number >= 1, got {E!r}")
     E = int(E)
     files = _rank_files(path)
