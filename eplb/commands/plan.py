@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from eplb.commands.common import (add_command, add_output_flags, check_output_path, format_table, positive_int,
                                   print_json)
@@ -178,7 +177,8 @@ def run(args) -> int:
 
         reports.append((f"previous ({args.previous})", evaluate(previous, result.load_LE)))
     reports.append((f"{result.planner}", result.after))
-    for (name, rep), wb in zip(reports, (window_bal or {}).values() if window_bal else [None] * len(reports)):
+    per_window = list(window_bal.values()) if window_bal else [None] * len(reports)
+    for (name, rep), wb in zip(reports, per_window):
         imb, br = rep.imbalance_L, rep.bound_ratio_L
         rows.append([name, float(np.min(imb)), float(np.median(imb)), float(np.max(imb)),
                      float(np.median(br)), float(np.max(br)), rep.balancedness]
