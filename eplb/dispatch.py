@@ -36,6 +36,9 @@ or a per-rank re-split of the local counts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
 import numpy as np
 
 from eplb.errors import EplbError
@@ -249,3 +252,99 @@ def resplit(placement: Placement, counts_LE, sweeps: int = 8) -> np.ndarray:
 def max_gpu_load(placement: Placement, load_LE, weights_LP: np.ndarray | None = None) -> np.ndarray:
     """Busiest GPU's load per layer, [L], under the given shares (the plan's if None)."""
     return placement.gpu_loads(_check_load(placement, load_LE), weights_LP).max(axis=1)
+
+
+# Dispatch rules ---------------------------------------------------------------------------------
+# A rule is what an engine does with a placement: `rule.bind(placement)` once per placement
+# (index tables, an engine's rank -> replica map), then `bound(counts_LE) -> weights_LP` per
+# batch. Rules that ignore the batch (`per_batch = False`) accept counts_LE=None. Scoring,
+# planning, backtests and replay take a rule, so every figure says which rule it used.
+
+BoundRule = Callable[[np.ndarray | None], np.ndarray]
+"""A rule bound to one placement: counts [L, E] (or None for rules that ignore them) -> shares [L, P]."""
+
+
+class DispatchRule(Protocol):
+    """How an engine splits each expert's tokens among its replicas."""
+
+    name: str
+    per_batch: bool
+    """True when the shares depend on the batch's own counts (they must then be given)."""
+
+    def bind(self, placement: Placement) -> BoundRule: ...
+
+
+@dataclass(frozen=True)
+class EvenSplit:
+    """1 / replicas for every replica: vLLM's rearranged experts, SGLang's `dynamic` dispatch."""
+
+    name = "even"
+    per_batch = False
+
+    def bind(self, placement: Placement) -> BoundRule:
+        even_LP = _even_LP(placement)
+        return lambda counts_LE=None: even_LP
+
+
+@dataclass(frozen=True)
+class PlanWeights:
+    """The placement's own static shares (`dispatch_weights_LP`; even when it has none): eplb's runtime."""
+
+    name = "plan"
+    per_batch = False
+
+    def bind(self, placement: Placement) -> BoundRule:
+        w_LP = placement.replica_weights()
+        return lambda counts_LE=None: w_LP
+
+
+@dataclass(frozen=True)
+class Resplit:
+    """Per-batch re-split of each batch's own counts (`Resplitter`): eplb's runtime with resplit."""
+
+    sweeps: int = 8
+    name = "resplit"
+    per_batch = True
+
+    def bind(self, placement: Placement) -> BoundRule:
+        rs = Resplitter(placement)
+        return lambda counts_LE: rs(_need_counts(self, counts_LE), self.sweeps)
+
+
+@dataclass(frozen=True)
+class OptimalSplit:
+    """The exact per-batch LP (`optimal_weights`): the best any split can do with this placement."""
+
+    name = "optimal"
+    per_batch = True
+
+    def bind(self, placement: Placement) -> BoundRule:
+        return lambda counts_LE: optimal_weights(placement, _need_counts(self, counts_LE))
+
+
+def _need_counts(rule, counts_LE):
+    if counts_LE is None:
+        raise EplbError(f"dispatch rule {rule.name!r} splits each batch by its own counts: pass counts [L, E]")
+    return counts_LE
+
+
+RULES: dict[str, type] = {"even": EvenSplit, "plan": PlanWeights, "resplit": Resplit, "optimal": OptimalSplit}
+"""Dispatch rules by name (engine rules are added beside these; `get_rule` reads this table)."""
+
+
+def get_rule(rule: "str | DispatchRule") -> DispatchRule:
+    """A rule by name ("even", "plan", "resplit", "optimal", ...), or the rule itself."""
+    if isinstance(rule, str):
+        if rule not in RULES:
+            raise EplbError(f"unknown dispatch rule {rule!r}: choose one of {', '.join(sorted(RULES))}")
+        return RULES[rule]()
+    if not callable(getattr(rule, "bind", None)):
+        raise EplbError(f"dispatch rule must be a name or have bind(placement), got {type(rule).__name__}")
+    return rule
+
+
+def rule_gpu_loads(rule: "str | DispatchRule", placement: Placement, counts_LE) -> np.ndarray:
+    """Tokens each GPU serves, [L, G], when `rule` dispatches `counts_LE` [L, E] on `placement`."""
+    rule = get_rule(rule)
+    load = _check_load(placement, counts_LE)
+    return placement.gpu_loads(load, rule.bind(placement)(load))
