@@ -39,11 +39,11 @@ V2_FILE = SHARED / "deepseek_v2_lite_per_token" / "per_token_topk.npz"
 SYNTH = ROOT / "traces" / "deepseek.npz"
 
 
-def slots_for(gpus: int, experts: int) -> int:
+def slots_for(num_gpus: int, experts: int) -> int:
     """Slots per GPU: 288 slots (32 redundant) where G divides 288, else one redundant per GPU."""
-    if 288 % gpus == 0 and experts == 256:
-        return 288 // gpus
-    return -(-experts // gpus) + 1
+    if 288 % num_gpus == 0 and experts == 256:
+        return 288 // num_gpus
+    return -(-experts // num_gpus) + 1
 
 
 def v3_workloads(quiet: bool) -> tuple[list, list[str], str]:
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         rows = []
         for name in planners:
             t0 = time.perf_counter()
-            r = leave_one_out(workloads, gpus=G, slots_per_gpu=S, planner=name, labels=names, dispatch=dispatch,
+            r = leave_one_out(workloads, num_gpus=G, slots_per_gpu=S, planner=name, labels=names, dispatch=dispatch,
                               settings=settings.get(name), num_groups=8, oracle=False, quiet=True)
             s = r.summary()
             imb = s["median"]["imbalance"]
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     rows = []
     for name in planners:
         t0 = time.perf_counter()
-        r = backtest(counts, gpus=G, slots_per_gpu=S, planner=name, interval=4, history=8, dispatch=dispatch,
+        r = backtest(counts, num_gpus=G, slots_per_gpu=S, planner=name, interval=4, history=8, dispatch=dispatch,
                      settings=settings.get(name), oracle=False, quiet=True)
         s = r.summary()
         rows.append([name, *(s["median"]["imbalance"][d] for d in dispatch),

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     placements = {}
     for i, (name, load_LE) in enumerate(loads[: args.plans]):
         for planner in planners:
-            res = plan(load_LE, gpus=G, nodes=args.nodes, redundant=G, planner=planner,
+            res = plan(load_LE, num_gpus=G, num_nodes=args.nodes, num_redundant=G, planner=planner,
                        settings=settings.get(planner), num_groups=8)
             p = res.placement.with_weights(None)
             placements[planner, i] = p

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     checks = []
     for name, load_LE in workloads(args.traces, args.fallback, 256):
         L, E = load_LE.shape
-        topo = Topology.for_experts(E, gpus=G, nodes=N, redundant=args.redundant)
+        topo = Topology.for_experts(E, num_gpus=G, num_nodes=N, num_redundant=args.redundant)
         P = topo.num_slots
         req = PlanRequest(load_LE, topo, load_LE[None], num_groups=K)
         lb_L = stats.lower_bound(load_LE, G, P)

@@ -59,9 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel-layers", type=int, default=6)
     args = ap.parse_args(argv)
     G = args.gpus
-    redundant = G if args.redundant is None else args.redundant
+    num_redundant = G if args.redundant is None else args.redundant
     extra = {} if args.time_limit is None else {"time_limit": args.time_limit}
-    print(f"{os.cpu_count()} cores; G = {G}, redundant = {redundant}")
+    print(f"{os.cpu_count()} cores; G = {G}, redundant = {num_redundant}")
     loads = list(workloads(args.traces, args.fallback))[: args.workloads]
 
     # Part 1: weighted dispatch.
@@ -69,14 +69,14 @@ def main(argv=None) -> int:
     ilp_med = []
     for name, load_LE in loads:
         L, E = load_LE.shape
-        P = E + redundant
+        P = E + num_redundant
         S = P // G
         lb_L = stats.lower_bound(load_LE, G, P)
         greedy = Placement(plan_greedy(load_LE, G, S), G, E)
         even_L = greedy.gpu_loads(load_LE).max(axis=1) / lb_L
         lp_L = greedy.gpu_loads(load_LE, optimal_weights(greedy, load_LE)).max(axis=1) / lb_L
         t0 = time.perf_counter()
-        res = plan(load_LE, gpus=G, redundant=redundant, planner="ilp", settings={"quiet": True, **extra})
+        res = plan(load_LE, num_gpus=G, num_redundant=num_redundant, planner="ilp", settings={"quiet": True, **extra})
         sec = time.perf_counter() - t0
         ilp_L = res.after.bound_ratio_L
         ilp_med.append(np.median(ilp_L))
@@ -95,12 +95,12 @@ def main(argv=None) -> int:
         rows = []
         for name, load_LE in loads[: args.even_workloads]:
             L, E = load_LE.shape
-            P = E + redundant
+            P = E + num_redundant
             lb_L = stats.lower_bound(load_LE, G, P)
             greedy = Placement(plan_greedy(load_LE, G, P // G), G, E)
             even_L = greedy.gpu_loads(load_LE).max(axis=1) / lb_L
             t0 = time.perf_counter()
-            res = plan(load_LE, gpus=G, redundant=redundant, planner="ilp",
+            res = plan(load_LE, num_gpus=G, num_redundant=num_redundant, planner="ilp",
                        settings={"dispatch": "even", "quiet": True, **extra})
             sec = time.perf_counter() - t0
             gaps = [g for g in res.info["gap_L"] if g is not None]
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
         name, load_LE = loads[0]
         L, E = load_LE.shape
-        P = E + redundant
+        P = E + num_redundant
         S = P // G
         tl = args.time_limit or 8.0
         layers = np.linspace(0, L - 1, args.parallel_layers).astype(int)

@@ -47,10 +47,10 @@ SHARED = os.path.join(os.path.dirname(ROOT), "shared", "traces")
 SYNTH = os.path.join(ROOT, "traces", "deepseek.npz")
 
 
-def imbalance(load_LE, phy_LP, gpus):
+def imbalance(load_LE, phy_LP, num_gpus):
     """(median over layers of busiest/mean GPU, sum of busiest / sum of mean) under even dispatch."""
-    mx = mg.max_load(load_LE, phy_LP, gpus)
-    mean = load_LE.sum(axis=1) / gpus
+    mx = mg.max_load(load_LE, phy_LP, num_gpus)
+    mean = load_LE.sum(axis=1) / num_gpus
     return float(np.median(mx / mean)), float(mx.sum() / mean.sum())
 
 
@@ -72,7 +72,7 @@ def part1(args):
     print(f"\n## Part 1: rebalancing between workloads (DeepSeek-V3, {G} GPUs, {256 + R} slots)")
     print(f"source: {source} ({len(names)} workloads, {len(names) * (len(names) - 1)} ordered pairs); "
           f"budget = {args.budget:.0%} of the from-scratch replan's moves")
-    plans = {n: plan(loads[n], gpus=G, redundant=R).placement for n in names}
+    plans = {n: plan(loads[n], num_gpus=G, num_redundant=R).placement for n in names}
     E = next(iter(loads.values())).shape[1]
     rows = []
     for a in names:
@@ -84,7 +84,7 @@ def part1(args):
             moves_scratch = int(mg.count_moves(prev.phy2log_LP, scratch, G, E).sum())
             budget = int(args.budget * moves_scratch)
             t0 = time.perf_counter()
-            res = plan(load, gpus=G, redundant=R, previous=prev, max_moves=budget)
+            res = plan(load, num_gpus=G, num_redundant=R, previous=prev, max_moves=budget)
             dt = time.perf_counter() - t0
             info = res.info["migration"]
             new = res.placement.phy2log_LP
@@ -150,7 +150,7 @@ def part2(args):
     counts_TLE, source, G, R = v2_windows(args.v2_lite, args.tokens)
     T, L, E = counts_TLE.shape
     print(f"\n## Part 2: the Rebalancer over time ({source}; {G} GPUs, {E + R} slots)")
-    start = plan(counts_TLE[0], gpus=G, redundant=R).placement
+    start = plan(counts_TLE[0], num_gpus=G, num_redundant=R).placement
     rb = Rebalancer(start, window=args.history, interval=1, min_improvement=args.min_improvement,
                     move_cost=args.move_cost)
     static_phy = start.phy2log_LP
@@ -164,7 +164,8 @@ def part2(args):
             mx = mg.max_load(load, phy, G)
             bal[name].append(load.sum() / G / mx.sum())
         # Then let each policy learn from window t.
-        new = plan(counts_TLE[max(1, t - args.history + 1):t + 1].sum(axis=0), gpus=G, redundant=R).placement.phy2log_LP
+        new = plan(counts_TLE[max(1, t - args.history + 1):t + 1].sum(axis=0), num_gpus=G,
+                   num_redundant=R).placement.phy2log_LP
         moves_replan.append(int(mg.count_moves(replan_phy, new, G, E).sum()))
         replan_phy = new
         t0 = time.perf_counter()
@@ -229,7 +230,7 @@ def part3(args):
     G, R = 32, 32
     print(f"\n## Part 3: cost at DeepSeek-V3 shape ({L} layers x {E} experts, {G} GPUs, {E + R} slots; "
           f"synthetic windows of {os.path.relpath(SYNTH)})")
-    start = plan(c[0], gpus=G, redundant=R).placement
+    start = plan(c[0], num_gpus=G, num_redundant=R).placement
     import scipy.optimize  # noqa: F401  (one-time import, ~1 s, not a per-decision cost)
     import scipy.sparse.csgraph  # noqa: F401
 
@@ -297,7 +298,7 @@ def part4(args):
           f"{E + R} slots)")
     print(f"source: {source}; serving: the hierarchical plan for A; reference: a from-scratch hierarchical "
           f"plan for B; budgeted plans use the greedy target (as the Rebalancer does by default)")
-    hier = {n: plan(loads[n], gpus=G, nodes=N, redundant=R, planner="hierarchical", num_groups=K).placement
+    hier = {n: plan(loads[n], num_gpus=G, num_nodes=N, num_redundant=R, planner="hierarchical", num_groups=K).placement
             for n in names}
     span = lambda phy: float(group_span(phy, G, N, K, E).mean())  # noqa: E731
     pairs = [(a, b) for a in names for b in names if a != b]
@@ -311,7 +312,8 @@ def part4(args):
             budget = int(args.budget * mg.count_moves(prev.phy2log_LP, hier[b].phy2log_LP, G, E).sum())
             for key, kw in (("15", dict(max_moves=budget)), ("c", dict(move_cost=0.001))):
                 t0 = time.perf_counter()
-                res = plan(load, gpus=G, nodes=N, redundant=R, num_groups=K, previous=prev, span_cost=cost, **kw)
+                res = plan(load, num_gpus=G, num_nodes=N, num_redundant=R, num_groups=K, previous=prev,
+                           span_cost=cost, **kw)
                 dt = time.perf_counter() - t0
                 phy = res.placement.phy2log_LP
                 out[key].append((imbalance(load, phy, G)[0] / ref, span(phy), res.info["migration"]["moves"], dt))

@@ -54,9 +54,9 @@ def shipped_trace(path: Path) -> tuple[Trace, str]:
         return Trace(counts, np.arange(3, 61), meta), "seeded log-normal fallback (eplb.synth absent)"
 
 
-def contiguous(trace: Trace, gpus: int, redundant: int | None = None) -> Placement:
-    topo = Topology.for_experts(trace.num_experts, gpus=gpus, redundant=redundant)
-    return Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), gpus, trace.num_experts,
+def contiguous(trace: Trace, num_gpus: int, num_redundant: int | None = None) -> Placement:
+    topo = Topology.for_experts(trace.num_experts, num_gpus=num_gpus, num_redundant=num_redundant)
+    return Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), num_gpus, trace.num_experts,
                      layer_ids=trace.layer_ids, planner="contiguous")
 
 
@@ -70,14 +70,14 @@ BACKTEST_RUNS = (
 """(legend, planner, re-plan interval in windows; None = planned once) in the backtest figure."""
 
 
-def backtest_series(trace: Trace, gpus: int) -> list:
+def backtest_series(trace: Trace, num_gpus: int) -> list:
     """The backtest figure's series: each window served by a plan made from earlier windows only."""
     from eplb.backtest import backtest
 
     results = []
     for legend, planner, every in BACKTEST_RUNS:
         t0 = time.perf_counter()
-        r = backtest(trace, gpus=gpus, planner=planner, interval=every or trace.num_windows,
+        r = backtest(trace, num_gpus=num_gpus, planner=planner, interval=every or trace.num_windows,
                      history=BACKTEST_HISTORY, dispatch=("even",), oracle=False, quiet=True)
         moves = r.summary()["moves_median"]
         print(f"  backtest {legend:<36} {len(r.plans):2d} plans, busiest/mean mean {r.column('imbalance').mean():.4f}"
@@ -97,31 +97,31 @@ def write(fig, out: Path, name: str, made: list) -> None:
         print(f"  warning: {name} is {size / 1024:.0f} KiB (> {MAX_BYTES // 1000} KB)")
 
 
-def figures_for(trace: Trace, out: Path, prefix: str, gpus: int, planners: list[str], made: list,
+def figures_for(trace: Trace, out: Path, prefix: str, num_gpus: int, planners: list[str], made: list,
                 label: str, backtest: bool) -> None:
     load = trace.total().astype(np.float64)
     write(plot.expert_heatmap(trace, title=f"Expert load / layer mean, {label}"), out, f"{prefix}heatmap.png", made)
-    results: dict = {"contiguous": contiguous(trace, gpus)}
+    results: dict = {"contiguous": contiguous(trace, num_gpus)}
     for name in planners:
         t0 = time.perf_counter()
-        results[name] = plan(trace, gpus=gpus, planner=name)
+        results[name] = plan(trace, num_gpus=num_gpus, planner=name)
         print(f"  {prefix or 'shipped '}{name}: {time.perf_counter() - t0:.2f} s, median busiest/mean "
               f"{np.median(results[name].after.imbalance_L):.4f}")
     write(plot.gpu_load_comparison(load, results, layer_ids=trace.layer_ids,
-                                   title=f"Busiest / mean GPU per layer, {gpus} GPUs, one redundant slot per GPU; "
+                                   title=f"Busiest / mean GPU per layer, {num_gpus} GPUs, one redundant slot per GPU; "
                                          f"{label}"), out, f"{prefix}balance.png", made)
     first = next(n for n in planners if n != "contiguous")
-    write(plot.replica_map(results[first], load, title=f"{first} placement on {gpus} GPUs, {label}"),
+    write(plot.replica_map(results[first], load, title=f"{first} placement on {num_gpus} GPUs, {label}"),
           out, f"{prefix}replicas.png", made)
     if backtest and trace.num_windows > BACKTEST_HISTORY + 2:
-        series = backtest_series(trace, gpus)
+        series = backtest_series(trace, num_gpus)
         tpw = trace.meta.get("tokens_per_window")
         xl = (f"scored window (0 = trace window {BACKTEST_HISTORY}"
               + (f"; {tpw:,} tokens each)" if tpw else ")"))
         write(plot.backtest_timeline(series, window_label=xl,
                                      metric_label="busiest / mean GPU load,\nmedian over layers (even dispatch)",
                                      title=f"Backtest on {label}: each window served by a plan made from the "
-                                           f"{BACKTEST_HISTORY} windows before it ({gpus} GPUs)"),
+                                           f"{BACKTEST_HISTORY} windows before it ({num_gpus} GPUs)"),
               out, f"{prefix}backtest.png", made)
     elif backtest:
         print(f"  backtest figure not made: {trace.num_windows} windows, it needs more than {BACKTEST_HISTORY + 2}")

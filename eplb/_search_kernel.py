@@ -634,33 +634,33 @@ def _assign_max(w, r0, c0, n, u, v, p, way, minv, used, out):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def gpu_assignment(keep_LGG, nodes):
+def gpu_assignment(keep_LGG, num_nodes):
     """Compiled `migration._gpu_assignment`: out[l, b] = new GPU placed at old GPU b, int64
     [L, G]; the best GPU matching inside every (new node, old node) pair, then the best node
-    matching (nodes = 1: one matching of all GPUs). Optimal like scipy's; ties may differ."""
+    matching (num_nodes = 1: one matching of all GPUs). Optimal like scipy's; ties may differ."""
     L, G, _ = keep_LGG.shape
-    n = G // nodes
-    m = max(n, nodes)
+    n = G // num_nodes
+    m = max(n, num_nodes)
     u = np.empty(m + 1)
     v = np.empty(m + 1)
     p = np.empty(m + 1, dtype=np.int64)
     way = np.empty(m + 1, dtype=np.int64)
     minv = np.empty(m + 1)
     used = np.empty(m + 1, dtype=np.bool_)
-    inner = np.empty((nodes, nodes, n), dtype=np.int64)
-    node_keep = np.empty((nodes, nodes))
-    node_of = np.empty(nodes, dtype=np.int64)
+    inner = np.empty((num_nodes, num_nodes, n), dtype=np.int64)
+    node_keep = np.empty((num_nodes, num_nodes))
+    node_of = np.empty(num_nodes, dtype=np.int64)
     out = np.empty((L, G), dtype=np.int64)
     for l in range(L):
         w = keep_LGG[l]
-        for a in range(nodes):
-            for b in range(nodes):
+        for a in range(num_nodes):
+            for b in range(num_nodes):
                 node_keep[a, b] = _assign_max(w, a * n, b * n, n, u, v, p, way, minv, used, inner[a, b])
-        if nodes == 1:
+        if num_nodes == 1:
             node_of[0] = 0
         else:
-            _assign_max(node_keep, 0, 0, nodes, u, v, p, way, minv, used, node_of)
-        for b in range(nodes):
+            _assign_max(node_keep, 0, 0, num_nodes, u, v, p, way, minv, used, node_of)
+        for b in range(num_nodes):
             a = node_of[b]
             for j in range(n):
                 out[l, b * n + j] = a * n + inner[a, b, j]

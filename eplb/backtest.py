@@ -112,7 +112,7 @@ class BacktestResult:
     planner: str
     mode: str
     """"sequential" (rebalance every `interval` windows) or "leave-one-out"."""
-    gpus: int
+    num_gpus: int
     num_slots: int
     interval: int
     """Windows served by each plan (sequential mode; 1 for leave-one-out)."""
@@ -153,7 +153,7 @@ class BacktestResult:
         return {
             "planner": self.planner,
             "mode": self.mode,
-            "gpus": self.gpus,
+            "gpus": self.num_gpus,
             "num_slots": self.num_slots,
             "interval": self.interval,
             "history": self.history,
@@ -233,11 +233,11 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 class _Runner:
     """Shared machinery of both backtest modes: plan, score, oracle plans."""
 
-    def __init__(self, planner: str, gpus: int, *, nodes: int, redundant: int | None,
+    def __init__(self, planner: str, num_gpus: int, *, num_nodes: int, num_redundant: int | None,
                  slots_per_gpu: int | None, dispatch: Sequence[str], settings: dict | None,
                  num_groups: int | None, aggregate: str, oracle: bool):
         self.planner = planner
-        self.kw = dict(gpus=gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,
+        self.kw = dict(num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
                        planner=planner, settings=settings, num_groups=num_groups)
         self.dispatch = _check_dispatch(dispatch)
         self.aggregate = aggregate
@@ -256,7 +256,7 @@ class _Runner:
                               "(optimal_weights) fitted to each plan's aggregated history")
         if result.status == "FALLBACK":
             self.notes.append(f"plan {index}: planner fell back ({result.message})")
-        moves = None if previous is None else _moves(previous, placement, self.kw["nodes"])
+        moves = None if previous is None else _moves(previous, placement, self.kw["num_nodes"])
         return scorer, PlanScores(index, span, result.seconds, result.status, gap_D, moves)
 
     def score(self, scorer: _Scorer, load_LE: np.ndarray, window: int, plan_index: int) -> WindowScores:
@@ -279,12 +279,12 @@ class _Runner:
 def backtest(
     counts_TLE,
     *,
-    gpus: int,
+    num_gpus: int,
     planner: str = "greedy",
     interval: int = 1,
     history: int | None = None,
-    nodes: int = 1,
-    redundant: int | None = None,
+    num_nodes: int = 1,
+    num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
     dispatch: Sequence[str] = DISPATCH,
     settings: dict | None = None,
@@ -319,7 +319,7 @@ def backtest(
             f"{'all past (at least 1)' if history is None else history} "
             f"(use a trace with more windows, a shorter --history, or --leave-one-out over several files)"
         )
-    run = _Runner(planner, gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,
+    run = _Runner(planner, num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
                   dispatch=dispatch, settings=settings, num_groups=num_groups, aggregate=aggregate,
                   oracle=oracle)
     points = list(range(start, T, interval))
@@ -332,7 +332,7 @@ def backtest(
         plans.append(ps)
         for t in range(r, min(r + interval, T)):
             windows.append(run.score(scorer, c_TLE[t], t, i))
-    return BacktestResult(planner, "sequential", int(gpus), _num_slots(run, c_TLE), interval,
+    return BacktestResult(planner, "sequential", int(num_gpus), _num_slots(run, c_TLE), interval,
                           None if history is None else int(history), run.dispatch, tuple(plans),
                           tuple(windows), tuple(f"window {w.window}" for w in windows), tuple(run.notes))
 
@@ -340,11 +340,11 @@ def backtest(
 def leave_one_out(
     workloads: Sequence,
     *,
-    gpus: int,
+    num_gpus: int,
     planner: str = "greedy",
     labels: Sequence[str] | None = None,
-    nodes: int = 1,
-    redundant: int | None = None,
+    num_nodes: int = 1,
+    num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
     dispatch: Sequence[str] = DISPATCH,
     settings: dict | None = None,
@@ -372,7 +372,7 @@ def leave_one_out(
     labels = tuple(labels) if labels is not None else tuple(f"workload {i}" for i in range(len(loads)))
     if len(labels) != len(loads):
         raise EplbError(f"{len(labels)} labels for {len(loads)} workloads")
-    run = _Runner(planner, gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu,
+    run = _Runner(planner, num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
                   dispatch=dispatch, settings=settings, num_groups=num_groups, aggregate=aggregate,
                   oracle=oracle)
     plans, windows, window_labels = [], [], []
@@ -385,16 +385,16 @@ def leave_one_out(
             windows.append(run.score(scorer, held[t], i, i))
             window_labels.append(labels[i] if held.shape[0] == 1 else f"{labels[i]}[{t}]")
     c0 = loads[0][0]
-    return BacktestResult(planner, "leave-one-out", int(gpus), _num_slots(run, c0), 1, None, run.dispatch,
+    return BacktestResult(planner, "leave-one-out", int(num_gpus), _num_slots(run, c0), 1, None, run.dispatch,
                           tuple(plans), tuple(windows), tuple(window_labels), tuple(run.notes))
 
 
-def _moves(old: Placement, new: Placement, nodes: int) -> int:
+def _moves(old: Placement, new: Placement, num_nodes: int) -> int:
     """Experts copied onto GPUs that lacked them, old -> new, after the best GPU renaming."""
     from eplb.migration import count_moves, relabel
 
     G, E = new.num_gpus, new.num_logical_experts
-    perm_LP = relabel(old.phy2log_LP, new.phy2log_LP, G, E, nodes=nodes)
+    perm_LP = relabel(old.phy2log_LP, new.phy2log_LP, G, E, num_nodes=num_nodes)
     new_LP = np.take_along_axis(new.phy2log_LP, perm_LP, axis=1)
     return int(count_moves(old.phy2log_LP, new_LP, G, E).sum())
 
@@ -403,6 +403,6 @@ def _num_slots(run: _Runner, c_TLE: np.ndarray) -> int:
     from eplb.topology import Topology
 
     kw = run.kw
-    return Topology.for_experts(c_TLE.shape[2], gpus=kw["gpus"], nodes=kw["nodes"], redundant=kw["redundant"],
-                                slots_per_gpu=kw["slots_per_gpu"]).num_slots
+    return Topology.for_experts(c_TLE.shape[2], num_gpus=kw["num_gpus"], num_nodes=kw["num_nodes"],
+                                num_redundant=kw["num_redundant"], slots_per_gpu=kw["slots_per_gpu"]).num_slots
 

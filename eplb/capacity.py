@@ -274,7 +274,7 @@ def bytes_per_expert(model: ModelShape, dtype: str = "fp8") -> int:
 class Deployment:
     """Where and how the model is served."""
 
-    gpus: int
+    num_gpus: int
     """G: GPUs the model is spread over (expert-parallel ranks)."""
     gpu_memory: int
     """Bytes of memory per GPU (as nvidia-smi reports the total)."""
@@ -295,7 +295,7 @@ class Deployment:
     """Share of GPU memory the engine may use for weights and KV (rest: context, activations)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpu_memory", "context"):
+        for name in ("num_gpus", "gpu_memory", "context"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise EplbError(f"{name} must be a positive integer, got {v!r}")
@@ -360,7 +360,7 @@ class CapacityReport:
         return {
             "model": self.model.name, "total_params": self.model.total_params(),
             "num_moe_layers": self.model.num_moe_layers, "num_experts": self.model.num_experts,
-            "gpus": d.gpus, "gpu_memory_bytes": d.gpu_memory, "context": d.context,
+            "gpus": d.num_gpus, "gpu_memory_bytes": d.gpu_memory, "context": d.context,
             "weight_dtype": d.weight_dtype, "expert_dtype": d.expert_dtype or d.weight_dtype,
             "kv_dtype": d.kv_dtype, "attention": d.attention, "memory_utilization": d.memory_utilization,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -379,7 +379,7 @@ class CapacityReport:
     @property
     def redundant_total(self) -> int:
         """R = P - E over all GPUs (includes padding when G does not divide E)."""
-        return self.deployment.gpus * (self.slots_per_gpu or 0) - self.model.num_experts
+        return self.deployment.num_gpus * (self.slots_per_gpu or 0) - self.model.num_experts
 
 
 def _kv_split(model: ModelShape, dep: Deployment) -> float:
@@ -388,12 +388,12 @@ def _kv_split(model: ModelShape, dep: Deployment) -> float:
     ceil(kv_heads / G) of them (G = 3 with 8 KV heads: 3 of 8, not a third)."""
     if dep.attention == "dp" or model.is_mla:
         return 1
-    return model.num_kv_heads / -(-model.num_kv_heads // dep.gpus)
+    return model.num_kv_heads / -(-model.num_kv_heads // dep.num_gpus)
 
 
 def _kv_per_gpu(model: ModelShape, dep: Deployment, kv_seq: float, concurrency: int) -> float:
     if dep.attention == "dp":
-        return -(-concurrency // dep.gpus) * kv_seq
+        return -(-concurrency // dep.num_gpus) * kv_seq
     return concurrency * kv_seq
 
 
@@ -402,7 +402,7 @@ def _max_concurrency(model: ModelShape, dep: Deployment, budget: float, kv_seq: 
     if budget < kv_seq:
         return 0
     per_gpu = int(budget // kv_seq)
-    return per_gpu * dep.gpus if dep.attention == "dp" else per_gpu
+    return per_gpu * dep.num_gpus if dep.attention == "dp" else per_gpu
 
 
 def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gpu: int | None = None,
@@ -411,7 +411,7 @@ def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gp
     chosen `redundant_per_gpu` (give at most one of the two unknowns; with neither, the
     redundancy defaults to 0 and the concurrency that fits is reported)."""
     dep = deployment
-    G, E = dep.gpus, model.num_experts
+    G, E = dep.num_gpus, model.num_experts
     if redundant_per_gpu is not None:
         if isinstance(redundant_per_gpu, bool) or not isinstance(redundant_per_gpu, int) or redundant_per_gpu < 0:
             raise EplbError(f"redundant slots per GPU must be a whole number >= 0, got {redundant_per_gpu!r}")
@@ -484,7 +484,7 @@ def auto_slots_per_gpu(model: ModelShape, deployment: Deployment, num_experts: i
     if rep.redundant_per_gpu is None:
         need = -rep.free_bytes_per_gpu
         raise EplbError(
-            f"{model.name} on {deployment.gpus} GPUs of {gib(deployment.gpu_memory):.1f} GiB does not fit "
+            f"{model.name} on {deployment.num_gpus} GPUs of {gib(deployment.gpu_memory):.1f} GiB does not fit "
             f"{deployment.concurrency} sequences x {deployment.context} tokens even without redundant experts "
             f"({gib(need):.2f} GiB short per GPU): lower --concurrency or --context, or add GPUs"
         )
@@ -511,7 +511,7 @@ def add_arguments(p, *, for_plan: bool = False) -> None:
                    help="share of GPU memory for weights + KV (default 0.9)")
 
 
-def deployment_from_args(args, gpus: int, *, need_concurrency: bool = False) -> Deployment:
+def deployment_from_args(args, num_gpus: int, *, need_concurrency: bool = False) -> Deployment:
     """A Deployment from the options `add_arguments` defines (errors name the missing one)."""
     missing = [f"--{n.replace('_', '-')}" for n in ("gpu_memory", "context") if getattr(args, n) is None]
     if need_concurrency and args.concurrency is None:
@@ -519,7 +519,7 @@ def deployment_from_args(args, gpus: int, *, need_concurrency: bool = False) -> 
     if missing:
         raise EplbError(f"capacity planning needs {', '.join(missing)}")
     return Deployment(
-        gpus=gpus, gpu_memory=parse_memory(args.gpu_memory), context=args.context,
+        num_gpus=num_gpus, gpu_memory=parse_memory(args.gpu_memory), context=args.context,
         concurrency=args.concurrency, weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype,
         kv_dtype=args.kv_dtype, attention=args.attention, memory_utilization=args.memory_utilization,
     )
@@ -545,7 +545,8 @@ def format_report(rep: CapacityReport) -> str:
     """The human-readable report `eplb capacity` prints."""
     d, m = rep.deployment, rep.model
     lines = [m.describe(),
-             f"{d.gpus} GPUs x {gib(d.gpu_memory):.1f} GiB ({d.memory_utilization:.0%} usable), attention {d.attention}; "
+             f"{d.num_gpus} GPUs x {gib(d.gpu_memory):.1f} GiB ({d.memory_utilization:.0%} usable), "
+             f"attention {d.attention}; "
              f"weights {d.weight_dtype}, experts {d.expert_dtype or d.weight_dtype}, KV {d.kv_dtype}; "
              f"context {d.context:,} tokens"]
     rows = [("KV cache per token", f"{rep.kv_bytes_per_token:,} B ({_fmt_bytes(rep.kv_bytes_per_token)})"),
@@ -568,8 +569,8 @@ def format_report(rep: CapacityReport) -> str:
                          f"redundant experts; lower concurrency or context, or add GPUs")
         else:
             lines.append(f"redundant slots: {rep.redundant_per_gpu} per GPU = {rep.slots_per_gpu} slots per GPU, "
-                         f"{rep.redundant_total} redundant in total ({d.gpus * rep.slots_per_gpu} physical slots for "
-                         f"{m.num_experts} experts)")
+                         f"{rep.redundant_total} redundant in total "
+                         f"({d.num_gpus * rep.slots_per_gpu} physical slots for {m.num_experts} experts)")
         if rep.tradeoff:
             lines.append("redundant/GPU -> most sequences that fit: "
                          + ", ".join(f"{r} -> {c:,}" for r, c in rep.tradeoff))

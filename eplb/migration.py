@@ -47,14 +47,14 @@ def _kernel_ints(a) -> np.ndarray:
     return np.array(a, dtype=np.int64, order="C")
 
 
-def _check_maps(gpus: int, num_experts: int, **maps) -> tuple[int, int]:
+def _check_maps(num_gpus: int, num_experts: int, **maps) -> tuple[int, int]:
     """Validate [L, P] expert maps (keyword = name in the error): 2-D, whole numbers, one shape,
     P a multiple of gpus, entries in -1..num_experts-1 (-1 = empty slot). Returns (L, P).
 
     The compiled kernels index arrays by these values and do not check bounds, so a bad
     map must fail here, with its name and the offending value, not corrupt memory there."""
-    if isinstance(gpus, bool) or int(gpus) != gpus or gpus < 1:
-        raise EplbError(f"gpus must be a positive whole number, got {gpus!r}")
+    if isinstance(num_gpus, bool) or int(num_gpus) != num_gpus or num_gpus < 1:
+        raise EplbError(f"num_gpus must be a positive whole number, got {num_gpus!r}")
     if isinstance(num_experts, bool) or int(num_experts) != num_experts or num_experts < 1:
         raise EplbError(f"num_experts must be a positive whole number, got {num_experts!r}")
     shape = None
@@ -68,8 +68,8 @@ def _check_maps(gpus: int, num_experts: int, **maps) -> tuple[int, int]:
             raise EplbError(f"{name} has shape {a.shape} but {next(iter(maps))} has {shape}: "
                             f"maps of the same layers and slots are needed")
         shape = a.shape
-        if a.shape[1] % gpus:
-            raise EplbError(f"{name} has {a.shape[1]} slots, which do not split evenly over {gpus} GPUs")
+        if a.shape[1] % num_gpus:
+            raise EplbError(f"{name} has {a.shape[1]} slots, which do not split evenly over {num_gpus} GPUs")
         bad = (a < -1) | (a >= num_experts)
         if bad.any():
             l, p = np.argwhere(bad)[0]
@@ -83,13 +83,13 @@ def _check_count(name: str, v, lo: int = 1) -> int:
     return whole_number(name, v, lo)
 
 
-def _check_nodes(gpus: int, nodes) -> int:
-    """nodes as an int, if it is a positive whole number that splits the GPUs evenly (the
-    compiled GPU assignment fills nodes x (gpus // nodes) columns and no more)."""
-    nodes = _check_count("nodes", nodes)
-    if gpus % nodes:
-        raise EplbError(f"nodes ({nodes}) must divide the {gpus} GPUs evenly")
-    return nodes
+def _check_nodes(num_gpus: int, num_nodes) -> int:
+    """num_nodes as an int, if it is a positive whole number that splits the GPUs evenly (the
+    compiled GPU assignment fills num_nodes x (num_gpus // num_nodes) columns and no more)."""
+    num_nodes = _check_count("num_nodes", num_nodes)
+    if num_gpus % num_nodes:
+        raise EplbError(f"num_nodes ({num_nodes}) must divide the {num_gpus} GPUs evenly")
+    return num_nodes
 
 
 def _check_load(load_LE) -> np.ndarray:
@@ -102,19 +102,19 @@ def _check_load(load_LE) -> np.ndarray:
     return load_LE
 
 
-def _check_load_and_maps(load_LE, gpus: int, **maps) -> tuple[np.ndarray, int, int]:
+def _check_load_and_maps(load_LE, num_gpus: int, **maps) -> tuple[np.ndarray, int, int]:
     """load_LE checked as float64 [L, E] (finite, >= 0) together with the [L, P] maps it is
     planned on (see _check_maps, with E from the load). Returns (load_LE, L, P)."""
     load_LE = _check_load(load_LE)
-    L, P = _check_maps(gpus, load_LE.shape[1], **maps)
+    L, P = _check_maps(num_gpus, load_LE.shape[1], **maps)
     if load_LE.shape[0] != L:
         raise EplbError(f"load must be [layers, experts] for the {L} layers of the maps, got shape {load_LE.shape}")
     return load_LE, L, P
 
 
-def _span_priced(nodes: int, num_groups: int | None, budget: "Budget") -> bool:
+def _span_priced(num_nodes: int, num_groups: int | None, budget: "Budget") -> bool:
     """Does the search price spreading expert groups over nodes (Budget.span_cost)?"""
-    return nodes > 1 and num_groups is not None and budget.span_cost > 0
+    return num_nodes > 1 and num_groups is not None and budget.span_cost > 0
 
 
 def warm_up() -> float:
@@ -142,38 +142,38 @@ def warm_up() -> float:
 
 # 1. Counting ------------------------------------------------------------------------------------
 
-def holdings(phy_LP: np.ndarray, gpus: int, num_experts: int) -> np.ndarray:
+def holdings(phy_LP: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
     """Replicas of each expert on each GPU, int64 [L, G, E]. Entries < 0 in phy_LP (empty) are skipped."""
     phy_LP = np.asarray(phy_LP)
     L, P = phy_LP.shape
-    S = P // gpus
+    S = P // num_gpus
     gpu_P = np.arange(P) // S
-    flat = (np.arange(L)[:, None] * gpus + gpu_P[None, :]) * num_experts + phy_LP
+    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_experts + phy_LP
     flat = flat[phy_LP >= 0]
-    return np.bincount(flat, minlength=L * gpus * num_experts).reshape(L, gpus, num_experts)
+    return np.bincount(flat, minlength=L * num_gpus * num_experts).reshape(L, num_gpus, num_experts)
 
 
-def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
+def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int,
                 *, compiled: bool = True) -> np.ndarray:
     """Moves onto each GPU, int64 [L, G]: experts the GPU holds in new_LP but not in old_LP.
     compiled=False: the numpy version (the tests' reference)."""
-    _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
     if compiled:
         # Called ~5 times per rebalance decision; the [L, G, E] holdings cost ~1.5 ms each.
         from eplb import _search_kernel
 
         L, P = np.shape(new_LP)
-        R, S = L * gpus, P // gpus
+        R, S = L * num_gpus, P // num_gpus
         return _search_kernel.count_moves(_kernel_ints(old_LP).reshape(R, S),
-                                          _kernel_ints(new_LP).reshape(R, S)).reshape(L, gpus)
-    old = holdings(old_LP, gpus, num_experts) > 0
-    new = holdings(new_LP, gpus, num_experts) > 0
+                                          _kernel_ints(new_LP).reshape(R, S)).reshape(L, num_gpus)
+    old = holdings(old_LP, num_gpus, num_experts) > 0
+    new = holdings(new_LP, num_gpus, num_experts) > 0
     return (new & ~old).sum(axis=2)
 
 
 # 2a. Relabelling --------------------------------------------------------------------------------
 
-def _gpu_assignment(keep_LGG: np.ndarray, nodes: int, *, compiled: bool = True) -> np.ndarray:
+def _gpu_assignment(keep_LGG: np.ndarray, num_nodes: int, *, compiled: bool = True) -> np.ndarray:
     """For each layer, which new GPU goes to each old GPU position, int64 [L, G].
 
     keep_LGG[l, a, b]: experts new GPU a would keep if it became old GPU b. With several
@@ -186,22 +186,22 @@ def _gpu_assignment(keep_LGG: np.ndarray, nodes: int, *, compiled: bool = True) 
     if compiled:
         from eplb import _search_kernel
 
-        return _search_kernel.gpu_assignment(np.ascontiguousarray(keep_LGG, dtype=np.float64), int(nodes))
+        return _search_kernel.gpu_assignment(np.ascontiguousarray(keep_LGG, dtype=np.float64), int(num_nodes))
     from scipy.optimize import linear_sum_assignment
 
     L, G, _ = keep_LGG.shape
     out = np.empty((L, G), dtype=np.int64)
-    if nodes == 1:
+    if num_nodes == 1:
         for l in range(L):
             rows, cols = linear_sum_assignment(keep_LGG[l], maximize=True)
             out[l, cols] = rows
         return out
-    n = G // nodes
+    n = G // num_nodes
     for l in range(L):
-        node_keep = np.empty((nodes, nodes))
+        node_keep = np.empty((num_nodes, num_nodes))
         inner = {}
-        for a in range(nodes):
-            for b in range(nodes):
+        for a in range(num_nodes):
+            for b in range(num_nodes):
                 block = keep_LGG[l, a * n:(a + 1) * n, b * n:(b + 1) * n]
                 rows, cols = linear_sum_assignment(block, maximize=True)
                 node_keep[a, b] = block[rows, cols].sum()
@@ -213,23 +213,23 @@ def _gpu_assignment(keep_LGG: np.ndarray, nodes: int, *, compiled: bool = True) 
     return out
 
 
-def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
+def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int,
                  *, compiled: bool = True) -> np.ndarray:
     """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too, float64 [L, G, G].
     compiled=False: the numpy version (the tests' reference)."""
-    _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
     if compiled:
         # Two [L, G, E] holdings and a batched matmul cost ~3 ms at DeepSeek-V3 shape.
         from eplb import _search_kernel
 
-        return _search_kernel.keep_counts(_kernel_ints(old_LP), _kernel_ints(new_LP), gpus, num_experts)
-    old_h = (holdings(old_LP, gpus, num_experts) > 0).astype(np.float64)
-    new_h = (holdings(new_LP, gpus, num_experts) > 0).astype(np.float64)
+        return _search_kernel.keep_counts(_kernel_ints(old_LP), _kernel_ints(new_LP), num_gpus, num_experts)
+    old_h = (holdings(old_LP, num_gpus, num_experts) > 0).astype(np.float64)
+    new_h = (holdings(new_LP, num_gpus, num_experts) > 0).astype(np.float64)
     return new_h @ old_h.transpose(0, 2, 1)
 
 
-def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
-            nodes: int = 1) -> np.ndarray:
+def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int,
+            num_nodes: int = 1) -> np.ndarray:
     """Slot permutation perm_LP that makes new_LP[l, perm_LP[l]] keep the most old replicas.
 
     The GPUs of one layer are interchangeable as wholes (and nodes, as wholes of GPUs), so a
@@ -237,13 +237,13 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
     pairs of old_LP is an assignment problem. Inside a GPU, an expert it already held goes
     back to the slot it occupied, so a kept replica is not even copied locally.
     """
-    L, P = _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
-    nodes = _check_nodes(gpus, nodes)
+    L, P = _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    num_nodes = _check_nodes(num_gpus, num_nodes)
     old_LP = np.asarray(old_LP)
     new_LP = np.asarray(new_LP)
-    G, S = gpus, P // gpus
+    G, S = num_gpus, P // num_gpus
     keep_LGG = _keep_counts(old_LP, new_LP, G, num_experts)
-    gsrc_LG = _gpu_assignment(keep_LGG, nodes)             # new GPU placed at each old GPU position
+    gsrc_LG = _gpu_assignment(keep_LGG, num_nodes)             # new GPU placed at each old GPU position
     # Slots of new GPU gsrc[l, b] placed on GPU b, still in their own order.
     base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
     moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
@@ -251,15 +251,15 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int,
     return np.take_along_axis(base_LP, keep_slots(old_LP, moved_LP, G), axis=1)
 
 
-def keep_slots(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, *, compiled: bool = True) -> np.ndarray:
+def keep_slots(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, *, compiled: bool = True) -> np.ndarray:
     """Within-GPU slot permutation perm_LP: new_LP[l, perm_LP[l]] has each expert that a GPU
     keeps in the slot it held in old_LP (GPUs are not renamed), so kept replicas are not
     even copied locally. compiled=False runs the numpy version (the tests' reference)."""
     old_LP = np.asarray(old_LP)
     new_LP = np.asarray(new_LP)
-    L, P = _check_maps(gpus, max(int(old_LP.max(initial=0)), int(new_LP.max(initial=0))) + 1,
+    L, P = _check_maps(num_gpus, max(int(old_LP.max(initial=0)), int(new_LP.max(initial=0))) + 1,
                        old_LP=old_LP, new_LP=new_LP)
-    G, S = gpus, P // gpus
+    G, S = num_gpus, P // num_gpus
     if compiled:
         # ~6 ms of numpy per call at DeepSeek-V3 shape, twice per rebalance decision.
         from eplb import _search_kernel
@@ -343,8 +343,8 @@ class Budget:
         return self.max_moves is not None or self.max_moves_per_gpu is not None or self.move_cost > 0
 
 
-def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: Budget,
-                    *, nodes: int = 1, num_groups: int | None = None, donors: int = 8,
+def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budget: Budget,
+                    *, num_nodes: int = 1, num_groups: int | None = None, donors: int = 8,
                     partners: int = 8, max_iters: int | None = None, compiled: bool = True) -> np.ndarray:
     """Start from old_LP and apply the best replica changes per move until the budget is spent.
 
@@ -363,7 +363,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     decision but makes the schedule stage ~1.8x more copies (more swaps between the same few
     light GPUs become 2-cycles): 6% more network transfers, which cost more than milliseconds
     of planning.
-    nodes > 1 with num_groups (expert groups of group-limited routing, E / num_groups
+    num_nodes > 1 with num_groups (expert groups of group-limited routing, E / num_groups
     consecutive experts each): a change that spreads a group onto one more node is priced
     `budget.span_cost` extra moves (see Budget), so the search keeps most of the node
     locality a node-aware plan such as `hierarchical` built. Compiled only.
@@ -374,20 +374,20 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     """
     if not isinstance(budget, Budget):
         raise EplbError(f"budget must be a Budget, got {type(budget).__name__}")
-    load_LE, _, _ = _check_load_and_maps(load_LE, gpus, old_LP=old_LP)
+    load_LE, _, _ = _check_load_and_maps(load_LE, num_gpus, old_LP=old_LP)
     # The search prices every slot as a replica (an empty one would be read as expert E - 1
     # and its counts go wrong): restore_missing fills them first.
     if (np.asarray(old_LP) < 0).any():
         l, p = np.argwhere(np.asarray(old_LP) < 0)[0]
         raise EplbError(f"old_LP has an empty slot ({p} of layer index {l}): fill it with "
-                        f"restore_missing(load_LE, old_LP, gpus) before searching")
+                        f"restore_missing(load_LE, old_LP, num_gpus) before searching")
     donors, partners = _check_count("donors", donors), _check_count("partners", partners)
     if max_iters is not None:
         max_iters = _check_count("max_iters", max_iters, 0)
     phy = np.array(old_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
-    G, S = gpus, P // gpus
+    G, S = num_gpus, P // num_gpus
     gpu_P = np.arange(P) // S
     # [L, E, G] layout: the GPUs of one (layer, expert) are contiguous, so the gathers below
     # read short rows instead of scattered bytes.
@@ -415,16 +415,16 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     C = min(partners, G - 1)
     H = 1                                                       # busy GPUs priced per layer
     iters = min(max_iters, 2**62) if max_iters is not None else 4 * P      # an int64 in the kernel
-    nodes = _check_count("nodes", nodes)
-    span = _span_priced(nodes, num_groups, budget)
+    num_nodes = _check_count("num_nodes", num_nodes)
+    span = _span_priced(num_nodes, num_groups, budget)
     if span:
-        nodes = _check_nodes(G, nodes)
+        num_nodes = _check_nodes(G, num_nodes)
         num_groups = _check_count("num_groups", num_groups)
         if E % num_groups:
             raise EplbError(f"node locality needs the {E} experts divisible by groups ({num_groups})")
         if not compiled:
             raise EplbError("the numpy reference (compiled=False) does not keep group span: "
-                            "use compiled=True, or nodes=1")
+                            "use compiled=True, or num_nodes=1")
     if G < 2:
         return phy
     if compiled:
@@ -432,8 +432,8 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
         from eplb import _search_kernel
         if span:
             grp_E = np.arange(E, dtype=np.int64) // (E // num_groups)
-            node_G = np.arange(G, dtype=np.int64) // (G // nodes)
-            gn_LKN = np.zeros((L, num_groups, nodes), dtype=np.int64)     # no empty slots here
+            node_G = np.arange(G, dtype=np.int64) // (G // num_nodes)
+            gn_LKN = np.zeros((L, num_groups, num_nodes), dtype=np.int64)     # no empty slots here
             np.add.at(gn_LKN, (np.arange(L)[:, None], grp_E[phy], node_G[np.arange(P) // S][None, :]), 1)
         else:
             grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)
@@ -676,18 +676,18 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, gpus: int, budget: 
     return phy
 
 
-def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.ndarray:
+def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, num_gpus: int) -> np.ndarray:
     """Give every expert without a replica (-1 slots or experts absent) one, heaviest first.
 
     Empty slots (-1) are used first; then the slot of a replica whose expert has the most
     replicas and the lowest load per replica, on the least-loaded GPU that does not hold the
     expert. Returns a copy of phy_LP with no expert missing.
     """
-    load_LE, _, _ = _check_load_and_maps(load_LE, gpus, phy_LP=phy_LP)
+    load_LE, _, _ = _check_load_and_maps(load_LE, num_gpus, phy_LP=phy_LP)
     phy = np.array(phy_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
-    G, S = gpus, P // gpus
+    G, S = num_gpus, P // num_gpus
     for l in range(L):
         row = phy[l]
         present = np.zeros(E, dtype=np.int64)
@@ -726,17 +726,17 @@ def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.nd
     return phy
 
 
-def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus: int,
-            nodes: int = 1, budget: Budget | None = None,
+def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, num_gpus: int,
+            num_nodes: int = 1, budget: Budget | None = None,
             num_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """Turn a from-scratch plan into one that fits the old placement and the budget.
 
     Returns (phy2log_LP, perm_LP, info). perm_LP maps each slot of the result to a slot of
     target_LP (so the planner's dispatch weights can follow), or is None when the budgeted
-    search replaced the target. info holds the move counts of each candidate. With nodes > 1
+    search replaced the target. info holds the move counts of each candidate. With num_nodes > 1
     and num_groups the search keeps each layer's group span (see `budgeted_search`).
     """
-    load_LE, L, _ = _check_load_and_maps(load_LE, gpus, old_LP=old_LP, target_LP=target_LP)
+    load_LE, L, _ = _check_load_and_maps(load_LE, num_gpus, old_LP=old_LP, target_LP=target_LP)
     old_LP = np.asarray(old_LP, dtype=np.int64)
     target_LP = np.asarray(target_LP, dtype=np.int64)
     if (target_LP < 0).any():
@@ -744,35 +744,35 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, gpus
         raise EplbError(f"target_LP has an empty slot ({p} of layer index {l}): a plan fills every slot")
     E = load_LE.shape[1]
     budget = budget or Budget()
-    perm = relabel(old_LP, target_LP, gpus, E, nodes)
+    perm = relabel(old_LP, target_LP, num_gpus, E, num_nodes)
     relabeled = np.take_along_axis(target_LP, perm, axis=1)
-    moves_scratch = int(count_moves(old_LP, target_LP, gpus, E).sum())
-    moves_rel_LG = count_moves(old_LP, relabeled, gpus, E)
+    moves_scratch = int(count_moves(old_LP, target_LP, num_gpus, E).sum())
+    moves_rel_LG = count_moves(old_LP, relabeled, num_gpus, E)
     info = {"moves_from_scratch": moves_scratch, "moves_relabeled": int(moves_rel_LG.sum())}
     if not budget.limited:
         info["method"] = "relabel"
         return relabeled, perm, info
     present_LE = np.bincount((np.arange(L)[:, None] * E + old_LP)[old_LP >= 0], minlength=L * E)
-    start = restore_missing(load_LE, old_LP, gpus) if (old_LP < 0).any() or (present_LE == 0).any() else old_LP
-    searched = budgeted_search(load_LE, start, gpus, budget, nodes=nodes, num_groups=num_groups)
-    searched = np.take_along_axis(searched, keep_slots(old_LP, searched, gpus), axis=1)
+    start = restore_missing(load_LE, old_LP, num_gpus) if (old_LP < 0).any() or (present_LE == 0).any() else old_LP
+    searched = budgeted_search(load_LE, start, num_gpus, budget, num_nodes=num_nodes, num_groups=num_groups)
+    searched = np.take_along_axis(searched, keep_slots(old_LP, searched, num_gpus), axis=1)
     # The relabelled target wins if the budget can pay for it and it costs no more: summed
     # busiest-GPU load plus move_cost x the layer's mean GPU load per move (the search's price,
     # new (group, node) pairs included).
     fits = ((budget.max_moves is None or moves_rel_LG.sum() <= budget.max_moves)
             and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
-    price_L = budget.move_cost * load_LE.sum(axis=1) / gpus
-    span = _span_priced(nodes, num_groups, budget)
+    price_L = budget.move_cost * load_LE.sum(axis=1) / num_gpus
+    span = _span_priced(num_nodes, num_groups, budget)
     if span:
         from eplb.stats import group_span
 
-        pairs0_L = group_span(old_LP, gpus, nodes, num_groups, E).sum(axis=1)
+        pairs0_L = group_span(old_LP, num_gpus, num_nodes, num_groups, E).sum(axis=1)
 
     def cost(phy):
-        moves_L = count_moves(old_LP, phy, gpus, E).sum(axis=1).astype(np.float64)
+        moves_L = count_moves(old_LP, phy, num_gpus, E).sum(axis=1).astype(np.float64)
         if span:   # the search's price of spreading groups over nodes, in moves
-            moves_L += budget.span_cost * (group_span(phy, gpus, nodes, num_groups, E).sum(axis=1) - pairs0_L)
-        return float((max_load(load_LE, phy, gpus) + price_L * moves_L).sum())
+            moves_L += budget.span_cost * (group_span(phy, num_gpus, num_nodes, num_groups, E).sum(axis=1) - pairs0_L)
+        return float((max_load(load_LE, phy, num_gpus) + price_L * moves_L).sum())
 
     if fits and cost(relabeled) <= cost(searched):
         info["method"] = "relabel"
@@ -793,18 +793,18 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
     from eplb.planning import Solution
 
     prev, topo = request.previous, request.topology
-    if prev.num_gpus != topo.gpus or prev.num_nodes != topo.nodes:
+    if prev.num_gpus != topo.num_gpus or prev.num_nodes != topo.num_nodes:
         raise EplbError(f"previous placement is for {prev.num_gpus} GPUs on {prev.num_nodes} node(s); "
-                        f"this plan is for {topo.gpus} on {topo.nodes}: plan for the same GPUs")
+                        f"this plan is for {topo.num_gpus} on {topo.num_nodes}: plan for the same GPUs")
     if bytes_per_expert is not None:
         _check_count("bytes_per_expert", bytes_per_expert)
     t0 = time.perf_counter()
-    phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.gpus, topo.nodes, budget,
+    phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.num_gpus, topo.num_nodes, budget,
                               request.num_groups)
     weights = None
     if perm is not None and sol.dispatch_weights_LP is not None:
         weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
-    moves_LG = count_moves(prev.phy2log_LP, phy, topo.gpus, request.num_experts)
+    moves_LG = count_moves(prev.phy2log_LP, phy, topo.num_gpus, request.num_experts)
     info.update({
         "moves": int(moves_LG.sum()),
         "moves_max_per_gpu": int(moves_LG.sum(axis=0).max()),
@@ -812,11 +812,11 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
         "max_moves": budget.max_moves, "max_moves_per_gpu": budget.max_moves_per_gpu,
         "move_cost": budget.move_cost, "seconds": time.perf_counter() - t0,
     })
-    if topo.nodes > 1 and request.num_groups:
+    if topo.num_nodes > 1 and request.num_groups:
         from eplb.stats import group_span
 
         info.update(span_cost=budget.span_cost, **{
-            f"group_span_{k}": float(group_span(m, topo.gpus, topo.nodes, request.num_groups, request.num_experts).mean())
+            f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_groups, request.num_experts).mean())
             for k, m in (("before", prev.phy2log_LP), ("after", phy))})
     if info["method"] == "relabel":
         return Solution(phy, weights, sol.status, sol.message, {**sol.info, "migration": info})
@@ -826,7 +826,7 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
                     {**sol.info, "migration": info})
 
 
-def max_load(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.ndarray:
+def max_load(load_LE: np.ndarray, phy_LP: np.ndarray, num_gpus: int) -> np.ndarray:
     """Busiest GPU's load per layer under even dispatch, [L] (slots < 0 hold nothing)."""
     load_LE = np.asarray(load_LE, dtype=np.float64)
     L, P = phy_LP.shape
@@ -836,7 +836,7 @@ def max_load(load_LE: np.ndarray, phy_LP: np.ndarray, gpus: int) -> np.ndarray:
     r = np.bincount((np.arange(L)[:, None] * E + phy_LP)[valid], minlength=L * E).reshape(L, E).astype(np.float64)
     e = np.maximum(phy_LP, 0)
     w = np.where(valid, np.take_along_axis(load_LE / np.maximum(r, 1), e, axis=1), 0.0)
-    return w.reshape(L, gpus, P // gpus).sum(axis=2).max(axis=1)
+    return w.reshape(L, num_gpus, P // num_gpus).sum(axis=2).max(axis=1)
 
 
 # 3. Scheduling ----------------------------------------------------------------------------------
@@ -1078,7 +1078,7 @@ def _ro(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int, *,
+def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int, *,
              layers_per_chunk: int | None = None, rank_ids=None,
              bytes_per_expert: int | None = None, compiled: bool = True) -> MigrationPlan:
     """Order the copies from old_LP to new_LP into safe rounds (see MigrationPlan).
@@ -1105,12 +1105,12 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     Python version below. Both are held to the same checks; their rounds can differ (the
     compiled one gives the link matching to the ranks with the most copies left first).
     """
-    L, P = _check_maps(gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    L, P = _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
     old_LP = np.asarray(old_LP, dtype=np.int64)
     new_LP = np.asarray(new_LP, dtype=np.int64)
     if (new_LP < 0).any():
         raise EplbError(f"the new placement must hold expert ids 0..{num_experts - 1} in every slot")
-    S = P // gpus
+    S = P // num_gpus
     had = holdings(old_LP, 1, num_experts)[:, 0] > 0
     gone = had & ~(holdings(new_LP, 1, num_experts)[:, 0] > 0)
     if gone.any():
@@ -1120,15 +1120,15 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
     # All layers in one chunk by default (at least 1: a map of no layers has nothing to chunk).
     chunk = max(L, 1) if layers_per_chunk is None else _check_count("layers_per_chunk", layers_per_chunk)
     chunk = min(chunk, max(L, 1))                           # the kernel takes an int64
-    ranks = np.arange(gpus) if rank_ids is None else np.asarray(rank_ids)
-    if ranks.shape != (gpus,) or (ranks.size and ranks.dtype.kind not in "iu"):
-        raise EplbError(f"rank_ids must be {gpus} whole numbers (one engine rank per GPU), got {rank_ids!r}")
+    ranks = np.arange(num_gpus) if rank_ids is None else np.asarray(rank_ids)
+    if ranks.shape != (num_gpus,) or (ranks.size and ranks.dtype.kind not in "iu"):
+        raise EplbError(f"rank_ids must be {num_gpus} whole numbers (one engine rank per GPU), got {rank_ids!r}")
     ranks = ranks.astype(np.int64)
     if compiled:
         from eplb import _schedule_kernel
 
         arr, chunk_R, status, layer = _schedule_kernel.schedule(
-            _kernel_ints(old_LP), _kernel_ints(new_LP), gpus, num_experts, chunk, 8)
+            _kernel_ints(old_LP), _kernel_ints(new_LP), num_gpus, num_experts, chunk, 8)
         if status == _schedule_kernel.STATUS_NO_SPARE:
             raise EplbError(f"{_NO_SAFE_MIGRATION} (layer index {layer})")
         assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
@@ -1137,7 +1137,7 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, gpus: int, num_experts: int
         chunk_R = []
         for c, first in enumerate(range(0, L, chunk)):
             layers = range(first, min(L, first + chunk))
-            _schedule_chunk(old_LP, new_LP, layers, S, gpus, num_experts, c, cols, chunk_R)
+            _schedule_chunk(old_LP, new_LP, layers, S, num_gpus, num_experts, c, cols, chunk_R)
         arr = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
     return MigrationPlan(
         old_LP=old_LP, new_LP=new_LP, slots_per_gpu=S, num_experts=num_experts,

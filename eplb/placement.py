@@ -138,7 +138,7 @@ class Placement:
 
     @property
     def topology(self) -> Topology:
-        return Topology(gpus=self.num_gpus, slots_per_gpu=self.slots_per_gpu, nodes=self.num_nodes)
+        return Topology(num_gpus=self.num_gpus, slots_per_gpu=self.slots_per_gpu, num_nodes=self.num_nodes)
 
     @property
     def replica_count_LE(self) -> np.ndarray:

@@ -202,9 +202,9 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
 def plan(
     loads_or_trace: Any,
     *,
-    gpus: int,
-    nodes: int = 1,
-    redundant: int | None = None,
+    num_gpus: int,
+    num_nodes: int = 1,
+    num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
     planner: str = "greedy",
     aggregate: str = "sum",
@@ -224,20 +224,20 @@ def plan(
     loads_or_trace: a Trace, or counts [L, E] / [T, L, E]. Windows are history: they are
     aggregated with `aggregate` ("sum", "mean", "last", "window", "ema") into the planning
     load, and passed whole to planners that plan against every window (robust ones).
-    Topology: `gpus`, `nodes`, and `redundant` slots in total or `slots_per_gpu` (default one
+    Topology: `num_gpus`, `num_nodes`, and `num_redundant` slots in total or `slots_per_gpu` (default one
     redundant slot per GPU). `num_groups` defaults to the trace's `num_expert_groups`.
     Migration (eplb.migration): with `previous`, the plan is relabelled to keep the most of
     its replicas in place; `max_moves` (total), `max_moves_per_gpu` and `move_cost` bound how
     many replicas may be copied (a budgeted search from `previous` then competes with the
     relabelled plan). Moves (and bytes, given `bytes_per_expert`) are reported in `info`.
-    With nodes > 1 and expert groups, `span_cost` prices spreading a group onto one more node
+    With num_nodes > 1 and expert groups, `span_cost` prices spreading a group onto one more node
     in moves (eplb.migration.Budget.span_cost, default 1), so that search keeps node locality.
-    Whole-number arguments (gpus, nodes, redundant, slots_per_gpu, num_groups) refuse 2.5 or
+    Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_groups) refuse 2.5 or
     "4" rather than truncate them; the migration options without `previous` are refused.
     """
-    gpus = whole_setting("gpus", gpus, 1)
-    nodes = whole_setting("nodes", nodes, 1)
-    redundant = None if redundant is None else whole_setting("redundant", redundant, 0)
+    num_gpus = whole_setting("num_gpus", num_gpus, 1)
+    num_nodes = whole_setting("num_nodes", num_nodes, 1)
+    num_redundant = None if num_redundant is None else whole_setting("num_redundant", num_redundant, 0)
     slots_per_gpu = None if slots_per_gpu is None else whole_setting("slots_per_gpu", slots_per_gpu, 0)
     if num_groups is not None:
         num_groups = whole_setting("num_groups", num_groups, 1)
@@ -261,10 +261,10 @@ def plan(
     if num_groups is not None and E % num_groups:
         raise EplbError(f"{E} experts do not split into {num_groups} equal expert groups: group-limited "
                         f"routing uses equal contiguous groups, so give num_groups (--groups) dividing {E}")
-    topo = Topology.for_experts(E, gpus=gpus, nodes=nodes, redundant=redundant, slots_per_gpu=slots_per_gpu)
-    if topo.gpus > E:
+    topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu)
+    if topo.num_gpus > E:
         raise EplbError(
-            f"more GPUs ({topo.gpus}) than logical experts ({E}): expert parallelism over more ranks "
+            f"more GPUs ({topo.num_gpus}) than logical experts ({E}): expert parallelism over more ranks "
             f"than experts leaves ranks without an expert of their own; use at most {E} GPUs"
         )
     if topo.slots_per_gpu > E:
@@ -273,7 +273,7 @@ def plan(
         raise EplbError(
             f"{topo.slots_per_gpu} slots per GPU ({topo.num_slots} in total) exceed the {E} logical "
             f"experts: a GPU never needs two copies of one expert; use at most {E} slots per GPU "
-            f"(redundant <= {topo.gpus * E - E})"
+            f"(num_redundant <= {topo.num_gpus * E - E})"
         )
     if num_groups is None and meta.get("num_expert_groups"):
         num_groups = int(meta["num_expert_groups"])
@@ -282,7 +282,7 @@ def plan(
             raise EplbError(
                 f"previous placement is {previous.num_layers} layers x {previous.num_slots} slots of "
                 f"{previous.num_logical_experts} experts; this plan needs {L} x {topo.num_slots} of {E}: "
-                f"plan for the same slots (gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
+                f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
                 f"on a trace of the same model"
             )
     request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_groups, previous)
@@ -305,9 +305,9 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
         raise AssertionError(f"planner {planner} returned unknown status {sol.status!r}")
     placement = Placement(
         phy2log_LP=sol.phy2log_LP,
-        num_gpus=topo.gpus,
+        num_gpus=topo.num_gpus,
         num_logical_experts=request.num_experts,
-        num_nodes=topo.nodes,
+        num_nodes=topo.num_nodes,
         layer_ids=request.layer_ids,
         dispatch_weights_LP=sol.dispatch_weights_LP,
         planner=planner,
@@ -315,7 +315,7 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
     from planners.contiguous import contiguous_placement
 
     baseline = contiguous_placement(placement)
-    lb = stats.lower_bound(request.load_LE, topo.gpus, topo.num_slots)
+    lb = stats.lower_bound(request.load_LE, topo.num_gpus, topo.num_slots)
     before = stats.evaluate(baseline, request.load_LE, lower_bound_L=lb)
     after = stats.evaluate(placement, request.load_LE, lower_bound_L=lb)
     metrics = {

@@ -143,12 +143,13 @@ def gpu_load_comparison(load_LE: Any, placements: Mapping[str, Any], *, layer_id
     if not placements:
         raise EplbError("give at least one placement to compare")
     ratios: dict[str, np.ndarray] = {}
-    gpus = None
+    num_gpus = None
     for name, obj in placements.items():
         pl = _placement(obj)
-        if gpus is not None and pl.num_gpus != gpus:
-            raise EplbError(f"placement {name!r} is for {pl.num_gpus} GPUs, the others for {gpus}: compare like with like")
-        gpus = pl.num_gpus
+        if num_gpus is not None and pl.num_gpus != num_gpus:
+            raise EplbError(f"placement {name!r} is for {pl.num_gpus} GPUs, the others for {num_gpus}: "
+                            f"compare like with like")
+        num_gpus = pl.num_gpus
         ratios[name] = stats.imbalance(pl.gpu_loads(load))
     first = _placement(next(iter(placements.values())))
     mean_L = load.sum(axis=1) / first.num_gpus

@@ -346,7 +346,7 @@ class Rebalancer:
         from eplb.planning import plan
 
         t0 = time.perf_counter()
-        res = plan(load, gpus=pl.num_gpus, nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
+        res = plan(load, num_gpus=pl.num_gpus, num_nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
                    planner=self.planner, settings=self.settings, num_groups=self.num_groups, previous=pl,
                    max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
                    move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert,
@@ -384,7 +384,7 @@ class Rebalancer:
         present[np.arange(L)[:, None], old_LP] = True
         lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
         # Surviving ranks need not split evenly over the old nodes: plan them as one node.
-        target = plan(load, gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings,
+        target = plan(load, num_gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings,
                       num_groups=self.num_groups)
         budget = self.budget
         phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)

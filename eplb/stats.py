@@ -129,17 +129,17 @@ def window_balancedness(placement, counts_TLE) -> np.ndarray:
     return np.array([balancedness(placement.gpu_loads(c[t])) for t in range(c.shape[0])])
 
 
-def group_span(phy2log_LP: np.ndarray, gpus: int, nodes: int, num_groups: int, num_experts: int) -> np.ndarray:
+def group_span(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_groups: int, num_experts: int) -> np.ndarray:
     """Number of nodes holding any replica of each expert group, int [L, K] (1 = fully local).
 
     Groups are num_groups blocks of num_experts / num_groups consecutive experts (DeepSeek-V3's
     group-limited routing sends a token to at most 4 of 8 groups); a group on one node keeps a
     token's traffic to that group on the node's fast links. Empty slots (-1) hold nothing."""
     L, P = phy2log_LP.shape
-    S = P // gpus
-    node_P = (np.arange(P) // S) // (gpus // nodes)
+    S = P // num_gpus
+    node_P = (np.arange(P) // S) // (num_gpus // num_nodes)
     group_LP = phy2log_LP // (num_experts // num_groups)
-    present_LKN = np.zeros((L, num_groups, nodes), dtype=bool)
+    present_LKN = np.zeros((L, num_groups, num_nodes), dtype=bool)
     valid = phy2log_LP >= 0
     rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
     present_LKN[rows[valid], group_LP[valid], np.broadcast_to(node_P, (L, P))[valid]] = True
@@ -178,18 +178,18 @@ def replica_counts_minmax(load_LE, num_slots: int, max_replicas: int | None = No
     return r
 
 
-def lower_bound(load_LE, gpus: int, num_slots: int) -> np.ndarray:
+def lower_bound(load_LE, num_gpus: int, num_slots: int) -> np.ndarray:
     """Lower bound on the busiest GPU's load per layer, [L].
 
     max(total / G, min over replica counts r (sum r = P, r_e >= 1) of max_e load_e / r_e):
     no placement, however tokens are split among replicas, can beat either term.
     """
-    for name, v in (("gpus", gpus), ("num_slots", num_slots)):
-        if not is_whole(v) or v < 1:  # gpus=0 gave inf, num_slots=4.5 a TypeError
+    for name, v in (("num_gpus", num_gpus), ("num_slots", num_slots)):
+        if not is_whole(v) or v < 1:  # num_gpus=0 gave inf, num_slots=4.5 a TypeError
             raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
     load = np.asarray(load_LE, dtype=np.float64)
     r = replica_counts_minmax(load, int(num_slots), tie_break=False)
-    return np.maximum(load.sum(axis=1) / gpus, (load / r).max(axis=1))
+    return np.maximum(load.sum(axis=1) / num_gpus, (load / r).max(axis=1))
 
 
 @dataclass(frozen=True)

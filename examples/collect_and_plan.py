@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     print(format_table(["model", "MLA", "MHA (H x v_head_dim)", "GQA (H/16 KV heads)", "MHA / MLA"], rows))
 
     # Plan from the collected trace.
-    result = eplb.plan(trace, gpus=args.gpus, redundant=args.redundant, planner=args.planner)
+    result = eplb.plan(trace, num_gpus=args.gpus, num_redundant=args.redundant, planner=args.planner)
     pl = result.placement
     print(f"\nplan: {pl.num_gpus} GPUs, {pl.num_slots} slots ({pl.num_slots - pl.num_logical_experts} redundant)")
     rows = []

@@ -157,10 +157,10 @@ def run(args, rank, G, group, device) -> dict:
     cfg = ModelConfig(hidden=args.hidden, num_layers=L + 1, first_moe_layer=1, num_experts=E, top_k=top_k,
                       num_groups=groups, topk_groups=min(groups, int(trace.meta.get("topk_groups") or groups)),
                       expert_hidden=args.expert_hidden, num_shared_experts=0, name="ep-demo")
-    result = plan(history, gpus=G, planner=args.planner, num_groups=groups)
+    result = plan(history, num_gpus=G, planner=args.planner, num_groups=groups)
     planned = Placement(result.placement.phy2log_LP, G, E, layer_ids=trace.layer_ids[layers],
                         dispatch_weights_LP=result.placement.dispatch_weights_LP, planner=args.planner)
-    topo = Topology(gpus=G, slots_per_gpu=planned.slots_per_gpu)
+    topo = Topology(num_gpus=G, slots_per_gpu=planned.slots_per_gpu)
     contiguous = Placement(contiguous_map(E, topo, L), G, E, layer_ids=trace.layer_ids[layers])
 
     torch.manual_seed(args.seed)  # same weights on every rank

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     T, L, E = counts_TLE.shape
     rng = np.random.default_rng(args.seed)
     # The server starts with a plan made on the first window only (stale soon after).
-    start = plan(counts_TLE[0], gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, num_groups=groups,
+    start = plan(counts_TLE[0], num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, num_groups=groups,
                  planner="hierarchical" if args.nodes > 1 else "greedy").placement
     rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
                     min_improvement=args.min_improvement, max_moves=args.max_moves,

@@ -16,7 +16,7 @@ from eplb.topology import Topology
 
 def contiguous_map(num_experts: int, topo: Topology, num_layers: int) -> np.ndarray:
     """phy2log_LP of the contiguous placement, the same for every layer."""
-    G, S = topo.gpus, topo.slots_per_gpu
+    G, S = topo.num_gpus, topo.slots_per_gpu
     if num_experts > G * S:
         raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_experts} experts")
     if num_experts < G:

@@ -185,5 +185,5 @@ class DeepSeekPlanner:
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology
         phy2log_LP, _, _, used = rebalance_experts(request.load_LE, t.num_slots, request.num_groups,
-                                                   t.nodes, t.gpus, self.policy)
+                                                   t.num_nodes, t.num_gpus, self.policy)
         return Solution(phy2log_LP, message=f"DeepSeek EPLB, {used} policy", info={"policy": used})

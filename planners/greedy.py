@@ -20,20 +20,20 @@ from eplb.planning import PlanRequest, Solution, register, whole_setting
 from eplb.stats import replica_counts_minmax
 
 
-def replicate(load_LE: np.ndarray, num_slots: int, gpus: int) -> np.ndarray:
+def replicate(load_LE: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
     """Replica count per expert r [L, E]: sum P, 1 <= r_e <= G."""
-    return replica_counts_minmax(load_LE, num_slots, max_replicas=gpus)
+    return replica_counts_minmax(load_LE, num_slots, max_replicas=num_gpus)
 
 
-def pack(load_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: int) -> np.ndarray:
+def pack(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
     """Place replicas on GPUs, heaviest first, onto the least-loaded GPUs; returns phy2log_LP.
 
     Each replica of expert e carries load_e / count_e (an even split); see `pack_replicas`.
     """
-    return pack_replicas(load_LE / count_LE, count_LE, gpus, slots_per_gpu)
+    return pack_replicas(load_LE / count_LE, count_LE, num_gpus, slots_per_gpu)
 
 
-def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: int) -> np.ndarray:
+def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
     """Place count_LE[l, e] replicas of load per_LE[l, e] each on GPUs; returns phy2log_LP.
 
     Rows may be any batch (layers, or layers x nodes); each row's counts must sum to G x S,
@@ -45,7 +45,7 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per
     with a slot limit does on skewed loads, at S numpy steps instead of P.
     """
     L, E = per_LE.shape
-    G, S = gpus, slots_per_gpu
+    G, S = num_gpus, slots_per_gpu
     P = G * S
     rows = np.arange(L)[:, None]
     # Heaviest replicas first (np.repeat keeps one expert's replicas adjacent). Quicksort, not a
@@ -76,7 +76,7 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per
     return phy_LGS.reshape(L, P)
 
 
-def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, gpus: int,
+def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
            max_rounds: int = 64, per_LE: np.ndarray | None = None) -> np.ndarray:
     """Lower each layer's busiest GPU by pairwise replica swaps (in place; returns phy_LP).
 
@@ -84,7 +84,7 @@ def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, gpus: 
     carries per_LE (default load_LE / count_LE, an even split).
     """
     L, P = phy_LP.shape
-    G = gpus
+    G = num_gpus
     S = P // G
     if per_LE is None:
         per_LE = load_LE / count_LE
@@ -132,19 +132,19 @@ def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, gpus: 
     return phy_LP
 
 
-def plan_greedy(load_LE: np.ndarray, gpus: int, slots_per_gpu: int, refine_rounds: int = 0) -> np.ndarray:
+def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_rounds: int = 0) -> np.ndarray:
     """The whole greedy plan: replicate, pack, refine. Returns phy2log_LP."""
     load_LE = np.asarray(load_LE, dtype=np.float64)
-    P = gpus * slots_per_gpu
+    P = num_gpus * slots_per_gpu
     E = load_LE.shape[1]
     if P < E:
-        raise EplbError(f"{gpus} GPUs x {slots_per_gpu} slots = {P} slots cannot hold {E} experts")
-    if P > gpus * E:
-        raise EplbError(f"{P} slots need more than one replica of an expert per GPU ({E} experts, {gpus} GPUs)")
-    count_LE = replicate(load_LE, P, gpus)
-    phy_LP = pack(load_LE, count_LE, gpus, slots_per_gpu)
+        raise EplbError(f"{num_gpus} GPUs x {slots_per_gpu} slots = {P} slots cannot hold {E} experts")
+    if P > num_gpus * E:
+        raise EplbError(f"{P} slots need more than one replica of an expert per GPU ({E} experts, {num_gpus} GPUs)")
+    count_LE = replicate(load_LE, P, num_gpus)
+    phy_LP = pack(load_LE, count_LE, num_gpus, slots_per_gpu)
     if refine_rounds:
-        refine(phy_LP, load_LE, count_LE, gpus, refine_rounds)
+        refine(phy_LP, load_LE, count_LE, num_gpus, refine_rounds)
     return phy_LP
 
 
@@ -162,4 +162,4 @@ class GreedyPlanner:
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology
-        return Solution(plan_greedy(request.load_LE, t.gpus, t.slots_per_gpu, self.refine_rounds))
+        return Solution(plan_greedy(request.load_LE, t.num_gpus, t.slots_per_gpu, self.refine_rounds))

@@ -252,7 +252,7 @@ class HierarchicalPlanner:
         t = request.topology
         load_LE = np.asarray(request.load_LE, dtype=np.float64)
         L, E = load_LE.shape
-        G, S, N = t.gpus, t.slots_per_gpu, t.nodes
+        G, S, N = t.num_gpus, t.slots_per_gpu, t.num_nodes
         P, Q = G * S, t.gpus_per_node
         C = P // N
         if P < E:

@@ -73,13 +73,13 @@ def integer_shares(load_E: np.ndarray, phy_P: np.ndarray, weights_P: np.ndarray)
     return out_P
 
 
-def balanced_groups(load_E: np.ndarray, gpus: int, passes: int = 4) -> list[list[int]]:
+def balanced_groups(load_E: np.ndarray, num_gpus: int, passes: int = 4) -> list[list[int]]:
     """Split experts into G groups of E // G or E // G + 1 with near-equal total loads.
 
     Heaviest expert to the lightest group, one expert per group per round; then pairwise
     swaps (heaviest groups against lightest) that lower the two groups' squared deviation.
     """
-    E, G = load_E.size, gpus
+    E, G = load_E.size, num_gpus
     w = load_E.astype(np.float64)
     order = np.argsort(-w, kind="stable")
     members: list[list[int]] = [[] for _ in range(G)]
@@ -111,7 +111,7 @@ def balanced_groups(load_E: np.ndarray, gpus: int, passes: int = 4) -> list[list
     return members
 
 
-def chain_fill(load_E: np.ndarray, gpus: int, slots_per_gpu: int, level: int, groups=None):
+def chain_fill(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, level: int, groups=None):
     """Wrap-around filling at a GPU load `level` (weighted dispatch): (phy_P, share_P) or None.
 
     McNaughton's wrap-around rule with slot limits, for integer loads:
@@ -128,7 +128,7 @@ def chain_fill(load_E: np.ndarray, gpus: int, slots_per_gpu: int, level: int, gr
     when the slots or the level do not allow it. Spare slots get zero-share replicas of the
     hottest experts not already on that GPU (room for re-splitting later).
     """
-    E, G, S = load_E.size, gpus, slots_per_gpu
+    E, G, S = load_E.size, num_gpus, slots_per_gpu
     if -(-E // G) + 1 > S:
         return None
     order = np.argsort(-load_E, kind="stable")
@@ -179,10 +179,10 @@ def chain_fill(load_E: np.ndarray, gpus: int, slots_per_gpu: int, level: int, gr
     return phy_P, share_P
 
 
-def best_chain(load_E: np.ndarray, gpus: int, slots_per_gpu: int, lower: int, upper: int):
+def best_chain(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, lower: int, upper: int):
     """The lowest level in [lower, upper) at which chain_fill succeeds (bisection), or None."""
-    groups = balanced_groups(load_E, gpus)
-    best = chain_fill(load_E, gpus, slots_per_gpu, lower, groups)
+    groups = balanced_groups(load_E, num_gpus)
+    best = chain_fill(load_E, num_gpus, slots_per_gpu, lower, groups)
     if best is not None:
         return best
     lo, hi = lower, upper                               # fails at lo; hi unknown
@@ -190,7 +190,7 @@ def best_chain(load_E: np.ndarray, gpus: int, slots_per_gpu: int, lower: int, up
         if hi - lo <= 1:
             break
         mid = (lo + hi) // 2
-        got = chain_fill(load_E, gpus, slots_per_gpu, mid, groups)
+        got = chain_fill(load_E, num_gpus, slots_per_gpu, mid, groups)
         if got is None:
             lo = mid
         else:
@@ -198,14 +198,14 @@ def best_chain(load_E: np.ndarray, gpus: int, slots_per_gpu: int, lower: int, up
     return best
 
 
-def integer_lower_bound(load_E: np.ndarray, gpus: int, num_slots: int) -> int:
+def integer_lower_bound(load_E: np.ndarray, num_gpus: int, num_slots: int) -> int:
     """`eplb.stats.lower_bound` for integer loads, exact: z >= ceil(total / G) and
     z >= ceil(load_e / r_e) for the replica counts r minimising the largest per-replica load."""
     r_E = stats.replica_counts_minmax(load_E[None].astype(np.float64), num_slots)[0]
-    return max(-(-int(load_E.sum()) // gpus), max(-(-int(v) // int(r)) for v, r in zip(load_E, r_E)))
+    return max(-(-int(load_E.sum()) // num_gpus), max(-(-int(v) // int(r)) for v, r in zip(load_E, r_E)))
 
 
-def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray | None, gpus: int,
+def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray | None, num_gpus: int,
                 slots_per_gpu: int, dispatch: str, time_limit: float, workers: int, seed: int,
                 chain: bool = True) -> dict:
     """One layer's CP-SAT model: returns phy_P (or None), status, objective, bound, seconds.
@@ -216,7 +216,7 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
     """
     t0 = time.perf_counter()
     # Data.
-    E, G, S = load_E.size, gpus, slots_per_gpu
+    E, G, S = load_E.size, num_gpus, slots_per_gpu
     P = G * S
     all_experts, all_gpus = range(E), range(G)
     max_replicas = min(G, P - E + 1)
@@ -381,7 +381,7 @@ class IlpPlanner:
         from eplb.dispatch import optimal_weights
 
         t = request.topology
-        G, S = t.gpus, t.slots_per_gpu
+        G, S = t.num_gpus, t.slots_per_gpu
         load_LE = np.asarray(request.load_LE, dtype=np.float64)
         L, E = load_LE.shape
         if S > E:

@@ -40,14 +40,14 @@ from eplb.stats import replica_counts_minmax
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
 
 
-def normalise_windows(history_TLE: np.ndarray, gpus: int) -> np.ndarray:
+def normalise_windows(history_TLE: np.ndarray, num_gpus: int) -> np.ndarray:
     """Scale each window and layer so the mean GPU load is 1, float64 [T, L, E].
 
     Windows (or layers) with no tokens stay all-zero: they constrain nothing.
     """
     h = np.asarray(history_TLE, dtype=np.float64)
     total_TL1 = h.sum(axis=2, keepdims=True)
-    return np.where(total_TL1 > 0, h * gpus / np.where(total_TL1 > 0, total_TL1, 1.0), 0.0)
+    return np.where(total_TL1 > 0, h * num_gpus / np.where(total_TL1 > 0, total_TL1, 1.0), 0.0)
 
 
 def robust_demand(share_TLE: np.ndarray, blend: float) -> np.ndarray:
@@ -56,7 +56,7 @@ def robust_demand(share_TLE: np.ndarray, blend: float) -> np.ndarray:
     return mean_LE + blend * (share_TLE.max(axis=0) - mean_LE)
 
 
-def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_per_gpu: int) -> np.ndarray:
+def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
     """Place replicas on GPUs against all windows at once; returns phy2log_LP.
 
     S rounds; round k gives each GPU one of the next G heaviest replicas (heaviest = largest
@@ -69,7 +69,7 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_pe
     from scipy.optimize import linear_sum_assignment
 
     T, L, E = share_TLE.shape
-    G, S = gpus, slots_per_gpu
+    G, S = num_gpus, slots_per_gpu
     P = G * S
     w_TLE = share_TLE / count_LE[None]                         # per-replica load, even split
     key_LE = w_TLE.max(axis=0) + 1e-12 * w_TLE.sum(axis=0)     # heaviest window first, then total
@@ -93,13 +93,13 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int, slots_pe
     return phy_LGS.reshape(L, P)
 
 
-def window_gpu_loads(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int) -> np.ndarray:
+def window_gpu_loads(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int) -> np.ndarray:
     """GPU loads of every window under an even split, [L, G, T]."""
     T, L, E = share_TLE.shape
     P = phy_LP.shape[1]
     w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
     w_LPT = np.take_along_axis(w_LET, phy_LP[:, :, None], axis=1)
-    return w_LPT.reshape(L, gpus, P // gpus, T).sum(axis=2)
+    return w_LPT.reshape(L, num_gpus, P // num_gpus, T).sum(axis=2)
 
 
 def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
@@ -114,7 +114,7 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
     return rank_LT < keep
 
 
-def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, gpus: int, *,
+def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, *,
                  beta: float, quantile: float, max_rounds: int, top_gpus: int = 2) -> np.ndarray:
     """Swap replicas between a busiest GPU and any other GPU while the smooth maximum of GPU
     loads over the kept windows drops (in place; returns phy_LP).
@@ -127,7 +127,7 @@ def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray
     """
     T, L, E = share_TLE.shape
     P = phy_LP.shape[1]
-    G = gpus
+    G = num_gpus
     S = P // G
     w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
     gpu_of_P = np.arange(P) // S
@@ -225,7 +225,7 @@ class RobustPlanner:
 
     def plan(self, request: PlanRequest) -> Solution:
         topo = request.topology
-        G, S = topo.gpus, topo.slots_per_gpu
+        G, S = topo.num_gpus, topo.slots_per_gpu
         P = G * S
         L, E = request.load_LE.shape
         if P < E:
@@ -264,9 +264,9 @@ class RobustPlanner:
         }
         return Solution(best_phy_LP, message=f"balanced against {T} window(s)", info=info)
 
-    def _score(self, phy_LP, share_TLE, count_LE, gpus) -> np.ndarray:
+    def _score(self, phy_LP, share_TLE, count_LE, num_gpus) -> np.ndarray:
         """The objective per layer: the worst busiest/mean GPU over the windows the swap search
         keeps (`kept_windows`: the ceil(quantile x T) lowest peaks), [L]."""
-        load_LGT = window_gpu_loads(phy_LP, share_TLE, count_LE, gpus)
+        load_LGT = window_gpu_loads(phy_LP, share_TLE, count_LE, num_gpus)
         keep_LT = kept_windows(load_LGT, self.quantile)
         return np.where(keep_LT, load_LGT.max(axis=1), -np.inf).max(axis=1)

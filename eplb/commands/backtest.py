@@ -65,9 +65,9 @@ def run(args) -> int:
         aggregate = "sum"
     planners = args.planner or ["greedy"]
     dispatch = tuple(dict.fromkeys(args.dispatch)) if args.dispatch else DISPATCH
-    common = dict(gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=args.slots_per_gpu,
-                  dispatch=dispatch, settings=parse_settings(args.set), aggregate=aggregate,
-                  oracle=not args.no_oracle, quiet=args.quiet or args.json)
+    common = dict(num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant,
+                  slots_per_gpu=args.slots_per_gpu, dispatch=dispatch, settings=parse_settings(args.set),
+                  aggregate=aggregate, oracle=not args.no_oracle, quiet=args.quiet or args.json)
     results = []
     if args.leave_one_out:
         workloads = [load_trace(p) for p in args.traces]
@@ -85,7 +85,7 @@ def run(args) -> int:
     first = results[0]
     mode = ("leave-one-out over " + f"{len(args.traces)} workloads" if args.leave_one_out
             else f"every {first.interval} window(s), history {first.history or 'all past'}")
-    print(f"backtest ({mode}); {first.gpus} GPUs, {first.num_slots} slots; "
+    print(f"backtest ({mode}); {first.num_gpus} GPUs, {first.num_slots} slots; "
           f"{len(first.windows)} held-out window(s), medians over them")
     rows = []
     for r in results:

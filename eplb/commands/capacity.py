@@ -62,7 +62,7 @@ def run(args) -> int:
         if not model.is_moe:
             raise EplbError(f"{model.name} is a dense model: --redundant does not apply")
         # Same rule as `eplb plan`: E + redundant must split evenly over the GPUs.
-        topo = Topology.for_experts(model.num_experts, gpus=args.gpus, redundant=args.redundant)
+        topo = Topology.for_experts(model.num_experts, num_gpus=args.gpus, num_redundant=args.redundant)
         per_gpu = topo.slots_per_gpu - -(-model.num_experts // args.gpus)
     rep = plan_capacity(model, dep, redundant_per_gpu=per_gpu)
     if args.json:

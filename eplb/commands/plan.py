@@ -128,7 +128,7 @@ def run(args) -> int:
         if slots is None and args.redundant is None:
             slots = previous.slots_per_gpu  # same slots as the placement being replaced
     result = plan(
-        trace, gpus=args.gpus, nodes=args.nodes, redundant=args.redundant, slots_per_gpu=slots,
+        trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
         num_groups=args.groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,

@@ -134,17 +134,17 @@ def run(args) -> int:
         load = trace.total().astype(np.float64)
         placements: dict = {}
         files = [Placement.load(f) for f in args.placement]
-        gpus = args.gpus if args.gpus is not None else (files[0].num_gpus if files else None)
-        if gpus is None:
+        num_gpus = args.gpus if args.gpus is not None else (files[0].num_gpus if files else None)
+        if num_gpus is None:
             raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
         planners = args.planner or ([] if files else ["greedy"])
         from eplb.topology import Topology
 
-        topo = Topology.for_experts(trace.num_experts, gpus=gpus, nodes=args.nodes, redundant=args.redundant)
-        placements["contiguous"] = Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), topo.gpus,
-                                             trace.num_experts, topo.nodes, trace.layer_ids)
+        topo = Topology.for_experts(trace.num_experts, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant)
+        placements["contiguous"] = Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), topo.num_gpus,
+                                             trace.num_experts, topo.num_nodes, trace.layer_ids)
         for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
-            placements[name] = plan(trace, gpus=gpus, nodes=args.nodes, redundant=args.redundant, planner=name)
+            placements[name] = plan(trace, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant, planner=name)
         for path, pl in zip(args.placement, files):
             if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_experts:
                 raise EplbError(f"placement {path} is {pl.num_layers} layers x {pl.num_logical_experts} experts, "

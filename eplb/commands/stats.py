@@ -31,22 +31,23 @@ def run(args) -> int:
     trace = load_history(args.traces)
     load = trace.total().astype(np.float64)
     L, E = load.shape
-    topo = Topology.for_experts(E, gpus=args.gpus, redundant=args.redundant)
+    topo = Topology.for_experts(E, num_gpus=args.gpus, num_redundant=args.redundant)
     if topo.slots_per_gpu > E:  # as in eplb.plan: refused before [L, P] arrays and a P-step bound
         raise EplbError(f"{topo.num_slots} slots give {topo.slots_per_gpu} per GPU, more than the {E} "
-                        f"logical experts: use --redundant <= {topo.gpus * E - E}")
-    base = Placement(contiguous_map(E, topo, L), topo.gpus, E, layer_ids=trace.layer_ids)
+                        f"logical experts: use --redundant <= {topo.num_gpus * E - E}")
+    base = Placement(contiguous_map(E, topo, L), topo.num_gpus, E, layer_ids=trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
-    mean_gpu = load.sum(axis=1) / topo.gpus
+    mean_gpu = load.sum(axis=1) / topo.num_gpus
     # Idle layers count as balanced (1), like every other column; lb / 1 gave 0 for them.
-    bound = np.where(mean_gpu > 0, stats.lower_bound(load, topo.gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1), 1.0)
+    bound = np.where(mean_gpu > 0,
+                     stats.lower_bound(load, topo.num_gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1), 1.0)
     hot, gini = stats.hot_ratio(load), stats.gini(load)
     per_window = trace.counts_TLE.astype(np.float64)
     win_hot = np.median(stats.hot_ratio(per_window), axis=1) if trace.num_windows > 1 else None
     columns = {"hot/mean": hot, "gini": gini, "contiguous max/mean": contiguous, "bound/mean": bound}
     summary = {
         "num_windows": trace.num_windows, "num_layers": L, "num_experts": E,
-        "tokens": int(load.sum()), "gpus": topo.gpus, "slots": topo.num_slots, "meta": trace.meta,
+        "tokens": int(load.sum()), "gpus": topo.num_gpus, "slots": topo.num_slots, "meta": trace.meta,
         "per_layer": {"layer_ids": trace.layer_ids.tolist(), **{k: v.tolist() for k, v in columns.items()}},
         "median": {k: float(np.median(v)) for k, v in columns.items()},
         "max": {k: float(np.max(v)) for k, v in columns.items()},
@@ -67,5 +68,5 @@ def run(args) -> int:
     else:
         rows = [[k, float(np.min(v)), float(np.median(v)), float(np.max(v))] for k, v in columns.items()]
         print(format_table(["per layer", "min", "median", "max"], rows))
-    print(f"GPU figures for {topo.gpus} GPUs and {topo.num_slots} slots; bound = lower bound on the busiest GPU")
+    print(f"GPU figures for {topo.num_gpus} GPUs and {topo.num_slots} slots; bound = lower bound on the busiest GPU")
     return 0

@@ -63,7 +63,7 @@ def placements(world: int, num_layers: int = 2):
     from planners.contiguous import contiguous_map
 
     S = E // world + 1
-    topo = Topology(gpus=world, slots_per_gpu=S)
+    topo = Topology(num_gpus=world, slots_per_gpu=S)
     out = {"contiguous": Placement(contiguous_map(E, topo, num_layers), world, E)}
     rng = np.random.default_rng(world)
     rows, weights = [], []
@@ -78,7 +78,7 @@ def placements(world: int, num_layers: int = 2):
         weights.append(w / sums[row])
     out["random"] = Placement(np.stack(rows), world, E, dispatch_weights_LP=np.stack(weights))
     load = np.stack([np.linspace(30, 1, E) ** (1 + l) for l in range(num_layers)])
-    out["greedy"] = plan(load, gpus=world, planner="greedy").placement
+    out["greedy"] = plan(load, num_gpus=world, planner="greedy").placement
     return out
 
 

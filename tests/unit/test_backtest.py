@@ -17,7 +17,7 @@ def _counts(rng, T=6, L=2, E=16):
 
 def test_sequential_plans_on_the_past_only(rng):
     c = _counts(rng, T=7)
-    r = backtest(c, gpus=4, planner="greedy", interval=2, history=3, quiet=True)
+    r = backtest(c, num_gpus=4, planner="greedy", interval=2, history=3, quiet=True)
     assert r.mode == "sequential" and r.dispatch == DISPATCH
     assert [p.history for p in r.plans] == [(0, 3), (2, 5)]
     assert [w.window for w in r.windows] == [3, 4, 5, 6]
@@ -31,13 +31,13 @@ def test_moves_count_copies_after_relabelling(rng):
     from eplb.planning import plan
 
     c = _counts(rng, T=7)
-    r = backtest(c, gpus=4, planner="greedy", interval=2, history=3, dispatch=("even",), oracle=False, quiet=True)
+    r = backtest(c, num_gpus=4, planner="greedy", interval=2, history=3, dispatch=("even",), oracle=False, quiet=True)
     first, second = r.plans
     assert first.moves is None  # replaces whatever was served before: not charged
     # Renaming GPUs never costs copies: the count is at most the one without renaming, and
     # at least the growth in GPUs holding each expert (each extra holder needs a copy).
-    old = plan(c[0:3], gpus=4, planner="greedy").placement
-    new = plan(c[2:5], gpus=4, planner="greedy").placement
+    old = plan(c[0:3], num_gpus=4, planner="greedy").placement
+    new = plan(c[2:5], num_gpus=4, planner="greedy").placement
     raw = int(count_moves(old.phy2log_LP, new.phy2log_LP, 4, 16).sum())
     holders = [(holdings(p.phy2log_LP, 4, 16) > 0).sum(axis=1) for p in (old, new)]  # [L, E]
     grown = int(np.maximum(holders[1] - holders[0], 0).sum())
@@ -48,7 +48,7 @@ def test_moves_count_copies_after_relabelling(rng):
 
 
 def test_policies_are_ordered_and_bounded(rng):
-    r = backtest(_counts(rng, T=5), gpus=4, planner="greedy", quiet=True)
+    r = backtest(_counts(rng, T=5), num_gpus=4, planner="greedy", quiet=True)
     d = {name: i for i, name in enumerate(r.dispatch)}
     for w in r.windows:
         assert np.all(w.bound_ratio_D >= 1 - 1e-9)
@@ -63,7 +63,7 @@ def test_policies_are_ordered_and_bounded(rng):
 def test_stationary_traffic_has_no_forecast_gap(rng):
     # The same window again and again: the past is the future, so the plan is the oracle's.
     one = _counts(rng, T=1)
-    r = backtest(np.repeat(one, 4, axis=0), gpus=4, planner="greedy", history=1,
+    r = backtest(np.repeat(one, 4, axis=0), num_gpus=4, planner="greedy", history=1,
                  dispatch=("even", "optimal"), quiet=True)
     gaps = r.column("forecast_gap")
     assert np.allclose(gaps, 0.0, atol=1e-9)
@@ -72,7 +72,7 @@ def test_stationary_traffic_has_no_forecast_gap(rng):
 
 
 def test_no_oracle_leaves_forecast_gap_unknown(rng):
-    r = backtest(_counts(rng, T=3), gpus=4, dispatch=("even",), oracle=False, quiet=True)
+    r = backtest(_counts(rng, T=3), num_gpus=4, dispatch=("even",), oracle=False, quiet=True)
     assert np.all(np.isnan(r.column("forecast_gap")))
     assert r.summary()["median"]["forecast_gap"]["even"] is None
     # Strict JSON (no NaN tokens) so other tools can read `eplb backtest --json`.
@@ -81,7 +81,7 @@ def test_no_oracle_leaves_forecast_gap_unknown(rng):
 
 def test_leave_one_out_scores_each_workload(rng):
     loads = [_counts(rng, T=1), _counts(rng, T=2), _counts(rng, T=1)]
-    r = leave_one_out(loads, gpus=4, planner="robust", labels=["a", "b", "c"], dispatch=("even", "resplit"),
+    r = leave_one_out(loads, num_gpus=4, planner="robust", labels=["a", "b", "c"], dispatch=("even", "resplit"),
                       quiet=True)
     assert r.mode == "leave-one-out" and len(r.plans) == 3
     assert all(p.moves is None for p in r.plans)  # folds are alternatives, not a sequence
@@ -104,19 +104,19 @@ def test_leave_one_out_scores_each_workload(rng):
 ])
 def test_bad_input_is_a_user_error(rng, kwargs, match):
     with pytest.raises(EplbError, match=match):
-        backtest(_counts(rng, T=6), gpus=4, quiet=True, **kwargs)
+        backtest(_counts(rng, T=6), num_gpus=4, quiet=True, **kwargs)
 
 
 def test_one_window_without_history_says_all_past_not_none(rng):
     with pytest.raises(EplbError, match=r"1 window\(s\), history all past \(at least 1\)"):
-        backtest(_counts(rng, T=1), gpus=4, quiet=True)
+        backtest(_counts(rng, T=1), num_gpus=4, quiet=True)
 
 
 def test_leave_one_out_needs_two_matching_workloads(rng):
     with pytest.raises(EplbError, match="at least 2"):
-        leave_one_out([_counts(rng)], gpus=4, quiet=True)
+        leave_one_out([_counts(rng)], num_gpus=4, quiet=True)
     with pytest.raises(EplbError, match="disagree"):
-        leave_one_out([_counts(rng, E=16), _counts(rng, E=8)], gpus=4, quiet=True)
+        leave_one_out([_counts(rng, E=16), _counts(rng, E=8)], num_gpus=4, quiet=True)
 
 
 def _write(tmp_path, name, counts):
@@ -145,7 +145,7 @@ def test_idle_window_scores_as_balanced(rng):
     """A window with no tokens is perfectly balanced under every score (sum max/mean was 0)."""
     c = _counts(rng, T=4)
     c[2] = 0
-    r = backtest(c, gpus=4, planner="greedy", quiet=True, dispatch=("even", "resplit"))
+    r = backtest(c, num_gpus=4, planner="greedy", quiet=True, dispatch=("even", "resplit"))
     idle = next(w for w in r.windows if w.window == 2)
     np.testing.assert_array_equal(idle.imbalance_D, 1.0)
     np.testing.assert_array_equal(idle.imbalance_sum_D, 1.0)

@@ -66,7 +66,7 @@ def test_parse_memory_units_and_gpu_names():
 # The trade between redundant slots and sequences ---------------------------------------------------
 
 def _dep(**kw):
-    base = dict(gpus=32, gpu_memory=parse_memory("h200"), context=8192, concurrency=2048)
+    base = dict(num_gpus=32, gpu_memory=parse_memory("h200"), context=8192, concurrency=2048)
     base.update(kw)
     return Deployment(**base)
 
@@ -122,7 +122,7 @@ def test_not_fitting_is_reported_not_hidden():
 
 def test_dense_model_reports_concurrency_and_refuses_redundancy():
     llama = get_model("llama-3.1-70b")
-    rep = plan_capacity(llama, Deployment(gpus=8, gpu_memory=parse_memory("h100"), context=100_000,
+    rep = plan_capacity(llama, Deployment(num_gpus=8, gpu_memory=parse_memory("h100"), context=100_000,
                                           weight_dtype="bf16", attention="tp"))
     assert rep.redundant_per_gpu is None and rep.concurrency >= 1 and rep.fits
     with pytest.raises(EplbError, match="dense model"):
@@ -135,7 +135,7 @@ def test_auto_slots_checks_expert_count_of_the_trace():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(gpus=0), "gpus must be a positive integer, got 0"),
+    (dict(num_gpus=0), "num_gpus must be a positive integer, got 0"),
     (dict(context=-5), "context must be a positive integer, got -5"),
     (dict(kv_dtype="int3"), "unknown dtype 'int3'"),
     (dict(attention="pp"), "attention must be one of dp, tp, got 'pp'"),
@@ -154,7 +154,7 @@ def test_bad_model_numbers_and_names():
         ModelShape("x", num_hidden_layers=2, hidden_size=64, vocab_size=10, num_attention_heads=64,
                    num_kv_heads=7, head_dim=8, intermediate_size=128)
     with pytest.raises(EplbError, match="more GPUs \\(300\\) than experts \\(256\\)"):
-        plan_capacity(get_model("deepseek-v3"), _dep(gpus=300))
+        plan_capacity(get_model("deepseek-v3"), _dep(num_gpus=300))
     with pytest.raises(EplbError, match="use at most 248"):
         plan_capacity(get_model("deepseek-v3"), _dep(concurrency=None), redundant_per_gpu=249)
 
@@ -167,12 +167,12 @@ def test_top_k_cannot_exceed_the_experts():
         with_overrides(get_model("deepseek-v3"), top_k=1000)
 
 
-@pytest.mark.parametrize("gpus, heads_on_busiest", [(2, 4), (3, 3), (4, 2), (6, 2), (8, 1), (16, 1)])
-def test_tensor_parallel_gqa_kv_share_is_the_busiest_gpus_whole_heads(gpus, heads_on_busiest):
+@pytest.mark.parametrize("num_gpus, heads_on_busiest", [(2, 4), (3, 3), (4, 2), (6, 2), (8, 1), (16, 1)])
+def test_tensor_parallel_gqa_kv_share_is_the_busiest_gpus_whole_heads(num_gpus, heads_on_busiest):
     # Llama-3.1-70B: 8 KV heads x 128 x 80 layers x 2 (K, V) x 2 bytes = 327,680 B per token.
     # KV heads are not cut: with 3 GPUs one holds 3 of the 8 heads (was counted as a third).
     llama = get_model("llama-3.1-70b")
-    rep = plan_capacity(llama, Deployment(gpus=gpus, gpu_memory=parse_memory("h200"), context=1000,
+    rep = plan_capacity(llama, Deployment(num_gpus=num_gpus, gpu_memory=parse_memory("h200"), context=1000,
                                           concurrency=4, attention="tp", kv_dtype="bf16"))
     per_head_per_token = 2 * 80 * 128 * 2
     assert rep.kv_bytes_per_sequence_per_gpu == pytest.approx(1000 * heads_on_busiest * per_head_per_token)

@@ -110,7 +110,7 @@ def test_plan_scores_each_window_alone(files, capsys):
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--json"]) == 0
     wb = json.loads(capsys.readouterr().out)["window_balancedness"]
     trace = load_trace(files["trace"])
-    greedy = plan(trace, gpus=G).placement
+    greedy = plan(trace, num_gpus=G).placement
     assert wb["plan"] == pytest.approx([balancedness(greedy.gpu_loads(c)) for c in trace.counts_TLE])
     assert len(wb["contiguous"]) == trace.num_windows and max(wb["contiguous"]) < min(wb["plan"])
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy"]) == 0

@@ -148,7 +148,7 @@ def test_collected_driven_trace_plans():
     trace = collect_trace(model, tokens, window_tokens=64, meta={"source": "test"})
     assert trace.num_windows == 8 and trace.meta["source"] == "test"
     assert (trace.counts_TLE[:, :, 0] == 64).all()   # pi capped at 1: every token uses expert 0
-    result = eplb.plan(trace, gpus=4)
+    result = eplb.plan(trace, num_gpus=4)
     assert result.after.imbalance_L.max() < result.before.imbalance_L.max()
 
 

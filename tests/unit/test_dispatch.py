@@ -82,7 +82,7 @@ def test_resplit_valid_and_never_above_even_split(seed, sweeps):
 
 def test_resplit_handles_two_copies_on_one_gpu(rng):
     # Contiguous placement repeats a GPU's own experts in its spare slots.
-    E, topo = 12, Topology(gpus=4, slots_per_gpu=4)
+    E, topo = 12, Topology(num_gpus=4, slots_per_gpu=4)
     p = Placement(contiguous_map(E, topo, 2), 4, E)
     load = rng.pareto(1.3, (2, E)) * 100
     w = resplit(p, load)

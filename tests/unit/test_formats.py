@@ -16,14 +16,14 @@ from eplb.trace import load_trace
 torch = pytest.importorskip("torch")
 
 
-def random_placement(rng, layers=4, experts=12, gpus=4, slots_per_gpu=4, nodes=2, first_layer=3):
+def random_placement(rng, layers=4, experts=12, num_gpus=4, slots_per_gpu=4, num_nodes=2, first_layer=3):
     """A valid random placement: every expert once, then random extra replicas, shuffled."""
-    P = gpus * slots_per_gpu
+    P = num_gpus * slots_per_gpu
     rows = []
     for _ in range(layers):
         row = np.concatenate([np.arange(experts), rng.integers(0, experts, P - experts)])
         rows.append(rng.permutation(row))
-    return Placement(np.array(rows), gpus, experts, nodes, np.arange(first_layer, first_layer + layers))
+    return Placement(np.array(rows), num_gpus, experts, num_nodes, np.arange(first_layer, first_layer + layers))
 
 
 @pytest.fixture

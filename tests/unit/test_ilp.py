@@ -35,7 +35,7 @@ def brute_force(load_E, G, S, dispatch):
 def test_matches_brute_force_on_tiny_instances(dispatch, E, G, S):
     rng = np.random.default_rng(E * 100 + G * 10 + S)
     load_LE = np.round(rng.pareto(1.0, (2, E)) * 100 + 1)
-    res = planning.plan(load_LE, gpus=G, slots_per_gpu=S, planner="ilp",
+    res = planning.plan(load_LE, num_gpus=G, slots_per_gpu=S, planner="ilp",
                         settings={"dispatch": dispatch, "time_limit": 5, "quiet": True})
     assert res.status == "OPTIMAL"
     assert (res.placement.dispatch_weights_LP is not None) == (dispatch == "weighted")
@@ -72,7 +72,7 @@ def test_cp_sat_model_alone_matches_brute_force(dispatch):
 def test_weighted_proves_optimal_on_small_instance():
     rng = np.random.default_rng(7)
     load_LE = rng.pareto(1.2, (2, 64)) * 100 + 1
-    res = planning.plan(load_LE, gpus=8, slots_per_gpu=9, planner="ilp",
+    res = planning.plan(load_LE, num_gpus=8, slots_per_gpu=9, planner="ilp",
                         settings={"time_limit": 10, "quiet": True})
     assert res.status == "OPTIMAL"
     assert res.info["gap_L"] == [0.0, 0.0]
@@ -83,9 +83,9 @@ def test_weighted_proves_optimal_on_small_instance():
 def test_never_worse_than_greedy_even_with_a_tiny_time_limit():
     rng = np.random.default_rng(3)
     load_LE = rng.pareto(1.2, (2, 32)) * 100 + 1
-    greedy = planning.plan(load_LE, gpus=4, slots_per_gpu=10, planner="greedy")
+    greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=10, planner="greedy")
     for dispatch in ("even", "weighted"):
-        res = planning.plan(load_LE, gpus=4, slots_per_gpu=10, planner="ilp",
+        res = planning.plan(load_LE, num_gpus=4, slots_per_gpu=10, planner="ilp",
                             settings={"dispatch": dispatch, "time_limit": 0.2, "quiet": True})
         # Under a tiny limit CP-SAT may return nothing: then the layer is greedy's, and says so.
         assert res.status in ("OPTIMAL", "FEASIBLE", "FALLBACK")
@@ -131,7 +131,7 @@ def test_helpers():
 ])
 def test_bad_settings_raise(settings, match):
     with pytest.raises(EplbError, match=match):
-        planning.plan(np.ones((1, 8)), gpus=2, planner="ilp", settings=settings)
+        planning.plan(np.ones((1, 8)), num_gpus=2, planner="ilp", settings=settings)
 
 
 def test_boolean_and_time_settings_are_checked():

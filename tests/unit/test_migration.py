@@ -48,7 +48,7 @@ def test_relabel_moves_nodes_as_wholes(rng):
     L, G, S, E, N = 2, 4, 2, 6, 2
     old = random_map(rng, L, G, S, E)
     new = np.concatenate([old[:, 4:], old[:, :4]], axis=1)    # nodes swapped
-    perm = mg.relabel(old, new, G, E, nodes=N)
+    perm = mg.relabel(old, new, G, E, num_nodes=N)
     rel = np.take_along_axis(new, perm, axis=1)
     assert np.array_equal(rel, old)
     # Every GPU's set of experts comes from one GPU of the new plan on one node.
@@ -59,20 +59,20 @@ def test_relabel_moves_nodes_as_wholes(rng):
         assert (src_node.reshape(N, -1) == src_node.reshape(N, -1)[:, :1]).all()
 
 
-@pytest.mark.parametrize("nodes", [1, 2, 4])
-def test_compiled_gpu_assignment_keeps_as_much_as_scipys(nodes):
+@pytest.mark.parametrize("num_nodes", [1, 2, 4])
+def test_compiled_gpu_assignment_keeps_as_much_as_scipys(num_nodes):
     """Same kept total per layer as scipy's linear_sum_assignment (ties may pick other GPUs),
     and every assignment a permutation that moves nodes as wholes."""
-    rng = np.random.default_rng(nodes)
+    rng = np.random.default_rng(num_nodes)
     L, G = 20, 8
     keep = rng.integers(0, 4, (L, G, G)).astype(float)    # small integers: many ties
-    fast = mg._gpu_assignment(keep, nodes)
-    ref = mg._gpu_assignment(keep, nodes, compiled=False)
+    fast = mg._gpu_assignment(keep, num_nodes)
+    ref = mg._gpu_assignment(keep, num_nodes, compiled=False)
     kept = lambda out: keep[np.arange(L)[:, None], out, np.arange(G)[None, :]].sum(axis=1)  # noqa: E731
     np.testing.assert_array_equal(kept(fast), kept(ref))
-    n = G // nodes
+    n = G // num_nodes
     assert (np.sort(fast, axis=1) == np.arange(G)).all()
-    assert (fast.reshape(L, nodes, n) // n == (fast.reshape(L, nodes, n) // n)[:, :, :1]).all()
+    assert (fast.reshape(L, num_nodes, n) // n == (fast.reshape(L, num_nodes, n) // n)[:, :, :1]).all()
 
 
 def test_relabel_is_optimal_against_brute_force(rng):
@@ -89,9 +89,9 @@ def test_relabel_is_optimal_against_brute_force(rng):
 
 def test_relabel_keeps_balance_and_dispatch_weights(rng):
     load = rng.gamma(0.7, 100.0, (3, 32))
-    prev = plan(load[::-1].copy(), gpus=4, redundant=8).placement
-    fresh = plan(load, gpus=4, redundant=8)
-    adapted = plan(load, gpus=4, redundant=8, previous=prev)
+    prev = plan(load[::-1].copy(), num_gpus=4, num_redundant=8).placement
+    fresh = plan(load, num_gpus=4, num_redundant=8)
+    adapted = plan(load, num_gpus=4, num_redundant=8, previous=prev)
     assert np.allclose(np.sort(adapted.after.gpu_load_LG, axis=1), np.sort(fresh.after.gpu_load_LG, axis=1))
     mig = adapted.info["migration"]
     assert mig["method"] == "relabel"
@@ -151,7 +151,7 @@ def test_compiled_search_matches_the_reference_on_a_deepseek_plan():
     rng = np.random.default_rng(7)
     L, E, G, R = 3, 256, 32, 32
     skew = rng.gamma(0.4, 1.0, (L, E))
-    old = plan(skew * 1000, gpus=G, redundant=R).placement.phy2log_LP
+    old = plan(skew * 1000, num_gpus=G, num_redundant=R).placement.phy2log_LP
     load = (skew * rng.gamma(2.0, 0.5, (L, E))) * 1000
     for budget in [mg.Budget(move_cost=0.001), mg.Budget(max_moves=50), mg.Budget(max_moves_per_gpu=1)]:
         ref = mg.budgeted_search(load, old, G, budget, compiled=False)
@@ -177,10 +177,10 @@ def test_budgeted_search_respects_budget_and_never_worsens(seed, budget, per_gpu
 
 def test_move_cost_trades_balance_for_moves(rng):
     load = rng.gamma(0.4, 100.0, (4, 64))
-    prev = plan(rng.gamma(0.4, 100.0, (4, 64)), gpus=8, redundant=8).placement
+    prev = plan(rng.gamma(0.4, 100.0, (4, 64)), num_gpus=8, num_redundant=8).placement
     moves, imb = [], []
     for cost in (0.0005, 0.2):
-        r = plan(load, gpus=8, redundant=8, previous=prev, move_cost=cost)
+        r = plan(load, num_gpus=8, num_redundant=8, previous=prev, move_cost=cost)
         assert r.info["migration"]["method"] == "budgeted_search"
         moves.append(r.info["migration"]["moves"])
         imb.append(r.after.imbalance_L.mean())
@@ -190,9 +190,9 @@ def test_move_cost_trades_balance_for_moves(rng):
 
 def test_every_planner_takes_a_move_budget_through_the_front_door(rng):
     load = rng.gamma(0.5, 100.0, (2, 16))
-    prev = plan(rng.gamma(0.5, 100.0, (2, 16)), gpus=4, redundant=4).placement
+    prev = plan(rng.gamma(0.5, 100.0, (2, 16)), num_gpus=4, num_redundant=4).placement
     for name in planner_names():
-        r = plan(load, gpus=4, redundant=4, planner=name, previous=prev, max_moves=3, bytes_per_expert=10)
+        r = plan(load, num_gpus=4, num_redundant=4, planner=name, previous=prev, max_moves=3, bytes_per_expert=10)
         mig = r.info["migration"]
         assert mig["moves"] <= 3, name
         assert mig["bytes"] == 10 * mig["moves"]
@@ -201,10 +201,10 @@ def test_every_planner_takes_a_move_budget_through_the_front_door(rng):
 
 def test_budget_options_need_a_previous_placement(rng):
     with pytest.raises(EplbError, match="previous"):
-        plan(rng.random((2, 8)), gpus=2, max_moves=3)
-    prev = plan(rng.random((2, 8)), gpus=2).placement
+        plan(rng.random((2, 8)), num_gpus=2, max_moves=3)
+    prev = plan(rng.random((2, 8)), num_gpus=2).placement
     with pytest.raises(EplbError, match="max_moves"):
-        plan(rng.random((2, 8)), gpus=2, previous=prev, max_moves=-1)
+        plan(rng.random((2, 8)), num_gpus=2, previous=prev, max_moves=-1)
 
 
 # Schedules ------------------------------------------------------------------------------------
@@ -304,8 +304,8 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
     L, E, G = 4, 64, 8
     a = rng.gamma(0.4, 100.0, (L, E))
     b = rng.gamma(0.4, 100.0, (L, E))
-    prev = plan(a, gpus=G, redundant=8).placement
-    r = plan(b, gpus=G, redundant=8, previous=prev, max_moves=20)
+    prev = plan(a, num_gpus=G, num_redundant=8).placement
+    r = plan(b, num_gpus=G, num_redundant=8, previous=prev, max_moves=20)
     for compiled in (True, False):
         m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2, compiled=compiled)
         replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
@@ -323,7 +323,7 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     before = {n: len(getattr(K, n).signatures) for n in names}
     rng = np.random.default_rng(3)
     load = rng.gamma(0.5, 1.0, (3, 64)) * 100
-    pl = plan(load, gpus=8, redundant=8).placement
+    pl = plan(load, num_gpus=8, num_redundant=8).placement
     assert not pl.phy2log_LP.flags.writeable
     rb = Rebalancer(pl, move_cost=0.001)
     rb.observe(load[:, ::-1].copy())
@@ -347,7 +347,7 @@ _NEW = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
     (lambda: mg.schedule(np.array([[0, 1, 9, 0]]), np.array([[0, 1, 2, 0]]), 2, 3), "expert 9"),
     (lambda: mg.schedule(_OLD, _NEW, 3, 3), "do not split evenly over 3 GPUs"),
     (lambda: mg.schedule(_OLD + 0.5, _NEW, 2, 3), "whole expert ids"),
-    (lambda: mg.schedule(_OLD, _NEW, 0, 3), "gpus must be"),
+    (lambda: mg.schedule(_OLD, _NEW, 0, 3), "num_gpus must be"),
 ])
 def test_bad_maps_are_refused_before_any_kernel_runs(call, match):
     """The numba kernels index by expert id without bounds checks: bad maps must stop here."""
@@ -359,7 +359,7 @@ def _two_node_case(seed=5, L=4, E=64, G=8, N=2, K=8):
     """A node-aware (hierarchical) plan served for one load while traffic shifts to another."""
     rng = np.random.default_rng(seed)
     a, b = rng.gamma(0.4, 100.0, (2, L, E))
-    prev = plan(a, gpus=G, nodes=N, redundant=G, planner="hierarchical", num_groups=K).placement
+    prev = plan(a, num_gpus=G, num_nodes=N, num_redundant=G, planner="hierarchical", num_groups=K).placement
     return prev, b, G, N, K, E
 
 
@@ -369,7 +369,7 @@ def test_span_cost_prices_spreading_groups_over_nodes():
     prev, load, G, N, K, E = _two_node_case()
     old = prev.phy2log_LP
     pairs = lambda phy: group_span(phy, G, N, K, E).sum(axis=1)  # noqa: E731
-    runs = {c: mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001, span_cost=c), nodes=N, num_groups=K)
+    runs = {c: mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001, span_cost=c), num_nodes=N, num_groups=K)
             for c in (0.0, 1.0, 1e6)}
     # span_cost 0 is the node-blind search, to the slot.
     np.testing.assert_array_equal(runs[0.0], mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001)))
@@ -380,7 +380,7 @@ def test_span_cost_prices_spreading_groups_over_nodes():
         Placement(phy, G, E)                                  # every expert keeps a replica
         assert (mg.max_load(load, phy, G) <= mg.max_load(load, old, G) * (1 + 1e-12)).all()
     # Budgets still bind with a span price.
-    capped = mg.budgeted_search(load, old, G, mg.Budget(max_moves=7, span_cost=1.0), nodes=N, num_groups=K)
+    capped = mg.budgeted_search(load, old, G, mg.Budget(max_moves=7, span_cost=1.0), num_nodes=N, num_groups=K)
     assert mg.count_moves(old, capped, G, E).sum() <= 7
 
 
@@ -390,7 +390,7 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
 
     prev, load, G, N, K, E = _two_node_case(seed=9)
     span = lambda pl: group_span(pl.phy2log_LP, G, N, K, E).mean()  # noqa: E731
-    kw = dict(gpus=G, nodes=N, redundant=G, previous=prev, move_cost=0.001, num_groups=K)
+    kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, move_cost=0.001, num_groups=K)
     blind, aware = (plan(load, span_cost=c, **kw).placement for c in (0.0, 4.0))
     assert span(aware) < span(blind)
     rb = Rebalancer(prev, num_groups=K, span_cost=4.0, move_cost=0.001)
@@ -401,5 +401,5 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
     with pytest.raises(EplbError, match="num_groups"):
         Rebalancer(prev, num_groups=7)
     with pytest.raises(EplbError, match="numpy reference"):
-        mg.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), nodes=N, num_groups=K,
+        mg.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), num_nodes=N, num_groups=K,
                            compiled=False)

@@ -15,23 +15,23 @@ _NEW6 = np.roll(_OLD6, 3, axis=1)
 
 # Relabelling and migrate ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("nodes", [4, 12, 0, -2, 1.5, True])
-def test_relabel_refuses_nodes_that_do_not_split_the_gpus(nodes):
+@pytest.mark.parametrize("num_nodes", [4, 12, 0, -2, 1.5, True])
+def test_relabel_refuses_nodes_that_do_not_split_the_gpus(num_nodes):
     """gpu_assignment fills only nodes x (G // nodes) columns of an uninitialised array: a bad
     node count must stop before it, not turn leftover memory into slot indices."""
     with pytest.raises(EplbError, match="nodes"):
-        mg.relabel(_OLD6, _NEW6, 6, 6, nodes=nodes)
+        mg.relabel(_OLD6, _NEW6, 6, 6, num_nodes=num_nodes)
     with pytest.raises(EplbError, match="nodes"):
-        mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, nodes=nodes)
+        mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, num_nodes=num_nodes)
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: mg.relabel(_OLD, _NEW, 0, 3), "gpus must be"),
+    (lambda: mg.relabel(_OLD, _NEW, 0, 3), "num_gpus must be"),
     (lambda: mg.relabel(_OLD[0], _NEW[0], 2, 3), r"\[layers, slots\]"),
     (lambda: mg.migrate(_LOAD[0], _OLD, _NEW, 2), "load must be"),
     (lambda: mg.migrate(_LOAD[:1], _OLD, _NEW, 2), "load must be"),
     (lambda: mg.migrate(np.full((2, 3), np.nan), _OLD, _NEW, 2), "finite"),
-    (lambda: mg.migrate(_LOAD, _OLD, _NEW, 0), "gpus must be"),
+    (lambda: mg.migrate(_LOAD, _OLD, _NEW, 0), "num_gpus must be"),
     (lambda: mg.migrate(_LOAD, _OLD, np.array([[1, 0, 2, -1], [2, 1, 0, 0]]), 2), "target_LP"),
 ])
 def test_relabel_and_migrate_name_bad_input(call, match):
@@ -41,7 +41,7 @@ def test_relabel_and_migrate_name_bad_input(call, match):
 
 def test_migrate_keeps_a_permutation_of_the_target():
     """With a node count that splits the GPUs, the relabelled target is a slot permutation."""
-    phy, perm, _ = mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, nodes=3)
+    phy, perm, _ = mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, num_nodes=3)
     assert (np.sort(perm, axis=1) == np.arange(12)).all()
     assert np.array_equal(np.sort(phy, axis=1), np.sort(_NEW6, axis=1))
 
@@ -64,8 +64,8 @@ def test_budgeted_search_refuses_empty_slots():
 @pytest.mark.parametrize("kw, match", [
     (dict(donors=0), "donors"), (dict(donors=-1), "donors"), (dict(partners=0), "partners"),
     (dict(donors=2.5), "donors"), (dict(max_iters=-1), "max_iters"),
-    (dict(nodes=2, num_groups=0), "num_groups"), (dict(nodes=2, num_groups=-3), "num_groups"),
-    (dict(nodes=2, num_groups=1.5), "num_groups"), (dict(nodes=0), "nodes"),
+    (dict(num_nodes=2, num_groups=0), "num_groups"), (dict(num_nodes=2, num_groups=-3), "num_groups"),
+    (dict(num_nodes=2, num_groups=1.5), "num_groups"), (dict(num_nodes=0), "num_nodes"),
 ])
 def test_budgeted_search_names_bad_settings(kw, match):
     """donors=0 / partners=0 made the kernel's top-k insertion write index -1 of an empty
@@ -76,8 +76,8 @@ def test_budgeted_search_names_bad_settings(kw, match):
 
 
 def test_budgeted_search_accepts_whole_float_settings():
-    ref = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), nodes=2, num_groups=3)
-    got = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), nodes=2.0, num_groups=3.0, donors=8.0)
+    ref = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), num_nodes=2, num_groups=3)
+    got = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), num_nodes=2.0, num_groups=3.0, donors=8.0)
     np.testing.assert_array_equal(got, ref)
     with pytest.raises(EplbError, match="budget must be a Budget"):
         mg.budgeted_search(_LOAD, _OLD, 2, None)
@@ -192,9 +192,9 @@ def test_schedules_succeed_exactly_when_a_safe_order_exists():
 
 # Node-locality accounting of the search ---------------------------------------------------------
 
-def _random_case(seed, nodes, groups):
+def _random_case(seed, num_nodes, groups):
     rng = np.random.default_rng(seed)
-    G = nodes * int(rng.integers(1, 4))
+    G = num_nodes * int(rng.integers(1, 4))
     S = int(rng.integers(2, 5))
     E = groups * int(rng.integers(1, max(2, G * S // groups)))
     E = min(E, G * S - 1) // groups * groups or groups
@@ -206,11 +206,11 @@ def _random_case(seed, nodes, groups):
 def _node_cases(count=40):
     """(nodes, groups, G, E, old map, load) of the usable seeded cases (2 nodes, 2 or 4 groups)."""
     for seed in range(count):
-        nodes, groups = (2, 2) if seed % 2 else (2, 4)
-        rng, G, S, E, old = _random_case(seed, nodes, groups)
+        num_nodes, groups = (2, 2) if seed % 2 else (2, 4)
+        rng, G, S, E, old = _random_case(seed, num_nodes, groups)
         if E % groups or E >= G * S:
             continue
-        yield nodes, groups, G, E, old, rng.gamma(0.4, 10.0, (old.shape[0], E))
+        yield num_nodes, groups, G, E, old, rng.gamma(0.4, 10.0, (old.shape[0], E))
 
 
 @pytest.mark.parametrize("budget", [mg.Budget(move_cost=0.001, span_cost=0.5), mg.Budget(max_moves=6, span_cost=1.0),
@@ -232,12 +232,12 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
 
     monkeypatch.setattr(_search_kernel, "search", spy)
     checked = 0
-    for nodes, groups, G, E, old, load in _node_cases():
-        out = mg.budgeted_search(load, old, G, budget, nodes=nodes, num_groups=groups)
+    for num_nodes, groups, G, E, old, load in _node_cases():
+        out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_groups=groups)
         assert seen["phy"] is out
         L, P = old.shape
-        gn = np.zeros((L, groups, nodes), dtype=np.int64)
-        grp, node = out // (E // groups), (np.arange(P) // (P // G)) // (G // nodes)
+        gn = np.zeros((L, groups, num_nodes), dtype=np.int64)
+        grp, node = out // (E // groups), (np.arange(P) // (P // G)) // (G // num_nodes)
         np.add.at(gn, (np.arange(L)[:, None], grp, np.broadcast_to(node, out.shape)), 1)
         np.testing.assert_array_equal(seen["gn_LKN"], gn)
         np.testing.assert_array_equal(seen["cnt_LEG"], mg.holdings(out, G, E).transpose(0, 2, 1))
@@ -245,7 +245,7 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
         moves_LG = mg.count_moves(old, out, G, E)
         np.testing.assert_array_equal(seen["in_G"], moves_LG.sum(axis=0))
         assert seen["total"] == moves_LG.sum()
-        assert (group_span(out, G, nodes, groups, E) >= 1).all()
+        assert (group_span(out, G, num_nodes, groups, E) >= 1).all()
         checked += 1
     assert checked >= 20
 
@@ -253,17 +253,17 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
 def test_prohibitive_span_cost_never_adds_a_group_node_pair():
     from eplb.stats import group_span
 
-    for nodes, groups, G, E, old, load in _node_cases():
+    for num_nodes, groups, G, E, old, load in _node_cases():
         # With move_cost 0 the price only ranks changes (any gain passes the threshold): a
         # price refuses a change only through move_cost x (1 + span_cost x pairs added).
         for budget in (mg.Budget(move_cost=0.001, span_cost=1e6), mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
-            out = mg.budgeted_search(load, old, G, budget, nodes=nodes, num_groups=groups)
-            before = group_span(old, G, nodes, groups, E).sum(axis=1)
-            assert (group_span(out, G, nodes, groups, E).sum(axis=1) <= before).all()
+            out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_groups=groups)
+            before = group_span(old, G, num_nodes, groups, E).sum(axis=1)
+            assert (group_span(out, G, num_nodes, groups, E).sum(axis=1) <= before).all()
             # span_cost 0 is the node-blind search, to the slot.
             blind = mg.Budget(budget.max_moves, budget.max_moves_per_gpu, budget.move_cost, 0.0)
             np.testing.assert_array_equal(
-                mg.budgeted_search(load, old, G, blind, nodes=nodes, num_groups=groups),
+                mg.budgeted_search(load, old, G, blind, num_nodes=num_nodes, num_groups=groups),
                 mg.budgeted_search(load, old, G, blind, compiled=False))
 
 
@@ -341,8 +341,8 @@ def test_bytes_per_expert_must_be_a_positive_count(bad):
     from eplb import plan
 
     rng = np.random.default_rng(0)
-    prev = plan(rng.random((2, 8)), gpus=2).placement
+    prev = plan(rng.random((2, 8)), num_gpus=2).placement
     with pytest.raises(EplbError, match="bytes_per_expert"):
-        plan(rng.random((2, 8)), gpus=2, previous=prev, bytes_per_expert=bad)
+        plan(rng.random((2, 8)), num_gpus=2, previous=prev, bytes_per_expert=bad)
     with pytest.raises(EplbError, match="bytes_per_expert"):
         mg.schedule(_OLD, _NEW, 2, 3, bytes_per_expert=bad)

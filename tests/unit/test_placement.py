@@ -144,26 +144,26 @@ def test_constructor_refuses_zero_slots():
 # Topology ---------------------------------------------------------------------------------------
 
 def test_topology_sizing():
-    t = Topology.for_experts(256, gpus=32)
-    assert (t.slots_per_gpu, t.num_slots, t.nodes) == (9, 288, 1)  # one redundant slot per GPU
-    assert Topology.for_experts(256, gpus=32, redundant=0).slots_per_gpu == 8
-    assert Topology.for_experts(256, gpus=32, nodes=4, slots_per_gpu=10).gpus_per_node == 8
-    assert Topology.for_experts(10, gpus=4).slots_per_gpu == 4  # ceil(10 / 4) + 1
+    t = Topology.for_experts(256, num_gpus=32)
+    assert (t.slots_per_gpu, t.num_slots, t.num_nodes) == (9, 288, 1)  # one redundant slot per GPU
+    assert Topology.for_experts(256, num_gpus=32, num_redundant=0).slots_per_gpu == 8
+    assert Topology.for_experts(256, num_gpus=32, num_nodes=4, slots_per_gpu=10).gpus_per_node == 8
+    assert Topology.for_experts(10, num_gpus=4).slots_per_gpu == 4  # ceil(10 / 4) + 1
     # One GPU already holds every expert: the default adds no redundant slot (was E + 1).
-    assert Topology.for_experts(16, gpus=1).slots_per_gpu == 16
-    assert Topology.for_experts(1, gpus=1).slots_per_gpu == 1
-    t = Topology(gpus=8, slots_per_gpu=2, nodes=2)
+    assert Topology.for_experts(16, num_gpus=1).slots_per_gpu == 16
+    assert Topology.for_experts(1, num_gpus=1).slots_per_gpu == 1
+    t = Topology(num_gpus=8, slots_per_gpu=2, num_nodes=2)
     assert t.gpu_of_slot().tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
     assert t.node_of_gpu().tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"gpus": 0}, "gpus must be a positive integer"),
-    ({"gpus": 32, "redundant": 32, "slots_per_gpu": 9}, "either redundant"),
-    ({"gpus": 32, "slots_per_gpu": 7}, "use at least 8 slots per GPU"),
-    ({"gpus": 32, "redundant": -1}, "redundant must be >= 0"),
-    ({"gpus": 32, "redundant": 30}, "use redundant = 0 or 32"),
-    ({"gpus": 32, "nodes": 3}, r"gpus \(32\) must be divisible by nodes \(3\)"),
+    ({"num_gpus": 0}, "num_gpus must be a positive integer"),
+    ({"num_gpus": 32, "num_redundant": 32, "slots_per_gpu": 9}, "either num_redundant"),
+    ({"num_gpus": 32, "slots_per_gpu": 7}, "use at least 8 slots per GPU"),
+    ({"num_gpus": 32, "num_redundant": -1}, "num_redundant must be >= 0"),
+    ({"num_gpus": 32, "num_redundant": 30}, "use num_redundant = 0 or 32"),
+    ({"num_gpus": 32, "num_nodes": 3}, r"num_gpus \(32\) must be divisible by num_nodes \(3\)"),
 ])
 def test_topology_for_experts_errors(kwargs, message):
     with pytest.raises(EplbError, match=message):
@@ -172,9 +172,9 @@ def test_topology_for_experts_errors(kwargs, message):
 
 def test_topology_value_errors():
     with pytest.raises(EplbError, match="slots_per_gpu must be a positive integer"):
-        Topology(gpus=4, slots_per_gpu=0)
-    with pytest.raises(EplbError, match="nodes must be a positive integer"):
-        Topology(gpus=4, slots_per_gpu=1, nodes=True)
+        Topology(num_gpus=4, slots_per_gpu=0)
+    with pytest.raises(EplbError, match="num_nodes must be a positive integer"):
+        Topology(num_gpus=4, slots_per_gpu=1, num_nodes=True)
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "trtllm"])

@@ -55,7 +55,7 @@ def is_time_limited(name: str) -> bool:
 
 def check_invariants(name: str, phy_LP: np.ndarray, weights_LP, load_LE: np.ndarray, topo: Topology) -> None:
     L, E = load_LE.shape
-    G, S, P = topo.gpus, topo.slots_per_gpu, topo.num_slots
+    G, S, P = topo.num_gpus, topo.slots_per_gpu, topo.num_slots
     phy_LP = np.asarray(phy_LP)
     assert phy_LP.shape == (L, P), f"{name}: shape {phy_LP.shape}, want {(L, P)}"
     assert np.issubdtype(phy_LP.dtype, np.integer)
@@ -67,7 +67,7 @@ def check_invariants(name: str, phy_LP: np.ndarray, weights_LP, load_LE: np.ndar
     if getattr(_REGISTRY[name], "one_replica_per_gpu", True):
         per_gpu = np.sort(phy_LP.reshape(L, G, S), axis=2)
         assert not (np.diff(per_gpu, axis=2) == 0).any(), f"{name}: two replicas of one expert on a GPU"
-    placement = Placement(phy_LP, G, E, topo.nodes, dispatch_weights_LP=weights_LP)
+    placement = Placement(phy_LP, G, E, topo.num_nodes, dispatch_weights_LP=weights_LP)
     mx_L = placement.gpu_loads(load_LE).max(axis=1)
     lb_L = stats.lower_bound(load_LE, G, P)
     assert (mx_L >= lb_L * (1 - 1e-9) - 1e-9).all(), f"{name}: beats the lower bound: {mx_L} < {lb_L}"
@@ -96,7 +96,7 @@ def problems(draw):
         load = np.zeros((L, E))
     divisors = [k for k in range(1, E + 1) if E % k == 0]
     K = draw(st.sampled_from(divisors + [None]))
-    return load, Topology(gpus=G, slots_per_gpu=S, nodes=N), K
+    return load, Topology(num_gpus=G, slots_per_gpu=S, num_nodes=N), K
 
 
 @pytest.mark.parametrize("name", PLANNERS)
@@ -107,7 +107,7 @@ def test_invariants_property(name, problem):
     load, topo, K = problem
     if is_time_limited(name) and load.shape[1] > 12:
         load = load[:, :12]  # solvers get the smaller half of the shapes
-        if topo.gpus * topo.slots_per_gpu < 12 or topo.gpus > 12:
+        if topo.num_gpus * topo.slots_per_gpu < 12 or topo.num_gpus > 12:
             return
     request = PlanRequest(load, topo, history_TLE=load[None], num_groups=K)
     planner = get_planner(name, **fast_settings(name))
@@ -128,7 +128,7 @@ def test_invariants_deepseek_like(name):
     """A DeepSeek-V3-like miniature: 4 layers x 64 experts, 8 groups, 16 GPUs on 4 nodes."""
     rng = np.random.default_rng(7)
     load = np.floor(rng.pareto(1.3, (4, 64)) * 1000)
-    topo = Topology.for_experts(64, gpus=16, nodes=4)
+    topo = Topology.for_experts(64, num_gpus=16, num_nodes=4)
     if is_time_limited(name):
         load = load[:1]
     sol = get_planner(name, **fast_settings(name)).plan(PlanRequest(load, topo, history_TLE=load[None], num_groups=8))
@@ -139,7 +139,7 @@ def test_invariants_deepseek_like(name):
 def test_plan_front_door_every_planner(name):
     rng = np.random.default_rng(3)
     load = rng.integers(0, 500, (2, 16)).astype(float)
-    res = eplb.plan(load, gpus=4, nodes=2, planner=name, num_groups=4, settings=fast_settings(name))
+    res = eplb.plan(load, num_gpus=4, num_nodes=2, planner=name, num_groups=4, settings=fast_settings(name))
     assert res.planner == name and res.placement.planner == name
     assert res.success == (res.status != "FALLBACK")
     assert res.placement.num_slots == 20 and res.seconds >= 0
@@ -162,15 +162,15 @@ def test_deepseek_readme_example_exact():
 
 
 def test_deepseek_planner_through_front_door():
-    res = eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=4)
+    res = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_groups=4)
     np.testing.assert_array_equal(res.placement.phy2log_LP, README_PHY2LOG)
     assert res.info["policy"] == "hierarchical"
 
 
 @pytest.mark.parametrize("name", ["greedy", "hierarchical"])
 def test_readme_example_matched_or_beaten(name):
-    ref = eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=4)
-    res = eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner=name, num_groups=4)
+    ref = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_groups=4)
+    res = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner=name, num_groups=4)
     assert (res.after.gpu_load_LG.max(axis=1) <= ref.after.gpu_load_LG.max(axis=1) + 1e-9).all()
     # The README's layer 0 gives 156 tokens to DeepSeek's busiest GPU; 139 is reachable.
     assert res.after.gpu_load_LG.max(axis=1)[0] <= 139
@@ -178,16 +178,16 @@ def test_readme_example_matched_or_beaten(name):
 
 def test_deepseek_policies_and_refusals():
     # Groups that do not split over nodes: DeepSeek's own rule falls back to global, and says so.
-    res = eplb.plan(README_WEIGHT, gpus=6, nodes=3, redundant=6, planner="deepseek", num_groups=4)
+    res = eplb.plan(README_WEIGHT, num_gpus=6, num_nodes=3, num_redundant=6, planner="deepseek", num_groups=4)
     assert res.info["policy"] == "global"
     with pytest.raises(EplbError, match="do not split evenly over 3 nodes"):
-        eplb.plan(README_WEIGHT, gpus=6, nodes=3, redundant=6, planner="deepseek", num_groups=4,
+        eplb.plan(README_WEIGHT, num_gpus=6, num_nodes=3, num_redundant=6, planner="deepseek", num_groups=4,
                   settings={"policy": "hierarchical"})
     with pytest.raises(EplbError, match="equal (expert )?groups"):  # refused at the front door now
-        eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek", num_groups=5,
+        eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_groups=5,
                   settings={"policy": "hierarchical"})
     with pytest.raises(EplbError, match="needs num_groups"):
-        eplb.plan(README_WEIGHT, gpus=8, nodes=2, redundant=4, planner="deepseek",
+        eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek",
                   settings={"policy": "hierarchical"})
     with pytest.raises(EplbError, match="unknown deepseek policy"):
         get_planner("deepseek", policy="local")
@@ -200,8 +200,8 @@ def test_hierarchical_more_local_than_greedy_at_equal_balance():
     # Skewed groups: group 0 is hot, as on real DeepSeek-V3 layers.
     load = np.floor(rng.pareto(1.5, (6, 64)) * 100) + 1
     load[:, :8] *= 6
-    g = eplb.plan(load, gpus=16, nodes=4, planner="greedy", num_groups=8)
-    h = eplb.plan(load, gpus=16, nodes=4, planner="hierarchical", num_groups=8)
+    g = eplb.plan(load, num_gpus=16, num_nodes=4, planner="greedy", num_groups=8)
+    h = eplb.plan(load, num_gpus=16, num_nodes=4, planner="hierarchical", num_groups=8)
     assert h.info["group_span_mean"] < h.info["greedy_group_span_mean"]
     span = group_span(h.placement.phy2log_LP, 16, 4, 8, 64)
     assert span.mean() == pytest.approx(h.info["group_span_mean"])
@@ -211,7 +211,7 @@ def test_hierarchical_more_local_than_greedy_at_equal_balance():
 def test_hierarchical_one_node_is_fully_local():
     rng = np.random.default_rng(5)
     load = rng.integers(1, 100, (2, 32)).astype(float)
-    res = eplb.plan(load, gpus=8, nodes=1, planner="hierarchical", num_groups=4)
+    res = eplb.plan(load, num_gpus=8, num_nodes=1, planner="hierarchical", num_groups=4)
     assert res.info["group_span_mean"] == 1.0 and res.info["group_span_max"] == 1
 
 
@@ -219,15 +219,15 @@ def test_hierarchical_configurations_deepseek_rejects():
     rng = np.random.default_rng(2)
     load = rng.integers(1, 100, (2, 24)).astype(float)
     # 8 groups over 3 nodes: works (DeepSeek would fall back to its global policy).
-    res = eplb.plan(load, gpus=6, nodes=3, planner="hierarchical", num_groups=8)
+    res = eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical", num_groups=8)
     assert res.success and res.info["num_groups"] == 8
     # No groups: every expert is its own group, and the message says so.
-    res = eplb.plan(load, gpus=6, nodes=3, planner="hierarchical")
+    res = eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical")
     assert res.info["num_groups"] == 24 and "own group" in res.message
     with pytest.raises(EplbError, match="do not split into 5 equal expert groups"):
-        eplb.plan(load, gpus=6, nodes=3, planner="hierarchical", num_groups=5)
-    with pytest.raises(EplbError, match="divisible by nodes"):
-        eplb.plan(load, gpus=6, nodes=4, planner="hierarchical", num_groups=8)
+        eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical", num_groups=5)
+    with pytest.raises(EplbError, match="divisible by num_nodes"):
+        eplb.plan(load, num_gpus=6, num_nodes=4, planner="hierarchical", num_groups=8)
     with pytest.raises(EplbError, match="tolerance"):
         get_planner("hierarchical", tolerance=-1)
 
@@ -238,7 +238,7 @@ def test_hierarchical_node_cut_when_groups_run_out_before_a_node_is_full(groups)
     # node 2 with one slot left that only expert 1 could fill, and node 2 already held 2 of it
     # (one per GPU). The leftover went to the last node: 7 and 9 slots, an AssertionError.
     load = np.array([[1.0, 2, 1, 1, 1, 1, 1, 0]])
-    topo = Topology(gpus=8, slots_per_gpu=4, nodes=4)
+    topo = Topology(num_gpus=8, slots_per_gpu=4, num_nodes=4)
     sol = get_planner("hierarchical").plan(PlanRequest(load, topo, num_groups=groups))
     check_invariants("hierarchical", sol.phy2log_LP, None, load, topo)
 
@@ -247,7 +247,7 @@ def test_hierarchical_node_cut_when_groups_run_out_before_a_node_is_full(groups)
 
 def test_plan_front_door_result():
     load = np.array([[10.0, 0, 0, 0, 5, 5, 5, 5]])
-    res = eplb.plan(load, gpus=4)
+    res = eplb.plan(load, num_gpus=4)
     assert res.planner == "greedy" and res.status == "HEURISTIC" and res.success
     assert res.placement.num_slots == 12  # 8 experts + one redundant slot per GPU
     assert res.lower_bound_L.shape == (1,)
@@ -260,26 +260,26 @@ def test_plan_front_door_result():
 
 def test_plan_front_door_history_and_errors():
     hist = np.stack([np.eye(8)[0] * 100, np.eye(8)[7] * 100])  # [T=2, E=8] -> make it [T, L, E]
-    res = eplb.plan(hist[:, None, :], gpus=4, aggregate="last")
+    res = eplb.plan(hist[:, None, :], num_gpus=4, aggregate="last")
     np.testing.assert_array_equal(res.load_LE, hist[-1:])
     with pytest.raises(EplbError, match="unknown planner"):
-        eplb.plan(hist[:, None, :], gpus=4, planner="nope")
+        eplb.plan(hist[:, None, :], num_gpus=4, planner="nope")
     with pytest.raises(EplbError, match="does not take these settings"):
-        eplb.plan(hist[:, None, :], gpus=4, settings={"bogus": 1})
+        eplb.plan(hist[:, None, :], num_gpus=4, settings={"bogus": 1})
     with pytest.raises(EplbError, match="non-negative"):
-        eplb.plan(-np.ones((1, 8)), gpus=4)
+        eplb.plan(-np.ones((1, 8)), num_gpus=4)
     with pytest.raises(EplbError, match="do not\\s+split evenly"):
-        eplb.plan(np.ones((1, 8)), gpus=3, redundant=0)
+        eplb.plan(np.ones((1, 8)), num_gpus=3, num_redundant=0)
 
 
 @pytest.mark.parametrize("name", ["greedy", "contiguous", "robust"])
 def test_plan_one_gpu_default_and_too_many_slots(name):
     load = np.arange(1.0, 17.0)[None]
-    res = eplb.plan(load, gpus=1, planner=name)  # default sizing used to give 17 slots and fail
+    res = eplb.plan(load, num_gpus=1, planner=name)  # default sizing used to give 17 slots and fail
     assert res.placement.num_slots == 16
     # Checked before any [L, P] array is allocated, with the fix in the message.
     with pytest.raises(EplbError, match="use at most 16 slots per GPU"):
-        eplb.plan(load, gpus=4, redundant=10**9, planner=name)
+        eplb.plan(load, num_gpus=4, num_redundant=10**9, planner=name)
 
 
 @pytest.mark.parametrize("name, settings, message", [
@@ -296,45 +296,45 @@ def test_planner_settings_of_the_wrong_type_are_refused(name, settings, message)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(gpus=2.5), "gpus must be a positive integer, got 2.5"),
-    (dict(gpus="4"), "gpus must be a positive integer, got '4'"),
-    (dict(gpus=4, redundant=4.7), "redundant must be a whole number, got 4.7"),
-    (dict(gpus=4, slots_per_gpu=5.5), "slots_per_gpu must be a whole number, got 5.5"),
+    (dict(num_gpus=2.5), "num_gpus must be a positive integer, got 2.5"),
+    (dict(num_gpus="4"), "num_gpus must be a positive integer, got '4'"),
+    (dict(num_gpus=4, num_redundant=4.7), "num_redundant must be a whole number, got 4.7"),
+    (dict(num_gpus=4, slots_per_gpu=5.5), "slots_per_gpu must be a whole number, got 5.5"),
 ])
 def test_topology_for_experts_refuses_fractional_sizes(kwargs, message):
     # int() used to truncate them: 2.5 GPUs planned as 2, slots_per_gpu 5.5 as 5.
     with pytest.raises(EplbError, match=message):
         Topology.for_experts(16, **kwargs)
-    assert Topology.for_experts(16, gpus=4.0, redundant=4.0) == Topology(4, 5)
+    assert Topology.for_experts(16, num_gpus=4.0, num_redundant=4.0) == Topology(4, 5)
 
 
 def test_plan_previous_of_other_shape_names_the_fix():
     load = np.arange(1.0, 17.0)[None]
-    old = eplb.plan(load, gpus=4).placement
-    with pytest.raises(EplbError, match=r"gpus=4, slots_per_gpu=5"):
-        eplb.plan(load, gpus=8, slots_per_gpu=5, previous=old)
+    old = eplb.plan(load, num_gpus=4).placement
+    with pytest.raises(EplbError, match=r"num_gpus=4, slots_per_gpu=5"):
+        eplb.plan(load, num_gpus=8, slots_per_gpu=5, previous=old)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(gpus=2.5), r"gpus must be a whole number >= 1, got 2.5"),  # was planned for 2 GPUs
-    (dict(gpus="4"), r"gpus must be a whole number >= 1, got '4'"),
-    (dict(gpus=4, slots_per_gpu=4.5), r"slots_per_gpu must be a whole number >= 0, got 4.5"),  # was 4
-    (dict(gpus=4, redundant="4"), r"redundant must be a whole number >= 0, got '4'"),
-    (dict(gpus=4, nodes=2, planner="hierarchical", num_groups=2.5), r"num_groups must be a whole number >= 1"),
-    (dict(gpus=4, num_groups=0), r"num_groups must be a whole number >= 1, got 0"),
-    (dict(gpus=4, num_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
-    (dict(gpus=4, settings=["quantile=0.9"]), r"settings must be a dict of planner settings"),  # was a TypeError
-    (dict(gpus=4, previous="old.json"), r"previous must be a Placement.*Placement.load"),  # was an AttributeError
+    (dict(num_gpus=2.5), r"num_gpus must be a whole number >= 1, got 2.5"),  # was planned for 2 GPUs
+    (dict(num_gpus="4"), r"num_gpus must be a whole number >= 1, got '4'"),
+    (dict(num_gpus=4, slots_per_gpu=4.5), r"slots_per_gpu must be a whole number >= 0, got 4.5"),  # was 4
+    (dict(num_gpus=4, num_redundant="4"), r"num_redundant must be a whole number >= 0, got '4'"),
+    (dict(num_gpus=4, num_nodes=2, planner="hierarchical", num_groups=2.5), r"num_groups must be a whole number >= 1"),
+    (dict(num_gpus=4, num_groups=0), r"num_groups must be a whole number >= 1, got 0"),
+    (dict(num_gpus=4, num_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
+    (dict(num_gpus=4, settings=["quantile=0.9"]), r"settings must be a dict of planner settings"),  # was a TypeError
+    (dict(num_gpus=4, previous="old.json"), r"previous must be a Placement.*Placement.load"),  # was an AttributeError
 ])
 def test_plan_front_door_refuses_arguments_of_the_wrong_type(kwargs, message):
     with pytest.raises(EplbError, match=message):
         eplb.plan(np.arange(1.0, 17.0)[None], **kwargs)
-    assert eplb.plan(np.arange(1.0, 17.0)[None], gpus=4.0, slots_per_gpu=np.int64(5)).placement.num_slots == 20
+    assert eplb.plan(np.arange(1.0, 17.0)[None], num_gpus=4.0, slots_per_gpu=np.int64(5)).placement.num_slots == 20
 
 
 def test_plan_front_door_refuses_ragged_loads():
     with pytest.raises(EplbError, match="rectangular array of numbers"):  # was a bare numpy ValueError
-        eplb.plan([[1.0, 2.0], [3.0]], gpus=1)
+        eplb.plan([[1.0, 2.0], [3.0]], num_gpus=1)
 
 
 @pytest.mark.parametrize("kwargs", [dict(span_cost=2.0), dict(span_cost=-1.0), dict(bytes_per_expert=100)])
@@ -342,7 +342,7 @@ def test_plan_migration_options_without_previous_are_refused(kwargs):
     """Like max_moves: an option that only prices migration must not be ignored silently."""
     name = next(iter(kwargs))
     with pytest.raises(EplbError, match=rf"{name} \({kwargs[name]!r}\).*previous"):
-        eplb.plan(np.arange(1.0, 17.0)[None], gpus=4, **kwargs)
+        eplb.plan(np.arange(1.0, 17.0)[None], num_gpus=4, **kwargs)
 
 
 def test_unknown_setting_is_named_with_the_known_ones():

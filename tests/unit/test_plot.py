@@ -22,9 +22,9 @@ def load_LE():
 
 @pytest.fixture(scope="module")
 def placements(load_LE):
-    topo = Topology.for_experts(E, gpus=G)
+    topo = Topology.for_experts(E, num_gpus=G)
     base = Placement(contiguous_map(E, topo, L), G, E)
-    return {"contiguous": base, "greedy": plan(load_LE, gpus=G, planner="greedy")}
+    return {"contiguous": base, "greedy": plan(load_LE, num_gpus=G, planner="greedy")}
 
 
 def _assert_png_has_content(path, min_side=300):
@@ -99,7 +99,7 @@ def backtests():
 
     rng = np.random.default_rng(5)
     counts = rng.poisson(rng.gamma(0.7, 40.0, size=(9, 2, 16)))
-    kw = dict(gpus=4, history=3, dispatch=("even", "resplit"), oracle=False, quiet=True)
+    kw = dict(num_gpus=4, history=3, dispatch=("even", "resplit"), oracle=False, quiet=True)
     return [backtest(counts, planner="greedy", interval=2, **kw),
             backtest(counts, planner="greedy", interval=3, **kw),
             backtest(counts, planner="contiguous", interval=9, **kw)]
@@ -133,7 +133,7 @@ def test_timeline_from_backtest_errors_name_the_problem(backtests):
 
     with pytest.raises(EplbError, match="has no 'optimal' dispatch scores \\(it scored even, resplit\\)"):
         plot.timeline_from_backtest(backtests, dispatch="optimal")
-    other = backtest(np.random.default_rng(1).poisson(30, size=(9, 2, 16)), gpus=4, history=5, dispatch=("even",),
+    other = backtest(np.random.default_rng(1).poisson(30, size=(9, 2, 16)), num_gpus=4, history=5, dispatch=("even",),
                      oracle=False, quiet=True)
     with pytest.raises(EplbError, match="score different windows \\(greedy: windows 3..8, greedy: windows 5..8\\)"):
         plot.timeline_from_backtest([backtests[0], other])
@@ -203,7 +203,7 @@ def test_cli_refuses_a_placement_for_other_layer_ids(tmp_path, load_LE, capsys):
     trace = Trace(counts, np.arange(3, 3 + L), default_meta(3 + L, E, source="t"))
     trace.save(tmp_path / "t.npz")
     Trace(counts, np.arange(L), default_meta(3 + L, E, source="u")).save(tmp_path / "shifted.npz")
-    plan(trace, gpus=G, planner="greedy").placement.save(tmp_path / "p.json")
+    plan(trace, num_gpus=G, planner="greedy").placement.save(tmp_path / "p.json")
     assert main(["plot", "balance", str(tmp_path / "t.npz"), "--placement", str(tmp_path / "p.json"),
                  "-o", str(tmp_path / "ok.png"), "-q"]) == 0
     for argv in (["balance", str(tmp_path / "shifted.npz"), "--placement", str(tmp_path / "p.json")],

@@ -40,34 +40,34 @@ FAST = settings(max_examples=25, deadline=None, derandomize=True,
 
 # Helpers: independent reimplementations ------------------------------------------------------
 
-def best_busiest(phy_P: np.ndarray, load_E: np.ndarray, gpus: int) -> float:
+def best_busiest(phy_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
     """Best busiest GPU of one layer over every split of tokens (max-flow min-cut): the largest,
     over GPU sets A, of the load of the experts held only inside A, divided by |A|."""
-    S = len(phy_P) // gpus
+    S = len(phy_P) // num_gpus
     gpus_of = [set(np.flatnonzero(phy_P == e) // S) for e in range(len(load_E))]
     best = 0.0
-    for k in range(1, gpus + 1):
-        for A in itertools.combinations(range(gpus), k):
+    for k in range(1, num_gpus + 1):
+        for A in itertools.combinations(range(num_gpus), k):
             inside = sum(load_E[e] for e, gs in enumerate(gpus_of) if gs <= set(A))
             best = max(best, inside / k)
     return best
 
 
-def lp_over_pairs(phy_P: np.ndarray, load_E: np.ndarray, gpus: int) -> float:
+def lp_over_pairs(phy_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
     """Best busiest GPU by an LP over (expert, GPU) pairs (not slots, unlike optimal_weights)."""
     from scipy.optimize import linprog
 
-    S = len(phy_P) // gpus
+    S = len(phy_P) // num_gpus
     pairs = sorted({(int(e), p // S) for p, e in enumerate(phy_P)})
     n, E = len(pairs), len(load_E)
-    a_eq, a_ub = np.zeros((E, n + 1)), np.zeros((gpus, n + 1))
+    a_eq, a_ub = np.zeros((E, n + 1)), np.zeros((num_gpus, n + 1))
     a_ub[:, n] = -1.0
     for i, (e, g) in enumerate(pairs):
         a_eq[e, i] = 1.0
         a_ub[g, i] = 1.0
     c = np.zeros(n + 1)
     c[n] = 1.0
-    res = linprog(c, A_ub=a_ub, b_ub=np.zeros(gpus), A_eq=a_eq, b_eq=load_E, bounds=(0, None), method="highs")
+    res = linprog(c, A_ub=a_ub, b_ub=np.zeros(num_gpus), A_eq=a_eq, b_eq=load_E, bounds=(0, None), method="highs")
     assert res.status == 0
     return float(res.fun)
 
@@ -291,12 +291,12 @@ def test_resplit_converges_to_the_lp(case):
 # 4. Metrics and aggregation against plain loops ---------------------------------------------------
 
 @FAST
-@given(case=placement_and_load(), nodes=st.sampled_from([1, 2]))
-def test_evaluate_and_metrics_match_loops(case, nodes):
+@given(case=placement_and_load(), num_nodes=st.sampled_from([1, 2]))
+def test_evaluate_and_metrics_match_loops(case, num_nodes):
     p, load = case
     G, S, E = p.num_gpus, p.slots_per_gpu, p.num_logical_experts
-    if G % nodes:
-        nodes = 1
+    if G % num_nodes:
+        num_nodes = 1
     gpu = np.zeros((p.num_layers, G))
     for l in range(p.num_layers):
         for slot, e in enumerate(p.phy2log_LP[l]):
@@ -316,10 +316,10 @@ def test_evaluate_and_metrics_match_loops(case, nodes):
         assert stats.hot_ratio(load)[l] == pytest.approx(row.max() / row.mean() if total > 0 else 1.0)
     # group_span: nodes holding any replica of each group of E / K consecutive experts.
     for K in [k for k in range(1, E + 1) if E % k == 0]:
-        span = stats.group_span(p.phy2log_LP, G, nodes, K, E)
+        span = stats.group_span(p.phy2log_LP, G, num_nodes, K, E)
         for l in range(p.num_layers):
             for k in range(K):
-                held = {(slot // S) // (G // nodes) for slot, e in enumerate(p.phy2log_LP[l]) if e // (E // K) == k}
+                held = {(slot // S) // (G // num_nodes) for slot, e in enumerate(p.phy2log_LP[l]) if e // (E // K) == k}
                 assert span[l, k] == len(held)
 
 
@@ -363,7 +363,7 @@ def test_capacity_deepseek_v3_by_hand():
     assert kv_bytes_per_token(ds, "fp8") == 35_136
     assert bytes_per_expert(ds, "fp8") == 3 * 7168 * 2048 == 44_040_192
     # README's example: 32 x H200, context 8192, 2048 sequences, fp8 weights, bf16 KV.
-    dep = Deployment(gpus=32, gpu_memory=143_771 * 2**20, context=8192, concurrency=2048)
+    dep = Deployment(num_gpus=32, gpu_memory=143_771 * 2**20, context=8192, concurrency=2048)
     rep = plan_capacity(ds, dep)
     usable = int(143_771 * 2**20 * 0.9)
     kv_gpu = 64 * 8192 * 70_272                          # ceil(2048 / 32) sequences on a GPU
@@ -379,7 +379,7 @@ def test_capacity_llama_gqa_by_hand():
     llama = get_model("llama-3.1-70b")
     assert kv_bytes_per_token(llama, "fp16") == 2 * 80 * 8 * 128 * 2 == 327_680
     assert kv_bytes_per_token(llama, "fp8") == 163_840
-    dep = Deployment(gpus=8, gpu_memory=80 * 2**30, context=4096, attention="tp", weight_dtype="bf16",
+    dep = Deployment(num_gpus=8, gpu_memory=80 * 2**30, context=4096, attention="tp", weight_dtype="bf16",
                      kv_dtype="bf16")
     rep = plan_capacity(llama, dep)
     dense = -(-llama.total_params() * 2 // 8)             # bf16 weights split over 8 GPUs
@@ -416,7 +416,7 @@ def _spy(monkeypatch):
 def test_backtest_plans_see_only_windows_before_the_ones_they_serve(monkeypatch, interval, history):
     T = 8
     seen = _spy(monkeypatch)
-    r = backtest_mod.backtest(_tagged_counts(T), gpus=2, planner="greedy", interval=interval, history=history,
+    r = backtest_mod.backtest(_tagged_counts(T), num_gpus=2, planner="greedy", interval=interval, history=history,
                               dispatch=("even",), oracle=True, quiet=True)
     assert len(seen) == len(r.plans)
     for ps, windows in zip(r.plans, seen):
@@ -432,7 +432,7 @@ def test_leave_one_out_plans_without_the_held_out_workload(monkeypatch):
     seen = _spy(monkeypatch)
     tagged = _tagged_counts(6)
     workloads = [tagged[0:2], tagged[2:3], tagged[3:6]]  # windows 0-1, 2, 3-5
-    r = backtest_mod.leave_one_out(workloads, gpus=2, planner="greedy", dispatch=("even",), oracle=True,
+    r = backtest_mod.leave_one_out(workloads, num_gpus=2, planner="greedy", dispatch=("even",), oracle=True,
                                    quiet=True)
     members = [{0, 1}, {2}, {3, 4, 5}]
     assert len(seen) == 3

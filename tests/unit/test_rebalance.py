@@ -20,7 +20,7 @@ def skewed(rng, hot):
 
 @pytest.fixture
 def start(rng):
-    return plan(skewed(rng, [0, 1]), gpus=G, redundant=8).placement
+    return plan(skewed(rng, [0, 1]), num_gpus=G, num_redundant=8).placement
 
 
 def test_physical_counts_map_back_to_logical(rng, start):
@@ -97,7 +97,7 @@ def test_failed_ranks_plan_on_survivors_and_report_lost_experts(rng):
     from planners.contiguous import contiguous_map
     from eplb.topology import Topology
 
-    topo = Topology(gpus=G, slots_per_gpu=12)
+    topo = Topology(num_gpus=G, slots_per_gpu=12)
     pl = Placement(contiguous_map(E, topo, L), G, E)
     rb = Rebalancer(pl, interval=1)
     rb.observe(skewed(rng, [3]))
@@ -171,7 +171,7 @@ def test_failed_rank_leaving_as_many_slots_as_experts():
     rng = np.random.default_rng(0)
     for seed in range(5):
         r = np.random.default_rng(seed)
-        pl = plan(r.gamma(0.5, 10, (3, 16)), gpus=5, slots_per_gpu=4).placement
+        pl = plan(r.gamma(0.5, 10, (3, 16)), num_gpus=5, slots_per_gpu=4).placement
         rb = Rebalancer(pl, interval=10**6)
         rb.observe(r.gamma(0.5, 10, (3, 16)))
         res = rb.rebalance(failed_ranks=[int(rng.integers(5))])
@@ -210,7 +210,7 @@ def test_window_of_float_counts_never_plans_on_negative_load(start):
 def test_adopt_refuses_a_result_for_another_model(rng, start):
     """A placement of other layers / experts was adopted, and every later observe failed."""
     rb = Rebalancer(start, interval=10**6)
-    foreign = plan(rng.gamma(1.0, 10.0, (L + 1, E)), gpus=G, redundant=8).placement
+    foreign = plan(rng.gamma(1.0, 10.0, (L + 1, E)), num_gpus=G, num_redundant=8).placement
     rb2 = Rebalancer(foreign, interval=10**6)
     rb2.observe(rng.gamma(1.0, 10.0, (L + 1, E)))
     with pytest.raises(EplbError, match="layers"):
@@ -232,7 +232,7 @@ def test_adopt_refuses_a_result_planned_before_another_was_adopted(rng, start):
         rb.adopt(stale)
     assert rb.placement is fresh.placement
     # A failed-rank result adopted later (apply=False) starts from the survivors' slots.
-    rb = Rebalancer(plan(skewed(rng, [1]), gpus=G, redundant=16).placement, interval=10**6)
+    rb = Rebalancer(plan(skewed(rng, [1]), num_gpus=G, num_redundant=16).placement, interval=10**6)
     rb.observe(skewed(rng, [9]))
     rb.adopt(rb.rebalance(failed_ranks=[2], apply=False))
     assert rb.rank_ids.tolist() == [0, 1, 3]
@@ -253,7 +253,7 @@ def test_settings_used_only_at_rebalance_are_checked_when_built(start, kw, match
 
 def test_failed_ranks_must_be_engine_ranks(rng, start):
     """failed_ranks=[1.5] was truncated to rank 1 and planned without it."""
-    start = plan(skewed(rng, [1]), gpus=G, redundant=16).placement       # 3 ranks can hold all
+    start = plan(skewed(rng, [1]), num_gpus=G, num_redundant=16).placement       # 3 ranks can hold all
     rb = Rebalancer(start, interval=10**6)
     rb.observe(skewed(rng, [3]))
     for bad in ([1.5], ["a"], [[1]]):
@@ -271,7 +271,7 @@ def test_physical_observes_race_repeated_rebalances(rng):
     """Threads observe physical-slot counts while another thread rebalances (and adopts) again
     and again: every count lands in the window exactly once, whatever placement it was mapped
     through (the per-layer totals are placement-free), and no call sees a half-switched state."""
-    pl = plan(skewed(rng, [0, 1]), gpus=G, redundant=8).placement
+    pl = plan(skewed(rng, [0, 1]), num_gpus=G, num_redundant=8).placement
     rb = Rebalancer(pl, interval=10**6, move_cost=0.0)
     rb.observe(skewed(rng, [4]))
     first = rb.load_LE.sum(axis=1)

@@ -32,7 +32,7 @@ def _check_valid(phy_LP, E, G, S):
 def test_front_door_multi_and_single_window(rng):
     h = _history(rng)
     for counts in (h, h[0]):
-        r = plan(counts, gpus=4, redundant=4, planner="robust")
+        r = plan(counts, num_gpus=4, num_redundant=4, planner="robust")
         _check_valid(r.placement.phy2log_LP, 16, 4, 5)
         assert r.status == "HEURISTIC"
         assert r.info["windows"] == (h.shape[0] if counts.ndim == 3 else 1)
@@ -136,7 +136,7 @@ def test_history_shape_mismatch_is_a_user_error(rng):
 def test_zero_windows_and_layers_are_harmless():
     h = np.zeros((3, 2, 8))
     h[1, 0] = np.arange(8) + 1.0
-    r = plan(h, gpus=2, redundant=2, planner="robust")
+    r = plan(h, num_gpus=2, num_redundant=2, planner="robust")
     _check_valid(r.placement.phy2log_LP, 8, 2, 5)
 
 

@@ -15,14 +15,14 @@ from eplb.errors import EplbError
 from eplb.placement import Placement
 
 
-def brute_lower_bound(load_E: np.ndarray, gpus: int, slots: int) -> float:
+def brute_lower_bound(load_E: np.ndarray, num_gpus: int, slots: int) -> float:
     """max(total / G, min over every r (sum P, r_e >= 1) of max_e load_e / r_e), by enumeration."""
     E = len(load_E)
     best = np.inf
     for r in itertools.product(range(1, slots - E + 2), repeat=E):
         if sum(r) == slots:
             best = min(best, max(load_E[e] / r[e] for e in range(E)))
-    return max(load_E.sum() / gpus, best)
+    return max(load_E.sum() / num_gpus, best)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -211,7 +211,7 @@ def test_small_api_inputs_are_named_errors(tmp_path):
     from eplb.formats.deepseek import to_deepseek
     from eplb.formats.sglang import read_sglang
 
-    pl = plan(np.random.default_rng(0).random((2, 8)), gpus=2).placement
+    pl = plan(np.random.default_rng(0).random((2, 8)), num_gpus=2).placement
     with pytest.raises(EplbError, match="needs a Placement"):
         Resplitter("x")
     with pytest.raises(EplbError, match="pad_to"):
