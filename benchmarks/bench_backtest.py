@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         for name in planners:
             t0 = time.perf_counter()
             r = leave_one_out(workloads, num_gpus=G, slots_per_gpu=S, planner=name, labels=names, dispatch=dispatch,
-                              settings=settings.get(name), num_groups=8, oracle=False, quiet=True)
+                              settings=settings.get(name), num_expert_groups=8, oracle=False, quiet=True)
             s = r.summary()
             imb = s["median"]["imbalance"]
             rows.append([name, *(imb[d] for d in dispatch), 100 * s["median"]["optimisation_gap"]["even"],

@@ -31,10 +31,10 @@ from eplb.runtime.model import DeepSeekModel, ModelConfig, Router  # noqa: E402
 CASES = {
     "tiny (E16 K4)": ModelConfig(),
     "wide (E64 K6)": ModelConfig(hidden=256, num_layers=4, first_moe_layer=1, num_heads=8, num_experts=64,
-                                 top_k=6, num_groups=8, topk_groups=4, expert_hidden=128, kv_lora_rank=64,
+                                 top_k=6, num_expert_groups=8, topk_groups=4, expert_hidden=128, kv_lora_rank=64,
                                  q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
     "V3 router (E256 K8)": ModelConfig(hidden=64, num_layers=3, first_moe_layer=1, num_experts=256, top_k=8,
-                                       num_groups=8, topk_groups=4, expert_hidden=16),
+                                       num_expert_groups=8, topk_groups=4, expert_hidden=16),
 }
 MODES = ("plain", "counts", "counts+windows", "counts+tokens")
 

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     for i, (name, load_LE) in enumerate(loads[: args.plans]):
         for planner in planners:
             res = plan(load_LE, num_gpus=G, num_nodes=args.nodes, num_redundant=G, planner=planner,
-                       settings=settings.get(planner), num_groups=8)
+                       settings=settings.get(planner), num_expert_groups=8)
             p = res.placement.with_weights(None)
             placements[planner, i] = p
             t0 = time.perf_counter()

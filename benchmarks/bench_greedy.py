@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         L, E = load_LE.shape
         topo = Topology.for_experts(E, num_gpus=G, num_nodes=N, num_redundant=args.redundant)
         P = topo.num_slots
-        req = PlanRequest(load_LE, topo, load_LE[None], num_groups=K)
+        req = PlanRequest(load_LE, topo, load_LE[None], num_expert_groups=K)
         lb_L = stats.lower_bound(load_LE, G, P)
         rows = []
 

@@ -298,7 +298,8 @@ def part4(args):
           f"{E + R} slots)")
     print(f"source: {source}; serving: the hierarchical plan for A; reference: a from-scratch hierarchical "
           f"plan for B; budgeted plans use the greedy target (as the Rebalancer does by default)")
-    hier = {n: plan(loads[n], num_gpus=G, num_nodes=N, num_redundant=R, planner="hierarchical", num_groups=K).placement
+    hier = {n: plan(loads[n], num_gpus=G, num_nodes=N, num_redundant=R, planner="hierarchical",
+                    num_expert_groups=K).placement
             for n in names}
     span = lambda phy: float(group_span(phy, G, N, K, E).mean())  # noqa: E731
     pairs = [(a, b) for a in names for b in names if a != b]
@@ -312,7 +313,7 @@ def part4(args):
             budget = int(args.budget * mg.count_moves(prev.phy2log_LP, hier[b].phy2log_LP, G, E).sum())
             for key, kw in (("15", dict(max_moves=budget)), ("c", dict(move_cost=0.001))):
                 t0 = time.perf_counter()
-                res = plan(load, num_gpus=G, num_nodes=N, num_redundant=R, num_groups=K, previous=prev,
+                res = plan(load, num_gpus=G, num_nodes=N, num_redundant=R, num_expert_groups=K, previous=prev,
                            span_cost=cost, **kw)
                 dt = time.perf_counter() - t0
                 phy = res.placement.phy2log_LP

@@ -235,10 +235,10 @@ class _Runner:
 
     def __init__(self, planner: str, num_gpus: int, *, num_nodes: int, num_redundant: int | None,
                  slots_per_gpu: int | None, dispatch: Sequence[str], settings: dict | None,
-                 num_groups: int | None, aggregate: str, oracle: bool):
+                 num_expert_groups: int | None, aggregate: str, oracle: bool):
         self.planner = planner
         self.kw = dict(num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
-                       planner=planner, settings=settings, num_groups=num_groups)
+                       planner=planner, settings=settings, num_expert_groups=num_expert_groups)
         self.dispatch = _check_dispatch(dispatch)
         self.aggregate = aggregate
         self.oracle = oracle
@@ -288,7 +288,7 @@ def backtest(
     slots_per_gpu: int | None = None,
     dispatch: Sequence[str] = DISPATCH,
     settings: dict | None = None,
-    num_groups: int | None = None,
+    num_expert_groups: int | None = None,
     aggregate: str = "sum",
     oracle: bool = True,
     quiet: bool = False,
@@ -302,8 +302,8 @@ def backtest(
     from eplb.planning import as_history
 
     c_TLE, _, meta = as_history(counts_TLE)
-    if num_groups is None and meta.get("num_expert_groups"):
-        num_groups = int(meta["num_expert_groups"])
+    if num_expert_groups is None and meta.get("num_expert_groups"):
+        num_expert_groups = int(meta["num_expert_groups"])
     T = c_TLE.shape[0]
     # Whole numbers only: int(2.5) would plan on 2 windows and report history 2 as asked.
     if not is_whole(interval) or int(interval) < 1:
@@ -320,7 +320,7 @@ def backtest(
             f"(use a trace with more windows, a shorter --history, or --leave-one-out over several files)"
         )
     run = _Runner(planner, num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
-                  dispatch=dispatch, settings=settings, num_groups=num_groups, aggregate=aggregate,
+                  dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups, aggregate=aggregate,
                   oracle=oracle)
     points = list(range(start, T, interval))
     plans, windows = [], []
@@ -348,7 +348,7 @@ def leave_one_out(
     slots_per_gpu: int | None = None,
     dispatch: Sequence[str] = DISPATCH,
     settings: dict | None = None,
-    num_groups: int | None = None,
+    num_expert_groups: int | None = None,
     aggregate: str = "sum",
     oracle: bool = True,
     quiet: bool = False,
@@ -366,14 +366,14 @@ def leave_one_out(
     shapes = {a.shape[1:] for a, _, _ in loads}
     if len(shapes) != 1:
         raise EplbError(f"workloads disagree in [layers, experts]: {sorted(shapes)}")
-    if num_groups is None:
+    if num_expert_groups is None:
         groups = {m.get("num_expert_groups") for _, _, m in loads} - {None}
-        num_groups = int(groups.pop()) if len(groups) == 1 else None
+        num_expert_groups = int(groups.pop()) if len(groups) == 1 else None
     labels = tuple(labels) if labels is not None else tuple(f"workload {i}" for i in range(len(loads)))
     if len(labels) != len(loads):
         raise EplbError(f"{len(labels)} labels for {len(loads)} workloads")
     run = _Runner(planner, num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
-                  dispatch=dispatch, settings=settings, num_groups=num_groups, aggregate=aggregate,
+                  dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups, aggregate=aggregate,
                   oracle=oracle)
     plans, windows, window_labels = [], [], []
     for i in progress(range(len(loads)), desc=f"leave-one-out {planner}", enabled=False if quiet else None):

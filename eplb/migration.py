@@ -112,9 +112,9 @@ def _check_load_and_maps(load_LE, num_gpus: int, **maps) -> tuple[np.ndarray, in
     return load_LE, L, P
 
 
-def _span_priced(num_nodes: int, num_groups: int | None, budget: "Budget") -> bool:
+def _span_priced(num_nodes: int, num_expert_groups: int | None, budget: "Budget") -> bool:
     """Does the search price spreading expert groups over nodes (Budget.span_cost)?"""
-    return num_nodes > 1 and num_groups is not None and budget.span_cost > 0
+    return num_nodes > 1 and num_expert_groups is not None and budget.span_cost > 0
 
 
 def warm_up() -> float:
@@ -344,7 +344,7 @@ class Budget:
 
 
 def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budget: Budget,
-                    *, num_nodes: int = 1, num_groups: int | None = None, donors: int = 8,
+                    *, num_nodes: int = 1, num_expert_groups: int | None = None, donors: int = 8,
                     partners: int = 8, max_iters: int | None = None, compiled: bool = True) -> np.ndarray:
     """Start from old_LP and apply the best replica changes per move until the budget is spent.
 
@@ -363,7 +363,7 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
     decision but makes the schedule stage ~1.8x more copies (more swaps between the same few
     light GPUs become 2-cycles): 6% more network transfers, which cost more than milliseconds
     of planning.
-    num_nodes > 1 with num_groups (expert groups of group-limited routing, E / num_groups
+    num_nodes > 1 with num_expert_groups (expert groups of group-limited routing, E / num_expert_groups
     consecutive experts each): a change that spreads a group onto one more node is priced
     `budget.span_cost` extra moves (see Budget), so the search keeps most of the node
     locality a node-aware plan such as `hierarchical` built. Compiled only.
@@ -416,12 +416,12 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
     H = 1                                                       # busy GPUs priced per layer
     iters = min(max_iters, 2**62) if max_iters is not None else 4 * P      # an int64 in the kernel
     num_nodes = _check_count("num_nodes", num_nodes)
-    span = _span_priced(num_nodes, num_groups, budget)
+    span = _span_priced(num_nodes, num_expert_groups, budget)
     if span:
         num_nodes = _check_nodes(G, num_nodes)
-        num_groups = _check_count("num_groups", num_groups)
-        if E % num_groups:
-            raise EplbError(f"node locality needs the {E} experts divisible by groups ({num_groups})")
+        num_expert_groups = _check_count("num_expert_groups", num_expert_groups)
+        if E % num_expert_groups:
+            raise EplbError(f"node locality needs the {E} experts divisible by num_expert_groups ({num_expert_groups})")
         if not compiled:
             raise EplbError("the numpy reference (compiled=False) does not keep group span: "
                             "use compiled=True, or num_nodes=1")
@@ -431,9 +431,9 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
         # Imported here: numba costs ~0.5 s to import, and `eplb plan` must start fast.
         from eplb import _search_kernel
         if span:
-            grp_E = np.arange(E, dtype=np.int64) // (E // num_groups)
+            grp_E = np.arange(E, dtype=np.int64) // (E // num_expert_groups)
             node_G = np.arange(G, dtype=np.int64) // (G // num_nodes)
-            gn_LKN = np.zeros((L, num_groups, num_nodes), dtype=np.int64)     # no empty slots here
+            gn_LKN = np.zeros((L, num_expert_groups, num_nodes), dtype=np.int64)     # no empty slots here
             np.add.at(gn_LKN, (np.arange(L)[:, None], grp_E[phy], node_G[np.arange(P) // S][None, :]), 1)
         else:
             grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)
@@ -728,13 +728,13 @@ def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, num_gpus: int) -> n
 
 def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, num_gpus: int,
             num_nodes: int = 1, budget: Budget | None = None,
-            num_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+            num_expert_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """Turn a from-scratch plan into one that fits the old placement and the budget.
 
     Returns (phy2log_LP, perm_LP, info). perm_LP maps each slot of the result to a slot of
     target_LP (so the planner's dispatch weights can follow), or is None when the budgeted
     search replaced the target. info holds the move counts of each candidate. With num_nodes > 1
-    and num_groups the search keeps each layer's group span (see `budgeted_search`).
+    and num_expert_groups the search keeps each layer's group span (see `budgeted_search`).
     """
     load_LE, L, _ = _check_load_and_maps(load_LE, num_gpus, old_LP=old_LP, target_LP=target_LP)
     old_LP = np.asarray(old_LP, dtype=np.int64)
@@ -754,7 +754,8 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, num_
         return relabeled, perm, info
     present_LE = np.bincount((np.arange(L)[:, None] * E + old_LP)[old_LP >= 0], minlength=L * E)
     start = restore_missing(load_LE, old_LP, num_gpus) if (old_LP < 0).any() or (present_LE == 0).any() else old_LP
-    searched = budgeted_search(load_LE, start, num_gpus, budget, num_nodes=num_nodes, num_groups=num_groups)
+    searched = budgeted_search(load_LE, start, num_gpus, budget, num_nodes=num_nodes,
+                               num_expert_groups=num_expert_groups)
     searched = np.take_along_axis(searched, keep_slots(old_LP, searched, num_gpus), axis=1)
     # The relabelled target wins if the budget can pay for it and it costs no more: summed
     # busiest-GPU load plus move_cost x the layer's mean GPU load per move (the search's price,
@@ -762,16 +763,17 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, num_
     fits = ((budget.max_moves is None or moves_rel_LG.sum() <= budget.max_moves)
             and (budget.max_moves_per_gpu is None or moves_rel_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
     price_L = budget.move_cost * load_LE.sum(axis=1) / num_gpus
-    span = _span_priced(num_nodes, num_groups, budget)
+    span = _span_priced(num_nodes, num_expert_groups, budget)
     if span:
         from eplb.stats import group_span
 
-        pairs0_L = group_span(old_LP, num_gpus, num_nodes, num_groups, E).sum(axis=1)
+        pairs0_L = group_span(old_LP, num_gpus, num_nodes, num_expert_groups, E).sum(axis=1)
 
     def cost(phy):
         moves_L = count_moves(old_LP, phy, num_gpus, E).sum(axis=1).astype(np.float64)
         if span:   # the search's price of spreading groups over nodes, in moves
-            moves_L += budget.span_cost * (group_span(phy, num_gpus, num_nodes, num_groups, E).sum(axis=1) - pairs0_L)
+            moves_L += budget.span_cost * (group_span(phy, num_gpus, num_nodes, num_expert_groups, E).sum(axis=1)
+                                           - pairs0_L)
         return float((max_load(load_LE, phy, num_gpus) + price_L * moves_L).sum())
 
     if fits and cost(relabeled) <= cost(searched):
@@ -800,7 +802,7 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
         _check_count("bytes_per_expert", bytes_per_expert)
     t0 = time.perf_counter()
     phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.num_gpus, topo.num_nodes, budget,
-                              request.num_groups)
+                              request.num_expert_groups)
     weights = None
     if perm is not None and sol.dispatch_weights_LP is not None:
         weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
@@ -812,11 +814,11 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
         "max_moves": budget.max_moves, "max_moves_per_gpu": budget.max_moves_per_gpu,
         "move_cost": budget.move_cost, "seconds": time.perf_counter() - t0,
     })
-    if topo.num_nodes > 1 and request.num_groups:
+    if topo.num_nodes > 1 and request.num_expert_groups:
         from eplb.stats import group_span
 
         info.update(span_cost=budget.span_cost, **{
-            f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_groups, request.num_experts).mean())
+            f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_expert_groups, request.num_experts).mean())
             for k, m in (("before", prev.phy2log_LP), ("after", phy))})
     if info["method"] == "relabel":
         return Solution(phy, weights, sol.status, sol.message, {**sol.info, "migration": info})

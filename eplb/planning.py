@@ -40,7 +40,7 @@ class PlanRequest:
     """The individual windows the load was aggregated from, float64 [T, L, E] (robust planners)."""
     layer_ids: np.ndarray | None = None
     """Hidden-layer index of each MoE layer [L]."""
-    num_groups: int | None = None
+    num_expert_groups: int | None = None
     """Expert groups of group-limited routing (DeepSeek-V3: 8), for node-aware planners."""
     previous: Placement | None = None
     """The placement now being served (migration-aware planners keep its replicas in place)."""
@@ -210,7 +210,7 @@ def plan(
     aggregate: str = "sum",
     window: int | None = None,
     alpha: float | None = None,
-    num_groups: int | None = None,
+    num_expert_groups: int | None = None,
     previous: Placement | None = None,
     settings: dict | None = None,
     max_moves: int | None = None,
@@ -225,22 +225,22 @@ def plan(
     aggregated with `aggregate` ("sum", "mean", "last", "window", "ema") into the planning
     load, and passed whole to planners that plan against every window (robust ones).
     Topology: `num_gpus`, `num_nodes`, and `num_redundant` slots in total or `slots_per_gpu` (default one
-    redundant slot per GPU). `num_groups` defaults to the trace's `num_expert_groups`.
+    redundant slot per GPU). `num_expert_groups` defaults to the trace's `num_expert_groups`.
     Migration (eplb.migration): with `previous`, the plan is relabelled to keep the most of
     its replicas in place; `max_moves` (total), `max_moves_per_gpu` and `move_cost` bound how
     many replicas may be copied (a budgeted search from `previous` then competes with the
     relabelled plan). Moves (and bytes, given `bytes_per_expert`) are reported in `info`.
     With num_nodes > 1 and expert groups, `span_cost` prices spreading a group onto one more node
     in moves (eplb.migration.Budget.span_cost, default 1), so that search keeps node locality.
-    Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_groups) refuse 2.5 or
+    Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_expert_groups) refuse 2.5 or
     "4" rather than truncate them; the migration options without `previous` are refused.
     """
     num_gpus = whole_setting("num_gpus", num_gpus, 1)
     num_nodes = whole_setting("num_nodes", num_nodes, 1)
     num_redundant = None if num_redundant is None else whole_setting("num_redundant", num_redundant, 0)
     slots_per_gpu = None if slots_per_gpu is None else whole_setting("slots_per_gpu", slots_per_gpu, 0)
-    if num_groups is not None:
-        num_groups = whole_setting("num_groups", num_groups, 1)
+    if num_expert_groups is not None:
+        num_expert_groups = whole_setting("num_expert_groups", num_expert_groups, 1)
     if settings is not None and not isinstance(settings, Mapping):
         raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
                         f"got {type(settings).__name__}")
@@ -258,10 +258,11 @@ def plan(
     history_TLE, layer_ids, meta = as_history(loads_or_trace)
     load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
     L, E = load_LE.shape
-    if num_groups is not None and E % num_groups:
-        raise EplbError(f"{E} experts do not split into {num_groups} equal expert groups: group-limited "
-                        f"routing uses equal contiguous groups, so give num_groups (--groups) dividing {E}")
-    topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu)
+    if num_expert_groups is not None and E % num_expert_groups:
+        raise EplbError(f"{E} experts do not split into {num_expert_groups} equal expert groups: group-limited "
+                        f"routing uses equal contiguous groups, so give num_expert_groups (--groups) dividing {E}")
+    topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
+                                slots_per_gpu=slots_per_gpu)
     if topo.num_gpus > E:
         raise EplbError(
             f"more GPUs ({topo.num_gpus}) than logical experts ({E}): expert parallelism over more ranks "
@@ -275,8 +276,8 @@ def plan(
             f"experts: a GPU never needs two copies of one expert; use at most {E} slots per GPU "
             f"(num_redundant <= {topo.num_gpus * E - E})"
         )
-    if num_groups is None and meta.get("num_expert_groups"):
-        num_groups = int(meta["num_expert_groups"])
+    if num_expert_groups is None and meta.get("num_expert_groups"):
+        num_expert_groups = int(meta["num_expert_groups"])
     if previous is not None:
         if previous.phy2log_LP.shape != (L, topo.num_slots) or previous.num_logical_experts != E:
             raise EplbError(
@@ -285,7 +286,7 @@ def plan(
                 f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
                 f"on a trace of the same model"
             )
-    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_groups, previous)
+    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous)
     impl = get_planner(planner, **(settings or {}))
     t0 = time.perf_counter()
     sol = impl.plan(request)

@@ -99,7 +99,7 @@ class Rebalancer:
       least 0.1% of a layer's mean GPU load.
     bytes_per_expert: size of one expert's weights, for byte counts.
     layers_per_chunk: rounds of the migration only mix layers of one chunk.
-    num_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
+    num_expert_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
       placements over several nodes, for `span_cost`: spreading a group onto one more node
       costs that many moves (Budget.span_cost), which keeps a node-aware plan's locality.
     """
@@ -109,7 +109,7 @@ class Rebalancer:
                  settings: dict | None = None, max_moves: int | None = None,
                  max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
                  bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
-                 num_groups: int | None = None, span_cost: float = 1.0):
+                 num_expert_groups: int | None = None, span_cost: float = 1.0):
         from eplb.migration import _check_count
 
         if not isinstance(placement, Placement):
@@ -144,10 +144,12 @@ class Rebalancer:
 
         warm_up()
         self.budget = Budget(max_moves, max_moves_per_gpu, float(move_cost), float(span_cost))
-        if num_groups is not None and (isinstance(num_groups, bool) or int(num_groups) != num_groups
-                                       or num_groups < 1 or placement.num_logical_experts % num_groups):
-            raise EplbError(f"num_groups must divide the {placement.num_logical_experts} experts, got {num_groups!r}")
-        self.num_groups = None if num_groups is None else int(num_groups)
+        if num_expert_groups is not None and (isinstance(num_expert_groups, bool)
+                                              or int(num_expert_groups) != num_expert_groups or num_expert_groups < 1
+                                              or placement.num_logical_experts % num_expert_groups):
+            raise EplbError(f"num_expert_groups must divide the {placement.num_logical_experts} experts, "
+                            f"got {num_expert_groups!r}")
+        self.num_expert_groups = None if num_expert_groups is None else int(num_expert_groups)
         self.window = None if window is None else int(window)
         self.alpha = None if alpha is None else float(alpha)
         self.interval = int(interval)
@@ -347,7 +349,7 @@ class Rebalancer:
 
         t0 = time.perf_counter()
         res = plan(load, num_gpus=pl.num_gpus, num_nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
-                   planner=self.planner, settings=self.settings, num_groups=self.num_groups, previous=pl,
+                   planner=self.planner, settings=self.settings, num_expert_groups=self.num_expert_groups, previous=pl,
                    max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
                    move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert,
                    span_cost=self.budget.span_cost)
@@ -385,7 +387,7 @@ class Rebalancer:
         lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
         # Surviving ranks need not split evenly over the old nodes: plan them as one node.
         target = plan(load, num_gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings,
-                      num_groups=self.num_groups)
+                      num_expert_groups=self.num_expert_groups)
         budget = self.budget
         phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)
         new = Placement(phy, Ga, E, 1, pl.layer_ids, planner=target.planner)

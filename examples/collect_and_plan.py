@@ -38,7 +38,7 @@ def model_config(source: eplb.Trace | None, layers: int | None) -> ModelConfig:
     if source is None:
         first, n_moe, E, K, G, TG = 3, layers or 58, 256, 8, 8, 4
         return ModelConfig(num_layers=first + n_moe, first_moe_layer=first, num_experts=E, top_k=K,
-                           num_groups=G, topk_groups=TG, name="deepseek-v3-router-tiny", **small)
+                           num_expert_groups=G, topk_groups=TG, name="deepseek-v3-router-tiny", **small)
     m = source.meta
     ids = source.layer_ids
     if not np.array_equal(ids, np.arange(ids[0], ids[0] + len(ids))):
@@ -48,7 +48,7 @@ def model_config(source: eplb.Trace | None, layers: int | None) -> ModelConfig:
         raise EplbError("the trace's meta has no top_k: this example needs it to build the router")
     TG = m.get("topk_groups") or max(1, G // 2)
     return ModelConfig(num_layers=int(ids[0]) + len(ids), first_moe_layer=int(ids[0]),
-                       num_experts=source.num_experts, top_k=int(K), num_groups=int(G), topk_groups=int(TG),
+                       num_experts=source.num_experts, top_k=int(K), num_expert_groups=int(G), topk_groups=int(TG),
                        name=f"{m.get('model') or 'trace'} router, tiny", **small)
 
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     trace = rec.save(args.out)
     secs = time.perf_counter() - t0
     print(f"model {cfg.name}: {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), E={cfg.num_experts}, "
-          f"K={cfg.top_k}, {cfg.num_groups} groups (top {cfg.topk_groups}); routing {routing}")
+          f"K={cfg.top_k}, {cfg.num_expert_groups} groups (top {cfg.topk_groups}); routing {routing}")
     print(f"collected {trace.num_windows} windows x {batch * seq} tokens in {secs:.1f} s -> {args.out}")
     hr = hot_ratio(trace.total())
     print(f"hottest/mean expert per layer: median {np.median(hr):.2f}, max {np.max(hr):.2f}")

@@ -155,9 +155,9 @@ def run(args, rank, G, group, device) -> dict:
     top_k = int(trace.meta.get("top_k") or 8)
     groups = int(trace.meta.get("num_expert_groups") or 1)
     cfg = ModelConfig(hidden=args.hidden, num_layers=L + 1, first_moe_layer=1, num_experts=E, top_k=top_k,
-                      num_groups=groups, topk_groups=min(groups, int(trace.meta.get("topk_groups") or groups)),
+                      num_expert_groups=groups, topk_groups=min(groups, int(trace.meta.get("topk_groups") or groups)),
                       expert_hidden=args.expert_hidden, num_shared_experts=0, name="ep-demo")
-    result = plan(history, num_gpus=G, planner=args.planner, num_groups=groups)
+    result = plan(history, num_gpus=G, planner=args.planner, num_expert_groups=groups)
     planned = Placement(result.placement.phy2log_LP, G, E, layer_ids=trace.layer_ids[layers],
                         dispatch_weights_LP=result.placement.dispatch_weights_LP, planner=args.planner)
     topo = Topology(num_gpus=G, slots_per_gpu=planned.slots_per_gpu)

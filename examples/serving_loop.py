@@ -91,11 +91,11 @@ def main(argv=None) -> int:
     T, L, E = counts_TLE.shape
     rng = np.random.default_rng(args.seed)
     # The server starts with a plan made on the first window only (stale soon after).
-    start = plan(counts_TLE[0], num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, num_groups=groups,
-                 planner="hierarchical" if args.nodes > 1 else "greedy").placement
+    start = plan(counts_TLE[0], num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant,
+                 num_expert_groups=groups, planner="hierarchical" if args.nodes > 1 else "greedy").placement
     rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
                     min_improvement=args.min_improvement, max_moves=args.max_moves,
-                    bytes_per_expert=BYTES_PER_EXPERT, num_groups=groups, span_cost=args.span_cost)
+                    bytes_per_expert=BYTES_PER_EXPERT, num_expert_groups=groups, span_cost=args.span_cost)
     print(f"trace: {os.path.relpath(source) if os.path.exists(source) else source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
           f"{start.num_slots} slots, {groups} expert groups; {args.steps_per_window} steps per window")
     print(f"rebalancer: sliding window {4 * args.steps_per_window} steps, check every {args.interval}, "

@@ -87,18 +87,18 @@ def _inverse(perm_XI: np.ndarray) -> np.ndarray:
     return inv
 
 
-def rebalance_hierarchical(weight_LE: np.ndarray, num_slots: int, num_groups: int, num_nodes: int,
+def rebalance_hierarchical(weight_LE: np.ndarray, num_slots: int, num_expert_groups: int, num_nodes: int,
                            num_gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """DeepSeek's hierarchical policy. Returns (phy2log_LP, rank_LP, count_LE)."""
     L, E = weight_LE.shape
     N, G, P = num_nodes, num_gpus, num_slots
-    group_size = E // num_groups
-    groups_per_node = num_groups // N
+    group_size = E // num_expert_groups
+    groups_per_node = num_expert_groups // N
     S = P // G
     w = weight_LE.astype(np.float32)
 
     # Step 1: pack groups to nodes; "mlog" numbers experts node by node.
-    group_load_LK = w.reshape(L, num_groups, group_size).sum(axis=2, dtype=np.float32)
+    group_load_LK = w.reshape(L, num_expert_groups, group_size).sum(axis=2, dtype=np.float32)
     gpack_LK, grank_LK = balanced_packing(group_load_LK, N)
     log2mlog_LE = (((gpack_LK * groups_per_node + grank_LK) * group_size)[:, :, None]
                    + np.arange(group_size)).reshape(L, E)
@@ -122,14 +122,14 @@ def rebalance_hierarchical(weight_LE: np.ndarray, num_slots: int, num_groups: in
     return phy2log_LP, rank_LP, count_LE
 
 
-def check_config(num_experts: int, num_slots: int, num_groups: int, num_nodes: int, num_gpus: int) -> None:
+def check_config(num_experts: int, num_slots: int, num_expert_groups: int, num_nodes: int, num_gpus: int) -> None:
     """Refuse, with the fix, what DeepSeek's hierarchical policy asserts on."""
-    if num_experts % num_groups:
+    if num_experts % num_expert_groups:
         raise EplbError(f"deepseek hierarchical policy: {num_experts} experts do not split into "
-                        f"{num_groups} equal groups; use a group count that divides {num_experts}, "
+                        f"{num_expert_groups} equal groups; use a group count that divides {num_experts}, "
                         f"or policy='global'")
-    if num_groups % num_nodes:
-        raise EplbError(f"deepseek hierarchical policy: {num_groups} expert groups do not split "
+    if num_expert_groups % num_nodes:
+        raise EplbError(f"deepseek hierarchical policy: {num_expert_groups} expert groups do not split "
                         f"evenly over {num_nodes} nodes; use policy='global' or planner 'hierarchical'")
     if num_gpus % num_nodes:
         raise EplbError(f"num_gpus ({num_gpus}) must be divisible by num_nodes ({num_nodes})")
@@ -137,7 +137,7 @@ def check_config(num_experts: int, num_slots: int, num_groups: int, num_nodes: i
         raise EplbError(f"{num_slots} physical slots do not split evenly over {num_gpus} GPUs")
 
 
-def rebalance_experts(weight_LE, num_replicas: int, num_groups: int | None, num_nodes: int,
+def rebalance_experts(weight_LE, num_replicas: int, num_expert_groups: int | None, num_nodes: int,
                       num_gpus: int, policy: str = "auto") -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """DeepSeek's entry point: (phy2log_LP, log2phy_LEX padded with -1, count_LE, policy used).
 
@@ -151,12 +151,12 @@ def rebalance_experts(weight_LE, num_replicas: int, num_groups: int | None, num_
     if num_replicas < E:
         raise EplbError(f"{num_replicas} physical slots cannot hold {E} logical experts")
     if policy == "auto":
-        policy = "hierarchical" if num_groups is not None and num_groups % num_nodes == 0 else "global"
+        policy = "hierarchical" if num_expert_groups is not None and num_expert_groups % num_nodes == 0 else "global"
     if policy == "hierarchical":
-        if num_groups is None:
-            raise EplbError("deepseek hierarchical policy needs num_groups (DeepSeek-V3: 8)")
-        check_config(E, num_replicas, num_groups, num_nodes, num_gpus)
-        phy2log_LP, rank_LP, count_LE = rebalance_hierarchical(weight_LE, num_replicas, num_groups, num_nodes, num_gpus)
+        if num_expert_groups is None:
+            raise EplbError("deepseek hierarchical policy needs num_expert_groups (DeepSeek-V3: 8)")
+        check_config(E, num_replicas, num_expert_groups, num_nodes, num_gpus)
+        phy2log_LP, rank_LP, count_LE = rebalance_hierarchical(weight_LE, num_replicas, num_expert_groups, num_nodes, num_gpus)
     else:
         check_config(E, num_replicas, 1, 1, num_gpus)
         phy2log_LP, rank_LP, count_LE = rebalance_hierarchical(weight_LE, num_replicas, 1, 1, num_gpus)
@@ -171,7 +171,7 @@ class DeepSeekPlanner:
     """DeepSeek's EPLB (hierarchical when groups divide over nodes, else global): a baseline.
 
     policy: "auto" (DeepSeek's own rule), "hierarchical" or "global". Groups come from the
-    request (`num_groups`, from the trace's meta or the caller); with none, auto is global.
+    request (`num_expert_groups`, from the trace's meta or the caller); with none, auto is global.
     """
 
     one_replica_per_gpu = False
@@ -184,6 +184,6 @@ class DeepSeekPlanner:
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology
-        phy2log_LP, _, _, used = rebalance_experts(request.load_LE, t.num_slots, request.num_groups,
+        phy2log_LP, _, _, used = rebalance_experts(request.load_LE, t.num_slots, request.num_expert_groups,
                                                    t.num_nodes, t.num_gpus, self.policy)
         return Solution(phy2log_LP, message=f"DeepSeek EPLB, {used} policy", info={"policy": used})

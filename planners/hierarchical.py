@@ -24,7 +24,7 @@ Step 5: guard: any layer whose busiest GPU is more than `tolerance` above greedy
         cross-node swaps (greedy's refine), and if that is still not enough, greedy's layer.
         Both are counted in Solution.info and the message; nothing is replaced silently.
 
-Groups: `request.num_groups` contiguous groups of E / K experts (DeepSeek-V3: 8 groups of
+Groups: `request.num_expert_groups` contiguous groups of E / K experts (DeepSeek-V3: 8 groups of
 32). Without groups (None) every expert is its own group (its replicas are kept on few
 nodes). E not divisible by K is refused. K need not divide by N; G must (Topology checks).
 """
@@ -259,11 +259,11 @@ class HierarchicalPlanner:
             raise EplbError(f"{G} GPUs x {S} slots = {P} slots cannot hold {E} experts")
         if P > G * E:
             raise EplbError(f"{P} slots need more than one replica of an expert per GPU ({E} experts, {G} GPUs)")
-        K = E if request.num_groups is None else int(request.num_groups)
+        K = E if request.num_expert_groups is None else int(request.num_expert_groups)
         if K < 1 or E % K:
             raise EplbError(
                 f"{E} experts do not split into {K} equal expert groups: group-limited routing "
-                f"uses equal contiguous groups, so give num_groups (--groups) dividing {E}"
+                f"uses equal contiguous groups, so give num_expert_groups (--groups) dividing {E}"
             )
         group_E = np.arange(E) // (E // K)
 
@@ -304,7 +304,7 @@ class HierarchicalPlanner:
         greedy_span_LK = group_span(greedy_LP, G, N, K, E)
         info = {
             "num_groups": K,
-            "groups_given": request.num_groups is not None,
+            "groups_given": request.num_expert_groups is not None,
             "group_span_mean": float(span_LK.mean()),
             "group_span_max": int(span_LK.max()),
             "greedy_group_span_mean": float(greedy_span_LK.mean()),
@@ -313,7 +313,7 @@ class HierarchicalPlanner:
             "layers_from_greedy": from_greedy,
         }
         msg = f"groups span {info['group_span_mean']:.2f} nodes on average (greedy: {info['greedy_group_span_mean']:.2f})"
-        if request.num_groups is None:
+        if request.num_expert_groups is None:
             msg += "; no expert groups given, so each expert is its own group"
         if repaired or from_greedy:
             msg += (f"; {repaired} layer(s) needed cross-node swaps and {from_greedy} use greedy's "

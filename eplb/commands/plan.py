@@ -130,7 +130,7 @@ def run(args) -> int:
     result = plan(
         trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
-        num_groups=args.groups, settings=settings, previous=previous,
+        num_expert_groups=args.groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
         bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
     )

@@ -64,7 +64,7 @@ class ModelConfig:
     """E: routed (logical) experts per MoE layer."""
     top_k: int = 4
     """K: routed experts each token uses."""
-    num_groups: int = 4
+    num_expert_groups: int = 4
     """Expert groups for group-limited routing (DeepSeek-V3: 8 groups of 32)."""
     topk_groups: int = 2
     """Groups each token may choose experts from (DeepSeek-V3: 4)."""
@@ -100,17 +100,17 @@ class ModelConfig:
                 f"first_moe_layer ({self.first_moe_layer}) must be below num_layers "
                 f"({self.num_layers}): the model needs at least one MoE layer"
             )
-        if self.num_experts % self.num_groups:
+        if self.num_experts % self.num_expert_groups:
             raise EplbError(
-                f"num_experts ({self.num_experts}) must be divisible by num_groups ({self.num_groups})"
+                f"num_experts ({self.num_experts}) must be divisible by num_expert_groups ({self.num_expert_groups})"
             )
-        if self.topk_groups > self.num_groups:
-            raise EplbError(f"topk_groups ({self.topk_groups}) must be <= num_groups ({self.num_groups})")
-        reachable = self.topk_groups * (self.num_experts // self.num_groups)
+        if self.topk_groups > self.num_expert_groups:
+            raise EplbError(f"topk_groups ({self.topk_groups}) must be <= num_expert_groups ({self.num_expert_groups})")
+        reachable = self.topk_groups * (self.num_experts // self.num_expert_groups)
         if self.top_k > reachable:
             raise EplbError(
                 f"top_k ({self.top_k}) exceeds the {reachable} experts in the {self.topk_groups} "
-                f"chosen groups of {self.num_experts // self.num_groups}: raise topk_groups or lower top_k"
+                f"chosen groups of {self.num_experts // self.num_expert_groups}: raise topk_groups or lower top_k"
             )
         if self.qk_rope_head_dim % 2:
             raise EplbError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
@@ -122,7 +122,7 @@ class ModelConfig:
         """The published DeepSeek-V3 / R1 shape (for sizes and KV arithmetic; too big to build)."""
         return cls(hidden=7168, num_layers=61, first_moe_layer=3, num_heads=128, q_lora_rank=1536,
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   num_experts=256, top_k=8, num_groups=8, topk_groups=4, expert_hidden=2048,
+                   num_experts=256, top_k=8, num_expert_groups=8, topk_groups=4, expert_hidden=2048,
                    num_shared_experts=1, routed_scaling=2.5, vocab=129280, dense_hidden=18432,
                    name="deepseek-v3")
 
@@ -162,7 +162,7 @@ class ModelConfig:
             "num_hidden_layers": self.num_layers,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
-            "num_expert_groups": self.num_groups,
+            "num_expert_groups": self.num_expert_groups,
             "topk_groups": self.topk_groups,
             "tokens_per_window": None,
             "source": None,
@@ -275,7 +275,7 @@ class Router(nn.Module):
         super().__init__()
         c = config
         self.num_experts, self.top_k = c.num_experts, c.top_k
-        self.num_groups, self.topk_groups = c.num_groups, c.topk_groups
+        self.num_expert_groups, self.topk_groups = c.num_expert_groups, c.topk_groups
         self.routed_scaling = float(c.routed_scaling)
         self.weight = nn.Parameter(torch.randn(c.num_experts, c.hidden) / math.sqrt(c.hidden))
         # Load-balancing bias of auxiliary-loss-free balancing: steers the choice only.
@@ -311,14 +311,14 @@ class Router(nn.Module):
         else:
             # Step 1: biased scores choose; group score = sum of a group's top-2.
             b_TE = s_TE + self.e_score_correction_bias
-            per_group = self.num_experts // self.num_groups
-            g_TGn = b_TE.view(T, self.num_groups, per_group)
+            per_group = self.num_experts // self.num_expert_groups
+            g_TGn = b_TE.view(T, self.num_expert_groups, per_group)
             group_score_TG = g_TGn.topk(min(2, per_group), dim=-1).values.sum(-1)
             # Step 2: keep the best topk_groups groups; experts elsewhere cannot be chosen.
             keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
             keep_TG.scatter_(1, group_score_TG.topk(self.topk_groups, dim=-1).indices, True)
             # reshape(T, E), not (T, -1): a rank with no tokens (T = 0) must still route.
-            keep_TE = keep_TG[:, :, None].expand(T, self.num_groups, per_group).reshape(T, self.num_experts)
+            keep_TE = keep_TG[:, :, None].expand(T, self.num_expert_groups, per_group).reshape(T, self.num_experts)
             # Step 3: top-k experts among the kept groups.
             ids_TK = b_TE.masked_fill(~keep_TE, float("-inf")).topk(self.top_k, dim=-1).indices
         w_TK = s_TE.gather(1, ids_TK)

@@ -359,7 +359,7 @@ def _two_node_case(seed=5, L=4, E=64, G=8, N=2, K=8):
     """A node-aware (hierarchical) plan served for one load while traffic shifts to another."""
     rng = np.random.default_rng(seed)
     a, b = rng.gamma(0.4, 100.0, (2, L, E))
-    prev = plan(a, num_gpus=G, num_nodes=N, num_redundant=G, planner="hierarchical", num_groups=K).placement
+    prev = plan(a, num_gpus=G, num_nodes=N, num_redundant=G, planner="hierarchical", num_expert_groups=K).placement
     return prev, b, G, N, K, E
 
 
@@ -369,7 +369,8 @@ def test_span_cost_prices_spreading_groups_over_nodes():
     prev, load, G, N, K, E = _two_node_case()
     old = prev.phy2log_LP
     pairs = lambda phy: group_span(phy, G, N, K, E).sum(axis=1)  # noqa: E731
-    runs = {c: mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001, span_cost=c), num_nodes=N, num_groups=K)
+    runs = {c: mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001, span_cost=c), num_nodes=N,
+                                  num_expert_groups=K)
             for c in (0.0, 1.0, 1e6)}
     # span_cost 0 is the node-blind search, to the slot.
     np.testing.assert_array_equal(runs[0.0], mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001)))
@@ -380,7 +381,7 @@ def test_span_cost_prices_spreading_groups_over_nodes():
         Placement(phy, G, E)                                  # every expert keeps a replica
         assert (mg.max_load(load, phy, G) <= mg.max_load(load, old, G) * (1 + 1e-12)).all()
     # Budgets still bind with a span price.
-    capped = mg.budgeted_search(load, old, G, mg.Budget(max_moves=7, span_cost=1.0), num_nodes=N, num_groups=K)
+    capped = mg.budgeted_search(load, old, G, mg.Budget(max_moves=7, span_cost=1.0), num_nodes=N, num_expert_groups=K)
     assert mg.count_moves(old, capped, G, E).sum() <= 7
 
 
@@ -390,16 +391,16 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
 
     prev, load, G, N, K, E = _two_node_case(seed=9)
     span = lambda pl: group_span(pl.phy2log_LP, G, N, K, E).mean()  # noqa: E731
-    kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, move_cost=0.001, num_groups=K)
+    kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, move_cost=0.001, num_expert_groups=K)
     blind, aware = (plan(load, span_cost=c, **kw).placement for c in (0.0, 4.0))
     assert span(aware) < span(blind)
-    rb = Rebalancer(prev, num_groups=K, span_cost=4.0, move_cost=0.001)
+    rb = Rebalancer(prev, num_expert_groups=K, span_cost=4.0, move_cost=0.001)
     rb.observe(load)
     assert span(rb.rebalance().placement) == pytest.approx(span(aware))
     with pytest.raises(EplbError, match="span_cost"):
         mg.Budget(span_cost=-1.0)
-    with pytest.raises(EplbError, match="num_groups"):
-        Rebalancer(prev, num_groups=7)
+    with pytest.raises(EplbError, match="num_expert_groups"):
+        Rebalancer(prev, num_expert_groups=7)
     with pytest.raises(EplbError, match="numpy reference"):
-        mg.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), num_nodes=N, num_groups=K,
+        mg.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), num_nodes=N, num_expert_groups=K,
                            compiled=False)

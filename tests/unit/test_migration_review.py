@@ -64,8 +64,9 @@ def test_budgeted_search_refuses_empty_slots():
 @pytest.mark.parametrize("kw, match", [
     (dict(donors=0), "donors"), (dict(donors=-1), "donors"), (dict(partners=0), "partners"),
     (dict(donors=2.5), "donors"), (dict(max_iters=-1), "max_iters"),
-    (dict(num_nodes=2, num_groups=0), "num_groups"), (dict(num_nodes=2, num_groups=-3), "num_groups"),
-    (dict(num_nodes=2, num_groups=1.5), "num_groups"), (dict(num_nodes=0), "num_nodes"),
+    (dict(num_nodes=2, num_expert_groups=0), "num_expert_groups"),
+    (dict(num_nodes=2, num_expert_groups=-3), "num_expert_groups"),
+    (dict(num_nodes=2, num_expert_groups=1.5), "num_expert_groups"), (dict(num_nodes=0), "num_nodes"),
 ])
 def test_budgeted_search_names_bad_settings(kw, match):
     """donors=0 / partners=0 made the kernel's top-k insertion write index -1 of an empty
@@ -76,8 +77,9 @@ def test_budgeted_search_names_bad_settings(kw, match):
 
 
 def test_budgeted_search_accepts_whole_float_settings():
-    ref = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), num_nodes=2, num_groups=3)
-    got = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), num_nodes=2.0, num_groups=3.0, donors=8.0)
+    ref = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), num_nodes=2, num_expert_groups=3)
+    got = mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), num_nodes=2.0, num_expert_groups=3.0,
+                             donors=8.0)
     np.testing.assert_array_equal(got, ref)
     with pytest.raises(EplbError, match="budget must be a Budget"):
         mg.budgeted_search(_LOAD, _OLD, 2, None)
@@ -233,7 +235,7 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
     monkeypatch.setattr(_search_kernel, "search", spy)
     checked = 0
     for num_nodes, groups, G, E, old, load in _node_cases():
-        out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_groups=groups)
+        out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups)
         assert seen["phy"] is out
         L, P = old.shape
         gn = np.zeros((L, groups, num_nodes), dtype=np.int64)
@@ -257,13 +259,13 @@ def test_prohibitive_span_cost_never_adds_a_group_node_pair():
         # With move_cost 0 the price only ranks changes (any gain passes the threshold): a
         # price refuses a change only through move_cost x (1 + span_cost x pairs added).
         for budget in (mg.Budget(move_cost=0.001, span_cost=1e6), mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
-            out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_groups=groups)
+            out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups)
             before = group_span(old, G, num_nodes, groups, E).sum(axis=1)
             assert (group_span(out, G, num_nodes, groups, E).sum(axis=1) <= before).all()
             # span_cost 0 is the node-blind search, to the slot.
             blind = mg.Budget(budget.max_moves, budget.max_moves_per_gpu, budget.move_cost, 0.0)
             np.testing.assert_array_equal(
-                mg.budgeted_search(load, old, G, blind, num_nodes=num_nodes, num_groups=groups),
+                mg.budgeted_search(load, old, G, blind, num_nodes=num_nodes, num_expert_groups=groups),
                 mg.budgeted_search(load, old, G, blind, compiled=False))
 
 

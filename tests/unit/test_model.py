@@ -30,7 +30,7 @@ def test_kv_bytes_deepseek_v3():
 
 
 @pytest.mark.parametrize("bad, msg", [
-    (dict(num_experts=10, num_groups=4), "divisible by num_groups"),
+    (dict(num_experts=10, num_expert_groups=4), "divisible by num_expert_groups"),
     (dict(topk_groups=5), "topk_groups"),
     (dict(top_k=9, topk_groups=2), "exceeds"),
     (dict(first_moe_layer=4), "at least one MoE layer"),
@@ -46,12 +46,12 @@ def _router_reference(r: Router, x):
     """Token-by-token DeepSeek-V3 gate, written with plain Python loops."""
     s = torch.sigmoid(x.float() @ r.weight.float().T)
     b = s + r.e_score_correction_bias
-    per = r.num_experts // r.num_groups
+    per = r.num_experts // r.num_expert_groups
     ids, ws = [], []
     for t in range(x.shape[0]):
-        gscore = [sorted(b[t, g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(r.num_groups)]
+        gscore = [sorted(b[t, g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(r.num_expert_groups)]
         gscore = [sum(v) for v in gscore]
-        groups = sorted(range(r.num_groups), key=lambda g: -gscore[g])[: r.topk_groups]
+        groups = sorted(range(r.num_expert_groups), key=lambda g: -gscore[g])[: r.topk_groups]
         cand = [e for g in groups for e in range(g * per, (g + 1) * per)]
         chosen = sorted(cand, key=lambda e: -b[t, e].item())[: r.top_k]
         w = s[t, chosen]
@@ -79,7 +79,7 @@ def test_router_group_limit(cfg):
     torch.manual_seed(1)
     r = Router(cfg)
     ids, _ = r(torch.randn(200, cfg.hidden))
-    groups = ids // (cfg.num_experts // cfg.num_groups)
+    groups = ids // (cfg.num_experts // cfg.num_expert_groups)
     assert all(len(set(row)) <= cfg.topk_groups for row in groups.tolist())
 
 

@@ -109,7 +109,7 @@ def test_invariants_property(name, problem):
         load = load[:, :12]  # solvers get the smaller half of the shapes
         if topo.num_gpus * topo.slots_per_gpu < 12 or topo.num_gpus > 12:
             return
-    request = PlanRequest(load, topo, history_TLE=load[None], num_groups=K)
+    request = PlanRequest(load, topo, history_TLE=load[None], num_expert_groups=K)
     planner = get_planner(name, **fast_settings(name))
     try:
         sol = planner.plan(request)
@@ -131,7 +131,7 @@ def test_invariants_deepseek_like(name):
     topo = Topology.for_experts(64, num_gpus=16, num_nodes=4)
     if is_time_limited(name):
         load = load[:1]
-    sol = get_planner(name, **fast_settings(name)).plan(PlanRequest(load, topo, history_TLE=load[None], num_groups=8))
+    sol = get_planner(name, **fast_settings(name)).plan(PlanRequest(load, topo, history_TLE=load[None], num_expert_groups=8))
     check_invariants(name, sol.phy2log_LP, sol.dispatch_weights_LP, load, topo)
 
 
@@ -139,7 +139,7 @@ def test_invariants_deepseek_like(name):
 def test_plan_front_door_every_planner(name):
     rng = np.random.default_rng(3)
     load = rng.integers(0, 500, (2, 16)).astype(float)
-    res = eplb.plan(load, num_gpus=4, num_nodes=2, planner=name, num_groups=4, settings=fast_settings(name))
+    res = eplb.plan(load, num_gpus=4, num_nodes=2, planner=name, num_expert_groups=4, settings=fast_settings(name))
     assert res.planner == name and res.placement.planner == name
     assert res.success == (res.status != "FALLBACK")
     assert res.placement.num_slots == 20 and res.seconds >= 0
@@ -162,15 +162,15 @@ def test_deepseek_readme_example_exact():
 
 
 def test_deepseek_planner_through_front_door():
-    res = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_groups=4)
+    res = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_expert_groups=4)
     np.testing.assert_array_equal(res.placement.phy2log_LP, README_PHY2LOG)
     assert res.info["policy"] == "hierarchical"
 
 
 @pytest.mark.parametrize("name", ["greedy", "hierarchical"])
 def test_readme_example_matched_or_beaten(name):
-    ref = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_groups=4)
-    res = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner=name, num_groups=4)
+    ref = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_expert_groups=4)
+    res = eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner=name, num_expert_groups=4)
     assert (res.after.gpu_load_LG.max(axis=1) <= ref.after.gpu_load_LG.max(axis=1) + 1e-9).all()
     # The README's layer 0 gives 156 tokens to DeepSeek's busiest GPU; 139 is reachable.
     assert res.after.gpu_load_LG.max(axis=1)[0] <= 139
@@ -178,15 +178,15 @@ def test_readme_example_matched_or_beaten(name):
 
 def test_deepseek_policies_and_refusals():
     # Groups that do not split over nodes: DeepSeek's own rule falls back to global, and says so.
-    res = eplb.plan(README_WEIGHT, num_gpus=6, num_nodes=3, num_redundant=6, planner="deepseek", num_groups=4)
+    res = eplb.plan(README_WEIGHT, num_gpus=6, num_nodes=3, num_redundant=6, planner="deepseek", num_expert_groups=4)
     assert res.info["policy"] == "global"
     with pytest.raises(EplbError, match="do not split evenly over 3 nodes"):
-        eplb.plan(README_WEIGHT, num_gpus=6, num_nodes=3, num_redundant=6, planner="deepseek", num_groups=4,
+        eplb.plan(README_WEIGHT, num_gpus=6, num_nodes=3, num_redundant=6, planner="deepseek", num_expert_groups=4,
                   settings={"policy": "hierarchical"})
     with pytest.raises(EplbError, match="equal (expert )?groups"):  # refused at the front door now
-        eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_groups=5,
+        eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek", num_expert_groups=5,
                   settings={"policy": "hierarchical"})
-    with pytest.raises(EplbError, match="needs num_groups"):
+    with pytest.raises(EplbError, match="needs num_expert_groups"):
         eplb.plan(README_WEIGHT, num_gpus=8, num_nodes=2, num_redundant=4, planner="deepseek",
                   settings={"policy": "hierarchical"})
     with pytest.raises(EplbError, match="unknown deepseek policy"):
@@ -200,8 +200,8 @@ def test_hierarchical_more_local_than_greedy_at_equal_balance():
     # Skewed groups: group 0 is hot, as on real DeepSeek-V3 layers.
     load = np.floor(rng.pareto(1.5, (6, 64)) * 100) + 1
     load[:, :8] *= 6
-    g = eplb.plan(load, num_gpus=16, num_nodes=4, planner="greedy", num_groups=8)
-    h = eplb.plan(load, num_gpus=16, num_nodes=4, planner="hierarchical", num_groups=8)
+    g = eplb.plan(load, num_gpus=16, num_nodes=4, planner="greedy", num_expert_groups=8)
+    h = eplb.plan(load, num_gpus=16, num_nodes=4, planner="hierarchical", num_expert_groups=8)
     assert h.info["group_span_mean"] < h.info["greedy_group_span_mean"]
     span = group_span(h.placement.phy2log_LP, 16, 4, 8, 64)
     assert span.mean() == pytest.approx(h.info["group_span_mean"])
@@ -211,7 +211,7 @@ def test_hierarchical_more_local_than_greedy_at_equal_balance():
 def test_hierarchical_one_node_is_fully_local():
     rng = np.random.default_rng(5)
     load = rng.integers(1, 100, (2, 32)).astype(float)
-    res = eplb.plan(load, num_gpus=8, num_nodes=1, planner="hierarchical", num_groups=4)
+    res = eplb.plan(load, num_gpus=8, num_nodes=1, planner="hierarchical", num_expert_groups=4)
     assert res.info["group_span_mean"] == 1.0 and res.info["group_span_max"] == 1
 
 
@@ -219,15 +219,15 @@ def test_hierarchical_configurations_deepseek_rejects():
     rng = np.random.default_rng(2)
     load = rng.integers(1, 100, (2, 24)).astype(float)
     # 8 groups over 3 nodes: works (DeepSeek would fall back to its global policy).
-    res = eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical", num_groups=8)
+    res = eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical", num_expert_groups=8)
     assert res.success and res.info["num_groups"] == 8
     # No groups: every expert is its own group, and the message says so.
     res = eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical")
     assert res.info["num_groups"] == 24 and "own group" in res.message
     with pytest.raises(EplbError, match="do not split into 5 equal expert groups"):
-        eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical", num_groups=5)
+        eplb.plan(load, num_gpus=6, num_nodes=3, planner="hierarchical", num_expert_groups=5)
     with pytest.raises(EplbError, match="divisible by num_nodes"):
-        eplb.plan(load, num_gpus=6, num_nodes=4, planner="hierarchical", num_groups=8)
+        eplb.plan(load, num_gpus=6, num_nodes=4, planner="hierarchical", num_expert_groups=8)
     with pytest.raises(EplbError, match="tolerance"):
         get_planner("hierarchical", tolerance=-1)
 
@@ -239,7 +239,7 @@ def test_hierarchical_node_cut_when_groups_run_out_before_a_node_is_full(groups)
     # (one per GPU). The leftover went to the last node: 7 and 9 slots, an AssertionError.
     load = np.array([[1.0, 2, 1, 1, 1, 1, 1, 0]])
     topo = Topology(num_gpus=8, slots_per_gpu=4, num_nodes=4)
-    sol = get_planner("hierarchical").plan(PlanRequest(load, topo, num_groups=groups))
+    sol = get_planner("hierarchical").plan(PlanRequest(load, topo, num_expert_groups=groups))
     check_invariants("hierarchical", sol.phy2log_LP, None, load, topo)
 
 
@@ -320,9 +320,10 @@ def test_plan_previous_of_other_shape_names_the_fix():
     (dict(num_gpus="4"), r"num_gpus must be a whole number >= 1, got '4'"),
     (dict(num_gpus=4, slots_per_gpu=4.5), r"slots_per_gpu must be a whole number >= 0, got 4.5"),  # was 4
     (dict(num_gpus=4, num_redundant="4"), r"num_redundant must be a whole number >= 0, got '4'"),
-    (dict(num_gpus=4, num_nodes=2, planner="hierarchical", num_groups=2.5), r"num_groups must be a whole number >= 1"),
-    (dict(num_gpus=4, num_groups=0), r"num_groups must be a whole number >= 1, got 0"),
-    (dict(num_gpus=4, num_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
+    (dict(num_gpus=4, num_nodes=2, planner="hierarchical", num_expert_groups=2.5),
+     r"num_expert_groups must be a whole number >= 1"),
+    (dict(num_gpus=4, num_expert_groups=0), r"num_expert_groups must be a whole number >= 1, got 0"),
+    (dict(num_gpus=4, num_expert_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
     (dict(num_gpus=4, settings=["quantile=0.9"]), r"settings must be a dict of planner settings"),  # was a TypeError
     (dict(num_gpus=4, previous="old.json"), r"previous must be a Placement.*Placement.load"),  # was an AttributeError
 ])

@@ -199,7 +199,7 @@ def test_every_planner_on_edge_shapes(name, case):
     topo = Topology(G, S, N)
     try:
         sol = get_planner(name, **_fast_settings(name)).plan(
-            PlanRequest(load, topo, history_TLE=load[None], num_groups=K))
+            PlanRequest(load, topo, history_TLE=load[None], num_expert_groups=K))
     except EplbError as exc:
         assert str(exc)  # a planner may refuse a shape, with a message
         return
