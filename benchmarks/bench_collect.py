@@ -30,10 +30,10 @@ from eplb.runtime.model import DeepSeekModel, ModelConfig, Router  # noqa: E402
 
 CASES = {
     "tiny (E16 K4)": ModelConfig(),
-    "wide (E64 K6)": ModelConfig(hidden=256, num_layers=4, first_moe_layer=1, num_heads=8, num_experts=64,
+    "wide (E64 K6)": ModelConfig(hidden=256, num_layers=4, first_moe_layer=1, num_heads=8, num_logical_experts=64,
                                  top_k=6, num_expert_groups=8, topk_groups=4, expert_hidden=128, kv_lora_rank=64,
                                  q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
-    "V3 router (E256 K8)": ModelConfig(hidden=64, num_layers=3, first_moe_layer=1, num_experts=256, top_k=8,
+    "V3 router (E256 K8)": ModelConfig(hidden=64, num_layers=3, first_moe_layer=1, num_logical_experts=256, top_k=8,
                                        num_expert_groups=8, topk_groups=4, expert_hidden=16),
 }
 MODES = ("plain", "counts", "counts+windows", "counts+tokens")
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     # The hook alone, called directly: what one router call pays, free of forward-pass noise.
     rows = []
     for T in args.tokens:
-        ids = torch.randint(0, cfg.num_experts, (T, cfg.top_k), device=device)
+        ids = torch.randint(0, cfg.num_logical_experts, (T, cfg.top_k), device=device)
         out = (ids, None)
         gate = gates.gates[0]
         for label, kw in (("counts", {}), ("counts+windows", {"window_tokens": 512}),

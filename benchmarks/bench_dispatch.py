@@ -40,7 +40,7 @@ from eplb.trace import load_trace  # noqa: E402
 SWEEPS = (1, 2, 4, 8, 16, 32)
 
 
-def workloads(traces_dir: Path, fallback: Path, num_experts: int = 256):
+def workloads(traces_dir: Path, fallback: Path, num_logical_experts: int = 256):
     """(name, load_LE) pairs: real traces, else the synthetic trace's windows, else generated loads."""
     if traces_dir.is_dir() and sorted(traces_dir.glob("*.json")):
         return [(f.stem, load_trace(f).counts_TLE.sum(axis=0).astype(np.float64))
@@ -49,7 +49,7 @@ def workloads(traces_dir: Path, fallback: Path, num_experts: int = 256):
         c = load_trace(fallback).counts_TLE.astype(np.float64)
         return [(f"{fallback.name} window {t}", c[t]) for t in range(min(len(c), 8))]
     rng = np.random.default_rng(0)
-    return [(f"generated {i}", np.floor(rng.pareto(1.2, (58, num_experts)) * 1000) + 1) for i in range(4)]
+    return [(f"generated {i}", np.floor(rng.pareto(1.2, (58, num_logical_experts)) * 1000) + 1) for i in range(4)]
 
 
 def busiest(p: Placement, load_LE, w_LP=None) -> np.ndarray:

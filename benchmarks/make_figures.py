@@ -55,9 +55,9 @@ def shipped_trace(path: Path) -> tuple[Trace, str]:
 
 
 def contiguous(trace: Trace, num_gpus: int, num_redundant: int | None = None) -> Placement:
-    topo = Topology.for_experts(trace.num_experts, num_gpus=num_gpus, num_redundant=num_redundant)
-    return Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), num_gpus, trace.num_experts,
-                     layer_ids=trace.layer_ids, planner="contiguous")
+    topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_redundant=num_redundant)
+    return Placement(contiguous_map(trace.num_logical_experts, topo, trace.num_layers), num_gpus,
+                     trace.num_logical_experts, layer_ids=trace.layer_ids, planner="contiguous")
 
 
 BACKTEST_HISTORY = 8
@@ -147,12 +147,13 @@ def main() -> int:
         print(f"planners not registered, skipped: {', '.join(skipped)}")
     made: list = []
     trace, source = shipped_trace(Path(args.trace))
-    print(f"shipped trace: {source}: {trace.num_windows} windows x {trace.num_layers} layers x {trace.num_experts} experts")
+    print(f"shipped trace: {source}: {trace.num_windows} windows x {trace.num_layers} layers x "
+          f"{trace.num_logical_experts} experts")
     figures_for(trace, out, "", args.gpus, planners, made, "synthetic DeepSeek-V3 trace", backtest=True)
     real = Path(args.real) / "deepseek_v3_sglang" / f"{args.real_workload}.json"
     if real.exists():
         rt = load_trace(real)
-        print(f"real trace: {real} ({rt.num_layers} layers x {rt.num_experts} experts)")
+        print(f"real trace: {real} ({rt.num_layers} layers x {rt.num_logical_experts} experts)")
         figures_for(rt, out, "real_", args.gpus, planners, made, f"SGLang DeepSeek-V3 {args.real_workload}",
                     backtest=False)
     else:

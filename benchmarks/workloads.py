@@ -13,7 +13,7 @@ import numpy as np
 from eplb.trace import load_trace
 
 
-def workloads(traces_dir: Path, fallback: Path, num_experts: int = 256):
+def workloads(traces_dir: Path, fallback: Path, num_logical_experts: int = 256):
     """(name, load_LE) pairs: real traces, else the synthetic trace, else a generated load."""
     if traces_dir.is_dir() and sorted(traces_dir.glob("*.json")):
         for f in sorted(traces_dir.glob("*.json")):
@@ -23,4 +23,4 @@ def workloads(traces_dir: Path, fallback: Path, num_experts: int = 256):
         yield f"{fallback.name} (synthetic, all windows)", load_trace(fallback).counts_TLE.sum(axis=0).astype(np.float64)
         return
     rng = np.random.default_rng(0)
-    yield "generated (seeded Pareto)", np.floor(rng.pareto(1.2, (58, num_experts)) * 1000) + 1
+    yield "generated (seeded Pareto)", np.floor(rng.pareto(1.2, (58, num_logical_experts)) * 1000) + 1

@@ -107,7 +107,7 @@ class ModelShape:
     """Width of the dense SwiGLU MLP (dense layers only)."""
     num_dense_layers: int = 0
     """Leading blocks with a dense MLP instead of MoE (DeepSeek-V3: 3; dense models: all)."""
-    num_experts: int = 0
+    num_logical_experts: int = 0
     """E: routed experts per MoE layer (0 = dense model)."""
     moe_intermediate_size: int = 0
     """Width of one routed expert's SwiGLU MLP."""
@@ -132,7 +132,7 @@ class ModelShape:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise EplbError(f"model {self.name}: {name} must be a positive integer, got {v!r}")
-        for name in ("intermediate_size", "num_dense_layers", "num_experts", "moe_intermediate_size",
+        for name in ("intermediate_size", "num_dense_layers", "num_logical_experts", "moe_intermediate_size",
                      "num_shared_experts", "top_k", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
                      "v_head_dim"):
             v = getattr(self, name)
@@ -141,14 +141,15 @@ class ModelShape:
         if not 0 <= self.num_dense_layers <= self.num_hidden_layers:
             raise EplbError(f"model {self.name}: num_dense_layers ({self.num_dense_layers}) must be in "
                             f"0..num_hidden_layers ({self.num_hidden_layers})")
-        if self.num_experts and self.top_k > self.num_experts:
-            raise EplbError(f"model {self.name}: top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
-        if self.num_experts and not self.moe_intermediate_size:
-            raise EplbError(f"model {self.name}: {self.num_experts} experts need moe_intermediate_size > 0")
-        if self.num_experts and self.num_dense_layers == self.num_hidden_layers:
-            raise EplbError(f"model {self.name}: {self.num_experts} experts but every layer is dense: "
+        if self.num_logical_experts and self.top_k > self.num_logical_experts:
+            raise EplbError(f"model {self.name}: top_k ({self.top_k}) must be at most num_logical_experts "
+                            f"({self.num_logical_experts})")
+        if self.num_logical_experts and not self.moe_intermediate_size:
+            raise EplbError(f"model {self.name}: {self.num_logical_experts} experts need moe_intermediate_size > 0")
+        if self.num_logical_experts and self.num_dense_layers == self.num_hidden_layers:
+            raise EplbError(f"model {self.name}: {self.num_logical_experts} experts but every layer is dense: "
                             f"lower num_dense_layers")
-        if not self.num_experts and self.num_dense_layers != self.num_hidden_layers:
+        if not self.num_logical_experts and self.num_dense_layers != self.num_hidden_layers:
             # A dense model: every block has the dense MLP.
             object.__setattr__(self, "num_dense_layers", self.num_hidden_layers)
         if self.num_dense_layers and not self.intermediate_size:
@@ -167,7 +168,7 @@ class ModelShape:
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        return self.num_logical_experts > 0
 
     @property
     def num_moe_layers(self) -> int:
@@ -208,18 +209,18 @@ class ModelShape:
         h = self.hidden_size
         n = self.num_hidden_layers * (self.attention_params_per_layer() + 2 * h)  # + two RMSNorms
         n += self.num_dense_layers * 3 * h * self.intermediate_size
-        n += self.num_moe_layers * (self.num_shared_experts * self.expert_params() + self.num_experts * h)
+        n += self.num_moe_layers * (self.num_shared_experts * self.expert_params() + self.num_logical_experts * h)
         n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         return n
 
     def total_params(self) -> int:
         """All weights: the figure a model card quotes (without MTP/draft layers)."""
-        return self.dense_params() + self.num_moe_layers * self.num_experts * self.expert_params()
+        return self.dense_params() + self.num_moe_layers * self.num_logical_experts * self.expert_params()
 
     def describe(self) -> str:
         attn = (f"MLA kv_lora_rank {self.kv_lora_rank} + rope {self.qk_rope_head_dim}" if self.is_mla
                 else f"GQA {self.num_attention_heads} q / {self.num_kv_heads} kv heads x {self.head_dim}")
-        moe = (f"{self.num_moe_layers} MoE layers x {self.num_experts} experts (top-{self.top_k}, "
+        moe = (f"{self.num_moe_layers} MoE layers x {self.num_logical_experts} experts (top-{self.top_k}, "
                f"{self.num_shared_experts} shared, width {self.moe_intermediate_size})" if self.is_moe else "dense")
         return (f"{self.name}: {self.num_hidden_layers} layers, hidden {self.hidden_size}, {attn}; {moe}; "
                 f"{self.total_params() / 1e9:.1f}B params")
@@ -230,17 +231,17 @@ PRESETS: dict[str, ModelShape] = {
     "deepseek-v3": ModelShape(
         "DeepSeek-V3", num_hidden_layers=61, hidden_size=7168, vocab_size=129280,
         num_attention_heads=128, num_kv_heads=128, head_dim=128, intermediate_size=18432,
-        num_dense_layers=3, num_experts=256, moe_intermediate_size=2048, num_shared_experts=1,
+        num_dense_layers=3, num_logical_experts=256, moe_intermediate_size=2048, num_shared_experts=1,
         top_k=8, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128),
     "kimi-k2": ModelShape(
         "Kimi-K2", num_hidden_layers=61, hidden_size=7168, vocab_size=163840,
         num_attention_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=18432,
-        num_dense_layers=1, num_experts=384, moe_intermediate_size=2048, num_shared_experts=1,
+        num_dense_layers=1, num_logical_experts=384, moe_intermediate_size=2048, num_shared_experts=1,
         top_k=8, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128),
     "qwen3-235b-a22b": ModelShape(
         "Qwen3-235B-A22B", num_hidden_layers=94, hidden_size=4096, vocab_size=151936,
         num_attention_heads=64, num_kv_heads=4, head_dim=128, intermediate_size=12288,
-        num_dense_layers=0, num_experts=128, moe_intermediate_size=1536, num_shared_experts=0,
+        num_dense_layers=0, num_logical_experts=128, moe_intermediate_size=1536, num_shared_experts=0,
         top_k=8),
     "llama-3.1-70b": ModelShape(
         "Llama-3.1-70B", num_hidden_layers=80, hidden_size=8192, vocab_size=128256,
@@ -359,7 +360,7 @@ class CapacityReport:
         d = self.deployment
         return {
             "model": self.model.name, "total_params": self.model.total_params(),
-            "num_moe_layers": self.model.num_moe_layers, "num_experts": self.model.num_experts,
+            "num_moe_layers": self.model.num_moe_layers, "num_experts": self.model.num_logical_experts,
             "gpus": d.num_gpus, "gpu_memory_bytes": d.gpu_memory, "context": d.context,
             "weight_dtype": d.weight_dtype, "expert_dtype": d.expert_dtype or d.weight_dtype,
             "kv_dtype": d.kv_dtype, "attention": d.attention, "memory_utilization": d.memory_utilization,
@@ -379,7 +380,7 @@ class CapacityReport:
     @property
     def redundant_total(self) -> int:
         """R = P - E over all GPUs (includes padding when G does not divide E)."""
-        return self.deployment.num_gpus * (self.slots_per_gpu or 0) - self.model.num_experts
+        return self.deployment.num_gpus * (self.slots_per_gpu or 0) - self.model.num_logical_experts
 
 
 def _kv_split(model: ModelShape, dep: Deployment) -> float:
@@ -411,7 +412,7 @@ def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gp
     chosen `redundant_per_gpu` (give at most one of the two unknowns; with neither, the
     redundancy defaults to 0 and the concurrency that fits is reported)."""
     dep = deployment
-    G, E = dep.num_gpus, model.num_experts
+    G, E = dep.num_gpus, model.num_logical_experts
     if redundant_per_gpu is not None:
         if isinstance(redundant_per_gpu, bool) or not isinstance(redundant_per_gpu, int) or redundant_per_gpu < 0:
             raise EplbError(f"redundant slots per GPU must be a whole number >= 0, got {redundant_per_gpu!r}")
@@ -470,16 +471,16 @@ def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gp
     )
 
 
-def auto_slots_per_gpu(model: ModelShape, deployment: Deployment, num_experts: int) -> CapacityReport:
+def auto_slots_per_gpu(model: ModelShape, deployment: Deployment, num_logical_experts: int) -> CapacityReport:
     """The capacity report behind `eplb plan --slots-per-gpu auto`: the most slots per GPU
     that fit next to the deployment's concurrency; errors when none fit or E disagrees."""
     if deployment.concurrency is None:
         raise EplbError("--slots-per-gpu auto needs --concurrency (sequences in flight) to size the KV cache")
     if not model.is_moe:
         raise EplbError(f"{model.name} is a dense model: it has no experts to place")
-    if model.num_experts != num_experts:
-        raise EplbError(f"model {model.name} has {model.num_experts} experts but the trace has {num_experts}: "
-                        f"pick the model the trace was recorded from")
+    if model.num_logical_experts != num_logical_experts:
+        raise EplbError(f"model {model.name} has {model.num_logical_experts} experts but the trace has "
+                        f"{num_logical_experts}: pick the model the trace was recorded from")
     rep = plan_capacity(model, deployment)
     if rep.redundant_per_gpu is None:
         need = -rep.free_bytes_per_gpu
@@ -570,7 +571,7 @@ def format_report(rep: CapacityReport) -> str:
         else:
             lines.append(f"redundant slots: {rep.redundant_per_gpu} per GPU = {rep.slots_per_gpu} slots per GPU, "
                          f"{rep.redundant_total} redundant in total "
-                         f"({d.num_gpus * rep.slots_per_gpu} physical slots for {m.num_experts} experts)")
+                         f"({d.num_gpus * rep.slots_per_gpu} physical slots for {m.num_logical_experts} experts)")
         if rep.tradeoff:
             lines.append("redundant/GPU -> most sequences that fit: "
                          + ", ".join(f"{r} -> {c:,}" for r, c in rep.tradeoff))
@@ -583,10 +584,10 @@ def format_report(rep: CapacityReport) -> str:
 
 
 
-def slots_from_args(args, num_experts: int) -> CapacityReport:
+def slots_from_args(args, num_logical_experts: int) -> CapacityReport:
     """`eplb plan --slots-per-gpu auto`: size the slots from the capacity options in `args`."""
     if not getattr(args, "model", None):
         raise EplbError(f"--slots-per-gpu auto needs --model (one of {', '.join(PRESETS)}) and the memory "
                         f"options --gpu-memory, --context, --concurrency")
     dep = deployment_from_args(args, args.gpus, need_concurrency=True)
-    return auto_slots_per_gpu(get_model(args.model), dep, num_experts)
+    return auto_slots_per_gpu(get_model(args.model), dep, num_logical_experts)

@@ -65,24 +65,25 @@ def _extract(output: Any, ids_from: IdsFrom) -> torch.Tensor:
     return ids
 
 
-def count_experts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def count_experts(flat_ids: torch.Tensor, num_logical_experts: int) -> torch.Tensor:
     """Tokens per expert, int64 [E], for a flat id tensor."""
     if flat_ids.device.type == "cpu":
         if flat_ids.numel() and int(flat_ids.min()) < 0:
-            raise EplbError(f"router chose expert id {int(flat_ids.min())}: ids must be 0..{num_experts - 1} "
+            raise EplbError(f"router chose expert id {int(flat_ids.min())}: ids must be 0..{num_logical_experts - 1} "
                             "(drop padding / dropped-token markers in ids_from)")
-        c = torch.bincount(flat_ids, minlength=num_experts)
-        if c.shape[0] != num_experts:
-            raise EplbError(f"router chose expert id {c.shape[0] - 1}, but the model has {num_experts} experts (0..{num_experts - 1})")
+        c = torch.bincount(flat_ids, minlength=num_logical_experts)
+        if c.shape[0] != num_logical_experts:
+            raise EplbError(f"router chose expert id {c.shape[0] - 1}, but the model has {num_logical_experts} experts "
+                            f"(0..{num_logical_experts - 1})")
         return c
     # bincount on accelerators reads the max back to the host to size its output (a sync per
     # layer); scatter_add_ into a fixed-size tensor stays asynchronous.
-    return scatter_count(flat_ids, num_experts)
+    return scatter_count(flat_ids, num_logical_experts)
 
 
-def scatter_count(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def scatter_count(flat_ids: torch.Tensor, num_logical_experts: int) -> torch.Tensor:
     """Tokens per expert, int64 [E], without a host sync (ids must be in 0..E-1: not checked)."""
-    c = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    c = torch.zeros(num_logical_experts, dtype=torch.int64, device=flat_ids.device)
     return c.scatter_add_(0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))
 
 
@@ -121,7 +122,7 @@ class RouterCollector:
         router_class: type | tuple[type, ...] | None = None,
         name_pattern: str | None = None,
         ids_from: IdsFrom = None,
-        num_experts: int | None = None,
+        num_logical_experts: int | None = None,
         layer_ids: list[int] | None = None,
         window_tokens: int | None = None,
         keep_tokens: int = 0,
@@ -131,7 +132,7 @@ class RouterCollector:
         """
         router_class / name_pattern: how to find the routers (default: eplb's Router class).
         ids_from: where the expert ids are in a router's output (see module docstring).
-        num_experts: E; default from model.config, then the router's `num_experts`.
+        num_logical_experts: E; default from model.config, then the router's `num_experts`.
         layer_ids: hidden-layer index of each router in model order; default from
             `model.moe_layers()` if present, else the first integer in the module name.
         window_tokens: close a window every this many tokens (None: only on next_window()).
@@ -153,13 +154,13 @@ class RouterCollector:
         self.routers, self.layer_ids = self._find(model, router_class, name_pattern, layer_ids)
         self.meta = meta_from_model(model)
         self.meta.update(meta or {})
-        E = num_experts if num_experts is not None else self.meta.get("num_experts")
+        E = num_logical_experts if num_logical_experts is not None else self.meta.get("num_experts")
         if E is None:
             E = getattr(self.routers[0][1], "num_experts", None)
         if E is None:
-            raise EplbError("cannot tell the number of experts from the model: pass num_experts")
-        self.num_experts = int(E)
-        self.meta["num_experts"] = self.num_experts
+            raise EplbError("cannot tell the number of experts from the model: pass num_logical_experts")
+        self.num_logical_experts = int(E)
+        self.meta["num_experts"] = self.num_logical_experts
         L = len(self.routers)
         self._windows: list[torch.Tensor] = []                  # each [L, E] int64, on the ids' device
         self._pos_L = [0] * L                                   # tokens counted per layer so far
@@ -237,7 +238,7 @@ class RouterCollector:
             # A normal tensor even when the hook runs under torch.inference_mode(): an inference
             # tensor could not be added to by a later forward outside inference mode.
             with torch.inference_mode(False):
-                self._windows.append(torch.zeros(len(self.routers), self.num_experts, dtype=torch.int64,
+                self._windows.append(torch.zeros(len(self.routers), self.num_logical_experts, dtype=torch.int64,
                                                  device=device))
         return self._windows[w]
 
@@ -256,7 +257,7 @@ class RouterCollector:
             if self.window_tokens is not None:
                 n = min(n, self._win_start[w] + self.window_tokens - self._pos_L[l]) if w < len(self._win_start) else n
             counts = self._window_tensor(w, ids_TK.device)
-            counts[l] += count_experts(ids_TK[done:done + n].reshape(-1), self.num_experts)
+            counts[l] += count_experts(ids_TK[done:done + n].reshape(-1), self.num_logical_experts)
             self._pos_L[l] += n
             done += n
             if self.window_tokens is not None and self._pos_L[l] - self._win_start[w] >= self.window_tokens:
@@ -294,7 +295,7 @@ class RouterCollector:
 
     def counts(self) -> np.ndarray:
         """Counts on this rank, int64 [T, L, E] (empty windows at the end dropped)."""
-        L, E = len(self.routers), self.num_experts
+        L, E = len(self.routers), self.num_logical_experts
         if not self._windows:
             return np.zeros((0, L, E), dtype=np.int64)
         c = torch.stack(self._windows).cpu().numpy()

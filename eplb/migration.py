@@ -47,16 +47,17 @@ def _kernel_ints(a) -> np.ndarray:
     return np.array(a, dtype=np.int64, order="C")
 
 
-def _check_maps(num_gpus: int, num_experts: int, **maps) -> tuple[int, int]:
+def _check_maps(num_gpus: int, num_logical_experts: int, **maps) -> tuple[int, int]:
     """Validate [L, P] expert maps (keyword = name in the error): 2-D, whole numbers, one shape,
-    P a multiple of gpus, entries in -1..num_experts-1 (-1 = empty slot). Returns (L, P).
+    P a multiple of num_gpus, entries in -1..num_logical_experts-1 (-1 = empty slot). Returns (L, P).
 
     The compiled kernels index arrays by these values and do not check bounds, so a bad
     map must fail here, with its name and the offending value, not corrupt memory there."""
     if isinstance(num_gpus, bool) or int(num_gpus) != num_gpus or num_gpus < 1:
         raise EplbError(f"num_gpus must be a positive whole number, got {num_gpus!r}")
-    if isinstance(num_experts, bool) or int(num_experts) != num_experts or num_experts < 1:
-        raise EplbError(f"num_experts must be a positive whole number, got {num_experts!r}")
+    if (isinstance(num_logical_experts, bool) or int(num_logical_experts) != num_logical_experts
+            or num_logical_experts < 1):
+        raise EplbError(f"num_logical_experts must be a positive whole number, got {num_logical_experts!r}")
     shape = None
     for name, m in maps.items():
         a = np.asarray(m)
@@ -70,11 +71,11 @@ def _check_maps(num_gpus: int, num_experts: int, **maps) -> tuple[int, int]:
         shape = a.shape
         if a.shape[1] % num_gpus:
             raise EplbError(f"{name} has {a.shape[1]} slots, which do not split evenly over {num_gpus} GPUs")
-        bad = (a < -1) | (a >= num_experts)
+        bad = (a < -1) | (a >= num_logical_experts)
         if bad.any():
             l, p = np.argwhere(bad)[0]
             raise EplbError(f"{name} holds expert {a[l, p]} in slot {p} of layer index {l}: expert ids are "
-                            f"0..{num_experts - 1} (-1 = empty slot)")
+                            f"0..{num_logical_experts - 1} (-1 = empty slot)")
     return shape
 
 
@@ -142,22 +143,22 @@ def warm_up() -> float:
 
 # 1. Counting ------------------------------------------------------------------------------------
 
-def holdings(phy_LP: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
+def holdings(phy_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
     """Replicas of each expert on each GPU, int64 [L, G, E]. Entries < 0 in phy_LP (empty) are skipped."""
     phy_LP = np.asarray(phy_LP)
     L, P = phy_LP.shape
     S = P // num_gpus
     gpu_P = np.arange(P) // S
-    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_experts + phy_LP
+    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical_experts + phy_LP
     flat = flat[phy_LP >= 0]
-    return np.bincount(flat, minlength=L * num_gpus * num_experts).reshape(L, num_gpus, num_experts)
+    return np.bincount(flat, minlength=L * num_gpus * num_logical_experts).reshape(L, num_gpus, num_logical_experts)
 
 
-def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int,
+def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
                 *, compiled: bool = True) -> np.ndarray:
     """Moves onto each GPU, int64 [L, G]: experts the GPU holds in new_LP but not in old_LP.
     compiled=False: the numpy version (the tests' reference)."""
-    _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    _check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
     if compiled:
         # Called ~5 times per rebalance decision; the [L, G, E] holdings cost ~1.5 ms each.
         from eplb import _search_kernel
@@ -166,8 +167,8 @@ def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_exper
         R, S = L * num_gpus, P // num_gpus
         return _search_kernel.count_moves(_kernel_ints(old_LP).reshape(R, S),
                                           _kernel_ints(new_LP).reshape(R, S)).reshape(L, num_gpus)
-    old = holdings(old_LP, num_gpus, num_experts) > 0
-    new = holdings(new_LP, num_gpus, num_experts) > 0
+    old = holdings(old_LP, num_gpus, num_logical_experts) > 0
+    new = holdings(new_LP, num_gpus, num_logical_experts) > 0
     return (new & ~old).sum(axis=2)
 
 
@@ -213,22 +214,22 @@ def _gpu_assignment(keep_LGG: np.ndarray, num_nodes: int, *, compiled: bool = Tr
     return out
 
 
-def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int,
+def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
                  *, compiled: bool = True) -> np.ndarray:
     """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too, float64 [L, G, G].
     compiled=False: the numpy version (the tests' reference)."""
-    _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    _check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
     if compiled:
         # Two [L, G, E] holdings and a batched matmul cost ~3 ms at DeepSeek-V3 shape.
         from eplb import _search_kernel
 
-        return _search_kernel.keep_counts(_kernel_ints(old_LP), _kernel_ints(new_LP), num_gpus, num_experts)
-    old_h = (holdings(old_LP, num_gpus, num_experts) > 0).astype(np.float64)
-    new_h = (holdings(new_LP, num_gpus, num_experts) > 0).astype(np.float64)
+        return _search_kernel.keep_counts(_kernel_ints(old_LP), _kernel_ints(new_LP), num_gpus, num_logical_experts)
+    old_h = (holdings(old_LP, num_gpus, num_logical_experts) > 0).astype(np.float64)
+    new_h = (holdings(new_LP, num_gpus, num_logical_experts) > 0).astype(np.float64)
     return new_h @ old_h.transpose(0, 2, 1)
 
 
-def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int,
+def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
             num_nodes: int = 1) -> np.ndarray:
     """Slot permutation perm_LP that makes new_LP[l, perm_LP[l]] keep the most old replicas.
 
@@ -237,12 +238,12 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: 
     pairs of old_LP is an assignment problem. Inside a GPU, an expert it already held goes
     back to the slot it occupied, so a kept replica is not even copied locally.
     """
-    L, P = _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    L, P = _check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
     num_nodes = _check_nodes(num_gpus, num_nodes)
     old_LP = np.asarray(old_LP)
     new_LP = np.asarray(new_LP)
     G, S = num_gpus, P // num_gpus
-    keep_LGG = _keep_counts(old_LP, new_LP, G, num_experts)
+    keep_LGG = _keep_counts(old_LP, new_LP, G, num_logical_experts)
     gsrc_LG = _gpu_assignment(keep_LGG, num_nodes)             # new GPU placed at each old GPU position
     # Slots of new GPU gsrc[l, b] placed on GPU b, still in their own order.
     base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
@@ -806,7 +807,7 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
     weights = None
     if perm is not None and sol.dispatch_weights_LP is not None:
         weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
-    moves_LG = count_moves(prev.phy2log_LP, phy, topo.num_gpus, request.num_experts)
+    moves_LG = count_moves(prev.phy2log_LP, phy, topo.num_gpus, request.num_logical_experts)
     info.update({
         "moves": int(moves_LG.sum()),
         "moves_max_per_gpu": int(moves_LG.sum(axis=0).max()),
@@ -818,7 +819,8 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
         from eplb.stats import group_span
 
         info.update(span_cost=budget.span_cost, **{
-            f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_expert_groups, request.num_experts).mean())
+            f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_expert_groups,
+                                                request.num_logical_experts).mean())
             for k, m in (("before", prev.phy2log_LP), ("after", phy))})
     if info["method"] == "relabel":
         return Solution(phy, weights, sol.status, sol.message, {**sol.info, "migration": info})
@@ -862,7 +864,7 @@ class MigrationPlan:
     """Expert in each slot after migration, int64 [L, P]."""
     slots_per_gpu: int
     """S: slot p lives on rank p // S."""
-    num_experts: int
+    num_logical_experts: int
     """E: logical experts."""
     round_M: np.ndarray
     """Round of each transfer, non-decreasing, int64 [M]."""
@@ -892,7 +894,7 @@ class MigrationPlan:
         if old.shape != new.shape or old.ndim != 2:
             raise EplbError(f"old and new maps must be [layers, slots] of one shape, got {old.shape} and {new.shape}")
         S = _check_count("slots_per_gpu", self.slots_per_gpu)
-        E = _check_count("num_experts", self.num_experts)
+        E = _check_count("num_logical_experts", self.num_logical_experts)
         if self.bytes_per_expert is not None:
             _check_count("bytes_per_expert", self.bytes_per_expert)
         G = len(np.atleast_1d(self.rank_ids_G))
@@ -962,7 +964,7 @@ class MigrationPlan:
     def moves(self) -> int:
         """Experts copied onto a GPU that did not hold them before (count_moves of old -> new)."""
         G = len(self.rank_ids_G)
-        return int(count_moves(self.old_LP, self.new_LP, G, self.num_experts).sum())
+        return int(count_moves(self.old_LP, self.new_LP, G, self.num_logical_experts).sum())
 
     @property
     def bytes(self) -> int | None:
@@ -1015,7 +1017,7 @@ class MigrationPlan:
         writing[self.layer_M[now], self.dst_slot_M[now]] = True
         cur[self.layer_M[now], self.dst_slot_M[now]] = self.expert_M[now]
         live = (cur >= 0) & ~writing
-        L, E = cur.shape[0], self.num_experts
+        L, E = cur.shape[0], self.num_logical_experts
         n_LE = np.zeros((L, E))
         np.add.at(n_LE, (np.nonzero(live)[0], cur[live]), 1.0)
         w = np.where(live, 1.0 / np.maximum(np.take_along_axis(n_LE, np.maximum(cur, 0), axis=1), 1), 0.0)
@@ -1029,13 +1031,13 @@ class MigrationPlan:
         if (phy < 0).any():
             l, p = np.argwhere(phy < 0)[0]
             raise EplbError(f"slot {p} of layer index {l} is empty in round {k}: no placement to serve")
-        sums = np.zeros((phy.shape[0], self.num_experts))
+        sums = np.zeros((phy.shape[0], self.num_logical_experts))
         np.add.at(sums, (np.arange(phy.shape[0])[:, None], phy), w)
         if (sums == 0).any():
             l, e = np.argwhere(sums == 0)[0]
             raise EplbError(f"expert {e} of layer index {l} has no complete replica in round {k} "
                             f"(lost with a failed rank; it is served again once reloaded)")
-        return Placement(phy, len(self.rank_ids_G), self.num_experts, num_nodes, layer_ids, w,
+        return Placement(phy, len(self.rank_ids_G), self.num_logical_experts, num_nodes, layer_ids, w,
                          planner="migration")
 
     def check(self) -> None:
@@ -1080,7 +1082,7 @@ def _ro(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts: int, *,
+def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int, *,
              layers_per_chunk: int | None = None, rank_ids=None,
              bytes_per_expert: int | None = None, compiled: bool = True) -> MigrationPlan:
     """Order the copies from old_LP to new_LP into safe rounds (see MigrationPlan).
@@ -1107,14 +1109,14 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts:
     Python version below. Both are held to the same checks; their rounds can differ (the
     compiled one gives the link matching to the ranks with the most copies left first).
     """
-    L, P = _check_maps(num_gpus, num_experts, old_LP=old_LP, new_LP=new_LP)
+    L, P = _check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
     old_LP = np.asarray(old_LP, dtype=np.int64)
     new_LP = np.asarray(new_LP, dtype=np.int64)
     if (new_LP < 0).any():
-        raise EplbError(f"the new placement must hold expert ids 0..{num_experts - 1} in every slot")
+        raise EplbError(f"the new placement must hold expert ids 0..{num_logical_experts - 1} in every slot")
     S = P // num_gpus
-    had = holdings(old_LP, 1, num_experts)[:, 0] > 0
-    gone = had & ~(holdings(new_LP, 1, num_experts)[:, 0] > 0)
+    had = holdings(old_LP, 1, num_logical_experts)[:, 0] > 0
+    gone = had & ~(holdings(new_LP, 1, num_logical_experts)[:, 0] > 0)
     if gone.any():
         l, e = np.argwhere(gone)[0]
         raise EplbError(f"expert {e} of layer index {l} is in the old placement but not the new one: "
@@ -1130,7 +1132,7 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts:
         from eplb import _schedule_kernel
 
         arr, chunk_R, status, layer = _schedule_kernel.schedule(
-            _kernel_ints(old_LP), _kernel_ints(new_LP), num_gpus, num_experts, chunk, 8)
+            _kernel_ints(old_LP), _kernel_ints(new_LP), num_gpus, num_logical_experts, chunk, 8)
         if status == _schedule_kernel.STATUS_NO_SPARE:
             raise EplbError(f"{_NO_SAFE_MIGRATION} (layer index {layer})")
         assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
@@ -1139,10 +1141,10 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_experts:
         chunk_R = []
         for c, first in enumerate(range(0, L, chunk)):
             layers = range(first, min(L, first + chunk))
-            _schedule_chunk(old_LP, new_LP, layers, S, num_gpus, num_experts, c, cols, chunk_R)
+            _schedule_chunk(old_LP, new_LP, layers, S, num_gpus, num_logical_experts, c, cols, chunk_R)
         arr = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
     return MigrationPlan(
-        old_LP=old_LP, new_LP=new_LP, slots_per_gpu=S, num_experts=num_experts,
+        old_LP=old_LP, new_LP=new_LP, slots_per_gpu=S, num_logical_experts=num_logical_experts,
         round_M=arr[:, 0], layer_M=arr[:, 1], expert_M=arr[:, 2], src_rank_M=arr[:, 3],
         src_slot_M=arr[:, 4], dst_rank_M=arr[:, 5], dst_slot_M=arr[:, 6],
         staging_M=arr[:, 7].astype(bool), chunk_R=np.asarray(chunk_R, dtype=np.int64),

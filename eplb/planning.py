@@ -50,7 +50,7 @@ class PlanRequest:
         return self.load_LE.shape[0]
 
     @property
-    def num_experts(self) -> int:
+    def num_logical_experts(self) -> int:
         return self.load_LE.shape[1]
 
 
@@ -307,7 +307,7 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
     placement = Placement(
         phy2log_LP=sol.phy2log_LP,
         num_gpus=topo.num_gpus,
-        num_logical_experts=request.num_experts,
+        num_logical_experts=request.num_logical_experts,
         num_nodes=topo.num_nodes,
         layer_ids=request.layer_ids,
         dispatch_weights_LP=sol.dispatch_weights_LP,

@@ -129,16 +129,17 @@ def window_balancedness(placement, counts_TLE) -> np.ndarray:
     return np.array([balancedness(placement.gpu_loads(c[t])) for t in range(c.shape[0])])
 
 
-def group_span(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int, num_experts: int) -> np.ndarray:
+def group_span(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,
+               num_logical_experts: int) -> np.ndarray:
     """Number of nodes holding any replica of each expert group, int [L, K] (1 = fully local).
 
-    Groups are num_expert_groups blocks of num_experts / num_expert_groups consecutive experts (DeepSeek-V3's
+    Groups are num_expert_groups blocks of num_logical_experts / num_expert_groups consecutive experts (DeepSeek-V3's
     group-limited routing sends a token to at most 4 of 8 groups); a group on one node keeps a
     token's traffic to that group on the node's fast links. Empty slots (-1) hold nothing."""
     L, P = phy2log_LP.shape
     S = P // num_gpus
     node_P = (np.arange(P) // S) // (num_gpus // num_nodes)
-    group_LP = phy2log_LP // (num_experts // num_expert_groups)
+    group_LP = phy2log_LP // (num_logical_experts // num_expert_groups)
     present_LKN = np.zeros((L, num_expert_groups, num_nodes), dtype=bool)
     valid = phy2log_LP >= 0
     rows = np.broadcast_to(np.arange(L)[:, None], (L, P))

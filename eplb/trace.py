@@ -39,12 +39,12 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def default_meta(num_layers_total: int, num_experts: int, **overrides: Any) -> dict[str, Any]:
+def default_meta(num_layers_total: int, num_logical_experts: int, **overrides: Any) -> dict[str, Any]:
     """Meta for a trace whose origin says little: unknown fields are None."""
     meta: dict[str, Any] = {
         "model": None,
         "num_hidden_layers": int(num_layers_total),
-        "num_experts": int(num_experts),
+        "num_experts": int(num_logical_experts),
         "top_k": None,
         "num_expert_groups": None,
         "tokens_per_window": None,
@@ -144,7 +144,7 @@ class Trace:
         return self.counts_TLE.shape[1]
 
     @property
-    def num_experts(self) -> int:
+    def num_logical_experts(self) -> int:
         return self.counts_TLE.shape[2]
 
     def total(self) -> np.ndarray:
@@ -212,10 +212,11 @@ def load_history(paths) -> Trace:
         raise EplbError("no trace files given")
     first = traces[0]
     for p, t in zip(paths[1:], traces[1:]):
-        if t.num_experts != first.num_experts or not np.array_equal(t.layer_ids, first.layer_ids):
+        if t.num_logical_experts != first.num_logical_experts or not np.array_equal(t.layer_ids, first.layer_ids):
             raise EplbError(
-                f"{p}: {t.num_layers} layers x {t.num_experts} experts (layer ids {t.layer_ids[:3].tolist()}...) "
-                f"does not match {paths[0]}: {first.num_layers} x {first.num_experts}"
+                f"{p}: {t.num_layers} layers x {t.num_logical_experts} experts "
+                f"(layer ids {t.layer_ids[:3].tolist()}...) "
+                f"does not match {paths[0]}: {first.num_layers} x {first.num_logical_experts}"
             )
         # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
         for key in ("num_expert_groups", "top_k"):

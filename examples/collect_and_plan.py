@@ -37,7 +37,7 @@ def model_config(source: eplb.Trace | None, layers: int | None) -> ModelConfig:
                  qk_rope_head_dim=8, v_head_dim=8, expert_hidden=16, dense_hidden=64, vocab=256)
     if source is None:
         first, n_moe, E, K, G, TG = 3, layers or 58, 256, 8, 8, 4
-        return ModelConfig(num_layers=first + n_moe, first_moe_layer=first, num_experts=E, top_k=K,
+        return ModelConfig(num_layers=first + n_moe, first_moe_layer=first, num_logical_experts=E, top_k=K,
                            num_expert_groups=G, topk_groups=TG, name="deepseek-v3-router-tiny", **small)
     m = source.meta
     ids = source.layer_ids
@@ -48,7 +48,8 @@ def model_config(source: eplb.Trace | None, layers: int | None) -> ModelConfig:
         raise EplbError("the trace's meta has no top_k: this example needs it to build the router")
     TG = m.get("topk_groups") or max(1, G // 2)
     return ModelConfig(num_layers=int(ids[0]) + len(ids), first_moe_layer=int(ids[0]),
-                       num_experts=source.num_experts, top_k=int(K), num_expert_groups=int(G), topk_groups=int(TG),
+                       num_logical_experts=source.num_logical_experts, top_k=int(K), num_expert_groups=int(G),
+                       topk_groups=int(TG),
                        name=f"{m.get('model') or 'trace'} router, tiny", **small)
 
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
             model(torch.randint(0, cfg.vocab, (batch, seq), generator=gen))
     trace = rec.save(args.out)
     secs = time.perf_counter() - t0
-    print(f"model {cfg.name}: {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), E={cfg.num_experts}, "
+    print(f"model {cfg.name}: {cfg.num_layers} layers ({cfg.num_moe_layers} MoE), E={cfg.num_logical_experts}, "
           f"K={cfg.top_k}, {cfg.num_expert_groups} groups (top {cfg.topk_groups}); routing {routing}")
     print(f"collected {trace.num_windows} windows x {batch * seq} tokens in {secs:.1f} s -> {args.out}")
     hr = hot_ratio(trace.total())

@@ -154,7 +154,7 @@ def run(args, rank, G, group, device) -> dict:
     history = np.delete(counts_TLE, window, axis=0) if T > 1 else counts_TLE
     top_k = int(trace.meta.get("top_k") or 8)
     groups = int(trace.meta.get("num_expert_groups") or 1)
-    cfg = ModelConfig(hidden=args.hidden, num_layers=L + 1, first_moe_layer=1, num_experts=E, top_k=top_k,
+    cfg = ModelConfig(hidden=args.hidden, num_layers=L + 1, first_moe_layer=1, num_logical_experts=E, top_k=top_k,
                       num_expert_groups=groups, topk_groups=min(groups, int(trace.meta.get("topk_groups") or groups)),
                       expert_hidden=args.expert_hidden, num_shared_experts=0, name="ep-demo")
     result = plan(history, num_gpus=G, planner=args.planner, num_expert_groups=groups)

@@ -14,15 +14,16 @@ from eplb.planning import PlanRequest, Solution, register
 from eplb.topology import Topology
 
 
-def contiguous_map(num_experts: int, topo: Topology, num_layers: int) -> np.ndarray:
+def contiguous_map(num_logical_experts: int, topo: Topology, num_layers: int) -> np.ndarray:
     """phy2log_LP of the contiguous placement, the same for every layer."""
     G, S = topo.num_gpus, topo.slots_per_gpu
-    if num_experts > G * S:
-        raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_experts} experts")
-    if num_experts < G:
-        raise EplbError(f"contiguous placement needs at least one expert per GPU: {num_experts} experts < {G} GPUs")
+    if num_logical_experts > G * S:
+        raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_logical_experts} experts")
+    if num_logical_experts < G:
+        raise EplbError(f"contiguous placement needs at least one expert per GPU: "
+                        f"{num_logical_experts} experts < {G} GPUs")
     row = np.empty(G * S, dtype=np.int64)
-    for g, experts in enumerate(np.array_split(np.arange(num_experts), G)):
+    for g, experts in enumerate(np.array_split(np.arange(num_logical_experts), G)):
         row[g * S:(g + 1) * S] = np.resize(experts, S)  # spare slots cycle the GPU's own experts
     return np.tile(row, (num_layers, 1))
 
@@ -44,5 +45,5 @@ class ContiguousPlanner:
     """Spare slots repeat the GPU's own experts (see the module docstring)."""
 
     def plan(self, request: PlanRequest) -> Solution:
-        return Solution(contiguous_map(request.num_experts, request.topology, request.num_layers),
+        return Solution(contiguous_map(request.num_logical_experts, request.topology, request.num_layers),
                         message="no load balancing (baseline)")

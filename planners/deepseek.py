@@ -122,11 +122,12 @@ def rebalance_hierarchical(weight_LE: np.ndarray, num_slots: int, num_expert_gro
     return phy2log_LP, rank_LP, count_LE
 
 
-def check_config(num_experts: int, num_slots: int, num_expert_groups: int, num_nodes: int, num_gpus: int) -> None:
+def check_config(num_logical_experts: int, num_slots: int, num_expert_groups: int, num_nodes: int,
+                 num_gpus: int) -> None:
     """Refuse, with the fix, what DeepSeek's hierarchical policy asserts on."""
-    if num_experts % num_expert_groups:
-        raise EplbError(f"deepseek hierarchical policy: {num_experts} experts do not split into "
-                        f"{num_expert_groups} equal groups; use a group count that divides {num_experts}, "
+    if num_logical_experts % num_expert_groups:
+        raise EplbError(f"deepseek hierarchical policy: {num_logical_experts} experts do not split into "
+                        f"{num_expert_groups} equal groups; use a group count that divides {num_logical_experts}, "
                         f"or policy='global'")
     if num_expert_groups % num_nodes:
         raise EplbError(f"deepseek hierarchical policy: {num_expert_groups} expert groups do not split "
@@ -156,7 +157,8 @@ def rebalance_experts(weight_LE, num_replicas: int, num_expert_groups: int | Non
         if num_expert_groups is None:
             raise EplbError("deepseek hierarchical policy needs num_expert_groups (DeepSeek-V3: 8)")
         check_config(E, num_replicas, num_expert_groups, num_nodes, num_gpus)
-        phy2log_LP, rank_LP, count_LE = rebalance_hierarchical(weight_LE, num_replicas, num_expert_groups, num_nodes, num_gpus)
+        phy2log_LP, rank_LP, count_LE = rebalance_hierarchical(weight_LE, num_replicas, num_expert_groups, num_nodes,
+                                                               num_gpus)
     else:
         check_config(E, num_replicas, 1, 1, num_gpus)
         phy2log_LP, rank_LP, count_LE = rebalance_hierarchical(weight_LE, num_replicas, 1, 1, num_gpus)

@@ -10,7 +10,7 @@ from eplb.commands.common import add_command, add_output_flags, print_json
 NUMBERS = {
     "layers": "num_hidden_layers", "dense_layers": "num_dense_layers", "hidden": "hidden_size",
     "vocab": "vocab_size", "heads": "num_attention_heads", "kv_heads": "num_kv_heads",
-    "head_dim": "head_dim", "intermediate": "intermediate_size", "experts": "num_experts",
+    "head_dim": "head_dim", "intermediate": "intermediate_size", "experts": "num_logical_experts",
     "expert_intermediate": "moe_intermediate_size", "shared_experts": "num_shared_experts",
     "top_k": "top_k", "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank",
     "rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
@@ -62,8 +62,8 @@ def run(args) -> int:
         if not model.is_moe:
             raise EplbError(f"{model.name} is a dense model: --redundant does not apply")
         # Same rule as `eplb plan`: E + redundant must split evenly over the GPUs.
-        topo = Topology.for_experts(model.num_experts, num_gpus=args.gpus, num_redundant=args.redundant)
-        per_gpu = topo.slots_per_gpu - -(-model.num_experts // args.gpus)
+        topo = Topology.for_experts(model.num_logical_experts, num_gpus=args.gpus, num_redundant=args.redundant)
+        per_gpu = topo.slots_per_gpu - -(-model.num_logical_experts // args.gpus)
     rep = plan_capacity(model, dep, redundant_per_gpu=per_gpu)
     if args.json:
         print_json(rep.to_dict())

@@ -35,8 +35,8 @@ def run(args) -> int:
     }
     if args.trace:
         trace = load_trace(args.trace)
-        if trace.num_layers != pl.num_layers or trace.num_experts != pl.num_logical_experts:
-            raise EplbError(f"trace {args.trace} is {trace.num_layers} layers x {trace.num_experts} experts, "
+        if trace.num_layers != pl.num_layers or trace.num_logical_experts != pl.num_logical_experts:
+            raise EplbError(f"trace {args.trace} is {trace.num_layers} layers x {trace.num_logical_experts} experts, "
                             f"the placement {pl.num_layers} x {pl.num_logical_experts}")
         if not np.array_equal(trace.layer_ids, pl.layer_ids):
             raise EplbError(f"trace {args.trace} has MoE layer ids {trace.layer_ids[:3].tolist()}..., the placement "

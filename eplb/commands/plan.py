@@ -109,7 +109,7 @@ def run(args) -> int:
     if args.slots_per_gpu == "auto":
         from eplb.capacity import slots_from_args
 
-        capacity = slots_from_args(args, trace.num_experts)
+        capacity = slots_from_args(args, trace.num_logical_experts)
         slots = capacity.slots_per_gpu
     elif args.slots_per_gpu is not None:
         try:
@@ -163,7 +163,7 @@ def run(args) -> int:
     if args.quiet:
         return 0
     pl = result.placement
-    print(f"{trace.num_layers} MoE layers x {trace.num_experts} experts, {trace.num_windows} window(s); "
+    print(f"{trace.num_layers} MoE layers x {trace.num_logical_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
           f"({pl.num_slots - pl.num_logical_experts} redundant, {pl.slots_per_gpu} per GPU)")
     if capacity:

@@ -140,15 +140,17 @@ def run(args) -> int:
         planners = args.planner or ([] if files else ["greedy"])
         from eplb.topology import Topology
 
-        topo = Topology.for_experts(trace.num_experts, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant)
-        placements["contiguous"] = Placement(contiguous_map(trace.num_experts, topo, trace.num_layers), topo.num_gpus,
-                                             trace.num_experts, topo.num_nodes, trace.layer_ids)
+        topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
+                                    num_redundant=args.redundant)
+        placements["contiguous"] = Placement(contiguous_map(trace.num_logical_experts, topo, trace.num_layers),
+                                             topo.num_gpus, trace.num_logical_experts, topo.num_nodes, trace.layer_ids)
         for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
-            placements[name] = plan(trace, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant, planner=name)
+            placements[name] = plan(trace, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant,
+                                    planner=name)
         for path, pl in zip(args.placement, files):
-            if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_experts:
+            if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_logical_experts:
                 raise EplbError(f"placement {path} is {pl.num_layers} layers x {pl.num_logical_experts} experts, "
-                                f"the trace {trace.num_layers} x {trace.num_experts}")
+                                f"the trace {trace.num_layers} x {trace.num_logical_experts}")
             _check_layer_ids(path, pl, trace, args.traces[0])
             placements[os.path.basename(path)] = pl
         fig = plot.gpu_load_comparison(load, placements, layer_ids=trace.layer_ids, title=args.title)

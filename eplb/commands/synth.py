@@ -70,11 +70,11 @@ def run(args) -> int:
         return 0
     if not args.quiet:
         print(f"wrote {args.output}: {trace.num_windows} windows x {trace.num_layers} layers x "
-              f"{trace.num_experts} experts, phases {''.join(p[0] for p in trace.meta['phases'])} (p/d)")
+              f"{trace.num_logical_experts} experts, phases {''.join(p[0] for p in trace.meta['phases'])} (p/d)")
 
         def f(v):
             return "" if v is None else float(v)
-        gpus = [g for g in CONTIGUOUS_GPUS if trace.num_experts % g == 0]
+        gpus = [g for g in CONTIGUOUS_GPUS if trace.num_logical_experts % g == 0]
         keys = ("hot_median", "hot_max", "gini_median", *(f"contig_G{g}" for g in gpus), "prefill_decode_corr")
         table = [[name.rsplit("/", 1)[-1][:40], *(f(r.get(k)) for k in keys)] for name, r in rows.items()]
         print(format_table(["trace", "hot/mean med", "hot/mean max", "gini med",

@@ -121,10 +121,10 @@ class ReplicaTable:
                    None if weights_EX is None else t(weights_EX))
 
 
-def occurrence(expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+def occurrence(expert_N: torch.Tensor, num_logical_experts: int) -> torch.Tensor:
     """occ_N: how many earlier rows chose the same expert (0, 1, 2, ... per expert, in row order)."""
     order_N = torch.argsort(expert_N, stable=True)
-    n_E = torch.bincount(expert_N, minlength=num_experts)
+    n_E = torch.bincount(expert_N, minlength=num_logical_experts)
     start_E = torch.cumsum(n_E, 0) - n_E
     occ_sorted = torch.arange(expert_N.numel(), device=expert_N.device) - start_E[expert_N[order_N]]
     occ_N = torch.empty_like(occ_sorted)

@@ -60,7 +60,7 @@ class ModelConfig:
     """R: per-head query/key dims with RoPE (the key part is shared by all heads)."""
     v_head_dim: int = 16
     """Per-head value dims."""
-    num_experts: int = 16
+    num_logical_experts: int = 16
     """E: routed (logical) experts per MoE layer."""
     top_k: int = 4
     """K: routed experts each token uses."""
@@ -100,17 +100,19 @@ class ModelConfig:
                 f"first_moe_layer ({self.first_moe_layer}) must be below num_layers "
                 f"({self.num_layers}): the model needs at least one MoE layer"
             )
-        if self.num_experts % self.num_expert_groups:
+        if self.num_logical_experts % self.num_expert_groups:
             raise EplbError(
-                f"num_experts ({self.num_experts}) must be divisible by num_expert_groups ({self.num_expert_groups})"
+                f"num_logical_experts ({self.num_logical_experts}) must be divisible by "
+                f"num_expert_groups ({self.num_expert_groups})"
             )
         if self.topk_groups > self.num_expert_groups:
             raise EplbError(f"topk_groups ({self.topk_groups}) must be <= num_expert_groups ({self.num_expert_groups})")
-        reachable = self.topk_groups * (self.num_experts // self.num_expert_groups)
+        reachable = self.topk_groups * (self.num_logical_experts // self.num_expert_groups)
         if self.top_k > reachable:
             raise EplbError(
                 f"top_k ({self.top_k}) exceeds the {reachable} experts in the {self.topk_groups} "
-                f"chosen groups of {self.num_experts // self.num_expert_groups}: raise topk_groups or lower top_k"
+                f"chosen groups of {self.num_logical_experts // self.num_expert_groups}: "
+                f"raise topk_groups or lower top_k"
             )
         if self.qk_rope_head_dim % 2:
             raise EplbError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
@@ -122,7 +124,7 @@ class ModelConfig:
         """The published DeepSeek-V3 / R1 shape (for sizes and KV arithmetic; too big to build)."""
         return cls(hidden=7168, num_layers=61, first_moe_layer=3, num_heads=128, q_lora_rank=1536,
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                   num_experts=256, top_k=8, num_expert_groups=8, topk_groups=4, expert_hidden=2048,
+                   num_logical_experts=256, top_k=8, num_expert_groups=8, topk_groups=4, expert_hidden=2048,
                    num_shared_experts=1, routed_scaling=2.5, vocab=129280, dense_hidden=18432,
                    name="deepseek-v3")
 
@@ -160,7 +162,7 @@ class ModelConfig:
         return {
             "model": self.name,
             "num_hidden_layers": self.num_layers,
-            "num_experts": self.num_experts,
+            "num_experts": self.num_logical_experts,
             "top_k": self.top_k,
             "num_expert_groups": self.num_expert_groups,
             "topk_groups": self.topk_groups,
@@ -274,12 +276,12 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config
-        self.num_experts, self.top_k = c.num_experts, c.top_k
+        self.num_logical_experts, self.top_k = c.num_logical_experts, c.top_k
         self.num_expert_groups, self.topk_groups = c.num_expert_groups, c.topk_groups
         self.routed_scaling = float(c.routed_scaling)
-        self.weight = nn.Parameter(torch.randn(c.num_experts, c.hidden) / math.sqrt(c.hidden))
+        self.weight = nn.Parameter(torch.randn(c.num_logical_experts, c.hidden) / math.sqrt(c.hidden))
         # Load-balancing bias of auxiliary-loss-free balancing: steers the choice only.
-        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.num_logical_experts))
         self._pi_E: torch.Tensor | None = None
         self._generator: torch.Generator | None = None
 
@@ -290,8 +292,9 @@ class Router(nn.Module):
             return
         f = np.asarray(freq_E.detach().cpu() if isinstance(freq_E, torch.Tensor) else freq_E,
                        dtype=np.float64)
-        if f.shape != (self.num_experts,):
-            raise EplbError(f"routing frequencies must have {self.num_experts} entries (one per expert), got shape {f.shape}")
+        if f.shape != (self.num_logical_experts,):
+            raise EplbError(f"routing frequencies must have {self.num_logical_experts} entries (one per expert), "
+                            f"got shape {f.shape}")
         self._pi_E = torch.as_tensor(inclusion_probs(f, self.top_k), device=self.weight.device)
         self._generator = generator
 
@@ -311,14 +314,15 @@ class Router(nn.Module):
         else:
             # Step 1: biased scores choose; group score = sum of a group's top-2.
             b_TE = s_TE + self.e_score_correction_bias
-            per_group = self.num_experts // self.num_expert_groups
+            per_group = self.num_logical_experts // self.num_expert_groups
             g_TGn = b_TE.view(T, self.num_expert_groups, per_group)
             group_score_TG = g_TGn.topk(min(2, per_group), dim=-1).values.sum(-1)
             # Step 2: keep the best topk_groups groups; experts elsewhere cannot be chosen.
             keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
             keep_TG.scatter_(1, group_score_TG.topk(self.topk_groups, dim=-1).indices, True)
             # reshape(T, E), not (T, -1): a rank with no tokens (T = 0) must still route.
-            keep_TE = keep_TG[:, :, None].expand(T, self.num_expert_groups, per_group).reshape(T, self.num_experts)
+            keep_TE = (keep_TG[:, :, None].expand(T, self.num_expert_groups, per_group)
+                       .reshape(T, self.num_logical_experts))
             # Step 3: top-k experts among the kept groups.
             ids_TK = b_TE.masked_fill(~keep_TE, float("-inf")).topk(self.top_k, dim=-1).indices
         w_TK = s_TE.gather(1, ids_TK)
@@ -334,8 +338,8 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config
-        E, Fh, D = c.num_experts, c.expert_hidden, c.hidden
-        self.num_experts, self.top_k = E, c.top_k
+        E, Fh, D = c.num_logical_experts, c.expert_hidden, c.hidden
+        self.num_logical_experts, self.top_k = E, c.top_k
         self.gate = Router(c)
         self.w_gate_EFD = nn.Parameter(torch.randn(E, Fh, D) / math.sqrt(D))
         self.w_up_EFD = nn.Parameter(torch.randn(E, Fh, D) / math.sqrt(D))
@@ -349,7 +353,7 @@ class MoE(nn.Module):
         flat_ids = topk_ids_TK.reshape(-1)
         # Sort (token, k) pairs by expert so each expert runs once on its tokens.
         order = flat_ids.argsort(stable=True)
-        counts_E = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts_E = torch.bincount(flat_ids, minlength=self.num_logical_experts).tolist()
         tok_sorted = order // K
         # Weights in the activations' dtype (engines often keep router weights in float32):
         # index_add_ needs one dtype, and the EP shim combines the same way.
@@ -506,9 +510,9 @@ class DeepSeekModel(nn.Module):
             return
         f = np.asarray(freq_LE.detach().cpu() if isinstance(freq_LE, torch.Tensor) else freq_LE,
                        dtype=np.float64)
-        if f.shape != (len(moes), self.config.num_experts):
+        if f.shape != (len(moes), self.config.num_logical_experts):
             raise EplbError(
-                f"routing frequencies must be [{len(moes)} MoE layers, {self.config.num_experts} experts], "
+                f"routing frequencies must be [{len(moes)} MoE layers, {self.config.num_logical_experts} experts], "
                 f"got shape {f.shape}"
             )
         for (_, m), f_E in zip(moes, f):

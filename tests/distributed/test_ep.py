@@ -37,7 +37,7 @@ def reference_moes(num_layers: int, seed: int = 0):
     from eplb.runtime.model import MoE, ModelConfig
 
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden=D, num_experts=E, top_k=K, num_expert_groups=4, topk_groups=2, expert_hidden=FF)
+    cfg = ModelConfig(hidden=D, num_logical_experts=E, top_k=K, num_expert_groups=4, topk_groups=2, expert_hidden=FF)
     return [MoE(cfg).requires_grad_(False) for _ in range(num_layers)]
 
 

@@ -163,7 +163,7 @@ def test_top_k_cannot_exceed_the_experts():
     """`eplb capacity --model deepseek-v3 --top-k 1000` described a top-1000 of 256 experts."""
     from eplb.capacity import with_overrides
 
-    with pytest.raises(EplbError, match=r"top_k \(1000\) must be at most num_experts \(256\)"):
+    with pytest.raises(EplbError, match=r"top_k \(1000\) must be at most num_logical_experts \(256\)"):
         with_overrides(get_model("deepseek-v3"), top_k=1000)
 
 

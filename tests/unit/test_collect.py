@@ -129,7 +129,7 @@ def test_reference_model_counts_match_router_outputs(tmp_path):
     back = Trace.load_npz(tmp_path / "t.npz")
     assert back.layer_ids.tolist() == cfg.moe_layer_ids
     for l, lid in enumerate(cfg.moe_layer_ids):
-        want = torch.bincount(torch.cat(seen[lid]).flatten(), minlength=cfg.num_experts).numpy()
+        want = torch.bincount(torch.cat(seen[lid]).flatten(), minlength=cfg.num_logical_experts).numpy()
         np.testing.assert_array_equal(back.counts_TLE[0, l], want)
     assert back.counts_TLE.sum() == 4 * 11 * cfg.top_k * cfg.num_moe_layers
     assert back.meta["model"] == cfg.name and back.meta["num_expert_groups"] == cfg.num_expert_groups
@@ -138,7 +138,7 @@ def test_reference_model_counts_match_router_outputs(tmp_path):
 
 
 def test_collected_driven_trace_plans():
-    cfg = ModelConfig(num_layers=3, first_moe_layer=1, num_experts=16)
+    cfg = ModelConfig(num_layers=3, first_moe_layer=1, num_logical_experts=16)
     torch.manual_seed(1)
     model = DeepSeekModel(cfg).eval()
     freq = np.ones((2, 16))
@@ -208,7 +208,7 @@ def test_forwards_in_and_out_of_inference_mode_count_into_one_window():
 def test_meta_carries_the_group_limit(tmp_path):
     # Groups a token may use (topk_groups) went missing from collected traces, so readers
     # guessed num_groups // 2: a model with 3 of 4 groups and top-10 could not be rebuilt.
-    cfg = ModelConfig(num_layers=2, num_experts=16, num_expert_groups=4, topk_groups=3, top_k=10)
+    cfg = ModelConfig(num_layers=2, num_logical_experts=16, num_expert_groups=4, topk_groups=3, top_k=10)
     torch.manual_seed(0)
     with RouterCollector(DeepSeekModel(cfg).eval()) as rec, torch.no_grad():
         rec.model(torch.randint(0, cfg.vocab, (1, 5)))

@@ -101,7 +101,8 @@ def test_unknown_mode_is_a_user_error():
 
 def test_local_experts_equal_the_reference_model():
     torch.manual_seed(0)
-    moe = MoE(ModelConfig(hidden=16, num_experts=8, top_k=2, num_expert_groups=2, topk_groups=1, expert_hidden=12))
+    moe = MoE(ModelConfig(hidden=16, num_logical_experts=8, top_k=2, num_expert_groups=2, topk_groups=1,
+                          expert_hidden=12))
     x = torch.randn(30, 16)
     ids = torch.randint(0, 8, (30, 1))
     w = torch.ones(30, 1)
@@ -158,7 +159,7 @@ def test_runtime_report_sums_steps_before_the_ratio():
 
 def _small_moe(seed: int = 0) -> MoE:
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden=16, num_experts=4, top_k=2, num_expert_groups=2, topk_groups=1, expert_hidden=8)
+    cfg = ModelConfig(hidden=16, num_logical_experts=4, top_k=2, num_expert_groups=2, topk_groups=1, expert_hidden=8)
     return MoE(cfg).requires_grad_(False)
 
 

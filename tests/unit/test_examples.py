@@ -68,7 +68,7 @@ def test_collect_and_plan_rebuilds_the_router_of_a_collected_trace(tmp_path, tor
     from eplb.collect import RouterCollector
     from eplb.runtime.model import DeepSeekModel, ModelConfig
 
-    cfg = ModelConfig(num_layers=2, num_experts=16, num_expert_groups=4, topk_groups=3, top_k=10)
+    cfg = ModelConfig(num_layers=2, num_logical_experts=16, num_expert_groups=4, topk_groups=3, top_k=10)
     with RouterCollector(DeepSeekModel(cfg).eval()) as rec, torch.no_grad():
         rec.model(torch.randint(0, cfg.vocab, (1, 5)))
     rebuilt = load_example("collect_and_plan").model_config(rec.trace(), None)   # raised: top_k 10 > 2 x 4

@@ -272,7 +272,7 @@ def test_prohibitive_span_cost_never_adds_a_group_node_pair():
 # MigrationPlan: invariants on construction -------------------------------------------------------
 
 def _plan_kw(**kw):
-    d = dict(old_LP=_OLD, new_LP=_NEW, slots_per_gpu=2, num_experts=3, round_M=[0], layer_M=[0], expert_M=[1],
+    d = dict(old_LP=_OLD, new_LP=_NEW, slots_per_gpu=2, num_logical_experts=3, round_M=[0], layer_M=[0], expert_M=[1],
              src_rank_M=[0], src_slot_M=[1], dst_rank_M=[0], dst_slot_M=[0], staging_M=[False], chunk_R=[0],
              rank_ids_G=[0, 1])
     d.update(kw)
@@ -284,7 +284,7 @@ def _plan_kw(**kw):
     (dict(src_slot_M=[-3]), "transfer 0"), (dict(dst_rank_M=[1]), "transfer 0"),
     (dict(src_rank_M=[-1]), "transfer 0"),                       # a reload names no source slot
     (dict(slots_per_gpu=3), "rank_ids_G"), (dict(rank_ids_G=[0, 1, 2]), "rank_ids_G"),
-    (dict(old_LP=_OLD + 5), "expert"), (dict(num_experts=0), "num_experts"),
+    (dict(old_LP=_OLD + 5), "expert"), (dict(num_logical_experts=0), "num_logical_experts"),
     (dict(round_M=[0.5]), "whole numbers"), (dict(layer_M=[[0]]), "1-D"),
 ])
 def test_migration_plan_checks_its_indices(kw, match):

@@ -30,7 +30,7 @@ def test_kv_bytes_deepseek_v3():
 
 
 @pytest.mark.parametrize("bad, msg", [
-    (dict(num_experts=10, num_expert_groups=4), "divisible by num_expert_groups"),
+    (dict(num_logical_experts=10, num_expert_groups=4), "divisible by num_expert_groups"),
     (dict(topk_groups=5), "topk_groups"),
     (dict(top_k=9, topk_groups=2), "exceeds"),
     (dict(first_moe_layer=4), "at least one MoE layer"),
@@ -46,7 +46,7 @@ def _router_reference(r: Router, x):
     """Token-by-token DeepSeek-V3 gate, written with plain Python loops."""
     s = torch.sigmoid(x.float() @ r.weight.float().T)
     b = s + r.e_score_correction_bias
-    per = r.num_experts // r.num_expert_groups
+    per = r.num_logical_experts // r.num_expert_groups
     ids, ws = [], []
     for t in range(x.shape[0]):
         gscore = [sorted(b[t, g * per:(g + 1) * per].tolist(), reverse=True)[:2] for g in range(r.num_expert_groups)]
@@ -64,7 +64,7 @@ def test_router_matches_loop_reference_with_bias(cfg):
     torch.manual_seed(0)
     r = Router(cfg)
     # A bias that favours the last group changes which experts win, not their weights' source.
-    r.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, cfg.num_experts))
+    r.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, cfg.num_logical_experts))
     x = torch.randn(40, cfg.hidden)
     ids, w = r(x)
     ref_ids, ref_w = _router_reference(r, x)
@@ -79,7 +79,7 @@ def test_router_group_limit(cfg):
     torch.manual_seed(1)
     r = Router(cfg)
     ids, _ = r(torch.randn(200, cfg.hidden))
-    groups = ids // (cfg.num_experts // cfg.num_expert_groups)
+    groups = ids // (cfg.num_logical_experts // cfg.num_expert_groups)
     assert all(len(set(row)) <= cfg.topk_groups for row in groups.tolist())
 
 
@@ -148,7 +148,7 @@ def test_sample_distinct_marginals_and_distinctness():
 def test_drive_routing_reproduces_trace_skew_and_turns_off(cfg):
     torch.manual_seed(5)
     model = DeepSeekModel(cfg)
-    L, E = cfg.num_moe_layers, cfg.num_experts
+    L, E = cfg.num_moe_layers, cfg.num_logical_experts
     freq = np.random.default_rng(1).integers(1, 50, size=(L, E)).astype(float)
     model.drive_routing(freq, torch.Generator().manual_seed(1))
     moe = model.moe_layers()[0][1]
@@ -185,7 +185,7 @@ def test_routed_takes_float32_router_weights_with_bf16_activations(cfg):
     torch.manual_seed(7)
     moe = MoE(cfg).to(torch.bfloat16)
     x = torch.randn(9, cfg.hidden, dtype=torch.bfloat16)
-    ids = torch.randint(0, cfg.num_experts, (9, cfg.top_k))
+    ids = torch.randint(0, cfg.num_logical_experts, (9, cfg.top_k))
     w = torch.rand(9, cfg.top_k)
     with torch.no_grad():
         y = moe.routed(x, ids, w)

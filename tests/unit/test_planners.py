@@ -131,7 +131,8 @@ def test_invariants_deepseek_like(name):
     topo = Topology.for_experts(64, num_gpus=16, num_nodes=4)
     if is_time_limited(name):
         load = load[:1]
-    sol = get_planner(name, **fast_settings(name)).plan(PlanRequest(load, topo, history_TLE=load[None], num_expert_groups=8))
+    sol = get_planner(name, **fast_settings(name)).plan(PlanRequest(load, topo, history_TLE=load[None],
+                                                                    num_expert_groups=8))
     check_invariants(name, sol.phy2log_LP, sol.dispatch_weights_LP, load, topo)
 
 
