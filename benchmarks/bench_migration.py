@@ -47,9 +47,9 @@ SHARED = os.path.join(os.path.dirname(ROOT), "shared", "traces")
 SYNTH = os.path.join(ROOT, "traces", "deepseek.npz")
 
 
-def imbalance(load_LE, phy_LP, num_gpus):
+def imbalance(load_LE, phy2log_LP, num_gpus):
     """(median over layers of busiest/mean GPU, sum of busiest / sum of mean) under even dispatch."""
-    mx = mg.max_load(load_LE, phy_LP, num_gpus)
+    mx = mg.max_load(load_LE, phy2log_LP, num_gpus)
     mean = load_LE.sum(axis=1) / num_gpus
     return float(np.median(mx / mean)), float(mx.sum() / mean.sum())
 

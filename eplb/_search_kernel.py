@@ -532,15 +532,15 @@ def count_moves(old_RS, new_RS):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def holdings_LEG(phy_LP, G, E):
+def holdings_LEG(phy2log_LP, G, E):
     """Compiled `migration.holdings` in the search's layout: replicas of each expert on each
     GPU, int16 [L, E, G] (slots < 0 skipped)."""
-    L, P = phy_LP.shape
+    L, P = phy2log_LP.shape
     S = P // G
     out = np.zeros((L, E, G), dtype=np.int16)
     for l in range(L):
         for p in range(P):
-            e = phy_LP[l, p]
+            e = phy2log_LP[l, p]
             if e >= 0:
                 out[l, e, p // S] += 1
     return out

@@ -130,8 +130,8 @@ class Resplitter:
         if not isinstance(placement, Placement):
             raise EplbError(f"Resplitter needs a Placement, got {type(placement).__name__}")
         self.placement = placement
-        phy_LP = placement.phy2log_LP
-        L, P = phy_LP.shape
+        phy2log_LP = placement.phy2log_LP
+        L, P = phy2log_LP.shape
         G, S = placement.num_gpus, placement.slots_per_gpu
         gpu_P = placement.gpu_of_slot()
         rows = np.arange(L)[:, None]
@@ -152,8 +152,8 @@ class Resplitter:
         # the sweeps would redistribute the expert's load while the copy kept its share too.
         # home_LP: that first slot, for every slot; None when no GPU holds two copies.
         self._home_flat = None
-        phy_LGS = phy_LP.reshape(L, G, S)
-        same_LGSS = phy_LGS[:, :, :, None] == phy_LGS[:, :, None, :]
+        phy2log_LGS = phy2log_LP.reshape(L, G, S)
+        same_LGSS = phy2log_LGS[:, :, :, None] == phy2log_LGS[:, :, None, :]
         if (same_LGSS.sum(axis=3) > 1).any():
             home_LGS = same_LGSS.argmax(axis=3) + (np.arange(G) * S)[None, :, None]
             self._home_flat = (home_LGS.reshape(L, P) + (np.arange(L) * P)[:, None]).ravel()

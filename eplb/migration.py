@@ -143,14 +143,14 @@ def warm_up() -> float:
 
 # 1. Counting ------------------------------------------------------------------------------------
 
-def holdings(phy_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
-    """Replicas of each expert on each GPU, int64 [L, G, E]. Entries < 0 in phy_LP (empty) are skipped."""
-    phy_LP = np.asarray(phy_LP)
-    L, P = phy_LP.shape
+def holdings(phy2log_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
+    """Replicas of each expert on each GPU, int64 [L, G, E]. Entries < 0 in phy2log_LP (empty) are skipped."""
+    phy2log_LP = np.asarray(phy2log_LP)
+    L, P = phy2log_LP.shape
     S = P // num_gpus
     gpu_P = np.arange(P) // S
-    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical_experts + phy_LP
-    flat = flat[phy_LP >= 0]
+    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical_experts + phy2log_LP
+    flat = flat[phy2log_LP >= 0]
     return np.bincount(flat, minlength=L * num_gpus * num_logical_experts).reshape(L, num_gpus, num_logical_experts)
 
 
@@ -677,15 +677,15 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
     return phy
 
 
-def restore_missing(load_LE: np.ndarray, phy_LP: np.ndarray, num_gpus: int) -> np.ndarray:
+def restore_missing(load_LE: np.ndarray, phy2log_LP: np.ndarray, num_gpus: int) -> np.ndarray:
     """Give every expert without a replica (-1 slots or experts absent) one, heaviest first.
 
     Empty slots (-1) are used first; then the slot of a replica whose expert has the most
     replicas and the lowest load per replica, on the least-loaded GPU that does not hold the
-    expert. Returns a copy of phy_LP with no expert missing.
+    expert. Returns a copy of phy2log_LP with no expert missing.
     """
-    load_LE, _, _ = _check_load_and_maps(load_LE, num_gpus, phy_LP=phy_LP)
-    phy = np.array(phy_LP, dtype=np.int64, copy=True)
+    load_LE, _, _ = _check_load_and_maps(load_LE, num_gpus, phy2log_LP=phy2log_LP)
+    phy = np.array(phy2log_LP, dtype=np.int64, copy=True)
     L, P = phy.shape
     E = load_LE.shape[1]
     G, S = num_gpus, P // num_gpus
@@ -830,15 +830,15 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
                     {**sol.info, "migration": info})
 
 
-def max_load(load_LE: np.ndarray, phy_LP: np.ndarray, num_gpus: int) -> np.ndarray:
+def max_load(load_LE: np.ndarray, phy2log_LP: np.ndarray, num_gpus: int) -> np.ndarray:
     """Busiest GPU's load per layer under even dispatch, [L] (slots < 0 hold nothing)."""
     load_LE = np.asarray(load_LE, dtype=np.float64)
-    L, P = phy_LP.shape
+    L, P = phy2log_LP.shape
     E = load_LE.shape[1]
-    valid = phy_LP >= 0
+    valid = phy2log_LP >= 0
     # Replica counts by bincount (np.add.at is ~10x slower; same integer counts).
-    r = np.bincount((np.arange(L)[:, None] * E + phy_LP)[valid], minlength=L * E).reshape(L, E).astype(np.float64)
-    e = np.maximum(phy_LP, 0)
+    r = np.bincount((np.arange(L)[:, None] * E + phy2log_LP)[valid], minlength=L * E).reshape(L, E).astype(np.float64)
+    e = np.maximum(phy2log_LP, 0)
     w = np.where(valid, np.take_along_axis(load_LE / np.maximum(r, 1), e, axis=1), 0.0)
     return w.reshape(L, num_gpus, P // num_gpus).sum(axis=2).max(axis=1)
 

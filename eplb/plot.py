@@ -247,14 +247,14 @@ def replica_map(placement: Any, load_LE: Any = None, *, layer: int | None = None
     cb.set_label("replicas")
     left.axhline(layer, color="red", lw=0.8, ls=":")
 
-    phy_GS = pl.phy2log_LP[layer].reshape(G, S)
+    phy2log_GS = pl.phy2log_LP[layer].reshape(G, S)
     if load is not None:
         h_GS = pl.slot_loads(load)[layer].reshape(G, S)
         ylabel = "tokens served (token-slots)"
     else:
         h_GS = np.ones((G, S))
         ylabel = "slots"
-    cnt_GS = cnt_LE[layer][phy_GS]
+    cnt_GS = cnt_LE[layer][phy2log_GS]
     bottom = np.zeros(G)
     gx = np.arange(G)
     tall = h_GS.sum(axis=1).max() * 0.04
@@ -263,7 +263,7 @@ def replica_map(placement: Any, load_LE: Any = None, *, layer: int | None = None
         right.bar(gx, h_GS[:, s], bottom=bottom, color=c, edgecolor="white", linewidth=0.4, width=0.85)
         for g in range(G):
             if cnt_GS[g, s] > 1 and h_GS[g, s] >= tall and G <= 64:
-                right.text(g, bottom[g] + h_GS[g, s] / 2, str(phy_GS[g, s]), ha="center", va="center",
+                right.text(g, bottom[g] + h_GS[g, s] / 2, str(phy2log_GS[g, s]), ha="center", va="center",
                            fontsize=6, color="white" if cnt_GS[g, s] > 2 else "black", rotation=90)
         bottom += h_GS[:, s]
     if load is not None:

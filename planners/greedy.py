@@ -55,7 +55,7 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
     rep_expert_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
     rep_load_LP = np.take_along_axis(per_LE, rep_expert_LP, axis=1)
 
-    phy_LGS = np.empty((L, G, S), dtype=np.int64)
+    phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
     gpu_load_LG = np.zeros((L, G))
     for k in range(S):
         lightest_LG = np.argsort(gpu_load_LG, axis=1, kind="stable")
@@ -65,25 +65,25 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
             # Only the expert that opens round k can already sit on a GPU (from round k - 1):
             # its m replicas here take the m lightest GPUs that do not hold it yet.
             f_A = first_L[straddle]
-            held_AG = (phy_LGS[straddle, :, k - 1] == f_A[:, None])
+            held_AG = (phy2log_LGS[straddle, :, k - 1] == f_A[:, None])
             sorted_AG = lightest_LG[straddle]
             free_AG = ~np.take_along_axis(held_AG, sorted_AG, axis=1)
             m_A = (rep_expert_LP[straddle, k * G:(k + 1) * G] == f_A[:, None]).sum(axis=1)
             take_AG = free_AG & (np.cumsum(free_AG, axis=1) <= m_A[:, None])
             lightest_LG[straddle] = np.take_along_axis(sorted_AG, np.argsort(~take_AG, axis=1, kind="stable"), axis=1)
-        phy_LGS[rows, lightest_LG, k] = rep_expert_LP[:, k * G:(k + 1) * G]
+        phy2log_LGS[rows, lightest_LG, k] = rep_expert_LP[:, k * G:(k + 1) * G]
         gpu_load_LG[rows, lightest_LG] += rep_load_LP[:, k * G:(k + 1) * G]
-    return phy_LGS.reshape(L, P)
+    return phy2log_LGS.reshape(L, P)
 
 
-def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
+def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
            max_rounds: int = 64, per_LE: np.ndarray | None = None) -> np.ndarray:
-    """Lower each layer's busiest GPU by pairwise replica swaps (in place; returns phy_LP).
+    """Lower each layer's busiest GPU by pairwise replica swaps (in place; returns phy2log_LP).
 
     Rows may be any batch (layers, or layers x nodes with G = GPUs per node). Each replica
     carries per_LE (default load_LE / count_LE, an even split).
     """
-    L, P = phy_LP.shape
+    L, P = phy2log_LP.shape
     G = num_gpus
     S = P // G
     if per_LE is None:
@@ -92,7 +92,7 @@ def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, num_gp
     for _ in range(max_rounds):
         if active.size == 0:
             break
-        phy = phy_LP[active]                                            # [A, P]
+        phy = phy2log_LP[active]                                            # [A, P]
         w_AP = np.take_along_axis(per_LE[active], phy, axis=1)
         w_AGS = w_AP.reshape(-1, G, S)
         gl_AG = w_AGS.sum(axis=2)
@@ -110,8 +110,8 @@ def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, num_gp
         new_max = np.maximum(new_top, new_h)
         # Forbidden: b on the busiest GPU; e_b already on top; e_a already on h.
         e_b_on_top = (phy[:, None, :] == ea_AS[:, :, None]).any(axis=1)  # [A, P]: is e_b on top
-        phy_AGS = phy.reshape(-1, G, S)
-        e_a_on_h = (phy_AGS[:, None, :, :] == ea_AS[:, :, None, None]).any(axis=3)  # [A, S, G]
+        phy2log_AGS = phy.reshape(-1, G, S)
+        e_a_on_h = (phy2log_AGS[:, None, :, :] == ea_AS[:, :, None, None]).any(axis=3)  # [A, S, G]
         bad = (gpu_of_b[None, None, :] == top[:, None, None]) | e_b_on_top[:, None, :] | e_a_on_h[:, :, gpu_of_b]
         gain = np.where(bad, -np.inf, top_load[:, None, None] - new_max)
         flat = gain.reshape(A, -1).argmax(axis=1)
@@ -123,13 +123,13 @@ def refine(phy_LP: np.ndarray, load_LE: np.ndarray, count_LE: np.ndarray, num_gp
         s_a, b = np.divmod(flat[improve], P)
         layers = active[improve]
         a_slot = top[improve] * S + s_a
-        ea = phy_LP[layers, a_slot].copy()
-        phy_LP[layers, a_slot] = phy_LP[layers, b]
-        phy_LP[layers, b] = ea
+        ea = phy2log_LP[layers, a_slot].copy()
+        phy2log_LP[layers, a_slot] = phy2log_LP[layers, b]
+        phy2log_LP[layers, b] = ea
         # A swap can leave another GPU as tied busiest; keep going while some layer improves.
         active = layers
         del ia
-    return phy_LP
+    return phy2log_LP
 
 
 def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_rounds: int = 0) -> np.ndarray:
@@ -142,10 +142,10 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     if P > num_gpus * E:
         raise EplbError(f"{P} slots need more than one replica of an expert per GPU ({E} experts, {num_gpus} GPUs)")
     count_LE = replicate(load_LE, P, num_gpus)
-    phy_LP = pack(load_LE, count_LE, num_gpus, slots_per_gpu)
+    phy2log_LP = pack(load_LE, count_LE, num_gpus, slots_per_gpu)
     if refine_rounds:
-        refine(phy_LP, load_LE, count_LE, num_gpus, refine_rounds)
-    return phy_LP
+        refine(phy2log_LP, load_LE, count_LE, num_gpus, refine_rounds)
+    return phy2log_LP
 
 
 @register("greedy")

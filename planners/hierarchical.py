@@ -283,24 +283,24 @@ class HierarchicalPlanner:
 
         # Step 4: pack each node onto its own GPUs; rows are (layer, node).
         per_XE = np.repeat(per_LE, N, axis=0)
-        phy_XC = pack_replicas(per_XE, cnt_LNE.reshape(L * N, E), Q, S)
+        phy2log_XC = pack_replicas(per_XE, cnt_LNE.reshape(L * N, E), Q, S)
         if self.refine_rounds:
-            refine(phy_XC, None, None, Q, self.refine_rounds, per_LE=per_XE)
-        phy_LP = phy_XC.reshape(L, P)
+            refine(phy2log_XC, None, None, Q, self.refine_rounds, per_LE=per_XE)
+        phy2log_LP = phy2log_XC.reshape(L, P)
 
         # Step 5: guard the balance against greedy's, layer by layer.
         limit_L = greedy_max_L * (1 + self.tolerance) + 1e-12
-        bad = np.flatnonzero(self._max_gpu(phy_LP, per_LE, G, S) > limit_L)
+        bad = np.flatnonzero(self._max_gpu(phy2log_LP, per_LE, G, S) > limit_L)
         repaired = from_greedy = 0
         if len(bad):
-            sub = phy_LP[bad].copy()
+            sub = phy2log_LP[bad].copy()
             refine(sub, None, None, G, 64, per_LE=per_LE[bad])
             ok = self._max_gpu(sub, per_LE[bad], G, S) <= limit_L[bad]
-            phy_LP[bad[ok]] = sub[ok]
-            phy_LP[bad[~ok]] = greedy_LP[bad[~ok]]
+            phy2log_LP[bad[ok]] = sub[ok]
+            phy2log_LP[bad[~ok]] = greedy_LP[bad[~ok]]
             repaired, from_greedy = int(ok.sum()), int((~ok).sum())
 
-        span_LK = group_span(phy_LP, G, N, K, E)
+        span_LK = group_span(phy2log_LP, G, N, K, E)
         greedy_span_LK = group_span(greedy_LP, G, N, K, E)
         info = {
             "num_groups": K,
@@ -308,7 +308,8 @@ class HierarchicalPlanner:
             "group_span_mean": float(span_LK.mean()),
             "group_span_max": int(span_LK.max()),
             "greedy_group_span_mean": float(greedy_span_LK.mean()),
-            "max_gpu_vs_greedy_max": float((self._max_gpu(phy_LP, per_LE, G, S) / np.maximum(greedy_max_L, 1e-300)).max()),
+            "max_gpu_vs_greedy_max": float((self._max_gpu(phy2log_LP, per_LE, G, S)
+                                            / np.maximum(greedy_max_L, 1e-300)).max()),
             "layers_repaired_cross_node": repaired,
             "layers_from_greedy": from_greedy,
         }
@@ -318,9 +319,9 @@ class HierarchicalPlanner:
         if repaired or from_greedy:
             msg += (f"; {repaired} layer(s) needed cross-node swaps and {from_greedy} use greedy's "
                     f"placement to stay within {self.tolerance:.1%} of greedy's balance")
-        return Solution(phy_LP, message=msg, info=info)
+        return Solution(phy2log_LP, message=msg, info=info)
 
     @staticmethod
-    def _max_gpu(phy_LP: np.ndarray, per_LE: np.ndarray, G: int, S: int) -> np.ndarray:
-        w_LP = np.take_along_axis(per_LE, phy_LP, axis=1)
-        return w_LP.reshape(len(phy_LP), G, S).sum(axis=2).max(axis=1)
+    def _max_gpu(phy2log_LP: np.ndarray, per_LE: np.ndarray, G: int, S: int) -> np.ndarray:
+        w_LP = np.take_along_axis(per_LE, phy2log_LP, axis=1)
+        return w_LP.reshape(len(phy2log_LP), G, S).sum(axis=2).max(axis=1)

@@ -56,20 +56,20 @@ def scale_loads(load_E: np.ndarray) -> np.ndarray:
     return np.where(load_E > 0, np.maximum(scaled, 1), 0)
 
 
-def integer_shares(load_E: np.ndarray, phy_P: np.ndarray, weights_P: np.ndarray) -> np.ndarray:
+def integer_shares(load_E: np.ndarray, phy2log_P: np.ndarray, weights_P: np.ndarray) -> np.ndarray:
     """Round per-slot token amounts to integers that sum to each expert's integer load.
 
     Largest-remainder rounding per expert: floor every share, then hand the missing units to
     the replicas with the largest fractional parts.
     """
-    exact_P = load_E[phy_P] * weights_P
+    exact_P = load_E[phy2log_P] * weights_P
     out_P = np.floor(exact_P).astype(np.int64)
-    short_E = load_E - np.bincount(phy_P, weights=out_P, minlength=load_E.size).astype(np.int64)
-    order = np.lexsort((-(exact_P - out_P), phy_P))  # by expert, then largest remainder first
+    short_E = load_E - np.bincount(phy2log_P, weights=out_P, minlength=load_E.size).astype(np.int64)
+    order = np.lexsort((-(exact_P - out_P), phy2log_P))  # by expert, then largest remainder first
     rank = np.empty_like(order)
-    starts = np.searchsorted(phy_P[order], phy_P[order])
+    starts = np.searchsorted(phy2log_P[order], phy2log_P[order])
     rank[order] = np.arange(order.size) - starts
-    out_P += rank < short_E[phy_P]
+    out_P += rank < short_E[phy2log_P]
     return out_P
 
 
@@ -112,7 +112,7 @@ def balanced_groups(load_E: np.ndarray, num_gpus: int, passes: int = 4) -> list[
 
 
 def chain_fill(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, level: int, groups=None):
-    """Wrap-around filling at a GPU load `level` (weighted dispatch): (phy_P, share_P) or None.
+    """Wrap-around filling at a GPU load `level` (weighted dispatch): (phy2log_P, share_P) or None.
 
     McNaughton's wrap-around rule with slot limits, for integer loads:
     Step 1: split the experts into G groups of ~E/G with near-equal loads (`balanced_groups`;
@@ -167,16 +167,16 @@ def chain_fill(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, level: int
             d = int(load_E[straddler]) - piece
             carry = (straddler, d) if d > 0 else None
         gpu_items.append(items)
-    phy_P = np.empty(G * S, dtype=np.int64)
+    phy2log_P = np.empty(G * S, dtype=np.int64)
     share_P = np.zeros(G * S, dtype=np.int64)
     for g, items in enumerate(gpu_items):
         held = {e for e, _ in items}
         assert len(held) == len(items) <= S, "chain_fill broke a slot rule"
         spare = [int(e) for e in order if int(e) not in held][: S - len(items)]
         for j, (e, amount) in enumerate(items + [(e, 0) for e in spare]):
-            phy_P[g * S + j] = e
+            phy2log_P[g * S + j] = e
             share_P[g * S + j] = amount
-    return phy_P, share_P
+    return phy2log_P, share_P
 
 
 def best_chain(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, lower: int, upper: int):
@@ -205,12 +205,12 @@ def integer_lower_bound(load_E: np.ndarray, num_gpus: int, num_slots: int) -> in
     return max(-(-int(load_E.sum()) // num_gpus), max(-(-int(v) // int(r)) for v, r in zip(load_E, r_E)))
 
 
-def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray | None, num_gpus: int,
+def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.ndarray | None, num_gpus: int,
                 slots_per_gpu: int, dispatch: str, time_limit: float, workers: int, seed: int,
                 chain: bool = True) -> dict:
-    """One layer's CP-SAT model: returns phy_P (or None), status, objective, bound, seconds.
+    """One layer's CP-SAT model: returns phy2log_P (or None), status, objective, bound, seconds.
 
-    load_E: integer loads; hint_phy_P / hint_w_P: the greedy placement and (weighted) its LP
+    load_E: integer loads; hint_phy2log_P / hint_w_P: the greedy placement and (weighted) its LP
     shares. With `chain` (weighted only), the hint is the better of greedy and `best_chain`.
     A hint that meets the lower bound is optimal as it is: CP-SAT is then not run.
     """
@@ -224,20 +224,21 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
     lower = integer_lower_bound(load_E, G, P)
     hint_source = "greedy"
     if dispatch == "weighted":
-        hint_share_P = integer_shares(load_E, hint_phy_P, hint_w_P)
+        hint_share_P = integer_shares(load_E, hint_phy2log_P, hint_w_P)
         greedy_z = int(hint_share_P.reshape(G, S).sum(axis=1).max())
         if chain and greedy_z > lower:
             got = best_chain(load_E, G, S, lower, greedy_z)
             if got is not None and int(got[1].reshape(G, S).sum(axis=1).max()) < greedy_z:
-                hint_phy_P, hint_share_P = got
+                hint_phy2log_P, hint_share_P = got
                 hint_source = "chain"
         hint_z = int(hint_share_P.reshape(G, S).sum(axis=1).max())
     else:
-        count_E = np.bincount(hint_phy_P, minlength=E)
+        count_E = np.bincount(hint_phy2log_P, minlength=E)
         per_E = -(-load_E // count_E)
-        hint_z = int(per_E[hint_phy_P].reshape(G, S).sum(axis=1).max())
+        hint_z = int(per_E[hint_phy2log_P].reshape(G, S).sum(axis=1).max())
     out = {"status": "OPTIMAL", "seconds": 0.0, "hint_objective": hint_z, "hint": hint_source,
-           "lower": lower, "phy_P": hint_phy_P, "hint_phy_P": hint_phy_P, "objective": hint_z, "bound": lower}
+           "lower": lower, "phy2log_P": hint_phy2log_P, "hint_phy2log_P": hint_phy2log_P, "objective": hint_z,
+           "bound": lower}
     if hint_z <= lower:
         # The hint meets the analytic bound: proven optimal without search.
         out["seconds"] = time.perf_counter() - t0
@@ -246,8 +247,8 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
     from ortools.sat.python import cp_model
 
     hint_x = np.zeros((E, G), dtype=bool)
-    hint_x[hint_phy_P, gpu_P] = True
-    hint_count_E = np.bincount(hint_phy_P, minlength=E)
+    hint_x[hint_phy2log_P, gpu_P] = True
+    hint_count_E = np.bincount(hint_phy2log_P, minlength=E)
 
     # Model.
     model = cp_model.CpModel()
@@ -270,7 +271,7 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
     share = {}
     if dispatch == "weighted":
         hint_f = np.zeros((E, G), dtype=np.int64)
-        hint_f[hint_phy_P, gpu_P] = hint_share_P
+        hint_f[hint_phy2log_P, gpu_P] = hint_share_P
         for e in all_experts:
             for g in all_gpus:
                 share[e, g] = model.new_int_var(0, int(load_E[e]), f"f[{e},{g}]")
@@ -321,12 +322,12 @@ def solve_layer(load_E: np.ndarray, hint_phy_P: np.ndarray, hint_w_P: np.ndarray
     # 12 s limit on a busy machine before the hint is even loaded.
     solver.parameters.max_presolve_iterations = 1
     status = solver.solve(model)
-    out.update(status=solver.status_name(status), seconds=time.perf_counter() - t0, phy_P=None,
+    out.update(status=solver.status_name(status), seconds=time.perf_counter() - t0, phy2log_P=None,
                objective=None, bound=None)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         held = np.array([[solver.boolean_value(x[e, g]) for g in all_gpus] for e in all_experts])
         # Slots of GPU g, in expert-id order.
-        out["phy_P"] = np.concatenate([np.flatnonzero(held[:, g]) for g in all_gpus]).astype(np.int64)
+        out["phy2log_P"] = np.concatenate([np.flatnonzero(held[:, g]) for g in all_gpus]).astype(np.int64)
         out["objective"] = int(solver.objective_value)
         out["bound"] = int(solver.best_objective_bound)
     return out
@@ -412,7 +413,7 @@ class IlpPlanner:
             futures = {}
             for l in range(L):
                 if int_LE[l].sum() == 0:
-                    results[l] = {"status": "OPTIMAL", "phy_P": greedy_LP[l], "objective": 0, "bound": 0,
+                    results[l] = {"status": "OPTIMAL", "phy2log_P": greedy_LP[l], "objective": 0, "bound": 0,
                                   "seconds": 0.0, "hint_objective": 0, "lower": 0, "hint": "greedy"}
                     continue
                 futures[pool.submit(solve_layer, int_LE[l], hint_LP[l],
@@ -425,19 +426,19 @@ class IlpPlanner:
                     results[l] = fut.result()
                 except Exception as exc:  # a solver crash on one layer must not lose the others
                     errors[l] = f"{type(exc).__name__}: {exc}"
-                    results[l] = {"status": "ERROR", "phy_P": None, "objective": None, "bound": None,
+                    results[l] = {"status": "ERROR", "phy2log_P": None, "objective": None, "bound": None,
                                   "seconds": 0.0, "hint_objective": None, "lower": None, "hint": None}
 
         # Score on the real loads; keep greedy in a layer where CP-SAT did not do better.
         # A layer where CP-SAT returned nothing keeps its hint (greedy or chain-fill).
-        phy_LP = greedy_LP.copy()
-        solved = np.array([r["phy_P"] is not None for r in results])
+        phy2log_LP = greedy_LP.copy()
+        solved = np.array([r["phy2log_P"] is not None for r in results])
         for l, r in enumerate(results):
-            if r["phy_P"] is not None:
-                phy_LP[l] = r["phy_P"]
-            elif r.get("hint_phy_P") is not None:
-                phy_LP[l] = r["hint_phy_P"]
-        cand = Placement(phy_LP, G, E)
+            if r["phy2log_P"] is not None:
+                phy2log_LP[l] = r["phy2log_P"]
+            elif r.get("hint_phy2log_P") is not None:
+                phy2log_LP[l] = r["hint_phy2log_P"]
+        cand = Placement(phy2log_LP, G, E)
         if weighted:
             cand_w_LP = optimal_weights(cand, load_LE)
             cand_max_L = cand.gpu_loads(load_LE, cand_w_LP).max(axis=1)
@@ -446,7 +447,7 @@ class IlpPlanner:
             cand_max_L = cand.gpu_loads(load_LE).max(axis=1)
             greedy_max_L = greedy.gpu_loads(load_LE).max(axis=1)
         keep_greedy = cand_max_L > greedy_max_L
-        phy_LP[keep_greedy] = greedy_LP[keep_greedy]
+        phy2log_LP[keep_greedy] = greedy_LP[keep_greedy]
         weights_LP = None
         if weighted:
             weights_LP = np.where(keep_greedy[:, None], greedy_w_LP, cand_w_LP)
@@ -500,4 +501,4 @@ class IlpPlanner:
         if len(info["kept_greedy_layers"]):
             message += (f"; greedy kept in {len(info['kept_greedy_layers'])} layer(s) where it scored "
                         f"better on the real loads")
-        return Solution(phy_LP, weights_LP, status, message, info)
+        return Solution(phy2log_LP, weights_LP, status, message, info)

@@ -75,7 +75,7 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     key_LE = w_TLE.max(axis=0) + 1e-12 * w_TLE.sum(axis=0)     # heaviest window first, then total
     order_LE = np.argsort(-key_LE, axis=1, kind="stable")
     rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
-    phy_LGS = np.empty((L, G, S), dtype=np.int64)
+    phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
     load_LGT = np.zeros((L, G, T))
     holds_LGE = np.zeros((L, G, E), dtype=bool)
     w_LET = np.moveaxis(w_TLE, 0, 2)
@@ -87,18 +87,18 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
             cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
             rows_I, gpu_I = linear_sum_assignment(cost_IG)
             assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
-            phy_LGS[l, gpu_I, k] = items_I[rows_I]
+            phy2log_LGS[l, gpu_I, k] = items_I[rows_I]
             load_LGT[l, gpu_I] += w_IT[rows_I]
             holds_LGE[l, gpu_I, items_I[rows_I]] = True
-    return phy_LGS.reshape(L, P)
+    return phy2log_LGS.reshape(L, P)
 
 
-def window_gpu_loads(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int) -> np.ndarray:
+def window_gpu_loads(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int) -> np.ndarray:
     """GPU loads of every window under an even split, [L, G, T]."""
     T, L, E = share_TLE.shape
-    P = phy_LP.shape[1]
+    P = phy2log_LP.shape[1]
     w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
-    w_LPT = np.take_along_axis(w_LET, phy_LP[:, :, None], axis=1)
+    w_LPT = np.take_along_axis(w_LET, phy2log_LP[:, :, None], axis=1)
     return w_LPT.reshape(L, num_gpus, P // num_gpus, T).sum(axis=2)
 
 
@@ -114,10 +114,10 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
     return rank_LT < keep
 
 
-def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, *,
+def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, *,
                  beta: float, quantile: float, max_rounds: int, top_gpus: int = 2) -> np.ndarray:
     """Swap replicas between a busiest GPU and any other GPU while the smooth maximum of GPU
-    loads over the kept windows drops (in place; returns phy_LP).
+    loads over the kept windows drops (in place; returns phy2log_LP).
 
     Objective per layer: Z = sum over kept windows t and GPUs g of exp(beta (load_gt - m)),
     m the layer's current peak. A swap of slot a (GPU A) with slot b (GPU B) changes only A's
@@ -126,7 +126,7 @@ def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray
     which keeps the search moving across ties between windows.
     """
     T, L, E = share_TLE.shape
-    P = phy_LP.shape[1]
+    P = phy2log_LP.shape[1]
     G = num_gpus
     S = P // G
     w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
@@ -137,8 +137,8 @@ def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray
             break
         A = active.size
         ar = np.arange(A)
-        phy_AP = phy_LP[active]
-        w_APT = np.take_along_axis(w_LET[active], phy_AP[:, :, None], axis=1)
+        phy2log_AP = phy2log_LP[active]
+        w_APT = np.take_along_axis(w_LET[active], phy2log_AP[:, :, None], axis=1)
         load_AGT = w_APT.reshape(A, G, S, T).sum(axis=2)
         keep_AT = kept_windows(load_AGT, quantile)
         peak_A = np.where(keep_AT[:, None, :], load_AGT, -np.inf).max(axis=(1, 2))
@@ -148,7 +148,7 @@ def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray
         K = src_AK.shape[1]
         a_slot_AQ = (src_AK[:, :, None] * S + np.arange(S)).reshape(A, K * S)           # Q = K x S
         wa_AQT = np.take_along_axis(w_APT, a_slot_AQ[:, :, None], axis=1)
-        ea_AQ = np.take_along_axis(phy_AP, a_slot_AQ, axis=1)
+        ea_AQ = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1)
         gpu_a_AQ = a_slot_AQ // S
         la_AQT = np.take_along_axis(load_AGT, gpu_a_AQ[:, :, None], axis=1)
         lb_APT = load_AGT[:, gpu_of_P]                                                   # [A, P, T]
@@ -168,8 +168,8 @@ def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray
                     - np.matmul(ua_AQT, np.swapaxes(eb_APT / vb_APT, 1, 2)))
         # Forbidden: b on A's GPU; the same expert; e_b already on A's GPU; e_a already on B's GPU.
         holds_AGE = np.zeros((A, G, E), dtype=bool)
-        holds_AGE[ar[:, None], gpu_of_P[None, :], phy_AP] = True
-        eb_on_a_AQP = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy_AP[:, None, :]]
+        holds_AGE[ar[:, None], gpu_of_P[None, :], phy2log_AP] = True
+        eb_on_a_AQP = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy2log_AP[:, None, :]]
         ea_on_b_AQP = holds_AGE[ar[:, None, None], gpu_of_P[None, None, :], ea_AQ[:, :, None]]
         bad = ((gpu_of_P[None, None, :] == gpu_a_AQ[:, :, None]) | eb_on_a_AQP | ea_on_b_AQP)
         gain_AQP = np.where(bad, -np.inf, gain_AQP)
@@ -182,11 +182,11 @@ def refine_swaps(phy_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray
         q, b = np.divmod(flat[improve], P)
         layers = active[improve]
         a = a_slot_AQ[ar[improve], q]
-        ea = phy_LP[layers, a].copy()
-        phy_LP[layers, a] = phy_LP[layers, b]
-        phy_LP[layers, b] = ea
+        ea = phy2log_LP[layers, a].copy()
+        phy2log_LP[layers, a] = phy2log_LP[layers, b]
+        phy2log_LP[layers, b] = ea
         active = layers
-    return phy_LP
+    return phy2log_LP
 
 
 @register("robust")
@@ -237,23 +237,23 @@ class RobustPlanner:
         if history.ndim != 3 or history.shape[1:] != (L, E):
             raise EplbError(f"history must be [windows, {L}, {E}], got shape {history.shape}")
         share_TLE = normalise_windows(history, G)
-        best_phy_LP = None
+        best_phy2log_LP = None
         best_score_L = np.full(L, np.inf)
         chosen_L = np.zeros(L)
         for blend in self.blends:
             count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
-            phy_LP = pack_vector(share_TLE, count_LE, G, S)
+            phy2log_LP = pack_vector(share_TLE, count_LE, G, S)
             if self.refine_rounds:
-                refine_swaps(phy_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
+                refine_swaps(phy2log_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
                              max_rounds=self.refine_rounds)
-            score_L = self._score(phy_LP, share_TLE, count_LE, G)
+            score_L = self._score(phy2log_LP, share_TLE, count_LE, G)
             better = score_L < best_score_L - 1e-12
-            if best_phy_LP is None:
-                best_phy_LP = phy_LP.copy()
-            best_phy_LP[better] = phy_LP[better]
+            if best_phy2log_LP is None:
+                best_phy2log_LP = phy2log_LP.copy()
+            best_phy2log_LP[better] = phy2log_LP[better]
             best_score_L = np.where(better, score_L, best_score_L)
             chosen_L = np.where(better, blend, chosen_L)
-        assert best_phy_LP is not None
+        assert best_phy2log_LP is not None
         T = history.shape[0]
         info = {
             "windows": int(T),
@@ -262,11 +262,11 @@ class RobustPlanner:
             "history_peak_max": float(np.max(best_score_L)),
             "blend_chosen": {str(b): int(np.sum(chosen_L == b)) for b in self.blends},
         }
-        return Solution(best_phy_LP, message=f"balanced against {T} window(s)", info=info)
+        return Solution(best_phy2log_LP, message=f"balanced against {T} window(s)", info=info)
 
-    def _score(self, phy_LP, share_TLE, count_LE, num_gpus) -> np.ndarray:
+    def _score(self, phy2log_LP, share_TLE, count_LE, num_gpus) -> np.ndarray:
         """The objective per layer: the worst busiest/mean GPU over the windows the swap search
         keeps (`kept_windows`: the ceil(quantile x T) lowest peaks), [L]."""
-        load_LGT = window_gpu_loads(phy_LP, share_TLE, count_LE, num_gpus)
+        load_LGT = window_gpu_loads(phy2log_LP, share_TLE, count_LE, num_gpus)
         keep_LT = kept_windows(load_LGT, self.quantile)
         return np.where(keep_LT, load_LGT.max(axis=1), -np.inf).max(axis=1)

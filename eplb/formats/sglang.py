@@ -113,27 +113,28 @@ def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:
         raise EplbError(f"{path}: no physical_to_logical_map (not an SGLang --init-expert-location file)")
     try:
-        phy_HP = np.asarray(d["physical_to_logical_map"])  # not dtype=int64: that reads 2.7 as 2
-        if phy_HP.dtype.kind not in "iuf":
-            raise ValueError(f"ragged or non-numeric, dtype {phy_HP.dtype}")
-        if phy_HP.dtype.kind == "f" and not np.array_equal(phy_HP, np.rint(phy_HP)):
-            raise ValueError(f"non-integer expert id {phy_HP[phy_HP != np.rint(phy_HP)][0]:g}")
-        phy_HP = phy_HP.astype(np.int64)
+        phy2log_HP = np.asarray(d["physical_to_logical_map"])  # not dtype=int64: that reads 2.7 as 2
+        if phy2log_HP.dtype.kind not in "iuf":
+            raise ValueError(f"ragged or non-numeric, dtype {phy2log_HP.dtype}")
+        if phy2log_HP.dtype.kind == "f" and not np.array_equal(phy2log_HP, np.rint(phy2log_HP)):
+            raise ValueError(f"non-integer expert id {phy2log_HP[phy2log_HP != np.rint(phy2log_HP)][0]:g}")
+        phy2log_HP = phy2log_HP.astype(np.int64)
     except (TypeError, ValueError) as exc:
         raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
-    if phy_HP.ndim != 2:
-        raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots], got shape {phy_HP.shape}")
+    if phy2log_HP.ndim != 2:
+        raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots], "
+                        f"got shape {phy2log_HP.shape}")
     if layer_ids is None:
-        ids = np.arange(phy_HP.shape[0])
+        ids = np.arange(phy2log_HP.shape[0])
     else:
         raw = np.asarray(layer_ids)
         if raw.ndim != 1 or (raw.size and (raw.dtype.kind not in "iuf" or not np.array_equal(raw, np.rint(raw)))):
             raise EplbError(f"layer_ids must be a list of whole hidden-layer indices, got {layer_ids!r}")
         ids = raw.astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= phy_HP.shape[0]):
-        raise EplbError(f"{path}: layer ids {ids.tolist()} outside the file's {phy_HP.shape[0]} rows")
-    E = int(num_logical_experts) if num_logical_experts is not None else int(phy_HP.max()) + 1
+    if ids.size and (ids.min() < 0 or ids.max() >= phy2log_HP.shape[0]):
+        raise EplbError(f"{path}: layer ids {ids.tolist()} outside the file's {phy2log_HP.shape[0]} rows")
+    E = int(num_logical_experts) if num_logical_experts is not None else int(phy2log_HP.max()) + 1
     try:
-        return Placement(phy_HP[ids], num_gpus, E, num_nodes, ids, planner="sglang")
+        return Placement(phy2log_HP[ids], num_gpus, E, num_nodes, ids, planner="sglang")
     except EplbError as exc:
         raise EplbError(f"{path}: {exc}") from None

@@ -299,13 +299,13 @@ class ExpertParallelMoE(torch.nn.Module):
         self._resplitter = None
 
     @property
-    def slots_per_rank(self) -> int:
+    def slots_per_gpu(self) -> int:
         return self.placement.slots_per_gpu
 
     @property
     def local_experts_S(self) -> np.ndarray:
         """Logical expert held by each of this rank's slots."""
-        S = self.slots_per_rank
+        S = self.slots_per_gpu
         return self.placement.phy2log_LP[self.layer, self.rank * S:(self.rank + 1) * S]
 
     def _table(self, device: torch.device) -> ReplicaTable:
@@ -389,7 +389,7 @@ class ExpertParallelMoE(torch.nn.Module):
 
         Collective. Bad inputs on any rank (shapes, dtypes, devices, expert ids outside
         0..E-1) raise EplbError on every rank, and the group stays usable."""
-        G, S, E = self.world, self.slots_per_rank, self.placement.num_logical_experts
+        G, S, E = self.world, self.slots_per_gpu, self.placement.num_logical_experts
         D = self.w_gate_SFD.shape[2]
         device = self.w_gate_SFD.device
         on_cpu = device.type == "cpu"

@@ -113,21 +113,21 @@ def _check_migration(old, new, moes, group):
     S = old.slots_per_gpu
     full = [stacked(m) for m in moes]
 
-    def local_of(phy_LP):
-        return {n: torch.stack([full[l][i][torch.as_tensor(phy_LP[l, rank * S:(rank + 1) * S])]
-                                for l in range(len(phy_LP))]) for i, n in enumerate(("w_gate", "w_up", "w_down"))}
+    def local_of(phy2log_LP):
+        return {n: torch.stack([full[l][i][torch.as_tensor(phy2log_LP[l, rank * S:(rank + 1) * S])]
+                                for l in range(len(phy2log_LP))]) for i, n in enumerate(("w_gate", "w_up", "w_down"))}
 
     for chunk in (None, 1):
         plan = plan_migration(old, new, layers_per_chunk=chunk)
         local = local_of(old.phy2log_LP)
 
         def served_intact(k):
-            phy_LP, w_LP = plan.serving(k)
+            phy2log_LP, w_LP = plan.serving(k)
             ok = torch.tensor([1])
             for l in range(old.num_layers):
                 for s in range(S):
                     p = rank * S + s
-                    e = int(phy_LP[l, p])
+                    e = int(phy2log_LP[l, p])
                     if w_LP[l, p] > 0 and not all(torch.equal(local[n][l, s], full[l][i][e])
                                                   for i, n in enumerate(("w_gate", "w_up", "w_down"))):
                         ok[0] = 0

@@ -54,12 +54,12 @@ def test_sglang_file_is_what_sglang_loads(tmp_path, placement):
     d = json.loads(path.read_text())
     # SGLang passes every key to init_by_mapping(**d): the map must be the only key.
     assert list(d) == ["physical_to_logical_map"]
-    phy_HP = np.array(d["physical_to_logical_map"])
-    assert phy_HP.shape == (9, 16)
+    phy2log_HP = np.array(d["physical_to_logical_map"])
+    assert phy2log_HP.shape == (9, 16)
     # dense layers 0..2 and 7..8 hold SGLang's trivial map p % E
     for h in (0, 1, 2, 7, 8):
-        assert phy_HP[h].tolist() == [p % 12 for p in range(16)]
-    np.testing.assert_array_equal(phy_HP[3:7], placement.phy2log_LP)
+        assert phy2log_HP[h].tolist() == [p % 12 for p in range(16)]
+    np.testing.assert_array_equal(phy2log_HP[3:7], placement.phy2log_LP)
 
 
 def test_sglang_default_rows_and_too_few_layers(placement):

@@ -14,7 +14,7 @@ from planners.ilp import (balanced_groups, chain_fill, integer_lower_bound, inte
 
 
 def all_placements(E, G, S):
-    """Every placement with distinct experts per GPU and every expert placed, as phy_P rows."""
+    """Every placement with distinct experts per GPU and every expert placed, as phy2log_P rows."""
     per_gpu = list(itertools.combinations(range(E), S))
     for combo in itertools.product(per_gpu, repeat=G):
         if len(set().union(*combo)) == E:

@@ -53,21 +53,21 @@ def is_time_limited(name: str) -> bool:
     return "time_limit" in inspect.signature(_REGISTRY[name].__init__).parameters
 
 
-def check_invariants(name: str, phy_LP: np.ndarray, weights_LP, load_LE: np.ndarray, topo: Topology) -> None:
+def check_invariants(name: str, phy2log_LP: np.ndarray, weights_LP, load_LE: np.ndarray, topo: Topology) -> None:
     L, E = load_LE.shape
     G, S, P = topo.num_gpus, topo.slots_per_gpu, topo.num_slots
-    phy_LP = np.asarray(phy_LP)
-    assert phy_LP.shape == (L, P), f"{name}: shape {phy_LP.shape}, want {(L, P)}"
-    assert np.issubdtype(phy_LP.dtype, np.integer)
-    assert phy_LP.min() >= 0 and phy_LP.max() < E, f"{name}: expert id out of range"
+    phy2log_LP = np.asarray(phy2log_LP)
+    assert phy2log_LP.shape == (L, P), f"{name}: shape {phy2log_LP.shape}, want {(L, P)}"
+    assert np.issubdtype(phy2log_LP.dtype, np.integer)
+    assert phy2log_LP.min() >= 0 and phy2log_LP.max() < E, f"{name}: expert id out of range"
     count_LE = np.zeros((L, E), dtype=np.int64)
-    np.add.at(count_LE, (np.arange(L)[:, None], phy_LP), 1)
+    np.add.at(count_LE, (np.arange(L)[:, None], phy2log_LP), 1)
     assert count_LE.min() >= 1, f"{name}: an expert has no replica"
     assert count_LE.sum(axis=1).tolist() == [P] * L  # exactly S slots on each of the G GPUs
     if getattr(_REGISTRY[name], "one_replica_per_gpu", True):
-        per_gpu = np.sort(phy_LP.reshape(L, G, S), axis=2)
+        per_gpu = np.sort(phy2log_LP.reshape(L, G, S), axis=2)
         assert not (np.diff(per_gpu, axis=2) == 0).any(), f"{name}: two replicas of one expert on a GPU"
-    placement = Placement(phy_LP, G, E, topo.num_nodes, dispatch_weights_LP=weights_LP)
+    placement = Placement(phy2log_LP, G, E, topo.num_nodes, dispatch_weights_LP=weights_LP)
     mx_L = placement.gpu_loads(load_LE).max(axis=1)
     lb_L = stats.lower_bound(load_LE, G, P)
     assert (mx_L >= lb_L * (1 - 1e-9) - 1e-9).all(), f"{name}: beats the lower bound: {mx_L} < {lb_L}"

@@ -40,11 +40,11 @@ FAST = settings(max_examples=25, deadline=None, derandomize=True,
 
 # Helpers: independent reimplementations ------------------------------------------------------
 
-def best_busiest(phy_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
+def best_busiest(phy2log_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
     """Best busiest GPU of one layer over every split of tokens (max-flow min-cut): the largest,
     over GPU sets A, of the load of the experts held only inside A, divided by |A|."""
-    S = len(phy_P) // num_gpus
-    gpus_of = [set(np.flatnonzero(phy_P == e) // S) for e in range(len(load_E))]
+    S = len(phy2log_P) // num_gpus
+    gpus_of = [set(np.flatnonzero(phy2log_P == e) // S) for e in range(len(load_E))]
     best = 0.0
     for k in range(1, num_gpus + 1):
         for A in itertools.combinations(range(num_gpus), k):
@@ -53,12 +53,12 @@ def best_busiest(phy_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
     return best
 
 
-def lp_over_pairs(phy_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
+def lp_over_pairs(phy2log_P: np.ndarray, load_E: np.ndarray, num_gpus: int) -> float:
     """Best busiest GPU by an LP over (expert, GPU) pairs (not slots, unlike optimal_weights)."""
     from scipy.optimize import linprog
 
-    S = len(phy_P) // num_gpus
-    pairs = sorted({(int(e), p // S) for p, e in enumerate(phy_P)})
+    S = len(phy2log_P) // num_gpus
+    pairs = sorted({(int(e), p // S) for p, e in enumerate(phy2log_P)})
     n, E = len(pairs), len(load_E)
     a_eq, a_ub = np.zeros((E, n + 1)), np.zeros((num_gpus, n + 1))
     a_ub[:, n] = -1.0
@@ -81,11 +81,11 @@ def all_placements(E: int, G: int, S: int):
             yield row
 
 
-def expert_sums(phy_LP: np.ndarray, w_LP: np.ndarray, E: int) -> np.ndarray:
-    out = np.zeros((phy_LP.shape[0], E))
-    for l in range(phy_LP.shape[0]):
-        for p in range(phy_LP.shape[1]):
-            out[l, phy_LP[l, p]] += w_LP[l, p]
+def expert_sums(phy2log_LP: np.ndarray, w_LP: np.ndarray, E: int) -> np.ndarray:
+    out = np.zeros((phy2log_LP.shape[0], E))
+    for l in range(phy2log_LP.shape[0]):
+        for p in range(phy2log_LP.shape[1]):
+            out[l, phy2log_LP[l, p]] += w_LP[l, p]
     return out
 
 

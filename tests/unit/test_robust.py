@@ -18,12 +18,12 @@ def _history(rng, T=4, L=3, E=16):
     return rng.gamma(0.6, 100.0, size=(T, L, E)).round()
 
 
-def _check_valid(phy_LP, E, G, S):
-    L, P = phy_LP.shape
+def _check_valid(phy2log_LP, E, G, S):
+    L, P = phy2log_LP.shape
     assert P == G * S
-    pl = Placement(phy_LP, G, E)  # raises if an expert has no replica
+    pl = Placement(phy2log_LP, G, E)  # raises if an expert has no replica
     for l in range(L):
-        per_gpu = phy_LP[l].reshape(G, S)
+        per_gpu = phy2log_LP[l].reshape(G, S)
         for g in range(G):
             assert len(set(per_gpu[g])) == S, "two replicas of one expert on one GPU"
     return pl
