@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=32)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--redundant", type=int, default=32)
-    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--expert-groups", "--groups", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21, help="timing repeats for fast planners")
     args = ap.parse_args(argv)
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         # The reference works on [58, 256] tensors, below torch's threading grain: one thread
         # costs it nothing and keeps idle OpenMP threads from spinning on the cores numpy uses.
         torch.set_num_threads(1)
-    G, N, K = args.gpus, args.nodes, args.groups
+    G, N, K = args.gpus, args.nodes, args.expert_groups
     checks = []
     for name, load_LE in workloads(args.traces, args.fallback, 256):
         L, E = load_LE.shape

@@ -263,7 +263,7 @@ class HierarchicalPlanner:
         if K < 1 or E % K:
             raise EplbError(
                 f"{E} experts do not split into {K} equal expert groups: group-limited routing "
-                f"uses equal contiguous groups, so give num_expert_groups (--groups) dividing {E}"
+                f"uses equal contiguous groups, so give num_expert_groups (--expert-groups) dividing {E}"
             )
         group_E = np.arange(E) // (E // K)
 

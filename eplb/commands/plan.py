@@ -31,7 +31,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="how windows become the planning load (default sum)")
     p.add_argument("--window", type=positive_int, help="with --aggregate window: newest windows to sum")
     p.add_argument("--alpha", type=float, help="with --aggregate ema: weight of the newest window (default 0.3)")
-    p.add_argument("--groups", type=positive_int, help="expert groups of the router (default: from the trace)")
+    p.add_argument("--expert-groups", "--groups", type=positive_int,
+                   help="expert groups of the router (default: from the trace)")
     p.add_argument("--output", "-o", help="write the placement here")
     p.add_argument("--format", "-f", choices=FORMATS,
                    help="file format of --output: eplb JSON, SGLang --init-expert-location JSON, "
@@ -120,17 +121,18 @@ def run(args) -> int:
     if args.previous:
         from eplb.placement import Placement
 
-        if args.span_cost is not None and (args.nodes == 1 or not (args.groups or trace.meta.get("num_expert_groups"))):
+        if args.span_cost is not None and (args.nodes == 1
+                                           or not (args.expert_groups or trace.meta.get("num_expert_groups"))):
             raise EplbError(f"--span-cost {args.span_cost:g} prices spreading an expert group onto one more node, so "
-                            f"it needs --nodes > 1 and expert groups (--groups, or the trace's num_expert_groups); "
-                            f"give both or drop --span-cost")
+                            f"it needs --nodes > 1 and expert groups (--expert-groups, or the trace's "
+                            f"num_expert_groups); give both or drop --span-cost")
         previous = Placement.load(args.previous)
         if slots is None and args.redundant is None:
             slots = previous.slots_per_gpu  # same slots as the placement being replaced
     result = plan(
         trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
-        num_expert_groups=args.groups, settings=settings, previous=previous,
+        num_expert_groups=args.expert_groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
         bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
     )

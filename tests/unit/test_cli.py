@@ -125,6 +125,21 @@ def test_quiet_prints_nothing(files, capsys):
     assert out.out == "" and out.err == ""
 
 
+def test_expert_groups_flag_keeps_its_short_old_spelling(files, tmp_path, capsys):
+    # --groups stays a second spelling of --expert-groups: scripts use it.
+    from eplb.placement import Placement
+
+    paths = []
+    for flag in ("--expert-groups", "--groups"):
+        paths.append(tmp_path / f"{flag.strip('-')}.json")
+        assert main(["plan", files["trace"], "--gpus", "4", "--nodes", "2", "-p", "hierarchical", flag, "8",
+                     "-o", str(paths[-1]), "-q"]) == 0
+    a, b = (Placement.load(p) for p in paths)
+    np.testing.assert_array_equal(a.phy2log_LP, b.phy2log_LP)
+    assert main(["plan", files["trace"], "--gpus", "4", "--expert-groups", "5"]) == 2
+    assert "--expert-groups" in capsys.readouterr().err
+
+
 def test_capacity_numbers_in_json(capsys):
     argv = ["capacity", "--model", "llama-3.1-70b", "--gpus", "8", "--gpu-memory", "h100", "--context", "100000",
             "--kv-dtype", "fp16", "--weight-dtype", "bf16", "--attention", "tp", "--json"]
