@@ -260,7 +260,8 @@ def plan(
     L, E = load_LE.shape
     if num_expert_groups is not None and E % num_expert_groups:
         raise EplbError(f"{E} experts do not split into {num_expert_groups} equal expert groups: group-limited "
-                        f"routing uses equal contiguous groups, so give num_expert_groups (--expert-groups) dividing {E}")
+                        f"routing uses equal contiguous groups, so give num_expert_groups (--expert-groups) "
+                        f"dividing {E}")
     topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
                                 slots_per_gpu=slots_per_gpu)
     if topo.num_gpus > E:
