@@ -327,8 +327,14 @@ class Budget:
     spreads groups over 3.34 nodes at 0, 2.25 at 1 and 2.0 at 4, for busiest GPUs 0.28%,
     0.47% and 0.76% above a from-scratch hierarchical plan (benchmarks/bench_migration.py,
     part 4). Prices the choice only; the budget counts moves."""
+    bytes_per_expert: int | None = None
+    """Size of one expert's weights in bytes, to report the bytes a migration moves (None:
+    moves are counted, bytes are not)."""
 
     def __post_init__(self) -> None:
+        v = self.bytes_per_expert
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise EplbError(f"bytes_per_expert must be a whole number >= 1 or None, got {v!r}")
         for name in ("max_moves", "max_moves_per_gpu"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or int(v) != v or v < 0):
