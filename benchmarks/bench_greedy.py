@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from eplb import stats  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
-from eplb.planning import PlanRequest, get_planner  # noqa: E402
+from eplb.planner_api import PlanRequest, get_planner  # noqa: E402
 from eplb.topology import Topology  # noqa: E402
 from eplb.stats import group_span  # noqa: E402
 from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)

@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 from eplb.errors import EplbError, PlanningError
 from eplb.migration import Budget, MigrationPlan
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, PlanResult, Solution, get_planner, plan, planner_names, register
+from eplb.planner_api import PlanRequest, Solution, get_planner, planner_names, register
+from eplb.planning import PlanResult, plan
 from eplb.rebalance import RebalanceResult, Rebalancer
 from eplb.stats import LoadReport, evaluate, lower_bound
 from eplb.topology import Topology

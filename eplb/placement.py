@@ -297,6 +297,33 @@ class Placement:
                         f"file `eplb plan --format eplb` writes")
 
 
+
+def contiguous_map(num_logical_experts: int, topology: Topology, num_layers: int) -> np.ndarray:
+    """phy2log_LP of the contiguous placement (the no-EPLB baseline), the same for every layer.
+
+    Expert e sits on GPU e // (E / G): experts are split over GPUs in id order, as evenly as
+    possible. A GPU's spare slots repeat its own experts, which splits their tokens inside the
+    GPU and so leaves every GPU's load exactly as without redundancy: what a server does with
+    no load balancing.
+    """
+    G, S = topology.num_gpus, topology.slots_per_gpu
+    if num_logical_experts > G * S:
+        raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_logical_experts} experts")
+    if num_logical_experts < G:
+        raise EplbError(f"contiguous placement needs at least one expert per GPU: "
+                        f"{num_logical_experts} experts < {G} GPUs")
+    row = np.empty(G * S, dtype=np.int64)
+    for g, experts in enumerate(np.array_split(np.arange(num_logical_experts), G)):
+        row[g * S:(g + 1) * S] = np.resize(experts, S)  # spare slots cycle the GPU's own experts
+    return np.tile(row, (num_layers, 1))
+
+
+def contiguous_placement(num_logical_experts: int, topology: Topology, layer_ids) -> Placement:
+    """The contiguous (no-EPLB) Placement on `topology` for the MoE layers `layer_ids` [L]."""
+    ids = np.asarray(layer_ids)
+    return Placement(contiguous_map(num_logical_experts, topology, len(ids)), topology.num_gpus,
+                     num_logical_experts, topology.num_nodes, ids, planner="contiguous")
+
 def _engine_format(path: Path) -> str | None:
     """Which non-JSON engine export a file looks like ("vllm", "trtllm"), or None."""
     try:

@@ -1,144 +1,27 @@
-"""Planning front door: the Planner protocol, the registry, PlanResult and `plan()`.
+"""Planning front door: `plan()` and its PlanResult.
 
 Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
-Planners live in the top-level `planners/` package, one module per algorithm, each class
-registered by name with `@register("name")`. A planner's constructor only stores settings;
-`plan(request) -> Solution` does the work on numpy arrays and a Topology, never files or
-torch. `plan()` below is the one front door: it normalises input, sizes the topology, runs
-the planner, times it and scores the result against the contiguous (no-EPLB) baseline and
-the lower bound.
+Planners live in the top-level `planners/` package, one module per algorithm, behind the
+planner table of `eplb.planner_api`. `plan()` is the one front door: it normalises input,
+sizes the topology, runs the planner, times it, adapts the plan to the placement now served,
+and scores the result against the contiguous (no-EPLB) baseline and the lower bound.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Mapping
 
 import numpy as np
 
 from eplb import stats
 from eplb.errors import EplbError, whole_number
-from eplb.placement import Placement
+from eplb.placement import Placement, contiguous_placement
+from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
 from eplb.topology import Topology
 from eplb.trace import Trace
-
-STATUSES = ("OPTIMAL", "FEASIBLE", "HEURISTIC", "FALLBACK")
-
-
-@dataclass(frozen=True, eq=False)
-class PlanRequest:
-    """Everything a planner may look at."""
-
-    load_LE: np.ndarray
-    """Planning load (windows aggregated), float64 [L, E]."""
-    topology: Topology
-    """GPUs, nodes and slots per GPU."""
-    history_TLE: np.ndarray | None = None
-    """The individual windows the load was aggregated from, float64 [T, L, E] (robust planners)."""
-    layer_ids: np.ndarray | None = None
-    """Hidden-layer index of each MoE layer [L]."""
-    num_expert_groups: int | None = None
-    """Expert groups of group-limited routing (DeepSeek-V3: 8), for node-aware planners."""
-    previous: Placement | None = None
-    """The placement now being served (migration-aware planners keep its replicas in place)."""
-
-    @property
-    def num_layers(self) -> int:
-        return self.load_LE.shape[0]
-
-    @property
-    def num_logical_experts(self) -> int:
-        return self.load_LE.shape[1]
-
-
-@dataclass(frozen=True, eq=False)
-class Solution:
-    """What a planner returns."""
-
-    phy2log_LP: np.ndarray
-    """Logical expert in each physical slot, [L, P]."""
-    dispatch_weights_LP: np.ndarray | None = None
-    """Per-replica token shares, or None for an even split."""
-    status: str = "HEURISTIC"
-    """OPTIMAL (proven), FEASIBLE (solver stopped early), HEURISTIC, or FALLBACK (the
-    planner could not do its own job and returned another planner's answer; see message)."""
-    message: str = ""
-    info: dict = field(default_factory=dict)
-    """Planner-specific numbers (gaps, solver statistics), JSON-serialisable."""
-
-
-class Planner(Protocol):
-    name: str
-
-    def plan(self, request: PlanRequest) -> Solution: ...
-
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: make a planner available under `name` everywhere (API and CLI)."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise RuntimeError(f"planner name {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def _load_builtin() -> None:
-    importlib.import_module("planners")
-
-
-def planner_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def planner_settings(name: str) -> list[str]:
-    """Names of the settings a registered planner's constructor takes."""
-    import inspect
-
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
-    params = inspect.signature(_REGISTRY[name]).parameters
-    return [k for k in params if k != "self"]
-
-
-def get_planner(name: str, **settings: Any) -> Planner:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
-    import inspect
-
-    params = inspect.signature(_REGISTRY[name]).parameters
-    known = [k for k, p in params.items() if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    unknown = [] if takes_any else [k for k in settings if k not in known]
-    if unknown:  # named alone: the CLI adds quiet=True itself, which the user never typed
-        raise EplbError(f"planner {name!r} does not take these settings: {', '.join(map(repr, unknown))}; "
-                        f"its settings are {', '.join(known) or 'none'}")
-    try:
-        return _REGISTRY[name](**settings)
-    except EplbError:
-        raise
-    except TypeError as exc:
-        raise EplbError(f"planner {name!r} does not take these settings ({settings!r}): {exc}") from None
-    except ValueError as exc:  # e.g. float("abc") on a setting given as text (--set key=abc)
-        raise EplbError(f"planner {name!r}: a setting has a value of the wrong type ({settings!r}): {exc}") from None
-
-
-def whole_setting(name: str, value: Any, minimum: int = 0) -> int:
-    """A planner setting that must be a whole number >= minimum (2.7, True or "x" are refused)."""
-    return whole_number(name, value, minimum)
-
 
 @dataclass(frozen=True, eq=False)
 class PlanResult:
@@ -235,12 +118,12 @@ def plan(
     Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_expert_groups) refuse 2.5 or
     "4" rather than truncate them; the migration options without `previous` are refused.
     """
-    num_gpus = whole_setting("num_gpus", num_gpus, 1)
-    num_nodes = whole_setting("num_nodes", num_nodes, 1)
-    num_redundant = None if num_redundant is None else whole_setting("num_redundant", num_redundant, 0)
-    slots_per_gpu = None if slots_per_gpu is None else whole_setting("slots_per_gpu", slots_per_gpu, 0)
+    num_gpus = whole_number("num_gpus", num_gpus, 1)
+    num_nodes = whole_number("num_nodes", num_nodes, 1)
+    num_redundant = None if num_redundant is None else whole_number("num_redundant", num_redundant, 0)
+    slots_per_gpu = None if slots_per_gpu is None else whole_number("slots_per_gpu", slots_per_gpu, 0)
     if num_expert_groups is not None:
-        num_expert_groups = whole_setting("num_expert_groups", num_expert_groups, 1)
+        num_expert_groups = whole_number("num_expert_groups", num_expert_groups, 1)
     if settings is not None and not isinstance(settings, Mapping):
         raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
                         f"got {type(settings).__name__}")
@@ -314,9 +197,7 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
         dispatch_weights_LP=sol.dispatch_weights_LP,
         planner=planner,
     )
-    from planners.contiguous import contiguous_placement
-
-    baseline = contiguous_placement(placement)
+    baseline = contiguous_placement(placement.num_logical_experts, topo, placement.layer_ids)
     lb = stats.lower_bound(request.load_LE, topo.num_gpus, topo.num_slots)
     before = stats.evaluate(baseline, request.load_LE, lower_bound_L=lb)
     after = stats.evaluate(placement, request.load_LE, lower_bound_L=lb)

@@ -131,7 +131,7 @@ class Rebalancer:
         for name, v in (("move_cost", move_cost), ("span_cost", span_cost)):
             if not _is_number(v):
                 raise EplbError(f"{name} must be a finite number >= 0, got {v!r}")
-        from eplb.planning import get_planner
+        from eplb.planner_api import get_planner
 
         get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
         # Load the numba kernels of the migration step now (~0.5 s; ~10 s the first time after

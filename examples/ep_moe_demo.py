@@ -39,7 +39,7 @@ from eplb.runtime.model import MoE, ModelConfig
 from eplb.topology import Topology
 from eplb.commands.common import positive_int
 from eplb.trace import Trace, load_trace
-from planners.contiguous import contiguous_map
+from eplb.placement import contiguous_map
 
 
 def parse(argv):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register, whole_setting
+from eplb.errors import EplbError, whole_number
+from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
 
 
@@ -148,7 +148,6 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     return phy2log_LP
 
 
-@register("greedy")
 class GreedyPlanner:
     """Replicate by load per replica, pack heaviest-first; even dispatch.
 
@@ -157,8 +156,10 @@ class GreedyPlanner:
     to ~0.05% but take ~100x longer).
     """
 
+    name = "greedy"
+
     def __init__(self, refine_rounds: int = 0):
-        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
+        self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register, whole_setting
+from eplb.errors import EplbError, whole_number
+from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import group_span
 from planners.greedy import pack, pack_replicas, refine, replicate
 
@@ -228,7 +228,6 @@ def _even_out(cnt_NE: np.ndarray, w_E: np.ndarray, group_E: np.ndarray, K: int, 
         cnt_NE[a, f] += 1
 
 
-@register("hierarchical")
 class HierarchicalPlanner:
     """Group-local (node-aware) placement with greedy-level balance.
 
@@ -239,6 +238,8 @@ class HierarchicalPlanner:
     (default 0.001); looser keeps groups more local, tighter leaves the GPUs less to absorb.
     """
 
+    name = "hierarchical"
+
     def __init__(self, tolerance: float = 0.005, refine_rounds: int = 16, node_tolerance: float = 1e-3):
         if not 0.0 <= float(tolerance) < 1.0:
             raise EplbError(f"tolerance must be in [0, 1), got {tolerance}")
@@ -246,7 +247,7 @@ class HierarchicalPlanner:
             raise EplbError(f"node_tolerance must be in [0, 1), got {node_tolerance}")
         self.node_tolerance = float(node_tolerance)
         self.tolerance = float(tolerance)
-        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
+        self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology

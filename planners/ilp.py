@@ -37,7 +37,7 @@ import numpy as np
 from eplb import stats
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, Solution, register
+from eplb.planner_api import PlanRequest, Solution
 from eplb.progress import progress
 from planners.greedy import plan_greedy
 
@@ -333,7 +333,6 @@ def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.nda
     return out
 
 
-@register("ilp")
 class IlpPlanner:
     """Exact placement per layer with CP-SAT (see the module docstring for the model).
 
@@ -349,6 +348,8 @@ class IlpPlanner:
       is better (False: always the greedy hint).
     quiet: no progress bar (it is shown on a terminal only anyway).
     """
+
+    name = "ilp"
 
     def __init__(self, time_limit: float = 12.0, workers: int | None = None, jobs: int | None = None,
                  seed: int = 0, dispatch: str = "weighted", chain: bool = True, quiet: bool = False):

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register, whole_setting
+from eplb.errors import EplbError, whole_number
+from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
 
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
@@ -189,7 +189,6 @@ def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.nda
     return phy2log_LP
 
 
-@register("robust")
 class RobustPlanner:
     """Plan against every history window: keep the worst window's busiest GPU low.
 
@@ -201,6 +200,8 @@ class RobustPlanner:
         GPU load; 50 makes a GPU 2% above another count e times more).
     refine_rounds: swap rounds (0 = vector packing only).
     """
+
+    name = "robust"
 
     def __init__(self, blends: tuple | list | str = (0.0, 1.0), quantile: float = 1.0,
                  beta: float = 50.0, refine_rounds: int = 200):
@@ -221,7 +222,7 @@ class RobustPlanner:
         self.blends = blends
         self.quantile = float(quantile)
         self.beta = float(beta)
-        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
+        self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         topo = request.topology

@@ -9,7 +9,7 @@ from eplb.commands.common import add_command, positive_int, add_output_flags, fo
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from eplb.backtest import DISPATCH
-    from eplb.planning import planner_names
+    from eplb.planner_api import planner_names
 
     p = add_command(sub, "backtest", "replay traces: plan on the past, score held-out windows",
                     "eplb backtest traces/deepseek.npz --gpus 32 --planner greedy --planner robust "

@@ -11,7 +11,7 @@ FORMATS = ("eplb", "sglang", "vllm", "trtllm")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from eplb.planning import planner_names
+    from eplb.planner_api import planner_names
 
     p = add_command(sub, "plan", "plan an expert-to-GPU placement from router traces",
                     "eplb plan traces/deepseek.npz --gpus 16 -o plan.json")
@@ -83,7 +83,8 @@ def run(args) -> int:
     import numpy as np
 
     from eplb.errors import EplbError
-    from eplb.planning import plan, planner_settings
+    from eplb.planner_api import planner_settings
+    from eplb.planning import plan
     from eplb.stats import window_balancedness
     from eplb.trace import load_history
 
@@ -146,9 +147,10 @@ def run(args) -> int:
     window_bal = None
     if trace.num_windows > 1:
         # Each window alone (robust plans for these; the summed-load columns hide them).
-        from planners.contiguous import contiguous_placement
+        from eplb.placement import contiguous_placement
 
-        scored = [("contiguous", contiguous_placement(result.placement))]
+        pl = result.placement
+        scored = [("contiguous", contiguous_placement(pl.num_logical_experts, pl.topology, pl.layer_ids))]
         scored += [("previous", previous)] if previous is not None else []
         window_bal = {name: window_balancedness(p, trace.counts_TLE)
                       for name, p in scored + [("plan", result.placement)]}

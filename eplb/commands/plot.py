@@ -18,7 +18,7 @@ EXAMPLES = {
 
 def add_parser(sub) -> argparse.ArgumentParser:
     from eplb.backtest import DISPATCH
-    from eplb.planning import planner_names
+    from eplb.planner_api import planner_names
 
     p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest",
                     EXAMPLES["balance"])
@@ -124,11 +124,10 @@ def run(args) -> int:
         fig = plot.expert_heatmap(trace, title=args.title)
         info["hot_ratio_median"] = float(np.median(trace.total().max(1) / np.maximum(trace.total().mean(1), 1e-12)))
     elif args.kind == "balance":
-        from eplb.placement import Placement
+        from eplb.placement import Placement, contiguous_placement
         from eplb.planning import plan
         from eplb.progress import progress
         from eplb.trace import load_history
-        from planners.contiguous import contiguous_map
 
         trace = load_history(args.traces)
         load = trace.total().astype(np.float64)
@@ -142,8 +141,7 @@ def run(args) -> int:
 
         topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
                                     num_redundant=args.redundant)
-        placements["contiguous"] = Placement(contiguous_map(trace.num_logical_experts, topo, trace.num_layers),
-                                             topo.num_gpus, trace.num_logical_experts, topo.num_nodes, trace.layer_ids)
+        placements["contiguous"] = contiguous_placement(trace.num_logical_experts, topo, trace.layer_ids)
         for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
             placements[name] = plan(trace, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant,
                                     planner=name)

@@ -25,8 +25,7 @@ def run(args) -> int:
     from eplb.errors import EplbError
     from eplb.topology import Topology
     from eplb.trace import load_history
-    from planners.contiguous import contiguous_map
-    from eplb.placement import Placement
+    from eplb.placement import contiguous_placement
 
     trace = load_history(args.traces)
     load = trace.total().astype(np.float64)
@@ -35,7 +34,7 @@ def run(args) -> int:
     if topo.slots_per_gpu > E:  # as in eplb.plan: refused before [L, P] arrays and a P-step bound
         raise EplbError(f"{topo.num_slots} slots give {topo.slots_per_gpu} per GPU, more than the {E} "
                         f"logical experts: use --redundant <= {topo.num_gpus * E - E}")
-    base = Placement(contiguous_map(E, topo, L), topo.num_gpus, E, layer_ids=trace.layer_ids)
+    base = contiguous_placement(E, topo, trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.num_gpus
     # Idle layers count as balanced (1), like every other column; lb / 1 gave 0 for them.

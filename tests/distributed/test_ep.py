@@ -60,7 +60,7 @@ def placements(world: int, num_layers: int = 2):
     from eplb import plan
     from eplb.placement import Placement
     from eplb.topology import Topology
-    from planners.contiguous import contiguous_map
+    from eplb.placement import contiguous_map
 
     S = E // world + 1
     topo = Topology(num_gpus=world, slots_per_gpu=S)

@@ -11,7 +11,7 @@ from eplb.dispatch import Resplitter, max_gpu_load, optimal_weights, resplit
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.topology import Topology
-from planners.contiguous import contiguous_map
+from eplb.placement import contiguous_map
 from planners.greedy import plan_greedy
 
 

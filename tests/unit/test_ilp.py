@@ -136,7 +136,7 @@ def test_bad_settings_raise(settings, match):
 
 def test_boolean_and_time_settings_are_checked():
     from eplb.errors import EplbError
-    from eplb.planning import get_planner
+    from eplb.planner_api import get_planner
 
     for bad in ({"chain": "abc"}, {"quiet": 1}, {"time_limit": True}, {"time_limit": 0}):
         with pytest.raises(EplbError):

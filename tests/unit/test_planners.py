@@ -21,7 +21,7 @@ import eplb
 from eplb import stats
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, _REGISTRY, get_planner, planner_names
+from eplb.planner_api import PlanRequest, get_planner, planner_class, planner_names
 from eplb.topology import Topology
 from planners.deepseek import rebalance_experts
 from eplb.stats import group_span
@@ -38,7 +38,7 @@ PLANNERS = planner_names()
 
 def fast_settings(name: str) -> dict:
     """Settings that keep slow planners quick in tests, found by the constructor's parameters."""
-    params = inspect.signature(_REGISTRY[name].__init__).parameters
+    params = inspect.signature(planner_class(name).__init__).parameters
     out = {}
     if "time_limit" in params:
         out["time_limit"] = 0.3
@@ -50,7 +50,7 @@ def fast_settings(name: str) -> dict:
 
 
 def is_time_limited(name: str) -> bool:
-    return "time_limit" in inspect.signature(_REGISTRY[name].__init__).parameters
+    return "time_limit" in inspect.signature(planner_class(name).__init__).parameters
 
 
 def check_invariants(name: str, phy2log_LP: np.ndarray, weights_LP, load_LE: np.ndarray, topo: Topology) -> None:
@@ -64,7 +64,7 @@ def check_invariants(name: str, phy2log_LP: np.ndarray, weights_LP, load_LE: np.
     np.add.at(count_LE, (np.arange(L)[:, None], phy2log_LP), 1)
     assert count_LE.min() >= 1, f"{name}: an expert has no replica"
     assert count_LE.sum(axis=1).tolist() == [P] * L  # exactly S slots on each of the G GPUs
-    if getattr(_REGISTRY[name], "one_replica_per_gpu", True):
+    if getattr(planner_class(name), "one_replica_per_gpu", True):
         per_gpu = np.sort(phy2log_LP.reshape(L, G, S), axis=2)
         assert not (np.diff(per_gpu, axis=2) == 0).any(), f"{name}: two replicas of one expert on a GPU"
     placement = Placement(phy2log_LP, G, E, topo.num_nodes, dispatch_weights_LP=weights_LP)

@@ -8,7 +8,7 @@ from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.planning import plan
 from eplb.topology import Topology
-from planners.contiguous import contiguous_map
+from eplb.placement import contiguous_map
 
 L, E, G = 6, 32, 4
 

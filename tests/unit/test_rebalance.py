@@ -94,7 +94,7 @@ def test_rebalance_without_apply_leaves_placement(rng, start):
 
 def test_failed_ranks_plan_on_survivors_and_report_lost_experts(rng):
     # Rank 1 holds the only replicas of experts 8..15 (contiguous placement): they are lost.
-    from planners.contiguous import contiguous_map
+    from eplb.placement import contiguous_map
     from eplb.topology import Topology
 
     topo = Topology(num_gpus=G, slots_per_gpu=12)

@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, plan
+from eplb.planner_api import PlanRequest
+from eplb.planning import plan
 from eplb.topology import Topology
 from planners.greedy import plan_greedy
 from planners.robust import (RobustPlanner, kept_windows, normalise_windows, pack_vector, refine_swaps,
