@@ -35,7 +35,7 @@ from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import Resplitter, optimal_weights  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
 from eplb.planning import plan  # noqa: E402
-from eplb.trace import load_trace  # noqa: E402
+from eplb.formats import load_trace  # noqa: E402
 
 SWEEPS = (1, 2, 4, 8, 16, 32)
 

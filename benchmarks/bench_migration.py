@@ -55,7 +55,7 @@ def imbalance(load_LE, phy2log_LP, num_gpus):
 
 
 def v3_workloads(directory):
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     files = sorted(glob.glob(os.path.join(directory, "*.json"))) if directory else []
     if files:
@@ -140,7 +140,7 @@ def v2_windows(path, tokens):
                 counts.append(c)
                 blocks, n = [], 0
         return np.stack(counts), f"{path} (DeepSeek-V2-Lite, {len(counts)} windows of >= {tokens} tokens)", 8, 8
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     c = load_trace(SYNTH).counts_TLE.astype(float)
     return c, f"{SYNTH} (synthetic DeepSeek-V3 shape, {len(c)} windows)", 32, 32
@@ -223,7 +223,7 @@ def serving_stall(fn):
 
 
 def part3(args):
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     c = load_trace(SYNTH).counts_TLE.astype(float)
     T, L, E = c.shape

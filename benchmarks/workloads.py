@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.trace import load_trace
+from eplb.formats import load_trace
 
 
 def workloads(traces_dir: Path, fallback: Path, num_logical_experts: int = 256):

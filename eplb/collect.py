@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from eplb.errors import EplbError
+from eplb.formats.native import save_trace
 from eplb.trace import REQUIRED_META, Trace
 
 IdsFrom = None | int | str | Callable[[Any], torch.Tensor]
@@ -356,7 +357,7 @@ class RouterCollector:
     def save(self, path: str | Path) -> Trace:
         """Write the trace in eplb's .npz format; returns it."""
         t = self.trace()
-        t.save(path)
+        save_trace(t, path)
         return t
 
 

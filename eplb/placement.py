@@ -15,9 +15,7 @@ Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 sl
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,17 +30,6 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.setflags(write=False)
     return a
-
-
-def read_json_file(path: str | Path, what: str) -> Any:
-    """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be)."""
-    path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"{what} {str(path)!r} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not valid JSON ({exc})") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,7 +201,7 @@ class Placement:
 
     __hash__ = None  # type: ignore[assignment]
 
-    # Native JSON file -----------------------------------------------------------------------
+    # Dict conversion (eplb.formats writes it as JSON) ------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -276,27 +263,6 @@ class Placement:
         except (TypeError, ValueError) as exc:
             raise EplbError(f"{source}: malformed placement ({exc})") from None
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Placement":
-        """Read eplb's own JSON; an engine export (SGLang, vLLM, TensorRT-LLM) is named as such."""
-        path = Path(path)
-        fmt = _engine_format(path)
-        if fmt is None:
-            d = read_json_file(path, "placement file")
-            if isinstance(d, dict) and set(d) == {"physical_to_logical_map"}:
-                fmt = "sglang"  # SGLang's --init-expert-location file holds this key and nothing else
-            else:
-                return cls.from_dict(d, source=str(path))
-        name = {"vllm": "vLLM .pt", "trtllm": "TensorRT-LLM YAML", "sglang": "SGLang JSON"}[fmt]
-        extra = "" if fmt == "vllm" else ", num_gpus=G"
-        raise EplbError(f"{path}: a {name} placement export, not an eplb placement file: read it with "
-                        f"eplb.formats.export.read_placement(path, '{fmt}'{extra}); eplb commands take the "
-                        f"file `eplb plan --format eplb` writes")
-
-
 
 def contiguous_map(num_logical_experts: int, topology: Topology, num_layers: int) -> np.ndarray:
     """phy2log_LP of the contiguous placement (the no-EPLB baseline), the same for every layer.
@@ -323,16 +289,3 @@ def contiguous_placement(num_logical_experts: int, topology: Topology, layer_ids
     ids = np.asarray(layer_ids)
     return Placement(contiguous_map(num_logical_experts, topology, len(ids)), topology.num_gpus,
                      num_logical_experts, topology.num_nodes, ids, planner="contiguous")
-
-def _engine_format(path: Path) -> str | None:
-    """Which non-JSON engine export a file looks like ("vllm", "trtllm"), or None."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return None  # read_json_file says what is wrong with the path
-    if head.startswith(b"PK\x03\x04"):
-        return "vllm"  # a torch .pt zip
-    if head.lstrip().startswith((b"num_slots:", b"initial_global_assignments:")):
-        return "trtllm"
-    return None

@@ -128,7 +128,7 @@ def plan(
         raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
                         f"got {type(settings).__name__}")
     if previous is not None and not isinstance(previous, Placement):
-        raise EplbError(f"previous must be a Placement (the one now served, e.g. Placement.load('old.json')), "
+        raise EplbError(f"previous must be a Placement (the one now served, e.g. eplb.load_placement('old.json')), "
                         f"got {type(previous).__name__}")
     if previous is None:
         # Checked before planning: these only price or count migration from `previous`.

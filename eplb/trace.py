@@ -2,21 +2,15 @@
 
 Legend: T = time windows, L = MoE layers, E = logical experts, N = tokens, K = top-k.
 
-Native file (`.npz`, schema in traces/README.md):
-- `counts`    int64 [T, L, E]  token-slots routed to each logical expert per window and layer
-- `layer_ids` int64 [L]        hidden-layer index of each MoE layer in the model
-- `meta`      JSON text        model, num_hidden_layers, num_experts, top_k,
-                               num_expert_groups, tokens_per_window, source, synthetic
-- optional per-token data: `topk_ids` int16 [N, L, K] (expert ids each token chose) and
-  `token_window` int32 [N] (window index of each token, non-decreasing).
-Files are read with `allow_pickle=False`; nothing in a trace can execute code.
+A Trace holds `counts_TLE` (token-slots routed to each logical expert per window and layer),
+the MoE layers' hidden-layer ids, provenance `meta`, and optionally per-token expert choices
+(`topk_ids_NLK`, with `token_window_N`). It does no file I/O: eplb.formats reads and writes
+traces (`eplb.load_trace`, `eplb.save_trace`; the `.npz` schema is in traces/README.md).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -157,78 +151,3 @@ class Trace:
         if c.shape[0] == 0:
             raise EplbError(f"window range {start}:{stop} is empty (trace has {self.num_windows} windows)")
         return Trace(c, self.layer_ids, dict(self.meta))
-
-    # Files ------------------------------------------------------------------------------------
-
-    def save(self, path: str | Path) -> None:
-        arrays = {
-            "counts": np.asarray(self.counts_TLE, dtype=np.int64),
-            "layer_ids": np.asarray(self.layer_ids, dtype=np.int64),
-            "meta": np.array(json.dumps(self.meta, sort_keys=True)),
-        }
-        if self.topk_ids_NLK is not None:
-            arrays["topk_ids"] = self.topk_ids_NLK
-            arrays["token_window"] = self.token_window_N
-        with open(path, "wb") as f:
-            np.savez_compressed(f, **arrays)
-
-    @classmethod
-    def load_npz(cls, path: str | Path) -> "Trace":
-        path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except ValueError as exc:
-            raise EplbError(f"{path}: cannot read without pickle ({exc}); eplb never unpickles files") from None
-        except (OSError, EOFError) as exc:
-            raise EplbError(f"{path}: not a readable .npz file ({exc})") from None
-        missing = [k for k in ("counts", "layer_ids", "meta") if k not in arrays]
-        if missing:
-            raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")
-        try:
-            meta = json.loads(str(arrays["meta"]))
-        except json.JSONDecodeError as exc:
-            raise EplbError(f"{path}: meta is not valid JSON ({exc})") from None
-        if not isinstance(meta, dict):
-            raise EplbError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
-        try:
-            return cls(arrays["counts"], arrays["layer_ids"], meta,
-                       arrays.get("topk_ids"), arrays.get("token_window"))
-        except EplbError as exc:
-            raise EplbError(f"{path}: {exc}") from None
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Read any supported trace file, detected by content (see eplb.formats.detect)."""
-    from eplb.formats.detect import read_trace
-
-    return read_trace(path)
-
-
-def load_history(paths) -> Trace:
-    """Read several trace files of one model and stack their windows in the given order."""
-    traces = [load_trace(p) for p in paths]
-    if not traces:
-        raise EplbError("no trace files given")
-    first = traces[0]
-    for p, t in zip(paths[1:], traces[1:]):
-        if t.num_logical_experts != first.num_logical_experts or not np.array_equal(t.layer_ids, first.layer_ids):
-            raise EplbError(
-                f"{p}: {t.num_layers} layers x {t.num_logical_experts} experts "
-                f"(layer ids {t.layer_ids[:3].tolist()}...) "
-                f"does not match {paths[0]}: {first.num_layers} x {first.num_logical_experts}"
-            )
-        # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
-        for key in ("num_expert_groups", "top_k"):
-            a, b = first.meta.get(key), t.meta.get(key)
-            if a is not None and b is not None and a != b:
-                raise EplbError(f"{p}: {key} = {b} but {paths[0]} says {a}: traces of one model are needed")
-    if len(traces) == 1:
-        return first
-    meta = dict(first.meta)
-    for key in ("num_expert_groups", "top_k"):
-        if meta.get(key) is None:
-            meta[key] = next((t.meta[key] for t in traces if t.meta.get(key) is not None), None)
-    meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
-    meta["synthetic"] = all(t.meta["synthetic"] for t in traces)
-    return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)

@@ -38,7 +38,8 @@ from eplb.runtime.measure import Recorder
 from eplb.runtime.model import MoE, ModelConfig
 from eplb.topology import Topology
 from eplb.commands.common import positive_int
-from eplb.trace import Trace, load_trace
+from eplb.formats import load_trace
+from eplb.trace import Trace
 from eplb.placement import contiguous_map
 
 

@@ -41,7 +41,7 @@ def load_windows(path: str, seed: int) -> tuple[np.ndarray, str, int | None]:
     """(counts [T, L, E], source, expert groups) from an eplb trace, or seeded random drifting
     loads (8 groups, as DeepSeek-V3) if it is absent."""
     if os.path.exists(path):
-        from eplb.trace import load_trace
+        from eplb.formats import load_trace
 
         trace = load_trace(path)
         return trace.counts_TLE.astype(np.float64), path, trace.meta.get("num_expert_groups")

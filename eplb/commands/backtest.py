@@ -46,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from eplb.backtest import DISPATCH, backtest, leave_one_out
     from eplb.commands.plan import parse_settings
-    from eplb.trace import load_history, load_trace
+    from eplb.formats import load_history, load_trace
 
     from eplb.errors import EplbError
 

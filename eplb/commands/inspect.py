@@ -21,10 +21,10 @@ def run(args) -> int:
 
     from eplb import stats
     from eplb.errors import EplbError
-    from eplb.placement import Placement
-    from eplb.trace import load_trace
+    from eplb.formats import load_placement
+    from eplb.formats import load_trace
 
-    pl = Placement.load(args.placement)
+    pl = load_placement(args.placement)
     cnt = pl.replica_count_LE
     info = {
         "planner": pl.planner, "num_layers": pl.num_layers, "num_logical_experts": pl.num_logical_experts,

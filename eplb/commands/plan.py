@@ -83,10 +83,11 @@ def run(args) -> int:
     import numpy as np
 
     from eplb.errors import EplbError
+    from eplb.formats.export import write_placement
     from eplb.planner_api import planner_settings
     from eplb.planning import plan
     from eplb.stats import window_balancedness
-    from eplb.trace import load_history
+    from eplb.formats import load_history
 
     # Options that only act together with another one are refused alone, not ignored.
     if args.format is not None and args.output is None:
@@ -120,14 +121,14 @@ def run(args) -> int:
             raise EplbError(f"--slots-per-gpu must be a whole number, got {args.slots_per_gpu!r}") from None
     previous = None
     if args.previous:
-        from eplb.placement import Placement
+        from eplb.formats import load_placement
 
         if args.span_cost is not None and (args.nodes == 1
                                            or not (args.expert_groups or trace.meta.get("num_expert_groups"))):
             raise EplbError(f"--span-cost {args.span_cost:g} prices spreading an expert group onto one more node, so "
                             f"it needs --nodes > 1 and expert groups (--expert-groups, or the trace's "
                             f"num_expert_groups); give both or drop --span-cost")
-        previous = Placement.load(args.previous)
+        previous = load_placement(args.previous)
         if slots is None and args.redundant is None:
             slots = previous.slots_per_gpu  # same slots as the placement being replaced
     result = plan(
@@ -143,7 +144,8 @@ def run(args) -> int:
                         f"check the collector, or plan on windows with traffic")
     migration = result.info.get("migration")
     if args.output:
-        write_placement(result.placement, args.output, args.format, trace.meta)
+        write_placement(result.placement, args.output, args.format,
+                        num_hidden_layers=trace.meta.get("num_hidden_layers"))
     window_bal = None
     if trace.num_windows > 1:
         # Each window alone (robust plans for these; the summed-load columns hide them).
@@ -210,15 +212,3 @@ def run(args) -> int:
     if args.output:
         print(f"wrote {args.output} ({args.format})")
     return 0
-
-
-def write_placement(placement, path: str, fmt: str, meta: dict) -> None:
-    """Write a placement in one of FORMATS (engine formats live in eplb.formats.export)."""
-    if fmt == "eplb":
-        placement.save(path)
-        return
-    from eplb.formats.export import write_placement as write_engine
-
-    write_engine(placement, path, fmt, num_hidden_layers=meta.get("num_hidden_layers"))
-
-

@@ -118,21 +118,22 @@ def run(args) -> int:
     out = args.output
     info: dict = {"kind": args.kind, "output": out}
     if args.kind == "heatmap":
-        from eplb.trace import load_history
+        from eplb.formats import load_history
 
         trace = load_history(args.traces)
         fig = plot.expert_heatmap(trace, title=args.title)
         info["hot_ratio_median"] = float(np.median(trace.total().max(1) / np.maximum(trace.total().mean(1), 1e-12)))
     elif args.kind == "balance":
-        from eplb.placement import Placement, contiguous_placement
+        from eplb.formats import load_placement
+        from eplb.placement import contiguous_placement
         from eplb.planning import plan
         from eplb.progress import progress
-        from eplb.trace import load_history
+        from eplb.formats import load_history
 
         trace = load_history(args.traces)
         load = trace.total().astype(np.float64)
         placements: dict = {}
-        files = [Placement.load(f) for f in args.placement]
+        files = [load_placement(f) for f in args.placement]
         num_gpus = args.gpus if args.gpus is not None else (files[0].num_gpus if files else None)
         if num_gpus is None:
             raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
@@ -157,12 +158,12 @@ def run(args) -> int:
         info["imbalance_median"] = {n: float(np.median(stats.imbalance(plot._placement(p).gpu_loads(load))))
                                     for n, p in placements.items()}
     elif args.kind == "replicas":
-        from eplb.placement import Placement
+        from eplb.formats import load_placement
 
-        pl = Placement.load(args.placement)
+        pl = load_placement(args.placement)
         load = None
         if args.trace:
-            from eplb.trace import load_trace
+            from eplb.formats import load_trace
 
             trace = load_trace(args.trace)
             _check_layer_ids(args.placement, pl, trace, args.trace)

@@ -24,7 +24,7 @@ def run(args) -> int:
     from eplb import stats
     from eplb.errors import EplbError
     from eplb.topology import Topology
-    from eplb.trace import load_history
+    from eplb.formats import load_history
     from eplb.placement import contiguous_placement
 
     trace = load_history(args.traces)

@@ -33,7 +33,7 @@ def run(args) -> int:
     from eplb.errors import EplbError
     from eplb.progress import Progress
     from eplb.synth import CONTIGUOUS_GPUS, SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace, save_trace
 
     check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
@@ -45,7 +45,7 @@ def run(args) -> int:
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = generate(settings, progress=lambda done, total: bar.update())
     try:
-        trace.save(args.output)
+        save_trace(trace, args.output)
     except OSError as exc:
         raise EplbError(f"cannot write the trace to {args.output!r} ({exc.strerror}); "
                         f"give -o a path in an existing, writable folder") from None

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.formats.native import read_json_file
+from eplb.placement import Placement
 from eplb.trace import Trace, default_meta
 
 
@@ -106,8 +108,6 @@ def write_sglang(placement, path, num_hidden_layers: int | None = None) -> Path:
 def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int | None = None,
                 num_nodes: int = 1):
     """A Placement from an `--init-expert-location` JSON; layer_ids picks the MoE rows."""
-    from eplb.placement import Placement, read_json_file
-
     path = Path(path)
     d = read_json_file(path, "SGLang expert-location file")
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:

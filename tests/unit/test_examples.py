@@ -40,7 +40,7 @@ def test_collect_and_plan_writes_a_trace_and_plans_from_it(tmp_path, capsys, tor
     ex = load_example("collect_and_plan")
     out_file = tmp_path / "collected.npz"
     assert ex.main(["--windows", "2", "--gpus", "8", "--out", str(out_file)]) == 0
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     trace = load_trace(out_file)
     assert trace.num_windows == 2 and trace.counts_TLE.sum() > 0

@@ -11,7 +11,7 @@ from eplb.formats.export import FORMATS, read_placement, write_placement
 from eplb.formats.sglang import sglang_map
 from eplb.formats.trtllm import read_safetensors, write_safetensors
 from eplb.placement import Placement
-from eplb.trace import load_trace
+from eplb.formats import load_trace
 
 torch = pytest.importorskip("torch")
 

@@ -326,7 +326,7 @@ def test_plan_previous_of_other_shape_names_the_fix():
     (dict(num_gpus=4, num_expert_groups=0), r"num_expert_groups must be a whole number >= 1, got 0"),
     (dict(num_gpus=4, num_expert_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
     (dict(num_gpus=4, settings=["quantile=0.9"]), r"settings must be a dict of planner settings"),  # was a TypeError
-    (dict(num_gpus=4, previous="old.json"), r"previous must be a Placement.*Placement.load"),  # was an AttributeError
+    (dict(num_gpus=4, previous="old.json"), r"previous must be a Placement.*load_placement"),  # was an AttributeError
 ])
 def test_plan_front_door_refuses_arguments_of_the_wrong_type(kwargs, message):
     with pytest.raises(EplbError, match=message):
