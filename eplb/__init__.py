@@ -6,8 +6,7 @@ eplb.runtime) -> see (CLI reports, plots, backtests). torch is imported only by 
 the runtime and the `.pt` importer/exporter.
 """
 
-__version__ = "0.1.0"
-
+from eplb._version import __version__ as __version__
 from eplb.errors import EplbError, PlanningError
 from eplb.formats import load_history, load_placement, load_trace, save_placement, save_trace
 from eplb.migration import Budget, MigrationPlan

@@ -41,6 +41,7 @@ from torch import nn
 
 from eplb.errors import EplbError
 from eplb.formats.native import save_trace
+from eplb.runtime.model import Router
 from eplb.trace import REQUIRED_META, Trace
 
 IdsFrom = None | int | str | Callable[[Any], torch.Tensor]
@@ -187,7 +188,6 @@ class RouterCollector:
             what = f"no module name matches {name_pattern!r}"
         else:
             if router_class is None:
-                from eplb.runtime.model import Router
                 router_class = Router
             found = [(n, m) for n, m in model.named_modules() if isinstance(m, router_class)]
             what = f"no module of class {getattr(router_class, '__name__', router_class)} in the model"

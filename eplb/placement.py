@@ -15,7 +15,7 @@ Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 sl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,9 @@ class Placement:
     """Name of the planner that made it (informational)."""
     metrics: dict = field(default_factory=dict)
     """Free-form metrics recorded by the planner (informational, JSON-serialisable)."""
+    partial: bool = False
+    """True when an expert may have no replica: what the surviving GPUs of a placement still
+    hold after a failure (`on_gpus`), a placement to migrate from, never one to serve."""
 
     def __post_init__(self) -> None:
         phy = np.asarray(self.phy2log_LP)
@@ -77,15 +80,17 @@ class Placement:
         if L and (phy.min() < 0 or phy.max() >= E):
             bad = phy[(phy < 0) | (phy >= E)][0]
             raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
-        count_LE = np.zeros((L, E), dtype=np.int64)
-        np.add.at(count_LE, (np.arange(L)[:, None], phy), 1)
-        if L and count_LE.min() == 0:
+        if not isinstance(self.partial, (bool, np.bool_)):
+            raise EplbError(f"partial must be true or false, got {self.partial!r}")
+        count_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), minlength=L * E).reshape(L, E)
+        if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]
             raise EplbError(f"logical expert {expert} has no replica in layer index {layer}")
         object.__setattr__(self, "phy2log_LP", _readonly(phy.astype(np.int64)))
         object.__setattr__(self, "num_gpus", G)
         object.__setattr__(self, "num_logical_experts", E)
         object.__setattr__(self, "num_nodes", N)
+        object.__setattr__(self, "partial", bool(self.partial))
         object.__setattr__(self, "_count_LE", _readonly(count_LE))
         ids = np.arange(L) if self.layer_ids is None else np.asarray(self.layer_ids)
         if ids.shape != (L,) or not np.issubdtype(ids.dtype, np.integer):
@@ -99,8 +104,9 @@ class Placement:
                 raise EplbError(f"dispatch_weights must have shape {(L, P)}, got {w.shape}")
             if not np.all(np.isfinite(w)) or w.min() < 0:
                 raise EplbError("dispatch_weights must be finite and non-negative")
-            sums_LE = np.zeros((L, E))
-            np.add.at(sums_LE, (np.arange(L)[:, None], phy), w)
+            sums_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), weights=w.ravel(),
+                                  minlength=L * E).reshape(L, E)
+            sums_LE[count_LE == 0] = 1.0  # an expert a partial placement lost has no shares to sum
             if not np.allclose(sums_LE, 1.0, atol=1e-6):
                 layer, expert = np.argwhere(~np.isclose(sums_LE, 1.0, atol=1e-6))[0]
                 raise EplbError(
@@ -158,8 +164,8 @@ class Placement:
         cnt_LP = np.take_along_axis(self.replica_count_LE, self.phy2log_LP, axis=1)
         return 1.0 / cnt_LP
 
-    def slot_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
-        """Tokens each physical slot serves, float64 [L, P], for logical loads [L, E]."""
+    def _load_and_weights(self, load_LE, weights_LP) -> tuple[np.ndarray, np.ndarray]:
+        """load_LE as float64 [L, E] and the shares [L, P] (the plan's when None), shapes checked."""
         load_LE = np.asarray(load_LE, dtype=np.float64)
         if load_LE.shape != (self.num_layers, self.num_logical_experts):
             raise EplbError(
@@ -170,18 +176,35 @@ class Placement:
         if w_LP.shape != self.phy2log_LP.shape:  # a [P] row would broadcast over layers silently
             raise EplbError(f"dispatch weights have shape {w_LP.shape}, but the placement needs "
                             f"{self.phy2log_LP.shape} [layers, slots]")
+        return load_LE, w_LP
+
+    def slot_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
+        """Tokens each physical slot serves, float64 [L, P], for logical loads [L, E]."""
+        load_LE, w_LP = self._load_and_weights(load_LE, weights_LP)
         return np.take_along_axis(load_LE, self.phy2log_LP, axis=1) * w_LP
 
     def gpu_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
-        """Tokens each GPU serves, float64 [L, G]."""
-        slot_LP = self.slot_loads(load_LE, weights_LP)
-        return slot_LP.reshape(self.num_layers, self.num_gpus, self.slots_per_gpu).sum(axis=2)
+        """Tokens each GPU serves, float64 [L, G], under `weights_LP` (the plan's shares if None)."""
+        load_LE, w_LP = self._load_and_weights(load_LE, weights_LP)
+        return gpu_loads(self.phy2log_LP, load_LE, self.num_gpus, w_LP)
 
     def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> "Placement":
-        return Placement(
-            self.phy2log_LP, self.num_gpus, self.num_logical_experts, self.num_nodes,
-            self.layer_ids, dispatch_weights_LP, self.planner, dict(self.metrics),
-        )
+        return replace(self, dispatch_weights_LP=dispatch_weights_LP, metrics=dict(self.metrics))
+
+    def on_gpus(self, gpus) -> "Placement":
+        """The slots GPUs `gpus` (indices, in this order) hold, as a placement of their own on
+        len(gpus) GPUs and one node (survivors of a failure need not split evenly over the old
+        nodes); `partial` when some expert has no replica left on them. Weights are dropped:
+        an expert's shares no longer sum to 1 once some of its replicas are gone."""
+        idx = np.asarray(gpus, dtype=np.int64).reshape(-1)
+        G, S = self.num_gpus, self.slots_per_gpu
+        if idx.size == 0 or idx.min() < 0 or idx.max() >= G or np.unique(idx).size != idx.size:
+            raise EplbError(f"gpus must be distinct GPU indices in 0..{G - 1}, got {idx.tolist()}")
+        phy_LP = self.phy2log_LP.reshape(self.num_layers, G, S)[:, idx].reshape(self.num_layers, idx.size * S)
+        present = np.bincount((np.arange(self.num_layers)[:, None] * self.num_logical_experts + phy_LP).ravel(),
+                              minlength=self.num_layers * self.num_logical_experts)
+        return Placement(phy_LP, idx.size, self.num_logical_experts, 1, self.layer_ids, None, self.planner,
+                         partial=bool((present == 0).any()))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):
@@ -196,6 +219,7 @@ class Placement:
             and self.num_logical_experts == other.num_logical_experts
             and np.array_equal(self.phy2log_LP, other.phy2log_LP)
             and np.array_equal(self.layer_ids, other.layer_ids)
+            and self.partial == other.partial
             and same_w
         )
 
@@ -217,6 +241,8 @@ class Placement:
         }
         if self.dispatch_weights_LP is not None:
             d["dispatch_weights"] = self.dispatch_weights_LP.tolist()
+        if self.partial:
+            d["partial"] = True
         return d
 
     @classmethod
@@ -257,11 +283,37 @@ class Placement:
                 dispatch_weights_LP=None if weights is None else np.asarray(weights, dtype=np.float64),
                 planner=str(d.get("planner", "")),
                 metrics=dict(d.get("metrics") or {}),
+                partial=d.get("partial", False),
             )
         except EplbError as exc:
             raise EplbError(f"{source}: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise EplbError(f"{source}: malformed placement ({exc})") from None
+
+
+def gpu_loads(phy2log_LP: np.ndarray, load_LE, num_gpus: int, weights_LP=None) -> np.ndarray:
+    """Tokens each GPU serves, float64 [..., L, G]: the one definition every score builds on.
+
+    Slot p (on GPU p // (P / G)) serves load_LE[..., l, phy2log_LP[l, p]] x weights_LP[l, p].
+    load_LE may carry leading axes (windows: [T, L, E] gives [T, L, G]). weights_LP: shares
+    [L, P], or one number for every slot (1.0 when load_LE already holds the load of one
+    replica); None: an even split among the replicas phy2log_LP holds. Slots holding -1 (empty)
+    serve nothing. Trusts its input: callers check shapes and ids at their boundary.
+    """
+    phy_LP = np.asarray(phy2log_LP)
+    load = np.asarray(load_LE, dtype=np.float64)
+    L, P = phy_LP.shape
+    E = load.shape[-1]
+    valid_LP = phy_LP >= 0
+    full = bool(valid_LP.all())
+    e_LP = phy_LP if full else np.where(valid_LP, phy_LP, 0)
+    if weights_LP is None:
+        count_LE = np.bincount((np.arange(L)[:, None] * E + e_LP)[valid_LP], minlength=L * E).reshape(L, E)
+        weights_LP = 1.0 / np.maximum(np.take_along_axis(count_LE, e_LP, axis=1), 1)
+    slot = load[..., np.arange(L)[:, None], e_LP] * weights_LP
+    if not full:
+        slot = np.where(valid_LP, slot, 0.0)
+    return slot.reshape(*slot.shape[:-1], num_gpus, P // num_gpus).sum(axis=-1)
 
 
 def contiguous_map(num_logical_experts: int, topology: Topology, num_layers: int) -> np.ndarray:

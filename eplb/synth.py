@@ -38,7 +38,10 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from eplb import stats
 from eplb.errors import EplbError
+from eplb.placement import contiguous_map, gpu_loads
+from eplb.topology import Topology
 from eplb.trace import Trace
 
 PHASES = ("prefill", "decode")
@@ -247,13 +250,12 @@ CONTIGUOUS_GPUS = (4, 8, 16, 32)
 
 def contiguous_imbalance(load_LE: np.ndarray, num_gpus: int) -> float:
     """Median over layers of busiest/mean GPU when expert e sits on GPU e // (E / num_gpus)."""
-    from eplb import stats
-
     load = np.asarray(load_LE, dtype=np.float64)
     L, E = load.shape
     if num_gpus < 1 or E % num_gpus:
         raise EplbError(f"contiguous placement needs num_gpus dividing num_experts ({E}), got {num_gpus}")
-    return float(np.median(stats.imbalance(load.reshape(L, num_gpus, E // num_gpus).sum(axis=2))))
+    phy2log_LP = contiguous_map(E, Topology(num_gpus, E // num_gpus), L)
+    return float(np.median(stats.imbalance(gpu_loads(phy2log_LP, load, num_gpus, 1.0))))
 
 
 def calibration_stats(load_LE: np.ndarray) -> dict:
@@ -261,8 +263,6 @@ def calibration_stats(load_LE: np.ndarray) -> dict:
 
     `contig_G<n>`: contiguous busiest/mean GPU at n GPUs (only for n dividing E).
     """
-    from eplb import stats
-
     hot_L, gini_L = stats.hot_ratio(load_LE), stats.gini(load_LE)
     E = np.shape(load_LE)[-1]
     return {

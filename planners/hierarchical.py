@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError, whole_number
+from eplb.placement import gpu_loads
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import group_span
 from planners.greedy import pack, pack_replicas, refine, replicate
@@ -228,6 +229,11 @@ def _even_out(cnt_NE: np.ndarray, w_E: np.ndarray, group_E: np.ndarray, K: int, 
         cnt_NE[a, f] += 1
 
 
+def _max_gpu(phy2log_LP: np.ndarray, per_LE: np.ndarray, G: int) -> np.ndarray:
+    """Busiest GPU per layer, [L], when every replica of expert e carries per_LE[l, e]."""
+    return gpu_loads(phy2log_LP, per_LE, G, 1.0).max(axis=1)
+
+
 class HierarchicalPlanner:
     """Group-local (node-aware) placement with greedy-level balance.
 
@@ -272,7 +278,7 @@ class HierarchicalPlanner:
         count_LE = replicate(load_LE, P, G)
         per_LE = load_LE / count_LE
         greedy_LP = pack(load_LE, count_LE, G, S)
-        greedy_max_L = self._max_gpu(greedy_LP, per_LE, G, S)
+        greedy_max_L = _max_gpu(greedy_LP, per_LE, G)
 
         # Steps 2-3: replicas of each expert on each node, layer by layer.
         cnt_LNE = np.empty((L, N, E), dtype=np.int64)
@@ -291,12 +297,12 @@ class HierarchicalPlanner:
 
         # Step 5: guard the balance against greedy's, layer by layer.
         limit_L = greedy_max_L * (1 + self.tolerance) + 1e-12
-        bad = np.flatnonzero(self._max_gpu(phy2log_LP, per_LE, G, S) > limit_L)
+        bad = np.flatnonzero(_max_gpu(phy2log_LP, per_LE, G) > limit_L)
         repaired = from_greedy = 0
         if len(bad):
             sub = phy2log_LP[bad].copy()
             refine(sub, None, None, G, 64, per_LE=per_LE[bad])
-            ok = self._max_gpu(sub, per_LE[bad], G, S) <= limit_L[bad]
+            ok = _max_gpu(sub, per_LE[bad], G) <= limit_L[bad]
             phy2log_LP[bad[ok]] = sub[ok]
             phy2log_LP[bad[~ok]] = greedy_LP[bad[~ok]]
             repaired, from_greedy = int(ok.sum()), int((~ok).sum())
@@ -309,7 +315,7 @@ class HierarchicalPlanner:
             "group_span_mean": float(span_LK.mean()),
             "group_span_max": int(span_LK.max()),
             "greedy_group_span_mean": float(greedy_span_LK.mean()),
-            "max_gpu_vs_greedy_max": float((self._max_gpu(phy2log_LP, per_LE, G, S)
+            "max_gpu_vs_greedy_max": float((_max_gpu(phy2log_LP, per_LE, G)
                                             / np.maximum(greedy_max_L, 1e-300)).max()),
             "layers_repaired_cross_node": repaired,
             "layers_from_greedy": from_greedy,
@@ -321,8 +327,3 @@ class HierarchicalPlanner:
             msg += (f"; {repaired} layer(s) needed cross-node swaps and {from_greedy} use greedy's "
                     f"placement to stay within {self.tolerance:.1%} of greedy's balance")
         return Solution(phy2log_LP, message=msg, info=info)
-
-    @staticmethod
-    def _max_gpu(phy2log_LP: np.ndarray, per_LE: np.ndarray, G: int, S: int) -> np.ndarray:
-        w_LP = np.take_along_axis(per_LE, phy2log_LP, axis=1)
-        return w_LP.reshape(len(phy2log_LP), G, S).sum(axis=2).max(axis=1)

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 
 from eplb import stats
+from eplb.dispatch import optimal_weights
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.planner_api import PlanRequest, Solution
@@ -380,8 +381,6 @@ class IlpPlanner:
         return jobs, workers
 
     def plan(self, request: PlanRequest) -> Solution:
-        from eplb.dispatch import optimal_weights
-
         t = request.topology
         G, S = t.num_gpus, t.slots_per_gpu
         load_LE = np.asarray(request.load_LE, dtype=np.float64)

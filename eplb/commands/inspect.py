@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from eplb import stats
 from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.errors import EplbError
+from eplb.formats import load_placement, load_trace
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -17,13 +22,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from eplb import stats
-    from eplb.errors import EplbError
-    from eplb.formats import load_placement
-    from eplb.formats import load_trace
-
     pl = load_placement(args.placement)
     cnt = pl.replica_count_LE
     info = {

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from eplb import stats
 from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.errors import EplbError
+from eplb.formats import load_history
+from eplb.placement import contiguous_placement
+from eplb.topology import Topology
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -19,14 +26,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from eplb import stats
-    from eplb.errors import EplbError
-    from eplb.topology import Topology
-    from eplb.formats import load_history
-    from eplb.placement import contiguous_placement
-
     trace = load_history(args.traces)
     load = trace.total().astype(np.float64)
     L, E = load.shape

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from eplb.dispatch import Resplitter
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.runtime.model import swiglu
@@ -321,8 +322,6 @@ class ExpertParallelMoE(torch.nn.Module):
         The same all-reduce carries every rank's input verdict (see `forward`), since it is the
         first exchange of a forward in this mode."""
         if self._resplitter is None:
-            from eplb.dispatch import Resplitter  # numpy; its index tables are built once per placement
-
             self._resplitter = Resplitter(self._one_layer)
         E, G, r = self.placement.num_logical_experts, self.world, self.rank
         counts = torch.zeros(E + 2 * G, dtype=torch.int64, device=expert_N.device)

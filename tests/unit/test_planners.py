@@ -339,12 +339,18 @@ def test_plan_front_door_refuses_ragged_loads():
         eplb.plan([[1.0, 2.0], [3.0]], num_gpus=1)
 
 
-@pytest.mark.parametrize("kwargs", [dict(span_cost=2.0), dict(span_cost=-1.0), dict(bytes_per_expert=100)])
+@pytest.mark.parametrize("kwargs", [dict(span_cost=2.0), dict(bytes_per_expert=100)])
 def test_plan_migration_options_without_previous_are_refused(kwargs):
     """Like max_moves: an option that only prices migration must not be ignored silently."""
     name = next(iter(kwargs))
     with pytest.raises(EplbError, match=rf"{name} \({kwargs[name]!r}\).*previous"):
-        eplb.plan(np.arange(1.0, 17.0)[None], num_gpus=4, **kwargs)
+        eplb.plan(np.arange(1.0, 17.0)[None], num_gpus=4, budget=eplb.Budget(**kwargs))
+
+
+def test_a_negative_span_cost_is_refused_by_the_budget():
+    """span_cost=-1.0 was refused by plan() for want of a previous placement; the Budget value refuses it first."""
+    with pytest.raises(EplbError, match=r"span_cost must be a finite number >= 0, got -1.0"):
+        eplb.Budget(span_cost=-1.0)
 
 
 def test_unknown_setting_is_named_with_the_known_ones():
