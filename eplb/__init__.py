@@ -13,7 +13,7 @@ from eplb.migration import Budget, MigrationPlan
 from eplb.placement import Placement
 from eplb.planner_api import PlanRequest, Solution, get_planner, planner_names, register
 from eplb.planning import PlanResult, plan
-from eplb.rebalance import RebalanceResult, Rebalancer
+from eplb.rebalance import Rebalancer, RebalanceResult
 from eplb.stats import LoadReport, evaluate, lower_bound
 from eplb.topology import Topology
 from eplb.trace import Trace

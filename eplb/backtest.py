@@ -34,8 +34,9 @@ too; counting without the renaming would charge a planner for an arbitrary GPU n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, fraction, is_number, positive_integer, whole_number
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "fp4": 4}
 """Bits per element of the dtypes the planner knows (scales not counted)."""
@@ -59,7 +59,7 @@ def _nbytes(elements: int, bits: int) -> int:
 
 def parse_memory(text: str | int | float) -> int:
     """GPU memory in bytes from '80GiB', '141GB', '81559MiB', 'h200' or a bare number of GiB."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if is_number(text):
         value, unit = float(text), "gib"
     else:
         s = str(text).strip().lower().replace(" ", "")
@@ -129,15 +129,11 @@ class ModelShape:
     def __post_init__(self) -> None:
         for name in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
                      "num_kv_heads", "head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise EplbError(f"model {self.name}: {name} must be a positive integer, got {v!r}")
+            object.__setattr__(self, name, positive_integer(f"model {self.name}: {name}", getattr(self, name)))
         for name in ("intermediate_size", "num_dense_layers", "num_logical_experts", "moe_intermediate_size",
                      "num_shared_experts", "top_k", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
                      "v_head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise EplbError(f"model {self.name}: {name} must be a non-negative integer, got {v!r}")
+            object.__setattr__(self, name, whole_number(f"model {self.name}: {name}", getattr(self, name), 0))
         if not 0 <= self.num_dense_layers <= self.num_hidden_layers:
             raise EplbError(f"model {self.name}: num_dense_layers ({self.num_dense_layers}) must be in "
                             f"0..num_hidden_layers ({self.num_hidden_layers})")
@@ -297,21 +293,16 @@ class Deployment:
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpu_memory", "context"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise EplbError(f"{name} must be a positive integer, got {v!r}")
-        if self.concurrency is not None and (isinstance(self.concurrency, bool)
-                                             or not isinstance(self.concurrency, int) or self.concurrency < 1):
-            raise EplbError(f"concurrency must be a positive integer, got {self.concurrency!r}")
+            object.__setattr__(self, name, positive_integer(name, getattr(self, name)))
+        if self.concurrency is not None:
+            object.__setattr__(self, "concurrency", positive_integer("concurrency", self.concurrency))
         for name in ("weight_dtype", "kv_dtype"):
             dtype_bits(getattr(self, name))
         if self.expert_dtype is not None:
             dtype_bits(self.expert_dtype)
         if self.attention not in ATTENTION_MODES:
             raise EplbError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
-        mu = self.memory_utilization
-        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 < float(mu) <= 1.0:
-            raise EplbError(f"memory_utilization must be a number in (0, 1], got {mu!r}")
+        object.__setattr__(self, "memory_utilization", fraction("memory_utilization", self.memory_utilization))
 
 
 @dataclass(frozen=True)
@@ -414,8 +405,7 @@ def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gp
     dep = deployment
     G, E = dep.num_gpus, model.num_logical_experts
     if redundant_per_gpu is not None:
-        if isinstance(redundant_per_gpu, bool) or not isinstance(redundant_per_gpu, int) or redundant_per_gpu < 0:
-            raise EplbError(f"redundant slots per GPU must be a whole number >= 0, got {redundant_per_gpu!r}")
+        redundant_per_gpu = whole_number("redundant slots per GPU", redundant_per_gpu, 0)
         if not model.is_moe:
             raise EplbError(f"{model.name} is a dense model: redundant expert slots do not apply")
     expert_dtype = dep.expert_dtype or dep.weight_dtype

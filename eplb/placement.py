@@ -20,16 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, readonly, whole_number
 from eplb.topology import Topology
 
 FORMAT_VERSION = 1
 
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,12 +59,8 @@ class Placement:
         if not np.issubdtype(phy.dtype, np.integer):
             raise EplbError(f"physical_to_logical map must hold integers, got dtype {phy.dtype}")
         L, P = phy.shape
-        for name in ("num_gpus", "num_logical_experts", "num_nodes"):
-            v = getattr(self, name)  # int() would read 2.5 GPUs as 2
-            whole = is_whole(v)
-            if not whole or v < 1:
-                raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
-        G, E, N = int(self.num_gpus), int(self.num_logical_experts), int(self.num_nodes)
+        G, E, N = (whole_number(name, getattr(self, name), 1)
+                   for name in ("num_gpus", "num_logical_experts", "num_nodes"))
         if P < 1:
             raise EplbError(f"physical_to_logical map has no slots (shape {phy.shape}): a placement needs "
                             f"at least one slot per GPU")
@@ -86,18 +77,18 @@ class Placement:
         if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]
             raise EplbError(f"logical expert {expert} has no replica in layer index {layer}")
-        object.__setattr__(self, "phy2log_LP", _readonly(phy.astype(np.int64)))
+        object.__setattr__(self, "phy2log_LP", readonly(phy.astype(np.int64)))
         object.__setattr__(self, "num_gpus", G)
         object.__setattr__(self, "num_logical_experts", E)
         object.__setattr__(self, "num_nodes", N)
         object.__setattr__(self, "partial", bool(self.partial))
-        object.__setattr__(self, "_count_LE", _readonly(count_LE))
+        object.__setattr__(self, "_count_LE", readonly(count_LE))
         ids = np.arange(L) if self.layer_ids is None else np.asarray(self.layer_ids)
         if ids.shape != (L,) or not np.issubdtype(ids.dtype, np.integer):
             raise EplbError(f"layer_ids must be {L} integers, got shape {ids.shape} dtype {ids.dtype}")
         if L and (ids.min() < 0 or len(np.unique(ids)) != L):
             raise EplbError(f"layer_ids must be distinct non-negative integers, got {ids.tolist()}")
-        object.__setattr__(self, "layer_ids", _readonly(ids.astype(np.int64)))
+        object.__setattr__(self, "layer_ids", readonly(ids.astype(np.int64)))
         if self.dispatch_weights_LP is not None:
             w = np.asarray(self.dispatch_weights_LP, dtype=np.float64)
             if w.shape != (L, P):
@@ -113,7 +104,7 @@ class Placement:
                     f"dispatch_weights of expert {expert} in layer index {layer} sum to "
                     f"{sums_LE[layer, expert]:.6f}, not 1"
                 )
-            object.__setattr__(self, "dispatch_weights_LP", _readonly(w))
+            object.__setattr__(self, "dispatch_weights_LP", readonly(w))
 
     # Derived shapes -------------------------------------------------------------------------
 
@@ -188,10 +179,10 @@ class Placement:
         load_LE, w_LP = self._load_and_weights(load_LE, weights_LP)
         return gpu_loads(self.phy2log_LP, load_LE, self.num_gpus, w_LP)
 
-    def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> "Placement":
+    def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> Placement:
         return replace(self, dispatch_weights_LP=dispatch_weights_LP, metrics=dict(self.metrics))
 
-    def on_gpus(self, gpus) -> "Placement":
+    def on_gpus(self, gpus) -> Placement:
         """The slots GPUs `gpus` (indices, in this order) hold, as a placement of their own on
         len(gpus) GPUs and one node (survivors of a failure need not split evenly over the old
         nodes); `partial` when some expert has no replica left on them. Weights are dropped:
@@ -246,7 +237,7 @@ class Placement:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "placement") -> "Placement":
+    def from_dict(cls, d: dict[str, Any], *, source: str = "placement") -> Placement:
         if not isinstance(d, dict):
             raise EplbError(f"{source}: expected a JSON object, got {type(d).__name__}")
         missing = [k for k in ("physical_to_logical_map", "num_gpus", "num_logical_experts") if k not in d]
@@ -260,12 +251,10 @@ class Placement:
                 raise ValueError("non-integer ids")
             phy = phy.astype(np.int64)
         except (ValueError, TypeError) as exc:
-            raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
+            raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists "
+                            f"({exc})") from None
         for key in ("num_gpus", "num_logical_experts", "num_nodes"):
-            v = d.get(key, 1)
-            # int(4.7) would silently read a damaged file as 4 GPUs.
-            if not is_whole(v):
-                raise EplbError(f"{source}: {key} must be a whole number, got {v!r}")
+            whole_number(f"{source}: {key}", d.get(key, 1), None)  # int(4.7) would read a damaged file as 4 GPUs
         weights = d.get("dispatch_weights")
         layer_ids = d.get("layer_ids")
         if layer_ids is not None:  # asarray(dtype=int64) would read layer 3.5 as 3

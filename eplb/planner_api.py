@@ -17,6 +17,7 @@ Where planners come from, in the order names are looked up:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -156,18 +157,23 @@ def planner_class(name: str) -> type:
     raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(planner_names())}")
 
 
+@functools.cache
+def _settings_of(cls: type) -> tuple[tuple[str, ...], bool]:
+    """(names of the constructor's settings, whether it takes **kwargs), read once per class."""
+    params = inspect.signature(cls).parameters
+    known = tuple(k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    return known, any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
 def planner_settings(name: str) -> list[str]:
     """Names of the settings a planner's constructor takes."""
-    params = inspect.signature(planner_class(name)).parameters
-    return [k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return list(_settings_of(planner_class(name))[0])
 
 
 def get_planner(name: str, **settings: Any) -> Planner:
     """A planner by name, built with `settings` (unknown settings and bad values are EplbError)."""
     cls = planner_class(name)
-    params = inspect.signature(cls).parameters
-    known = [k for k, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    known, takes_any = _settings_of(cls)
     unknown = [] if takes_any else [k for k in settings if k not in known]
     if unknown:  # named alone: the CLI adds quiet=True itself, which the user never typed
         raise EplbError(f"planner {name!r} does not take these settings: {', '.join(map(repr, unknown))}; "

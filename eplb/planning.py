@@ -13,9 +13,10 @@ report away does not pay for them.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

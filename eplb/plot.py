@@ -12,9 +12,10 @@ placements, backtest results); the commands compute it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -226,7 +227,8 @@ def replica_map(placement: Any, load_LE: Any = None, *, layer: int | None = None
     if layer is None:
         layer = int(np.argmax(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))) if load is not None else 0
     if not 0 <= int(layer) < L:
-        raise EplbError(f"layer index {layer} is outside 0..{L - 1} (an index into the MoE layers, not a hidden-layer id)")
+        raise EplbError(f"layer index {layer} is outside 0..{L - 1} (an index into the MoE layers, "
+                        f"not a hidden-layer id)")
     layer = int(layer)
 
     # Discrete colours: 1 replica light grey, 2..X from a sequential map.

@@ -259,7 +259,8 @@ class Rebalancer:
         failed_ranks: engine ranks that are gone. The plan then uses the surviving ranks only
         (same slots per GPU), restores each expert from a surviving replica, and reports
         experts that lost every replica in `lost_experts` (their copies come from the
-        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with False, call `adopt(result)` once the engine has migrated.
+        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with
+        False, call `adopt(result)` once the engine has migrated.
         """
         with self._lock:
             pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step

@@ -10,14 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, is_number, is_whole, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
 
 
 def _check_alpha(alpha) -> float:
-    ok = not isinstance(alpha, bool) and isinstance(alpha, (int, float, np.integer, np.floating))
-    if not ok or not 0.0 < float(alpha) <= 1.0:
+    if not is_number(alpha) or not 0.0 < float(alpha) <= 1.0:
         raise EplbError(f"EMA alpha must be in (0, 1] (a number), got {alpha!r}")
     return float(alpha)
 
@@ -78,14 +77,14 @@ class Aggregation:
         return ema(c, 0.3 if self.alpha is None else self.alpha)[-1]
 
 
-def aggregate(counts_TLE, how: "str | Aggregation" = "sum", *, window: int | None = None,
+def aggregate(counts_TLE, how: str | Aggregation = "sum", *, window: int | None = None,
               alpha: float | None = None) -> np.ndarray:
     """Collapse windows into one load [L, E]: `how` is an Aggregation, or its name with
     `window` / `alpha` (see Aggregation)."""
     return as_aggregation(how, window=window, alpha=alpha)(counts_TLE)
 
 
-def as_aggregation(how: "str | Aggregation", *, window: int | None = None, alpha: float | None = None) -> Aggregation:
+def as_aggregation(how: str | Aggregation, *, window: int | None = None, alpha: float | None = None) -> Aggregation:
     """An Aggregation from a value or a name (+ window / alpha); a value takes no extra options."""
     if isinstance(how, Aggregation):
         if window is not None or alpha is not None:
@@ -218,9 +217,7 @@ def lower_bound(load_LE, num_gpus: int, num_slots: int) -> np.ndarray:
     max(total / G, min over replica counts r (sum r = P, r_e >= 1) of max_e load_e / r_e):
     no placement, however tokens are split among replicas, can beat either term.
     """
-    for name, v in (("num_gpus", num_gpus), ("num_slots", num_slots)):
-        if not is_whole(v) or v < 1:  # num_gpus=0 gave inf, num_slots=4.5 a TypeError
-            raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
+    num_gpus, num_slots = whole_number("num_gpus", num_gpus, 1), whole_number("num_slots", num_slots, 1)
     load = np.asarray(load_LE, dtype=np.float64)
     r = replica_counts_minmax(load, int(num_slots), tie_break=False)
     return np.maximum(load.sum(axis=1) / num_gpus, (load / r).max(axis=1))

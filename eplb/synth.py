@@ -114,7 +114,8 @@ class SynthSettings:
         need(self.num_windows >= 1, f"num_windows must be >= 1, got {self.num_windows}")
         need(self.tokens_per_window >= 1, f"tokens_per_window must be >= 1, got {self.tokens_per_window}")
         need(0 <= self.first_moe_layer < self.num_hidden_layers,
-             f"first_moe_layer ({self.first_moe_layer}) must be in 0..num_hidden_layers-1 ({self.num_hidden_layers - 1})")
+             f"first_moe_layer ({self.first_moe_layer}) must be in 0..num_hidden_layers-1 "
+             f"({self.num_hidden_layers - 1})")
         need(self.num_expert_groups >= 1 and self.num_experts % self.num_expert_groups == 0,
              f"num_experts ({self.num_experts}) must be divisible by num_expert_groups ({self.num_expert_groups})")
         per_group = self.num_experts // self.num_expert_groups
@@ -132,7 +133,8 @@ class SynthSettings:
              f"phase_share ({self.phase_share}) and drift_share ({self.drift_share}) must be >= 0 and sum to <= 1")
         need(0 <= self.drift_memory <= 1, f"drift_memory must be in [0, 1], got {self.drift_memory}")
         lo, hi = self.phase_run
-        need(1 <= lo <= hi, f"phase_run must be (shortest, longest) with 1 <= shortest <= longest, got {self.phase_run}")
+        need(1 <= lo <= hi,
+             f"phase_run must be (shortest, longest) with 1 <= shortest <= longest, got {self.phase_run}")
         need(0 <= self.keep_tokens <= self.tokens_per_window,
              f"keep_tokens ({self.keep_tokens}) must be in 0..tokens_per_window ({self.tokens_per_window})")
         need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, is_whole, readonly
 
 REQUIRED_META = (
     "model", "num_hidden_layers", "num_experts", "top_k", "num_expert_groups",
@@ -25,12 +25,6 @@ WHOLE_META = ("num_hidden_layers", "num_experts", "top_k", "num_expert_groups", 
 """Meta fields that are whole numbers >= 1 when known (None when not)."""
 MAX_COUNT = 2**62
 """Largest token count accepted: beyond it int64 sums over windows could wrap."""
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
 
 
 def default_meta(num_layers_total: int, num_logical_experts: int, **overrides: Any) -> dict[str, Any]:
@@ -85,7 +79,8 @@ class Trace:
             raise EplbError(f"counts must have at least one window, layer and expert, got shape {c.shape}")
         ids = np.asarray(self.layer_ids)
         if ids.shape != (L,) or ids.dtype.kind not in "iu":
-            raise EplbError(f"layer_ids must be {L} integers (one per MoE layer), got shape {ids.shape} dtype {ids.dtype}")
+            raise EplbError(f"layer_ids must be {L} integers (one per MoE layer), got shape {ids.shape} "
+                            f"dtype {ids.dtype}")
         if ids.min() < 0 or np.any(np.diff(ids) <= 0):
             raise EplbError(f"layer_ids must be non-negative and strictly increasing, got {ids.tolist()}")
         meta = dict(self.meta)
@@ -96,8 +91,7 @@ class Trace:
             v = meta[key]
             if v is None:
                 continue
-            whole = is_whole(v)
-            if not whole or v < 1:
+            if not is_whole(v) or v < 1:
                 raise EplbError(f"meta {key} must be a whole number >= 1 or null, got {v!r}")
             meta[key] = int(v)
         if meta["num_expert_groups"] is not None and E % meta["num_expert_groups"]:
@@ -110,8 +104,8 @@ class Trace:
             raise EplbError(f"meta num_hidden_layers ({nh}) must exceed the largest layer id ({int(ids.max())})")
         if not isinstance(meta["synthetic"], bool):
             raise EplbError(f"meta synthetic must be true or false, got {meta['synthetic']!r}")
-        object.__setattr__(self, "counts_TLE", _readonly(c.astype(np.int64)))
-        object.__setattr__(self, "layer_ids", _readonly(ids.astype(np.int64)))
+        object.__setattr__(self, "counts_TLE", readonly(c.astype(np.int64)))
+        object.__setattr__(self, "layer_ids", readonly(ids.astype(np.int64)))
         object.__setattr__(self, "meta", meta)
         if (self.topk_ids_NLK is None) != (self.token_window_N is None):
             raise EplbError("topk_ids and token_window must be given together")
@@ -126,8 +120,8 @@ class Trace:
                 raise EplbError(f"token_window must be {k.shape[0]} integers, got shape {w.shape}")
             if w.size and (w.min() < 0 or w.max() >= T or np.any(np.diff(w) < 0)):
                 raise EplbError(f"token_window must be non-decreasing window indices in 0..{T - 1}")
-            object.__setattr__(self, "topk_ids_NLK", _readonly(k.astype(np.int16)))
-            object.__setattr__(self, "token_window_N", _readonly(w.astype(np.int32)))
+            object.__setattr__(self, "topk_ids_NLK", readonly(k.astype(np.int16)))
+            object.__setattr__(self, "token_window_N", readonly(w.astype(np.int32)))
 
     @property
     def num_windows(self) -> int:
@@ -145,7 +139,7 @@ class Trace:
         """Sum over all windows, int64 [L, E]."""
         return self.counts_TLE.sum(axis=0)
 
-    def windows(self, start: int, stop: int | None = None) -> "Trace":
+    def windows(self, start: int, stop: int | None = None) -> Trace:
         """The windows start..stop-1 as a trace of their own (per-token rows dropped)."""
         c = self.counts_TLE[start:stop]
         if c.shape[0] == 0:

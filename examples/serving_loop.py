@@ -97,7 +97,8 @@ def main(argv=None) -> int:
                     bytes_per_expert=BYTES_PER_EXPERT)
     rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
                     min_improvement=args.min_improvement, budget=budget, num_expert_groups=groups)
-    print(f"trace: {os.path.relpath(source) if os.path.exists(source) else source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
+    where = os.path.relpath(source) if os.path.exists(source) else source
+    print(f"trace: {where}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
           f"{start.num_slots} slots, {groups} expert groups; {args.steps_per_window} steps per window")
     print(f"rebalancer: sliding window {4 * args.steps_per_window} steps, check every {args.interval}, "
           f"rebalance if predicted gain >= {args.min_improvement:.0%}, <= {args.max_moves} copies each")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, fraction, whole_number
 from eplb.placement import gpu_loads
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import group_span
@@ -247,12 +247,9 @@ class HierarchicalPlanner:
     name = "hierarchical"
 
     def __init__(self, tolerance: float = 0.005, refine_rounds: int = 16, node_tolerance: float = 1e-3):
-        if not 0.0 <= float(tolerance) < 1.0:
-            raise EplbError(f"tolerance must be in [0, 1), got {tolerance}")
-        if not 0.0 <= float(node_tolerance) < 1.0:
-            raise EplbError(f"node_tolerance must be in [0, 1), got {node_tolerance}")
-        self.node_tolerance = float(node_tolerance)
-        self.tolerance = float(tolerance)
+        # float() first: a setting given as text (--set tolerance=x) is "of the wrong type" (get_planner).
+        self.tolerance = fraction("tolerance", float(tolerance), low_open=False, high_open=True)
+        self.node_tolerance = fraction("node_tolerance", float(node_tolerance), low_open=False, high_open=True)
         self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
@@ -320,7 +317,8 @@ class HierarchicalPlanner:
             "layers_repaired_cross_node": repaired,
             "layers_from_greedy": from_greedy,
         }
-        msg = f"groups span {info['group_span_mean']:.2f} nodes on average (greedy: {info['greedy_group_span_mean']:.2f})"
+        msg = (f"groups span {info['group_span_mean']:.2f} nodes on average "
+               f"(greedy: {info['greedy_group_span_mean']:.2f})")
         if request.num_expert_groups is None:
             msg += "; no expert groups given, so each expert is its own group"
         if repaired or from_greedy:

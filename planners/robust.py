@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
 
@@ -215,13 +215,10 @@ class RobustPlanner:
         blends = tuple(float(b) for b in blends)
         if not blends or any(not 0.0 <= b <= 1.0 for b in blends):
             raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
-        if not 0.0 < float(quantile) <= 1.0:
-            raise EplbError(f"quantile must be in (0, 1], got {quantile!r}")
-        if not float(beta) > 0:
-            raise EplbError(f"beta must be > 0, got {beta!r}")
         self.blends = blends
-        self.quantile = float(quantile)
-        self.beta = float(beta)
+        # float() first: a setting given as text (--set quantile=x) is "of the wrong type" (get_planner).
+        self.quantile = fraction("quantile", float(quantile))
+        self.beta = positive_number("beta", float(beta))
         self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:

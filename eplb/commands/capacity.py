@@ -9,8 +9,21 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.capacity import (ATTENTION_MODES, DTYPE_BITS, GPU_MEMORY_MIB, PRESETS, CapacityReport, Deployment,
-                           ModelShape, auto_slots_per_gpu, get_model, gib, parse_memory, plan_capacity, with_overrides)
+from eplb.capacity import (
+    ATTENTION_MODES,
+    DTYPE_BITS,
+    GPU_MEMORY_MIB,
+    PRESETS,
+    CapacityReport,
+    Deployment,
+    ModelShape,
+    auto_slots_per_gpu,
+    get_model,
+    gib,
+    parse_memory,
+    plan_capacity,
+    with_overrides,
+)
 from eplb.commands.common import add_command, add_output_flags, print_json
 from eplb.errors import EplbError
 from eplb.topology import Topology
@@ -37,7 +50,8 @@ def add_arguments(p, *, for_plan: bool = False) -> None:
     g.add_argument("--concurrency", type=int, help="sequences in flight over all GPUs")
     g.add_argument("--weight-dtype", default="fp8", choices=list(DTYPE_BITS),
                    help="dtype of the weights (default fp8)")
-    g.add_argument("--expert-dtype", choices=list(DTYPE_BITS), help="dtype of the routed experts (default: weight dtype)")
+    g.add_argument("--expert-dtype", choices=list(DTYPE_BITS),
+                   help="dtype of the routed experts (default: weight dtype)")
     g.add_argument("--kv-dtype", default="bf16", choices=list(DTYPE_BITS), help="dtype of the KV cache (default bf16)")
     g.add_argument("--attention", default="dp", choices=list(ATTENTION_MODES),
                    help="dp: attention weights on every GPU, each sequence on one GPU (default); "

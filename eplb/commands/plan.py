@@ -9,8 +9,14 @@ import numpy as np
 from eplb import planning
 from eplb.commands.capacity import add_arguments as add_capacity_arguments
 from eplb.commands.capacity import slots_from_args
-from eplb.commands.common import (add_command, add_output_flags, check_output_path, format_table, positive_int,
-                                  print_json)
+from eplb.commands.common import (
+    add_command,
+    add_output_flags,
+    check_output_path,
+    format_table,
+    positive_int,
+    print_json,
+)
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement
 from eplb.formats.export import FORMATS, write_placement
@@ -52,10 +58,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     mig.add_argument("--previous", metavar="OLD.json",
                      help="placement now served (eplb JSON): keep its replicas in place, report moves")
     mig.add_argument("--max-moves", type=int, metavar="K", help="with --previous: copy at most K experts in total")
-    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K", help="with --previous: at most K copies onto any GPU")
+    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K",
+                     help="with --previous: at most K copies onto any GPU")
     mig.add_argument("--move-cost", type=float, default=0.0, metavar="C",
                      help="with --previous: a copy must lower its layer's busiest GPU by C x mean GPU load")
-    mig.add_argument("--bytes-per-expert", type=int, metavar="B", help="size of one expert's weights, to report bytes moved")
+    mig.add_argument("--bytes-per-expert", type=int, metavar="B",
+                     help="size of one expert's weights, to report bytes moved")
     mig.add_argument("--span-cost", type=float, metavar="C",
                      help="with --previous, --nodes > 1 and expert groups: spreading a group onto one more "
                           "node costs C moves (default 1; 0 ignores node locality)")

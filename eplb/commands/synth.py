@@ -23,8 +23,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.67)")
     p.add_argument("--id-trend", type=float, default=None,
                    help="median strength of the smooth popularity trend along expert ids (default 0.23)")
-    p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
-    p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
+    p.add_argument("--phase-share", type=float, default=None,
+                   help="logit variance specific to prefill/decode (default 0.18)")
+    p.add_argument("--drift-share", type=float, default=None,
+                   help="logit variance that drifts per window (default 0.05)")
     p.add_argument("--keep-tokens", type=int, default=0,
                    help="also store this many tokens' expert choices per window (topk_ids; default 0)")
     p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,

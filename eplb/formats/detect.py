@@ -33,7 +33,8 @@ def _read_npy(path: Path) -> Trace:
     if a.ndim == 2:
         a = a[None]
     if a.ndim != 3:
-        raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], got shape {a.shape}")
+        raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], "
+                        f"got shape {a.shape}")
     meta = default_meta(a.shape[1], a.shape[2], source=f"npy: {path.name}")
     try:
         return Trace(a, np.arange(a.shape[1]), meta)

@@ -39,7 +39,8 @@ def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *
     layer id + 1, which is right whenever the model ends with a MoE layer (DeepSeek-V3: 61).
     """
     path = Path(path)
-    if _check(fmt) != "sglang" and num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max()):
+    too_few = num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max())
+    if _check(fmt) != "sglang" and too_few:
         raise EplbError(f"num_hidden_layers ({num_hidden_layers}) must exceed the largest MoE layer id")
     if fmt == "eplb":
         save_placement(placement, path)

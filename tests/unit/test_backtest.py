@@ -122,7 +122,8 @@ def test_leave_one_out_needs_two_matching_workloads(rng):
 
 def _write(tmp_path, name, counts):
     path = tmp_path / name
-    save_trace(Trace(counts, np.arange(3, 3 + counts.shape[1]), default_meta(3 + counts.shape[1], counts.shape[2])), path)
+    L, E = counts.shape[1:]
+    save_trace(Trace(counts, np.arange(3, 3 + L), default_meta(3 + L, E)), path)
     return str(path)
 
 

@@ -89,7 +89,8 @@ def test_json_output_parses(name, files, capsys):
 
 def test_plot_backtest_draws_what_eplb_backtest_wrote(files, capsys):
     results = json.loads(open(files["backtest"]).read())["results"]
-    argv = ["plot", "backtest", files["backtest"], "--dispatch", "resplit", "-o", str(files["dir"] / "bt.pdf"), "--json"]
+    argv = ["plot", "backtest", files["backtest"], "--dispatch", "resplit", "-o", str(files["dir"] / "bt.pdf"),
+            "--json"]
     assert main(argv) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["series"] == ["greedy", "contiguous"]
@@ -105,8 +106,8 @@ def test_plot_backtest_draws_what_eplb_backtest_wrote(files, capsys):
 def test_plan_scores_each_window_alone(files, capsys):
     """The per-window columns are the balancedness of each window of the trace under the plan."""
     from eplb import plan
-    from eplb.stats import balancedness
     from eplb.formats import load_trace
+    from eplb.stats import balancedness
 
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--json"]) == 0
     wb = json.loads(capsys.readouterr().out)["window_balancedness"]
@@ -128,7 +129,6 @@ def test_quiet_prints_nothing(files, capsys):
 
 def test_expert_groups_flag_keeps_its_short_old_spelling(files, tmp_path, capsys):
     # --groups stays a second spelling of --expert-groups: scripts use it.
-    from eplb.placement import Placement
 
     paths = []
     for flag in ("--expert-groups", "--groups"):
@@ -190,7 +190,8 @@ def _bad_inputs(f):
         "capacity options without slots auto": ["plan", f["trace"], "--gpus", "4", "--model", "deepseek-v3",
                                                 "--gpu-memory", "h200"],
         "inspect missing file": ["inspect", str(f["dir"] / "nope.json")],
-        "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80", "--context", "10"],
+        "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80",
+                                   "--context", "10"],
         "capacity bad memory": ["capacity", "--model", "deepseek-v3", "--gpus", "8", "--gpu-memory", "lots",
                                 "--context", "10"],
         "capacity redundant does not split": ["capacity", "--model", "deepseek-v3", "--gpus", "24",
@@ -300,7 +301,8 @@ def test_plan_refuses_a_trace_without_tokens(tmp_path, capsys):
 
 def test_plan_says_which_windows_it_planned_on(files, capsys):
     """--aggregate window --window 2 printed "(window of 4 windows)"; --window 9 of 4 was clipped silently."""
-    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "window", "--window", "2"]) == 0
+    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "window",
+                 "--window", "2"]) == 0
     assert "planning load (sum of the newest 2 of 4 windows)" in capsys.readouterr().out
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "ema"]) == 0
     assert "planning load (EMA of 4 windows, alpha 0.3)" in capsys.readouterr().out
@@ -311,7 +313,8 @@ def test_plan_says_which_windows_it_planned_on(files, capsys):
 def test_closed_pipe_is_not_an_error(tmp_path):
     """`eplb stats --json | head -1` printed "eplb stats: error: Broken pipe" and exited 2."""
     path = tmp_path / "many_layers.npz"  # > 64 KiB of JSON: the writer blocks until the reader leaves
-    save_trace(Trace(np.random.default_rng(7).poisson(20, size=(1, 2000, 8)), np.arange(2000), default_meta(2000, 8)), path)
+    counts = np.random.default_rng(7).poisson(20, size=(1, 2000, 8))
+    save_trace(Trace(counts, np.arange(2000), default_meta(2000, 8)), path)
     code = (
         "import sys; from eplb.cli import main\n"
         f"sys.exit(main(['stats', {str(path)!r}, '--gpus', '4', '--json']))\n"

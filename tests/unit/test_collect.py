@@ -13,10 +13,8 @@ from eplb.collect import RouterCollector, collect_trace, count_experts, scatter_
 from eplb.errors import EplbError  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 
-
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402
-from eplb.trace import Trace  # noqa: E402
 
 
 class IdsGate(nn.Module):

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from eplb.errors import EplbError
+from eplb.formats import load_trace
 from eplb.formats.deepseek import from_deepseek, to_deepseek
 from eplb.formats.export import FORMATS, read_placement, write_placement
 from eplb.formats.sglang import sglang_map
 from eplb.formats.trtllm import read_safetensors, write_safetensors
 from eplb.placement import Placement
-from eplb.formats import load_trace
 
 torch = pytest.importorskip("torch")
 

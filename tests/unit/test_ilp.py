@@ -9,8 +9,7 @@ import eplb.planning as planning
 from eplb.dispatch import max_gpu_load, optimal_weights
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from planners.ilp import (balanced_groups, chain_fill, integer_lower_bound, integer_shares, scale_loads,
-                          solve_layer)
+from planners.ilp import balanced_groups, chain_fill, integer_lower_bound, integer_shares, scale_loads, solve_layer
 
 
 def all_placements(E, G, S):

@@ -22,9 +22,9 @@ from eplb import stats
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.planner_api import PlanRequest, get_planner, planner_class, planner_names
+from eplb.stats import group_span
 from eplb.topology import Topology
 from planners.deepseek import rebalance_experts
-from eplb.stats import group_span
 
 # DeepSeek's EPLB README worked example (github.com/deepseek-ai/EPLB, "Interface and Example"):
 # 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs, and the map it prints.

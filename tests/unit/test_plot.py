@@ -6,10 +6,9 @@ import pytest
 from eplb import plot
 from eplb.errors import EplbError
 from eplb.formats import save_placement, save_trace
-from eplb.placement import Placement
+from eplb.placement import Placement, contiguous_map
 from eplb.planning import plan
 from eplb.topology import Topology
-from eplb.placement import contiguous_map
 
 L, E, G = 6, 32, 4
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from eplb import backtest as backtest_mod
 from eplb import stats
-from eplb.capacity import Deployment, bytes_per_expert, get_model, kv_bytes_per_token, parse_memory, plan_capacity
+from eplb.capacity import Deployment, bytes_per_expert, get_model, kv_bytes_per_token, plan_capacity
 from eplb.dispatch import Resplitter, optimal_weights, resplit
 from eplb.errors import EplbError
 from eplb.placement import Placement

@@ -5,8 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from eplb import Budget, EplbError, Placement, plan
-from eplb import stats
+from eplb import Budget, EplbError, Placement, plan, stats
 from eplb.rebalance import Rebalancer
 
 L, E, G = 3, 32, 4
@@ -240,7 +239,8 @@ def test_adopt_refuses_a_result_planned_before_another_was_adopted(rng, start):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(layers_per_chunk=0), "layers_per_chunk"), (dict(layers_per_chunk=1.5), "layers_per_chunk"),
-    (dict(budget=dict(bytes_per_expert=-1)), "bytes_per_expert"), (dict(budget=dict(bytes_per_expert=2.5)), "bytes_per_expert"),
+    (dict(budget=dict(bytes_per_expert=-1)), "bytes_per_expert"),
+    (dict(budget=dict(bytes_per_expert=2.5)), "bytes_per_expert"),
     (dict(interval="a"), "interval"), (dict(window="a"), "window"), (dict(window=True), "window"),
     (dict(budget=dict(move_cost="a")), "move_cost"), (dict(budget=dict(span_cost=None)), "span_cost"),
 ])
