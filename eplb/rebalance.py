@@ -134,9 +134,9 @@ class Rebalancer:
         get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
         self.planner = planner
         self.settings = dict(settings or {})
-        # Load the numba kernels of the migration step now (~0.5 s; ~10 s the first time after
-        # an install, when numba compiles and caches them) rather than in the first rebalance
-        # decision; scipy.optimize too, which planners other than greedy use (robust, ilp).
+        # Load the numba kernels of the migration step now (numba compiles and caches them on
+        # the first run after an install) rather than in the first rebalance decision;
+        # scipy.optimize too, which planners other than greedy use (robust, ilp).
         import scipy.optimize  # noqa: F401
 
         warm_up()
@@ -313,7 +313,7 @@ class Rebalancer:
                 given = list(failed_ranks)
             except TypeError:
                 given = [failed_ranks]
-        # Whole numbers only: [1.5] used to become rank 1 and plan without it.
+        # Whole numbers only: int() would read rank 1.5 as rank 1 and plan without it.
         if not all(is_whole(r) for r in given):
             raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {failed_ranks!r}")
         failed = np.unique(np.asarray(given, dtype=np.int64))

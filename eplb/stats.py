@@ -101,7 +101,7 @@ def sliding_sum(counts_TLE, size: int) -> np.ndarray:
                         f"got {size!r}")
     size = int(size)
     # Each run summed on its own: differences of a running sum lose a small window after a
-    # large one (1e10 then 1e-3 gave 9.9945e-4).
+    # large one (a window of 1e-3 after one of 1e10 would come out as 9.9945e-4).
     return np.lib.stride_tricks.sliding_window_view(c, size, axis=0).sum(axis=-1)
 
 

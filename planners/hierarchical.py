@@ -6,8 +6,9 @@ S = slots per GPU, P = G x S slots, C = P / N slots per node, Q = G / N GPUs per
 Why: with group-limited routing (DeepSeek-V3 sends a token to <= 4 of 8 groups), a token's
 experts sit on few nodes when each group's experts share a node, so less traffic crosses
 the slow inter-node links. DeepSeek's hierarchical policy gets that by packing whole groups
-onto nodes and replicating inside each node, which costs 13-34% of max GPU load on real
-DeepSeek-V3 loads at 32 GPUs / 4 nodes. Here balance comes first and locality second:
+onto nodes and replicating inside each node, which raises the busiest GPU (a node's redundant
+slots can only serve its own groups; benchmarks/bench_greedy.py measures by how much). Here
+balance comes first and locality second:
 
 Step 1: replicate globally, exactly as `greedy` does (a hot expert may have replicas on any
         node, so no node's redundant slots are wasted on its own cold experts).

@@ -25,8 +25,8 @@ Step 3: refine. Pairwise replica swaps between a busiest GPU and any other GPU, 
 Steps 1-3 run for each blend in `blends`, and the plan with the lowest worst-window maximum
 on the history is kept per layer. With `quantile` < 1 the worst windows (above that quantile
 of the per-window maximum) are left out of the objective, so a single outlier window does not
-drive the plan. All layers move in lock-step (numpy over L); a DeepSeek-V3-shape plan
-(58 layers x 256 experts, 32 GPUs, 7 windows) takes about a second of CPU per blend.
+drive the plan. All layers move in lock-step (numpy over L); each blend costs one packing and
+one swap search (benchmarks/bench_backtest.py times them).
 """
 
 from __future__ import annotations

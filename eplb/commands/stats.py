@@ -36,7 +36,7 @@ def run(args) -> int:
     base = contiguous_placement(E, topo, trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.num_gpus
-    # Idle layers count as balanced (1), like every other column; lb / 1 gave 0 for them.
+    # Idle layers count as balanced (1), like every other column (lb / 1 would give 0).
     bound = np.where(mean_gpu > 0,
                      stats.lower_bound(load, topo.num_gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1), 1.0)
     hot, gini = stats.hot_ratio(load), stats.gini(load)
