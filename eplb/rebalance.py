@@ -112,7 +112,7 @@ class Rebalancer:
                  layers_per_chunk: int | None = None, num_expert_groups: int | None = None):
         if not isinstance(placement, Placement) or placement.partial:
             what = "a partial Placement" if isinstance(placement, Placement) else type(placement).__name__
-            raise EplbError(f"Rebalancer needs the Placement the engine serves, got {what}")
+            raise EplbError(f"Rebalancer needs a Placement (the one the engine serves), got {what}")
         if window is not None and alpha is not None:
             raise EplbError(f"give either window ({window}) or alpha ({alpha}), not both")
         self.window = None if window is None else whole_number("window (observations)", window, 1)
