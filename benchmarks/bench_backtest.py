@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from eplb.backtest import backtest, leave_one_out  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.trace import Trace, load_trace  # noqa: E402
+from eplb.formats import load_trace  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "traces"
 V3_DIR = SHARED / "deepseek_v3_sglang"
@@ -50,7 +50,7 @@ def v3_workloads(quiet: bool) -> tuple[list, list[str], str]:
     if V3_DIR.is_dir() and sorted(V3_DIR.glob("*.json")):
         files = sorted(V3_DIR.glob("*.json"))
         return [load_trace(f) for f in files], [f.stem for f in files], f"real: {V3_DIR}"
-    trace = Trace.load_npz(SYNTH)
+    trace = load_trace(SYNTH)
     parts = np.array_split(np.arange(trace.num_windows), 8)
     names = [f"synthetic windows {p[0]}-{p[-1]}" for p in parts]
     return ([trace.counts_TLE[p].sum(axis=0)[None] for p in parts], names,
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         counts, source = v2_lite_windows(V2_FILE, args.v2_window)
         E = 64
     else:
-        counts = Trace.load_npz(SYNTH).counts_TLE
+        counts = load_trace(SYNTH).counts_TLE
         E = counts.shape[2]
         source = f"{V2_FILE} not found: shipped synthetic trace {SYNTH.name}"
     G = args.v2_gpus

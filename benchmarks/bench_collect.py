@@ -102,14 +102,15 @@ def main(argv=None) -> int:
         model = DeepSeekModel(cfg).to(device).eval()
         for T in args.tokens:
             seq = 128
-            med = bench(model, lambda: torch.randint(0, cfg.vocab, (max(1, T // seq), min(T, seq)), device=device),
-                        args.reps, args.warmup, device)
+            batch = lambda cfg=cfg, T=T, seq=seq: torch.randint(0, cfg.vocab, (max(1, T // seq), min(T, seq)),  # noqa: E731
+                                                                device=device)
+            med = bench(model, batch, args.reps, args.warmup, device)
             rows.append([name, T, *[med[m] * 1e3 for m in MODES], *[med[m] / med["plain"] for m in MODES[1:]]])
     cfg = CASES["V3 router (E256 K8)"]
     torch.manual_seed(0)
     gates = RouterOnly(cfg, layers=4).to(device)
     for T in args.tokens:
-        med = bench(gates, lambda: torch.randn(T, cfg.hidden, device=device), args.reps, args.warmup, device)
+        med = bench(gates, lambda T=T: torch.randn(T, cfg.hidden, device=device), args.reps, args.warmup, device)
         rows.append(["router only, 4 gates (E256 K8)", T, *[med[m] * 1e3 for m in MODES],
                      *[med[m] / med["plain"] for m in MODES[1:]]])
     print(format_table(["case", "tokens", "plain ms", "counts ms", "+windows ms", "+tokens ms",
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
             clock = time.process_time if device.type == "cpu" else time.perf_counter
             per = []
             for _ in range(args.reps):
-                per.append(timed(lambda: [hook(gate, (), out) for _ in range(100)], sync, clock) / 100)
+                per.append(timed(lambda hook=hook, gate=gate, out=out: [hook(gate, (), out) for _ in range(100)],
+                                 sync, clock) / 100)
             rows.append([label, T, statistics.median(per) * 1e6])
     print("\nhook alone (E256 K8), per router call")
     print(format_table(["mode", "tokens", "microseconds"], rows))

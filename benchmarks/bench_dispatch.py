@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import Resplitter, optimal_weights  # noqa: E402
+from eplb.formats import load_trace  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
 from eplb.planning import plan  # noqa: E402
-from eplb.trace import load_trace  # noqa: E402
 
 SWEEPS = (1, 2, 4, 8, 16, 32)
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ratio: dict[tuple[str, str, object], list] = {}   # (planner, in/held, sweeps) -> ratios
     times: dict[str, dict] = {}
     placements = {}
-    for i, (name, load_LE) in enumerate(loads[: args.plans]):
+    for i, (_, load_LE) in enumerate(loads[: args.plans]):
         for planner in planners:
             res = plan(load_LE, num_gpus=G, num_nodes=args.nodes, num_redundant=G, planner=planner,
                        settings=settings.get(planner), num_expert_groups=8)

@@ -30,12 +30,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
+
 from eplb import stats  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
-from eplb.planning import PlanRequest, get_planner  # noqa: E402
-from eplb.topology import Topology  # noqa: E402
+from eplb.planner_api import PlanRequest, get_planner  # noqa: E402
 from eplb.stats import group_span  # noqa: E402
-from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
+from eplb.topology import Topology  # noqa: E402
 
 
 def load_reference():
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         lb_L = stats.lower_bound(load_LE, G, P)
         rows = []
 
-        def ours(planner, repeats, **settings):
+        def ours(planner, repeats, req=req, **settings):
             impl = get_planner(planner, **settings)
             sol, sec, cpu = timed(lambda: impl.plan(req), repeats)
             return sol.phy2log_LP, sec, cpu
@@ -110,13 +111,13 @@ def main(argv=None) -> int:
 
             w = torch.tensor(load_LE)
             for hier in (False, True):
-                (phy, _, _), sec, cpu = timed(lambda: ref.rebalance_experts(w, P, K, N, G, hier), 5)
+                (phy, _, _), sec, cpu = timed(lambda w=w, P=P, hier=hier: ref.rebalance_experts(w, P, K, N, G, hier), 5)
                 rows.append((f"sglang ref {'hierarchical' if hier else 'global'}", phy.numpy(), sec, cpu))
 
         greedy_sec = rows[1][2]
         print(f"\n## {name}: {L} layers x {E} experts, {G} GPUs / {N} nodes, {P} slots, {K} groups")
-        print(f"| {'planner':<27} | {'median ms':>9} | {'cpu ms':>7} | {'x greedy':>8} | {'max/mean med':>12} | {'max/mean max':>12}"
-              f" | {'/bound med':>10} | {'/bound max':>10} | {'group span':>10} |")
+        print(f"| {'planner':<27} | {'median ms':>9} | {'cpu ms':>7} | {'x greedy':>8} | {'max/mean med':>12} "
+              f"| {'max/mean max':>12} | {'/bound med':>10} | {'/bound max':>10} | {'group span':>10} |")
         print("|" + "|".join("-" * w for w in (29, 11, 9, 10, 14, 14, 12, 12, 12)) + "|")
         results = {}
         for label, phy, sec, cpu in rows:
@@ -125,8 +126,9 @@ def main(argv=None) -> int:
             ratio_L = gpu_LG.max(axis=1) / lb_L
             span = group_span(phy, G, N, K, E).mean()
             results[label] = (sec, ratio_L)
-            print(f"| {label:<27} | {sec * 1e3:9.2f} | {cpu * 1e3:7.2f} | {sec / greedy_sec:8.1f} | {np.median(imb_L):12.4f} | "
-                  f"{imb_L.max():12.4f} | {np.median(ratio_L):10.4f} | {ratio_L.max():10.4f} | {span:10.2f} |")
+            print(f"| {label:<27} | {sec * 1e3:9.2f} | {cpu * 1e3:7.2f} | {sec / greedy_sec:8.1f} "
+                  f"| {np.median(imb_L):12.4f} | {imb_L.max():12.4f} | {np.median(ratio_L):10.4f} "
+                  f"| {ratio_L.max():10.4f} | {span:10.2f} |")
         g_sec, g_ratio = results["greedy"]
         checks.append((name, "greedy median < 5 ms", g_sec < 5e-3, f"{g_sec * 1e3:.2f} ms"))
         for label in [lab for lab in results if lab.startswith("sglang ref")]:
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
             better = np.median(g_ratio) <= np.median(r_ratio) + 1e-12 and g_ratio.max() <= r_ratio.max() + 1e-12
             checks.append((name, f"greedy >= 10x faster than {label}", fast, f"{r_sec / g_sec:.0f}x"))
             checks.append((name, f"greedy /bound <= {label}'s (median and max)", better,
-                           f"{np.median(g_ratio):.4f}/{g_ratio.max():.4f} vs {np.median(r_ratio):.4f}/{r_ratio.max():.4f}"))
+                           f"{np.median(g_ratio):.4f}/{g_ratio.max():.4f} vs "
+                           f"{np.median(r_ratio):.4f}/{r_ratio.max():.4f}"))
         h_sec, h_ratio = results[f"hierarchical ({N} nodes)"]
         checks.append((name, "hierarchical max/bound within 1% of greedy (median and max)",
                        np.median(h_ratio) <= np.median(g_ratio) * 1.01 and h_ratio.max() <= g_ratio.max() * 1.01,

@@ -30,6 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
+
 from eplb import stats  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import optimal_weights  # noqa: E402
@@ -37,7 +39,6 @@ from eplb.placement import Placement  # noqa: E402
 from eplb.planning import plan  # noqa: E402
 from planners.greedy import plan_greedy  # noqa: E402
 from planners.ilp import scale_loads, solve_layer  # noqa: E402
-from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 
 def med_max(a) -> str:
@@ -130,8 +131,8 @@ def main(argv=None) -> int:
         for jobs, workers in ((2, 1), (1, 2)):
             t0 = time.perf_counter()
             with ThreadPoolExecutor(jobs) as pool:
-                outs = list(pool.map(lambda i: solve_layer(int_LE[i], hint_LP[i], None, G, S, "even", tl,
-                                                           workers, 0), range(len(layers))))
+                outs = list(pool.map(lambda i, workers=workers: solve_layer(int_LE[i], hint_LP[i], None, G, S, "even",
+                                                                            tl, workers, 0), range(len(layers))))
             sec = time.perf_counter() - t0
             # No CP-SAT answer in time: the planner keeps the hint, so score that.
             obj = [o["hint_objective"] if o["objective"] is None else o["objective"] for o in outs]

@@ -11,7 +11,7 @@ Legend: L = MoE layers, E = logical experts, G = GPUs, P = physical slots, T = w
 Part 1 (DeepSeek-V3, 32 GPUs, 288 slots): for every ordered pair of workloads (A, B), the
 greedy plan made for A is serving when traffic becomes B. Compared: a from-scratch greedy
 replan for B (moves as planned, and after optimal relabelling), and the move-budgeted plan
-(`eplb.plan(..., previous=plan_A, max_moves=budget x scratch moves)`). Medians over pairs.
+(`eplb.plan(..., previous=plan_A, budget=Budget(max_moves=budget x scratch moves))`). Medians over pairs.
 Part 2 (DeepSeek-V2-Lite per-token, 8 GPUs, 72 slots): windows of ~4k tokens in prompt order;
 the Rebalancer observes each window and rebalances when due; every window is scored with
 the placement chosen *before* it was seen. Compared with a static plan and a from-scratch
@@ -55,7 +55,7 @@ def imbalance(load_LE, phy2log_LP, num_gpus):
 
 
 def v3_workloads(directory):
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     files = sorted(glob.glob(os.path.join(directory, "*.json"))) if directory else []
     if files:
@@ -84,7 +84,7 @@ def part1(args):
             moves_scratch = int(mg.count_moves(prev.phy2log_LP, scratch, G, E).sum())
             budget = int(args.budget * moves_scratch)
             t0 = time.perf_counter()
-            res = plan(load, num_gpus=G, num_redundant=R, previous=prev, max_moves=budget)
+            res = plan(load, num_gpus=G, num_redundant=R, previous=prev, budget=mg.Budget(max_moves=budget))
             dt = time.perf_counter() - t0
             info = res.info["migration"]
             new = res.placement.phy2log_LP
@@ -140,7 +140,7 @@ def v2_windows(path, tokens):
                 counts.append(c)
                 blocks, n = [], 0
         return np.stack(counts), f"{path} (DeepSeek-V2-Lite, {len(counts)} windows of >= {tokens} tokens)", 8, 8
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     c = load_trace(SYNTH).counts_TLE.astype(float)
     return c, f"{SYNTH} (synthetic DeepSeek-V3 shape, {len(c)} windows)", 32, 32
@@ -152,7 +152,7 @@ def part2(args):
     print(f"\n## Part 2: the Rebalancer over time ({source}; {G} GPUs, {E + R} slots)")
     start = plan(counts_TLE[0], num_gpus=G, num_redundant=R).placement
     rb = Rebalancer(start, window=args.history, interval=1, min_improvement=args.min_improvement,
-                    move_cost=args.move_cost)
+                    budget=mg.Budget(move_cost=args.move_cost))
     static_phy = start.phy2log_LP
     replan_phy = start.phy2log_LP
     bal = {"static": [], "replan": [], "rebalancer": []}
@@ -223,7 +223,7 @@ def serving_stall(fn):
 
 
 def part3(args):
-    from eplb.trace import load_trace
+    from eplb.formats import load_trace
 
     c = load_trace(SYNTH).counts_TLE.astype(float)
     T, L, E = c.shape
@@ -234,7 +234,7 @@ def part3(args):
     import scipy.optimize  # noqa: F401  (one-time import, ~1 s, not a per-decision cost)
     import scipy.sparse.csgraph  # noqa: F401
 
-    rb = Rebalancer(start, window=8, interval=10**9, move_cost=0.001)
+    rb = Rebalancer(start, window=8, interval=10**9, budget=mg.Budget(move_cost=0.001))
     rng = np.random.default_rng(0)
     step_LE = rng.poisson(c[1] / 8).astype(float)
     phys = start.slot_loads(step_LE)
@@ -249,7 +249,7 @@ def part3(args):
     t_check, t_plan, t_dec, t_sched, t_total, moves = [], [], [], [], [], []
     t_py, stall_rb, stall_py = [], [], []
     for t in range(1, min(T, 1 + args.decisions)):
-        rb = Rebalancer(start, window=8, interval=10**9, move_cost=0.001)
+        rb = Rebalancer(start, window=8, interval=10**9, budget=mg.Budget(move_cost=0.001))
         rb.observe(c[max(0, t - 3):t + 1].sum(axis=0))
         t0 = time.perf_counter()
         rb.predicted_improvement()
@@ -314,7 +314,7 @@ def part4(args):
             for key, kw in (("15", dict(max_moves=budget)), ("c", dict(move_cost=0.001))):
                 t0 = time.perf_counter()
                 res = plan(load, num_gpus=G, num_nodes=N, num_redundant=R, num_expert_groups=K, previous=prev,
-                           span_cost=cost, **kw)
+                           budget=mg.Budget(span_cost=cost, **kw))
                 dt = time.perf_counter() - t0
                 phy = res.placement.phy2log_LP
                 out[key].append((imbalance(load, phy, G)[0] / ref, span(phy), res.info["migration"]["moves"], dt))

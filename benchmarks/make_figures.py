@@ -31,11 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eplb import plot  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
-from eplb.planning import plan, planner_names  # noqa: E402
+from eplb.formats import load_trace  # noqa: E402
+from eplb.placement import Placement, contiguous_map  # noqa: E402
+from eplb.planner_api import planner_names  # noqa: E402
+from eplb.planning import plan  # noqa: E402
 from eplb.topology import Topology  # noqa: E402
-from eplb.trace import Trace, default_meta, load_trace  # noqa: E402
-from planners.contiguous import contiguous_map  # noqa: E402
+from eplb.trace import Trace, default_meta  # noqa: E402
 
 MAX_BYTES = 200_000
 

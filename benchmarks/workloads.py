@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.trace import load_trace
+from eplb.formats import load_trace
 
 
 def workloads(traces_dir: Path, fallback: Path, num_logical_experts: int = 256):
@@ -20,7 +20,8 @@ def workloads(traces_dir: Path, fallback: Path, num_logical_experts: int = 256):
             yield f.stem, load_trace(f).counts_TLE.sum(axis=0).astype(np.float64)
         return
     if fallback.is_file():
-        yield f"{fallback.name} (synthetic, all windows)", load_trace(fallback).counts_TLE.sum(axis=0).astype(np.float64)
+        load_LE = load_trace(fallback).counts_TLE.sum(axis=0).astype(np.float64)
+        yield f"{fallback.name} (synthetic, all windows)", load_LE
         return
     rng = np.random.default_rng(0)
     yield "generated (seeded Pareto)", np.floor(rng.pareto(1.2, (58, num_logical_experts)) * 1000) + 1

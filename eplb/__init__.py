@@ -6,20 +6,21 @@ eplb.runtime) -> see (CLI reports, plots, backtests). torch is imported only by 
 the runtime and the `.pt` importer/exporter.
 """
 
-__version__ = "0.1.0"
-
+from eplb._version import __version__ as __version__
 from eplb.errors import EplbError, PlanningError
+from eplb.formats import load_history, load_placement, load_trace, save_placement, save_trace
 from eplb.migration import Budget, MigrationPlan
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, PlanResult, Solution, get_planner, plan, planner_names, register
-from eplb.rebalance import RebalanceResult, Rebalancer
+from eplb.planner_api import PlanRequest, Solution, get_planner, planner_names, register
+from eplb.planning import PlanResult, plan
+from eplb.rebalance import Rebalancer, RebalanceResult
 from eplb.stats import LoadReport, evaluate, lower_bound
 from eplb.topology import Topology
-from eplb.trace import Trace, load_history, load_trace
+from eplb.trace import Trace
 
 __all__ = [
     "Budget", "EplbError", "MigrationPlan", "PlanningError", "Placement", "PlanRequest", "PlanResult",
     "RebalanceResult", "Rebalancer", "Solution",
-    "Topology", "Trace", "LoadReport", "evaluate", "get_planner", "load_history", "load_trace",
-    "lower_bound", "plan", "planner_names", "register",
+    "Topology", "Trace", "LoadReport", "evaluate", "get_planner", "load_history", "load_placement", "load_trace",
+    "lower_bound", "plan", "planner_names", "register", "save_placement", "save_trace",
 ]

@@ -34,16 +34,22 @@ too; counting without the renaming would charge a planner for an arbitrary GPU n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from eplb import stats
+from eplb.dispatch import Resplitter, optimal_weights
 from eplb.errors import EplbError, is_whole
+from eplb.migration import count_moves, relabel
 from eplb.placement import Placement
+from eplb.planning import as_history, size_topology
 from eplb.planning import plan as make_plan
 from eplb.progress import progress
+from eplb.stats import Aggregation
+from eplb.topology import Topology
 
 DISPATCH = ("even", "plan", "resplit", "optimal")
 """Dispatch policies a backtest can score (see the module docstring)."""
@@ -199,12 +205,8 @@ class _Scorer:
             if placement.dispatch_weights_LP is not None:
                 self.plan_LP = placement.dispatch_weights_LP
             else:
-                from eplb.dispatch import optimal_weights
-
                 self.plan_LP = optimal_weights(placement, planning_load_LE)
         if "resplit" in dispatch:
-            from eplb.dispatch import Resplitter
-
             self.resplitter = Resplitter(placement)
 
     def peaks(self, load_LE: np.ndarray) -> np.ndarray:
@@ -218,8 +220,6 @@ class _Scorer:
             elif d == "resplit":
                 w = self.resplitter(load_LE)
             else:
-                from eplb.dispatch import optimal_weights
-
                 w = optimal_weights(self.placement, load_LE)
             out.append(self.placement.gpu_loads(load_LE, w).max(axis=1))
         return np.stack(out)
@@ -233,12 +233,11 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 class _Runner:
     """Shared machinery of both backtest modes: plan, score, oracle plans."""
 
-    def __init__(self, planner: str, num_gpus: int, *, num_nodes: int, num_redundant: int | None,
-                 slots_per_gpu: int | None, dispatch: Sequence[str], settings: dict | None,
-                 num_expert_groups: int | None, aggregate: str, oracle: bool):
+    def __init__(self, planner: str, topology: Topology, *, dispatch: Sequence[str], settings: dict | None,
+                 num_expert_groups: int | None, aggregate: str | Aggregation, oracle: bool):
         self.planner = planner
-        self.kw = dict(num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
-                       planner=planner, settings=settings, num_expert_groups=num_expert_groups)
+        self.topology = topology
+        self.kw = dict(topology=topology, planner=planner, settings=settings, num_expert_groups=num_expert_groups)
         self.dispatch = _check_dispatch(dispatch)
         self.aggregate = aggregate
         self.oracle = oracle
@@ -256,7 +255,7 @@ class _Runner:
                               "(optimal_weights) fitted to each plan's aggregated history")
         if result.status == "FALLBACK":
             self.notes.append(f"plan {index}: planner fell back ({result.message})")
-        moves = None if previous is None else _moves(previous, placement, self.kw["num_nodes"])
+        moves = None if previous is None else _moves(previous, placement, self.topology.num_nodes)
         return scorer, PlanScores(index, span, result.seconds, result.status, gap_D, moves)
 
     def score(self, scorer: _Scorer, load_LE: np.ndarray, window: int, plan_index: int) -> WindowScores:
@@ -279,17 +278,18 @@ class _Runner:
 def backtest(
     counts_TLE,
     *,
-    num_gpus: int,
-    planner: str = "greedy",
-    interval: int = 1,
-    history: int | None = None,
+    topology: Topology | None = None,
+    num_gpus: int | None = None,
     num_nodes: int = 1,
     num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
+    planner: str = "greedy",
+    interval: int = 1,
+    history: int | None = None,
     dispatch: Sequence[str] = DISPATCH,
     settings: dict | None = None,
     num_expert_groups: int | None = None,
-    aggregate: str = "sum",
+    aggregate: str | Aggregation = "sum",
     oracle: bool = True,
     quiet: bool = False,
 ) -> BacktestResult:
@@ -298,10 +298,11 @@ def backtest(
 
     counts_TLE: a Trace or counts [T, L, E] with T >= 2 (the first rebalance point needs at
     least one past window: it is at window `history`, or 1 when history is None).
+    Where: `topology`, or the sizes num_gpus, num_nodes, num_redundant / slots_per_gpu (as `eplb.plan`).
     """
-    from eplb.planning import as_history
-
     c_TLE, _, meta = as_history(counts_TLE)
+    topo = size_topology(c_TLE.shape[2], topology, num_gpus=num_gpus, num_nodes=num_nodes,
+                         num_redundant=num_redundant, slots_per_gpu=slots_per_gpu)
     if num_expert_groups is None and meta.get("num_expert_groups"):
         num_expert_groups = int(meta["num_expert_groups"])
     T = c_TLE.shape[0]
@@ -319,9 +320,8 @@ def backtest(
             f"{'all past (at least 1)' if history is None else history} "
             f"(use a trace with more windows, a shorter --history, or --leave-one-out over several files)"
         )
-    run = _Runner(planner, num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
-                  dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups, aggregate=aggregate,
-                  oracle=oracle)
+    run = _Runner(planner, topo, dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups,
+                  aggregate=aggregate, oracle=oracle)
     points = list(range(start, T, interval))
     plans, windows = [], []
     served = None
@@ -332,7 +332,7 @@ def backtest(
         plans.append(ps)
         for t in range(r, min(r + interval, T)):
             windows.append(run.score(scorer, c_TLE[t], t, i))
-    return BacktestResult(planner, "sequential", int(num_gpus), _num_slots(run, c_TLE), interval,
+    return BacktestResult(planner, "sequential", topo.num_gpus, topo.num_slots, interval,
                           None if history is None else int(history), run.dispatch, tuple(plans),
                           tuple(windows), tuple(f"window {w.window}" for w in windows), tuple(run.notes))
 
@@ -340,16 +340,17 @@ def backtest(
 def leave_one_out(
     workloads: Sequence,
     *,
-    num_gpus: int,
-    planner: str = "greedy",
-    labels: Sequence[str] | None = None,
+    topology: Topology | None = None,
+    num_gpus: int | None = None,
     num_nodes: int = 1,
     num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
+    planner: str = "greedy",
+    labels: Sequence[str] | None = None,
     dispatch: Sequence[str] = DISPATCH,
     settings: dict | None = None,
     num_expert_groups: int | None = None,
-    aggregate: str = "sum",
+    aggregate: str | Aggregation = "sum",
     oracle: bool = True,
     quiet: bool = False,
 ) -> BacktestResult:
@@ -357,9 +358,8 @@ def leave_one_out(
     of the one left out; once per workload.
 
     workloads: Traces or counts [T, L, E] (or [L, E]) of one model, at least two.
+    Where: `topology`, or the sizes num_gpus, num_nodes, num_redundant / slots_per_gpu (as `eplb.plan`).
     """
-    from eplb.planning import as_history
-
     loads = [as_history(w) for w in workloads]
     if len(loads) < 2:
         raise EplbError(f"leave-one-out needs at least 2 workloads (trace files), got {len(loads)}")
@@ -372,9 +372,10 @@ def leave_one_out(
     labels = tuple(labels) if labels is not None else tuple(f"workload {i}" for i in range(len(loads)))
     if len(labels) != len(loads):
         raise EplbError(f"{len(labels)} labels for {len(loads)} workloads")
-    run = _Runner(planner, num_gpus, num_nodes=num_nodes, num_redundant=num_redundant, slots_per_gpu=slots_per_gpu,
-                  dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups, aggregate=aggregate,
-                  oracle=oracle)
+    topo = size_topology(loads[0][0].shape[2], topology, num_gpus=num_gpus, num_nodes=num_nodes,
+                         num_redundant=num_redundant, slots_per_gpu=slots_per_gpu)
+    run = _Runner(planner, topo, dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups,
+                  aggregate=aggregate, oracle=oracle)
     plans, windows, window_labels = [], [], []
     for i in progress(range(len(loads)), desc=f"leave-one-out {planner}", enabled=False if quiet else None):
         history_TLE = np.concatenate([a for j, (a, _, _) in enumerate(loads) if j != i])
@@ -384,25 +385,13 @@ def leave_one_out(
         for t in range(held.shape[0]):
             windows.append(run.score(scorer, held[t], i, i))
             window_labels.append(labels[i] if held.shape[0] == 1 else f"{labels[i]}[{t}]")
-    c0 = loads[0][0]
-    return BacktestResult(planner, "leave-one-out", int(num_gpus), _num_slots(run, c0), 1, None, run.dispatch,
+    return BacktestResult(planner, "leave-one-out", topo.num_gpus, topo.num_slots, 1, None, run.dispatch,
                           tuple(plans), tuple(windows), tuple(window_labels), tuple(run.notes))
 
 
 def _moves(old: Placement, new: Placement, num_nodes: int) -> int:
     """Experts copied onto GPUs that lacked them, old -> new, after the best GPU renaming."""
-    from eplb.migration import count_moves, relabel
-
     G, E = new.num_gpus, new.num_logical_experts
     perm_LP = relabel(old.phy2log_LP, new.phy2log_LP, G, E, num_nodes=num_nodes)
     new_LP = np.take_along_axis(new.phy2log_LP, perm_LP, axis=1)
     return int(count_moves(old.phy2log_LP, new_LP, G, E).sum())
-
-
-def _num_slots(run: _Runner, c_TLE: np.ndarray) -> int:
-    from eplb.topology import Topology
-
-    kw = run.kw
-    return Topology.for_experts(c_TLE.shape[2], num_gpus=kw["num_gpus"], num_nodes=kw["num_nodes"],
-                                num_redundant=kw["num_redundant"], slots_per_gpu=kw["slots_per_gpu"]).num_slots
-

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, fraction, is_number, positive_integer, whole_number
 
 DTYPE_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8, "fp4": 4}
 """Bits per element of the dtypes the planner knows (scales not counted)."""
@@ -59,7 +59,7 @@ def _nbytes(elements: int, bits: int) -> int:
 
 def parse_memory(text: str | int | float) -> int:
     """GPU memory in bytes from '80GiB', '141GB', '81559MiB', 'h200' or a bare number of GiB."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
+    if is_number(text):
         value, unit = float(text), "gib"
     else:
         s = str(text).strip().lower().replace(" ", "")
@@ -129,15 +129,11 @@ class ModelShape:
     def __post_init__(self) -> None:
         for name in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads",
                      "num_kv_heads", "head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise EplbError(f"model {self.name}: {name} must be a positive integer, got {v!r}")
+            object.__setattr__(self, name, positive_integer(f"model {self.name}: {name}", getattr(self, name)))
         for name in ("intermediate_size", "num_dense_layers", "num_logical_experts", "moe_intermediate_size",
                      "num_shared_experts", "top_k", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
                      "v_head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise EplbError(f"model {self.name}: {name} must be a non-negative integer, got {v!r}")
+            object.__setattr__(self, name, whole_number(f"model {self.name}: {name}", getattr(self, name), 0))
         if not 0 <= self.num_dense_layers <= self.num_hidden_layers:
             raise EplbError(f"model {self.name}: num_dense_layers ({self.num_dense_layers}) must be in "
                             f"0..num_hidden_layers ({self.num_hidden_layers})")
@@ -297,21 +293,16 @@ class Deployment:
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpu_memory", "context"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise EplbError(f"{name} must be a positive integer, got {v!r}")
-        if self.concurrency is not None and (isinstance(self.concurrency, bool)
-                                             or not isinstance(self.concurrency, int) or self.concurrency < 1):
-            raise EplbError(f"concurrency must be a positive integer, got {self.concurrency!r}")
+            object.__setattr__(self, name, positive_integer(name, getattr(self, name)))
+        if self.concurrency is not None:
+            object.__setattr__(self, "concurrency", positive_integer("concurrency", self.concurrency))
         for name in ("weight_dtype", "kv_dtype"):
             dtype_bits(getattr(self, name))
         if self.expert_dtype is not None:
             dtype_bits(self.expert_dtype)
         if self.attention not in ATTENTION_MODES:
             raise EplbError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}")
-        mu = self.memory_utilization
-        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 < float(mu) <= 1.0:
-            raise EplbError(f"memory_utilization must be a number in (0, 1], got {mu!r}")
+        object.__setattr__(self, "memory_utilization", fraction("memory_utilization", self.memory_utilization))
 
 
 @dataclass(frozen=True)
@@ -414,8 +405,7 @@ def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gp
     dep = deployment
     G, E = dep.num_gpus, model.num_logical_experts
     if redundant_per_gpu is not None:
-        if isinstance(redundant_per_gpu, bool) or not isinstance(redundant_per_gpu, int) or redundant_per_gpu < 0:
-            raise EplbError(f"redundant slots per GPU must be a whole number >= 0, got {redundant_per_gpu!r}")
+        redundant_per_gpu = whole_number("redundant slots per GPU", redundant_per_gpu, 0)
         if not model.is_moe:
             raise EplbError(f"{model.name} is a dense model: redundant expert slots do not apply")
     expert_dtype = dep.expert_dtype or dep.weight_dtype
@@ -492,102 +482,7 @@ def auto_slots_per_gpu(model: ModelShape, deployment: Deployment, num_logical_ex
     return rep
 
 
-def add_arguments(p, *, for_plan: bool = False) -> None:
-    """Capacity options shared by `eplb capacity` and `eplb plan --slots-per-gpu auto`."""
-    g = p.add_argument_group("capacity" + (" (with --slots-per-gpu auto)" if for_plan else ""))
-    g.add_argument("--model", "-m", help=f"model preset: {', '.join(PRESETS)}"
-                   + ("" if for_plan else " (or give --layers ... numbers)"))
-    g.add_argument("--gpu-memory", help="memory per GPU: 80GiB, 141GB, 81559MiB, or a GPU name "
-                   f"({', '.join(GPU_MEMORY_MIB)})")
-    g.add_argument("--context", type=int, help="tokens of KV cache per sequence")
-    g.add_argument("--concurrency", type=int, help="sequences in flight over all GPUs")
-    g.add_argument("--weight-dtype", default="fp8", choices=list(DTYPE_BITS),
-                   help="dtype of the weights (default fp8)")
-    g.add_argument("--expert-dtype", choices=list(DTYPE_BITS), help="dtype of the routed experts (default: weight dtype)")
-    g.add_argument("--kv-dtype", default="bf16", choices=list(DTYPE_BITS), help="dtype of the KV cache (default bf16)")
-    g.add_argument("--attention", default="dp", choices=list(ATTENTION_MODES),
-                   help="dp: attention weights on every GPU, each sequence on one GPU (default); "
-                        "tp: attention weights and KV heads split over GPUs")
-    g.add_argument("--memory-utilization", type=float, default=0.9,
-                   help="share of GPU memory for weights + KV (default 0.9)")
-
-
-def deployment_from_args(args, num_gpus: int, *, need_concurrency: bool = False) -> Deployment:
-    """A Deployment from the options `add_arguments` defines (errors name the missing one)."""
-    missing = [f"--{n.replace('_', '-')}" for n in ("gpu_memory", "context") if getattr(args, n) is None]
-    if need_concurrency and args.concurrency is None:
-        missing.append("--concurrency")
-    if missing:
-        raise EplbError(f"capacity planning needs {', '.join(missing)}")
-    return Deployment(
-        num_gpus=num_gpus, gpu_memory=parse_memory(args.gpu_memory), context=args.context,
-        concurrency=args.concurrency, weight_dtype=args.weight_dtype, expert_dtype=args.expert_dtype,
-        kv_dtype=args.kv_dtype, attention=args.attention, memory_utilization=args.memory_utilization,
-    )
-
-
 def with_overrides(model: ModelShape, **numbers: int | None) -> ModelShape:
     """A preset with some numbers replaced (None values are ignored)."""
     changes = {k: v for k, v in numbers.items() if v is not None}
     return replace(model, **changes) if changes else model
-
-
-def _fmt_bytes(n: float) -> str:
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:,.2f} GiB"
-    if abs(n) >= 2**20:
-        return f"{n / 2**20:,.1f} MiB"
-    if abs(n) >= 2**10:
-        return f"{n / 2**10:,.1f} KiB"
-    return f"{n:,.0f} B"
-
-
-def format_report(rep: CapacityReport) -> str:
-    """The human-readable report `eplb capacity` prints."""
-    d, m = rep.deployment, rep.model
-    lines = [m.describe(),
-             f"{d.num_gpus} GPUs x {gib(d.gpu_memory):.1f} GiB ({d.memory_utilization:.0%} usable), "
-             f"attention {d.attention}; "
-             f"weights {d.weight_dtype}, experts {d.expert_dtype or d.weight_dtype}, KV {d.kv_dtype}; "
-             f"context {d.context:,} tokens"]
-    rows = [("KV cache per token", f"{rep.kv_bytes_per_token:,} B ({_fmt_bytes(rep.kv_bytes_per_token)})"),
-            ("KV per sequence per GPU", _fmt_bytes(rep.kv_bytes_per_sequence_per_gpu))]
-    if m.is_moe:
-        rows += [("bytes per expert (1 layer)", f"{rep.bytes_per_expert:,} B ({_fmt_bytes(rep.bytes_per_expert)})"),
-                 (f"one slot per GPU ({m.num_moe_layers} layers)", _fmt_bytes(rep.bytes_per_slot))]
-    rows += [("usable per GPU", _fmt_bytes(rep.usable_bytes)),
-             ("non-expert weights per GPU", _fmt_bytes(rep.dense_bytes_per_gpu))]
-    if m.is_moe:
-        slots = rep.slots_per_gpu if rep.slots_per_gpu is not None else rep.base_slots_per_gpu
-        rows.append((f"expert weights per GPU ({slots} slots)", _fmt_bytes(rep.expert_bytes_per_gpu)))
-    rows += [(f"KV cache per GPU ({rep.concurrency:,} sequences)", _fmt_bytes(rep.kv_bytes_per_gpu)),
-             ("free per GPU", _fmt_bytes(rep.free_bytes_per_gpu))]
-    width = max(len(k) for k, _ in rows)
-    lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    if m.is_moe:
-        if rep.redundant_per_gpu is None:
-            lines.append(f"does NOT fit: {_fmt_bytes(-rep.free_bytes_per_gpu)} short per GPU even with no "
-                         f"redundant experts; lower concurrency or context, or add GPUs")
-        else:
-            lines.append(f"redundant slots: {rep.redundant_per_gpu} per GPU = {rep.slots_per_gpu} slots per GPU, "
-                         f"{rep.redundant_total} redundant in total "
-                         f"({d.num_gpus * rep.slots_per_gpu} physical slots for {m.num_logical_experts} experts)")
-        if rep.tradeoff:
-            lines.append("redundant/GPU -> most sequences that fit: "
-                         + ", ".join(f"{r} -> {c:,}" for r, c in rep.tradeoff))
-    elif not rep.fits:
-        lines.append(f"does NOT fit: {_fmt_bytes(-rep.free_bytes_per_gpu)} short per GPU")
-    if m.is_moe or rep.fits:
-        lines.append(f"sequences: {rep.concurrency:,} x {d.context:,} tokens"
-                     + ("" if rep.fits else " (does not fit)"))
-    return "\n".join(lines)
-
-
-
-def slots_from_args(args, num_logical_experts: int) -> CapacityReport:
-    """`eplb plan --slots-per-gpu auto`: size the slots from the capacity options in `args`."""
-    if not getattr(args, "model", None):
-        raise EplbError(f"--slots-per-gpu auto needs --model (one of {', '.join(PRESETS)}) and the memory "
-                        f"options --gpu-memory, --context, --concurrency")
-    dep = deployment_from_args(args, args.gpus, need_concurrency=True)
-    return auto_slots_per_gpu(get_model(args.model), dep, num_logical_experts)

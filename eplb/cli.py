@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from eplb._version import __version__
 from eplb.errors import EplbError, PlanningError
 
 # Order shown in `eplb --help`; each name is a module in eplb/commands/.
@@ -35,8 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from eplb import __version__
-
     parser.add_argument("--version", action="version", version=f"eplb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -82,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
 def _silence_stdout() -> None:
     """Point stdout at /dev/null after a broken pipe, so the interpreter's last flush of the
     unwritten rest does not raise again ("Exception ignored ... BrokenPipeError", exit 120)."""
-    import os
-
     try:
         fd = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # not a real file (tests capture stdout)

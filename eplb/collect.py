@@ -32,14 +32,17 @@ counted twice.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, positive_integer, whole_number
+from eplb.formats.native import save_trace
+from eplb.runtime.model import Router
 from eplb.trace import REQUIRED_META, Trace
 
 IdsFrom = None | int | str | Callable[[Any], torch.Tensor]
@@ -140,10 +143,8 @@ class RouterCollector:
         process_group: sum counts over this torch.distributed group in trace().
         meta: overrides for the trace meta (source, synthetic, ...).
         """
-        if window_tokens is not None and (isinstance(window_tokens, bool) or int(window_tokens) < 1):
-            raise EplbError(f"window_tokens must be a positive integer or None, got {window_tokens!r}")
-        if isinstance(keep_tokens, bool) or int(keep_tokens) < 0:
-            raise EplbError(f"keep_tokens must be >= 0, got {keep_tokens!r}")
+        window_tokens = None if window_tokens is None else positive_integer("window_tokens", window_tokens)
+        keep_tokens = whole_number("keep_tokens", keep_tokens, 0)
         if ids_from is not None and not (callable(ids_from) or isinstance(ids_from, (int, str))):
             raise EplbError(f"ids_from must be None, an int, a str or a callable, got {type(ids_from).__name__}")
         self.model = model
@@ -186,7 +187,6 @@ class RouterCollector:
             what = f"no module name matches {name_pattern!r}"
         else:
             if router_class is None:
-                from eplb.runtime.model import Router
                 router_class = Router
             found = [(n, m) for n, m in model.named_modules() if isinstance(m, router_class)]
             what = f"no module of class {getattr(router_class, '__name__', router_class)} in the model"
@@ -212,7 +212,7 @@ class RouterCollector:
 
     # Hooks -----------------------------------------------------------------------------------
 
-    def __enter__(self) -> "RouterCollector":
+    def __enter__(self) -> RouterCollector:
         if self._handles:
             raise EplbError("this collector is already attached")
         for l, (_, mod) in enumerate(self.routers):
@@ -356,7 +356,7 @@ class RouterCollector:
     def save(self, path: str | Path) -> Trace:
         """Write the trace in eplb's .npz format; returns it."""
         t = self.trace()
-        t.save(path)
+        save_trace(t, path)
         return t
 
 

@@ -36,8 +36,9 @@ or a per-rank re-split of the local counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -332,7 +333,7 @@ RULES: dict[str, type] = {"even": EvenSplit, "plan": PlanWeights, "resplit": Res
 """Dispatch rules by name (engine rules are added beside these; `get_rule` reads this table)."""
 
 
-def get_rule(rule: "str | DispatchRule") -> DispatchRule:
+def get_rule(rule: str | DispatchRule) -> DispatchRule:
     """A rule by name ("even", "plan", "resplit", "optimal", ...), or the rule itself."""
     if isinstance(rule, str):
         if rule not in RULES:
@@ -343,7 +344,7 @@ def get_rule(rule: "str | DispatchRule") -> DispatchRule:
     return rule
 
 
-def rule_gpu_loads(rule: "str | DispatchRule", placement: Placement, counts_LE) -> np.ndarray:
+def rule_gpu_loads(rule: str | DispatchRule, placement: Placement, counts_LE) -> np.ndarray:
     """Tokens each GPU serves, [L, G], when `rule` dispatches `counts_LE` [L, E] on `placement`."""
     rule = get_rule(rule)
     load = _check_load(placement, counts_LE)

@@ -1,10 +1,19 @@
-"""Project errors.
+"""Project errors, and the checkers every boundary uses.
 
 `EplbError` is raised for bad user input (a file, a shape, an option that does not fit) and
 carries a one-line message that names the value and the fix. The CLI turns it into exit
 code 2. Internal invariants use `assert`; they are bugs, not user errors.
+
+The checkers validate one value at a boundary (the CLI, a public entry point, a value's
+constructor) and return it converted (int or float); internal calls trust what they are
+handed. Each names the value in its message: `whole_number("num_gpus", 2.5, 1)` says
+"num_gpus must be a whole number >= 1, got 2.5". Whole numbers are int-like values only:
+int() would truncate 2.5 silently and float() would read "4", so both are refused.
 """
 
+from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -13,9 +22,17 @@ class EplbError(ValueError):
     """Bad input: the message names the offending value and how to fix it."""
 
 
+class PlanningError(RuntimeError):
+    """A planner could not produce a placement for valid input (CLI exit code 1)."""
+
+
+def is_number(v) -> bool:
+    """A real number (int, float or their numpy kinds): not True, "2" or None."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
 def is_whole(v) -> bool:
-    """int-like (2, 2.0, np.int64(2)): not True, "2", 2.5 or inf. int() would truncate 2.5
-    silently, so every count, id and size of user input goes through this first."""
+    """int-like (2, 2.0, np.int64(2)): not True, "2", 2.5 or inf."""
     if isinstance(v, (bool, np.bool_)):
         return False
     if isinstance(v, (int, np.integer)):
@@ -23,12 +40,48 @@ def is_whole(v) -> bool:
     return isinstance(v, (float, np.floating)) and float(v).is_integer()
 
 
-def whole_number(name: str, v, minimum: int = 0) -> int:
-    """v as an int if it is a whole number >= minimum, else EplbError naming name and v."""
-    if not is_whole(v) or v < minimum:
-        raise EplbError(f"{name} must be a whole number >= {minimum}, got {v!r}")
+def whole_number(name: str, v, minimum: int | None = 0) -> int:
+    """v as an int if it is a whole number >= minimum (any whole number when minimum is None)."""
+    if not is_whole(v) or (minimum is not None and v < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise EplbError(f"{name} must be a whole number{bound}, got {v!r}")
     return int(v)
 
 
-class PlanningError(RuntimeError):
-    """A planner could not produce a placement for valid input (CLI exit code 1)."""
+def positive_integer(name: str, v) -> int:
+    """v as an int if it is a whole number >= 1 (a count: GPUs, slots, bytes)."""
+    if not is_whole(v) or v < 1:
+        raise EplbError(f"{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def finite_number(name: str, v, minimum: float | None = None) -> float:
+    """v as a float if it is a finite number >= minimum (any finite number when None)."""
+    if not is_number(v) or not math.isfinite(v) or (minimum is not None and v < minimum):
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        raise EplbError(f"{name} must be a finite number{bound}, got {v!r}")
+    return float(v)
+
+
+def positive_number(name: str, v) -> float:
+    """v as a float if it is a finite number > 0 (a time, a scale)."""
+    if not is_number(v) or not math.isfinite(v) or v <= 0:
+        raise EplbError(f"{name} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def fraction(name: str, v, *, low_open: bool = True, high_open: bool = False) -> float:
+    """v as a float if it is a number in the interval from 0 to 1, (0, 1] by default;
+    low_open / high_open say whether 0 / 1 are excluded."""
+    ok = is_number(v) and (0.0 < v if low_open else 0.0 <= v) and (v < 1.0 if high_open else v <= 1.0)
+    if not ok:
+        interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+        raise EplbError(f"{name} must be a number in {interval}, got {v!r}")
+    return float(v)
+
+
+def readonly(a: np.ndarray) -> np.ndarray:
+    """a as a C-ordered array that cannot be written (what frozen values hold)."""
+    a = np.ascontiguousarray(a)
+    a.setflags(write=False)
+    return a

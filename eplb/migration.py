@@ -799,7 +799,7 @@ def adapt_solution(request, sol, budget: Budget, bytes_per_expert: int | None = 
     """
     import time
 
-    from eplb.planning import Solution
+    from eplb.planner_api import Solution
 
     prev, topo = request.previous, request.topology
     if prev.num_gpus != topo.num_gpus or prev.num_nodes != topo.num_nodes:

@@ -15,34 +15,16 @@ Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 sl
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, readonly, whole_number
 from eplb.topology import Topology
 
 FORMAT_VERSION = 1
 
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
-
-
-def read_json_file(path: str | Path, what: str) -> Any:
-    """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be)."""
-    path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"{what} {str(path)!r} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not valid JSON ({exc})") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +48,9 @@ class Placement:
     """Name of the planner that made it (informational)."""
     metrics: dict = field(default_factory=dict)
     """Free-form metrics recorded by the planner (informational, JSON-serialisable)."""
+    partial: bool = False
+    """True when an expert may have no replica: what the surviving GPUs of a placement still
+    hold after a failure (`on_gpus`), a placement to migrate from, never one to serve."""
 
     def __post_init__(self) -> None:
         phy = np.asarray(self.phy2log_LP)
@@ -74,12 +59,8 @@ class Placement:
         if not np.issubdtype(phy.dtype, np.integer):
             raise EplbError(f"physical_to_logical map must hold integers, got dtype {phy.dtype}")
         L, P = phy.shape
-        for name in ("num_gpus", "num_logical_experts", "num_nodes"):
-            v = getattr(self, name)  # int() would read 2.5 GPUs as 2
-            whole = is_whole(v)
-            if not whole or v < 1:
-                raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
-        G, E, N = int(self.num_gpus), int(self.num_logical_experts), int(self.num_nodes)
+        G, E, N = (whole_number(name, getattr(self, name), 1)
+                   for name in ("num_gpus", "num_logical_experts", "num_nodes"))
         if P < 1:
             raise EplbError(f"physical_to_logical map has no slots (shape {phy.shape}): a placement needs "
                             f"at least one slot per GPU")
@@ -90,37 +71,40 @@ class Placement:
         if L and (phy.min() < 0 or phy.max() >= E):
             bad = phy[(phy < 0) | (phy >= E)][0]
             raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
-        count_LE = np.zeros((L, E), dtype=np.int64)
-        np.add.at(count_LE, (np.arange(L)[:, None], phy), 1)
-        if L and count_LE.min() == 0:
+        if not isinstance(self.partial, (bool, np.bool_)):
+            raise EplbError(f"partial must be true or false, got {self.partial!r}")
+        count_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), minlength=L * E).reshape(L, E)
+        if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]
             raise EplbError(f"logical expert {expert} has no replica in layer index {layer}")
-        object.__setattr__(self, "phy2log_LP", _readonly(phy.astype(np.int64)))
+        object.__setattr__(self, "phy2log_LP", readonly(phy.astype(np.int64)))
         object.__setattr__(self, "num_gpus", G)
         object.__setattr__(self, "num_logical_experts", E)
         object.__setattr__(self, "num_nodes", N)
-        object.__setattr__(self, "_count_LE", _readonly(count_LE))
+        object.__setattr__(self, "partial", bool(self.partial))
+        object.__setattr__(self, "_count_LE", readonly(count_LE))
         ids = np.arange(L) if self.layer_ids is None else np.asarray(self.layer_ids)
         if ids.shape != (L,) or not np.issubdtype(ids.dtype, np.integer):
             raise EplbError(f"layer_ids must be {L} integers, got shape {ids.shape} dtype {ids.dtype}")
         if L and (ids.min() < 0 or len(np.unique(ids)) != L):
             raise EplbError(f"layer_ids must be distinct non-negative integers, got {ids.tolist()}")
-        object.__setattr__(self, "layer_ids", _readonly(ids.astype(np.int64)))
+        object.__setattr__(self, "layer_ids", readonly(ids.astype(np.int64)))
         if self.dispatch_weights_LP is not None:
             w = np.asarray(self.dispatch_weights_LP, dtype=np.float64)
             if w.shape != (L, P):
                 raise EplbError(f"dispatch_weights must have shape {(L, P)}, got {w.shape}")
             if not np.all(np.isfinite(w)) or w.min() < 0:
                 raise EplbError("dispatch_weights must be finite and non-negative")
-            sums_LE = np.zeros((L, E))
-            np.add.at(sums_LE, (np.arange(L)[:, None], phy), w)
+            sums_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), weights=w.ravel(),
+                                  minlength=L * E).reshape(L, E)
+            sums_LE[count_LE == 0] = 1.0  # an expert a partial placement lost has no shares to sum
             if not np.allclose(sums_LE, 1.0, atol=1e-6):
                 layer, expert = np.argwhere(~np.isclose(sums_LE, 1.0, atol=1e-6))[0]
                 raise EplbError(
                     f"dispatch_weights of expert {expert} in layer index {layer} sum to "
                     f"{sums_LE[layer, expert]:.6f}, not 1"
                 )
-            object.__setattr__(self, "dispatch_weights_LP", _readonly(w))
+            object.__setattr__(self, "dispatch_weights_LP", readonly(w))
 
     # Derived shapes -------------------------------------------------------------------------
 
@@ -171,8 +155,8 @@ class Placement:
         cnt_LP = np.take_along_axis(self.replica_count_LE, self.phy2log_LP, axis=1)
         return 1.0 / cnt_LP
 
-    def slot_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
-        """Tokens each physical slot serves, float64 [L, P], for logical loads [L, E]."""
+    def _load_and_weights(self, load_LE, weights_LP) -> tuple[np.ndarray, np.ndarray]:
+        """load_LE as float64 [L, E] and the shares [L, P] (the plan's when None), shapes checked."""
         load_LE = np.asarray(load_LE, dtype=np.float64)
         if load_LE.shape != (self.num_layers, self.num_logical_experts):
             raise EplbError(
@@ -183,18 +167,35 @@ class Placement:
         if w_LP.shape != self.phy2log_LP.shape:  # a [P] row would broadcast over layers silently
             raise EplbError(f"dispatch weights have shape {w_LP.shape}, but the placement needs "
                             f"{self.phy2log_LP.shape} [layers, slots]")
+        return load_LE, w_LP
+
+    def slot_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
+        """Tokens each physical slot serves, float64 [L, P], for logical loads [L, E]."""
+        load_LE, w_LP = self._load_and_weights(load_LE, weights_LP)
         return np.take_along_axis(load_LE, self.phy2log_LP, axis=1) * w_LP
 
     def gpu_loads(self, load_LE: np.ndarray, weights_LP: np.ndarray | None = None) -> np.ndarray:
-        """Tokens each GPU serves, float64 [L, G]."""
-        slot_LP = self.slot_loads(load_LE, weights_LP)
-        return slot_LP.reshape(self.num_layers, self.num_gpus, self.slots_per_gpu).sum(axis=2)
+        """Tokens each GPU serves, float64 [L, G], under `weights_LP` (the plan's shares if None)."""
+        load_LE, w_LP = self._load_and_weights(load_LE, weights_LP)
+        return gpu_loads(self.phy2log_LP, load_LE, self.num_gpus, w_LP)
 
-    def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> "Placement":
-        return Placement(
-            self.phy2log_LP, self.num_gpus, self.num_logical_experts, self.num_nodes,
-            self.layer_ids, dispatch_weights_LP, self.planner, dict(self.metrics),
-        )
+    def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> Placement:
+        return replace(self, dispatch_weights_LP=dispatch_weights_LP, metrics=dict(self.metrics))
+
+    def on_gpus(self, gpus) -> Placement:
+        """The slots GPUs `gpus` (indices, in this order) hold, as a placement of their own on
+        len(gpus) GPUs and one node (survivors of a failure need not split evenly over the old
+        nodes); `partial` when some expert has no replica left on them. Weights are dropped:
+        an expert's shares no longer sum to 1 once some of its replicas are gone."""
+        idx = np.asarray(gpus, dtype=np.int64).reshape(-1)
+        G, S = self.num_gpus, self.slots_per_gpu
+        if idx.size == 0 or idx.min() < 0 or idx.max() >= G or np.unique(idx).size != idx.size:
+            raise EplbError(f"gpus must be distinct GPU indices in 0..{G - 1}, got {idx.tolist()}")
+        phy_LP = self.phy2log_LP.reshape(self.num_layers, G, S)[:, idx].reshape(self.num_layers, idx.size * S)
+        present = np.bincount((np.arange(self.num_layers)[:, None] * self.num_logical_experts + phy_LP).ravel(),
+                              minlength=self.num_layers * self.num_logical_experts)
+        return Placement(phy_LP, idx.size, self.num_logical_experts, 1, self.layer_ids, None, self.planner,
+                         partial=bool((present == 0).any()))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):
@@ -209,12 +210,13 @@ class Placement:
             and self.num_logical_experts == other.num_logical_experts
             and np.array_equal(self.phy2log_LP, other.phy2log_LP)
             and np.array_equal(self.layer_ids, other.layer_ids)
+            and self.partial == other.partial
             and same_w
         )
 
     __hash__ = None  # type: ignore[assignment]
 
-    # Native JSON file -----------------------------------------------------------------------
+    # Dict conversion (eplb.formats writes it as JSON) ------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -230,10 +232,12 @@ class Placement:
         }
         if self.dispatch_weights_LP is not None:
             d["dispatch_weights"] = self.dispatch_weights_LP.tolist()
+        if self.partial:
+            d["partial"] = True
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "placement") -> "Placement":
+    def from_dict(cls, d: dict[str, Any], *, source: str = "placement") -> Placement:
         if not isinstance(d, dict):
             raise EplbError(f"{source}: expected a JSON object, got {type(d).__name__}")
         missing = [k for k in ("physical_to_logical_map", "num_gpus", "num_logical_experts") if k not in d]
@@ -247,12 +251,10 @@ class Placement:
                 raise ValueError("non-integer ids")
             phy = phy.astype(np.int64)
         except (ValueError, TypeError) as exc:
-            raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
+            raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists "
+                            f"({exc})") from None
         for key in ("num_gpus", "num_logical_experts", "num_nodes"):
-            v = d.get(key, 1)
-            # int(4.7) would silently read a damaged file as 4 GPUs.
-            if not is_whole(v):
-                raise EplbError(f"{source}: {key} must be a whole number, got {v!r}")
+            whole_number(f"{source}: {key}", d.get(key, 1), None)  # int(4.7) would read a damaged file as 4 GPUs
         weights = d.get("dispatch_weights")
         layer_ids = d.get("layer_ids")
         if layer_ids is not None:  # asarray(dtype=int64) would read layer 3.5 as 3
@@ -270,42 +272,61 @@ class Placement:
                 dispatch_weights_LP=None if weights is None else np.asarray(weights, dtype=np.float64),
                 planner=str(d.get("planner", "")),
                 metrics=dict(d.get("metrics") or {}),
+                partial=d.get("partial", False),
             )
         except EplbError as exc:
             raise EplbError(f"{source}: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise EplbError(f"{source}: malformed placement ({exc})") from None
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
 
-    @classmethod
-    def load(cls, path: str | Path) -> "Placement":
-        """Read eplb's own JSON; an engine export (SGLang, vLLM, TensorRT-LLM) is named as such."""
-        path = Path(path)
-        fmt = _engine_format(path)
-        if fmt is None:
-            d = read_json_file(path, "placement file")
-            if isinstance(d, dict) and set(d) == {"physical_to_logical_map"}:
-                fmt = "sglang"  # SGLang's --init-expert-location file holds this key and nothing else
-            else:
-                return cls.from_dict(d, source=str(path))
-        name = {"vllm": "vLLM .pt", "trtllm": "TensorRT-LLM YAML", "sglang": "SGLang JSON"}[fmt]
-        extra = "" if fmt == "vllm" else ", num_gpus=G"
-        raise EplbError(f"{path}: a {name} placement export, not an eplb placement file: read it with "
-                        f"eplb.formats.export.read_placement(path, '{fmt}'{extra}); eplb commands take the "
-                        f"file `eplb plan --format eplb` writes")
+def gpu_loads(phy2log_LP: np.ndarray, load_LE, num_gpus: int, weights_LP=None) -> np.ndarray:
+    """Tokens each GPU serves, float64 [..., L, G]: the one definition every score builds on.
+
+    Slot p (on GPU p // (P / G)) serves load_LE[..., l, phy2log_LP[l, p]] x weights_LP[l, p].
+    load_LE may carry leading axes (windows: [T, L, E] gives [T, L, G]). weights_LP: shares
+    [L, P], or one number for every slot (1.0 when load_LE already holds the load of one
+    replica); None: an even split among the replicas phy2log_LP holds. Slots holding -1 (empty)
+    serve nothing. Trusts its input: callers check shapes and ids at their boundary.
+    """
+    phy_LP = np.asarray(phy2log_LP)
+    load = np.asarray(load_LE, dtype=np.float64)
+    L, P = phy_LP.shape
+    E = load.shape[-1]
+    valid_LP = phy_LP >= 0
+    full = bool(valid_LP.all())
+    e_LP = phy_LP if full else np.where(valid_LP, phy_LP, 0)
+    if weights_LP is None:
+        count_LE = np.bincount((np.arange(L)[:, None] * E + e_LP)[valid_LP], minlength=L * E).reshape(L, E)
+        weights_LP = 1.0 / np.maximum(np.take_along_axis(count_LE, e_LP, axis=1), 1)
+    slot = load[..., np.arange(L)[:, None], e_LP] * weights_LP
+    if not full:
+        slot = np.where(valid_LP, slot, 0.0)
+    return slot.reshape(*slot.shape[:-1], num_gpus, P // num_gpus).sum(axis=-1)
 
 
-def _engine_format(path: Path) -> str | None:
-    """Which non-JSON engine export a file looks like ("vllm", "trtllm"), or None."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return None  # read_json_file says what is wrong with the path
-    if head.startswith(b"PK\x03\x04"):
-        return "vllm"  # a torch .pt zip
-    if head.lstrip().startswith((b"num_slots:", b"initial_global_assignments:")):
-        return "trtllm"
-    return None
+def contiguous_map(num_logical_experts: int, topology: Topology, num_layers: int) -> np.ndarray:
+    """phy2log_LP of the contiguous placement (the no-EPLB baseline), the same for every layer.
+
+    Expert e sits on GPU e // (E / G): experts are split over GPUs in id order, as evenly as
+    possible. A GPU's spare slots repeat its own experts, which splits their tokens inside the
+    GPU and so leaves every GPU's load exactly as without redundancy: what a server does with
+    no load balancing.
+    """
+    G, S = topology.num_gpus, topology.slots_per_gpu
+    if num_logical_experts > G * S:
+        raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_logical_experts} experts")
+    if num_logical_experts < G:
+        raise EplbError(f"contiguous placement needs at least one expert per GPU: "
+                        f"{num_logical_experts} experts < {G} GPUs")
+    row = np.empty(G * S, dtype=np.int64)
+    for g, experts in enumerate(np.array_split(np.arange(num_logical_experts), G)):
+        row[g * S:(g + 1) * S] = np.resize(experts, S)  # spare slots cycle the GPU's own experts
+    return np.tile(row, (num_layers, 1))
+
+
+def contiguous_placement(num_logical_experts: int, topology: Topology, layer_ids) -> Placement:
+    """The contiguous (no-EPLB) Placement on `topology` for the MoE layers `layer_ids` [L]."""
+    ids = np.asarray(layer_ids)
+    return Placement(contiguous_map(num_logical_experts, topology, len(ids)), topology.num_gpus,
+                     num_logical_experts, topology.num_nodes, ids, planner="contiguous")

@@ -1,178 +1,126 @@
-"""Planning front door: the Planner protocol, the registry, PlanResult and `plan()`.
+"""Planning front door: `plan()` and its PlanResult.
 
 Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
-Planners live in the top-level `planners/` package, one module per algorithm, each class
-registered by name with `@register("name")`. A planner's constructor only stores settings;
-`plan(request) -> Solution` does the work on numpy arrays and a Topology, never files or
-torch. `plan()` below is the one front door: it normalises input, sizes the topology, runs
-the planner, times it and scores the result against the contiguous (no-EPLB) baseline and
-the lower bound.
+Planners live in the top-level `planners/` package, one module per algorithm, behind the
+planner table of `eplb.planner_api`. `plan()` is the one front door: it normalises input,
+sizes the topology, runs the planner, times it and adapts the plan to the placement now
+served. Scores (the contiguous baseline, the lower bound, the plan's own report) are computed
+on first access of the PlanResult, so a serving loop that adopts the placement and throws the
+report away does not pay for them.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
-from eplb import stats
+from eplb import migration, stats
+from eplb.dispatch import DispatchRule, PlanWeights, get_rule
 from eplb.errors import EplbError, whole_number
-from eplb.placement import Placement
+from eplb.migration import Budget
+from eplb.placement import Placement, contiguous_placement
+from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
+from eplb.stats import Aggregation
 from eplb.topology import Topology
 from eplb.trace import Trace
-
-STATUSES = ("OPTIMAL", "FEASIBLE", "HEURISTIC", "FALLBACK")
-
-
-@dataclass(frozen=True, eq=False)
-class PlanRequest:
-    """Everything a planner may look at."""
-
-    load_LE: np.ndarray
-    """Planning load (windows aggregated), float64 [L, E]."""
-    topology: Topology
-    """GPUs, nodes and slots per GPU."""
-    history_TLE: np.ndarray | None = None
-    """The individual windows the load was aggregated from, float64 [T, L, E] (robust planners)."""
-    layer_ids: np.ndarray | None = None
-    """Hidden-layer index of each MoE layer [L]."""
-    num_expert_groups: int | None = None
-    """Expert groups of group-limited routing (DeepSeek-V3: 8), for node-aware planners."""
-    previous: Placement | None = None
-    """The placement now being served (migration-aware planners keep its replicas in place)."""
-
-    @property
-    def num_layers(self) -> int:
-        return self.load_LE.shape[0]
-
-    @property
-    def num_logical_experts(self) -> int:
-        return self.load_LE.shape[1]
-
-
-@dataclass(frozen=True, eq=False)
-class Solution:
-    """What a planner returns."""
-
-    phy2log_LP: np.ndarray
-    """Logical expert in each physical slot, [L, P]."""
-    dispatch_weights_LP: np.ndarray | None = None
-    """Per-replica token shares, or None for an even split."""
-    status: str = "HEURISTIC"
-    """OPTIMAL (proven), FEASIBLE (solver stopped early), HEURISTIC, or FALLBACK (the
-    planner could not do its own job and returned another planner's answer; see message)."""
-    message: str = ""
-    info: dict = field(default_factory=dict)
-    """Planner-specific numbers (gaps, solver statistics), JSON-serialisable."""
-
-
-class Planner(Protocol):
-    name: str
-
-    def plan(self, request: PlanRequest) -> Solution: ...
-
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: make a planner available under `name` everywhere (API and CLI)."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise RuntimeError(f"planner name {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def _load_builtin() -> None:
-    importlib.import_module("planners")
-
-
-def planner_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def planner_settings(name: str) -> list[str]:
-    """Names of the settings a registered planner's constructor takes."""
-    import inspect
-
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
-    params = inspect.signature(_REGISTRY[name]).parameters
-    return [k for k in params if k != "self"]
-
-
-def get_planner(name: str, **settings: Any) -> Planner:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise EplbError(f"unknown planner {name!r}: choose one of {', '.join(sorted(_REGISTRY))}")
-    import inspect
-
-    params = inspect.signature(_REGISTRY[name]).parameters
-    known = [k for k, p in params.items() if k != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    unknown = [] if takes_any else [k for k in settings if k not in known]
-    if unknown:  # named alone: the CLI adds quiet=True itself, which the user never typed
-        raise EplbError(f"planner {name!r} does not take these settings: {', '.join(map(repr, unknown))}; "
-                        f"its settings are {', '.join(known) or 'none'}")
-    try:
-        return _REGISTRY[name](**settings)
-    except EplbError:
-        raise
-    except TypeError as exc:
-        raise EplbError(f"planner {name!r} does not take these settings ({settings!r}): {exc}") from None
-    except ValueError as exc:  # e.g. float("abc") on a setting given as text (--set key=abc)
-        raise EplbError(f"planner {name!r}: a setting has a value of the wrong type ({settings!r}): {exc}") from None
-
-
-def whole_setting(name: str, value: Any, minimum: int = 0) -> int:
-    """A planner setting that must be a whole number >= minimum (2.7, True or "x" are refused)."""
-    return whole_number(name, value, minimum)
 
 
 @dataclass(frozen=True, eq=False)
 class PlanResult:
-    """A placement plus how it was made and how good it is (scored on the planning load)."""
+    """A plan plus how it was made; how good it is is scored on first access (and cached).
 
-    placement: Placement
+    Scores use the planning load `load_LE` and the dispatch rule the engine will apply."""
+
+    solution: Solution
+    """The planner's answer after the migration step: phy2log_LP, dispatch weights, status, message, info."""
     planner: str
-    status: str
-    success: bool
-    message: str
     seconds: float
     """Wall time of the planner alone."""
     load_LE: np.ndarray
-    """The load the plan was scored on, [L, E]."""
-    lower_bound_L: np.ndarray
-    """Lower bound on the busiest GPU's load per layer, [L]."""
-    before: stats.LoadReport
-    """Contiguous placement (no EPLB) on the same GPUs."""
-    after: stats.LoadReport
-    info: dict = field(default_factory=dict)
+    """The load the plan was made on and is scored on, [L, E]."""
+    topology: Topology
+    dispatch: DispatchRule = field(default_factory=PlanWeights)
+    """The rule `after` and `before` are scored under (eplb.dispatch)."""
+    layer_ids: np.ndarray | None = None
+    """Hidden-layer index of each MoE layer [L] (None: 0..L-1)."""
+
+    def __post_init__(self) -> None:
+        # Built now, not on first access: a planner's bad output fails in plan(), where it was made.
+        sol, topo = self.solution, self.topology
+        object.__setattr__(self, "_plain", Placement(
+            sol.phy2log_LP, topo.num_gpus, self.load_LE.shape[1], topo.num_nodes, self.layer_ids,
+            sol.dispatch_weights_LP, self.planner))
+
+    @property
+    def status(self) -> str:
+        return self.solution.status
+
+    @property
+    def success(self) -> bool:
+        return self.solution.status != "FALLBACK"
+
+    @property
+    def message(self) -> str:
+        return self.solution.message
+
+    @property
+    def info(self) -> dict:
+        return dict(self.solution.info)
+
+    @cached_property
+    def lower_bound_L(self) -> np.ndarray:
+        """Lower bound on the busiest GPU's load per layer, [L]."""
+        return stats.lower_bound(self.load_LE, self.topology.num_gpus, self.topology.num_slots)
+
+    def _score(self, placement: Placement) -> stats.LoadReport:
+        weights_LP = self.dispatch.bind(placement)(self.load_LE)
+        return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
+
+    @cached_property
+    def after(self) -> stats.LoadReport:
+        """The plan, scored on the planning load under the dispatch rule."""
+        return self._score(self._plain)  # type: ignore[attr-defined]
+
+    @cached_property
+    def before(self) -> stats.LoadReport:
+        """The contiguous placement (no EPLB) on the same GPUs, scored the same way."""
+        plain: Placement = self._plain  # type: ignore[attr-defined]
+        return self._score(contiguous_placement(plain.num_logical_experts, self.topology, plain.layer_ids))
+
+    @cached_property
+    def placement(self) -> Placement:
+        """The plan, with its scores in `metrics` (what `eplb plan -o` writes)."""
+        after = self.after
+        metrics = {
+            "imbalance_median": float(np.median(after.imbalance_L)),
+            "imbalance_max": float(np.max(after.imbalance_L)),
+            "bound_ratio_max": float(np.max(after.bound_ratio_L)),
+            "balancedness": after.balancedness,
+            "contiguous_imbalance_median": float(np.median(self.before.imbalance_L)),
+        }
+        return replace(self._plain, metrics=metrics)  # type: ignore[attr-defined]
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary (what `eplb plan --json` prints)."""
+        p = self.placement
         return {
             "planner": self.planner,
             "status": self.status,
             "success": self.success,
             "message": self.message,
             "seconds": self.seconds,
-            "num_layers": self.placement.num_layers,
-            "num_logical_experts": self.placement.num_logical_experts,
-            "num_gpus": self.placement.num_gpus,
-            "num_nodes": self.placement.num_nodes,
-            "num_slots": self.placement.num_slots,
+            "num_layers": p.num_layers,
+            "num_logical_experts": p.num_logical_experts,
+            "num_gpus": p.num_gpus,
+            "num_nodes": p.num_nodes,
+            "num_slots": p.num_slots,
+            "dispatch": self.dispatch.name,
             "before": self.before.summary(),
             "after": self.after.summary(),
             "info": self.info,
@@ -199,139 +147,138 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
     return a, None, {}
 
 
-def plan(
-    loads_or_trace: Any,
-    *,
-    num_gpus: int,
-    num_nodes: int = 1,
-    num_redundant: int | None = None,
-    slots_per_gpu: int | None = None,
-    planner: str = "greedy",
-    aggregate: str = "sum",
-    window: int | None = None,
-    alpha: float | None = None,
-    num_expert_groups: int | None = None,
-    previous: Placement | None = None,
-    settings: dict | None = None,
-    max_moves: int | None = None,
-    max_moves_per_gpu: int | None = None,
-    move_cost: float = 0.0,
-    bytes_per_expert: int | None = None,
-    span_cost: float | None = None,
-) -> PlanResult:
-    """Plan an expert placement: the one front door for the API and the CLI.
+def size_topology(num_logical_experts: int, topology: Topology | None = None, *, num_gpus=None, num_nodes=1,
+                  num_redundant=None, slots_per_gpu=None) -> Topology:
+    """The Topology a plan of E logical experts runs on: `topology` itself, or one sized from
+    num_gpus, num_nodes and num_redundant / slots_per_gpu (Topology.for_experts); either, not both.
 
-    loads_or_trace: a Trace, or counts [L, E] / [T, L, E]. Windows are history: they are
-    aggregated with `aggregate` ("sum", "mean", "last", "window", "ema") into the planning
-    load, and passed whole to planners that plan against every window (robust ones).
-    Topology: `num_gpus`, `num_nodes`, and `num_redundant` slots in total or `slots_per_gpu` (default one
-    redundant slot per GPU). `num_expert_groups` defaults to the trace's `num_expert_groups`.
-    Migration (eplb.migration): with `previous`, the plan is relabelled to keep the most of
-    its replicas in place; `max_moves` (total), `max_moves_per_gpu` and `move_cost` bound how
-    many replicas may be copied (a budgeted search from `previous` then competes with the
-    relabelled plan). Moves (and bytes, given `bytes_per_expert`) are reported in `info`.
-    With num_nodes > 1 and expert groups, `span_cost` prices spreading a group onto one more node
-    in moves (eplb.migration.Budget.span_cost, default 1), so that search keeps node locality.
-    Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_expert_groups) refuse 2.5 or
-    "4" rather than truncate them; the migration options without `previous` are refused.
+    Refused: more GPUs than experts, more slots per GPU than experts (a GPU never needs two
+    copies of one expert), fewer slots than experts. Checked before any planner allocates [L, P].
     """
-    num_gpus = whole_setting("num_gpus", num_gpus, 1)
-    num_nodes = whole_setting("num_nodes", num_nodes, 1)
-    num_redundant = None if num_redundant is None else whole_setting("num_redundant", num_redundant, 0)
-    slots_per_gpu = None if slots_per_gpu is None else whole_setting("slots_per_gpu", slots_per_gpu, 0)
-    if num_expert_groups is not None:
-        num_expert_groups = whole_setting("num_expert_groups", num_expert_groups, 1)
-    if settings is not None and not isinstance(settings, Mapping):
-        raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
-                        f"got {type(settings).__name__}")
-    if previous is not None and not isinstance(previous, Placement):
-        raise EplbError(f"previous must be a Placement (the one now served, e.g. Placement.load('old.json')), "
-                        f"got {type(previous).__name__}")
-    if previous is None:
-        # Checked before planning: these only price or count migration from `previous`.
-        given = [f"{k} ({v!r})" for k, v in (("max_moves", max_moves), ("max_moves_per_gpu", max_moves_per_gpu),
-                                             ("move_cost", move_cost or None), ("span_cost", span_cost),
-                                             ("bytes_per_expert", bytes_per_expert)) if v is not None]
+    E = num_logical_experts
+    if topology is not None:
+        if not isinstance(topology, Topology):
+            raise EplbError(f"topology must be an eplb.Topology (num_gpus, slots_per_gpu, num_nodes), "
+                            f"got {type(topology).__name__}")
+        given = [f"{k}={v!r}" for k, v in (("num_gpus", num_gpus), ("num_redundant", num_redundant),
+                                           ("slots_per_gpu", slots_per_gpu)) if v is not None]
+        given += [f"num_nodes={num_nodes!r}"] if num_nodes != 1 else []
         if given:
-            raise EplbError(f"{', '.join(given)}: migration options need the placement now served "
-                            f"(previous=... / --previous OLD.json); drop them for a plan from scratch")
-    history_TLE, layer_ids, meta = as_history(loads_or_trace)
-    load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
-    L, E = load_LE.shape
-    if num_expert_groups is not None and E % num_expert_groups:
-        raise EplbError(f"{E} experts do not split into {num_expert_groups} equal expert groups: group-limited "
-                        f"routing uses equal contiguous groups, so give num_expert_groups (--expert-groups) "
-                        f"dividing {E}")
-    topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
-                                slots_per_gpu=slots_per_gpu)
+            raise EplbError(f"give either topology ({topology}) or the sizes ({', '.join(given)}), not both")
+        topo = topology
+        if topo.num_slots < E:
+            raise EplbError(f"{topo.num_gpus} GPUs x {topo.slots_per_gpu} slots = {topo.num_slots} slots cannot "
+                            f"hold {E} logical experts: use at least {-(-E // topo.num_gpus)} slots per GPU")
+    else:
+        if num_gpus is None:
+            raise EplbError("give the GPUs to plan for: num_gpus=G (with num_nodes, num_redundant or "
+                            "slots_per_gpu), or topology=eplb.Topology(...)")
+        num_gpus = whole_number("num_gpus", num_gpus, 1)
+        num_nodes = whole_number("num_nodes", num_nodes, 1)
+        num_redundant = None if num_redundant is None else whole_number("num_redundant", num_redundant, 0)
+        slots_per_gpu = None if slots_per_gpu is None else whole_number("slots_per_gpu", slots_per_gpu, 0)
+        topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
+                                    slots_per_gpu=slots_per_gpu)
     if topo.num_gpus > E:
         raise EplbError(
             f"more GPUs ({topo.num_gpus}) than logical experts ({E}): expert parallelism over more ranks "
             f"than experts leaves ranks without an expert of their own; use at most {E} GPUs"
         )
     if topo.slots_per_gpu > E:
-        # Checked here, before any planner or the contiguous baseline allocates [L, P] arrays:
-        # a GPU with more slots than experts must hold two copies of one, which never helps.
         raise EplbError(
             f"{topo.slots_per_gpu} slots per GPU ({topo.num_slots} in total) exceed the {E} logical "
             f"experts: a GPU never needs two copies of one expert; use at most {E} slots per GPU "
             f"(num_redundant <= {topo.num_gpus * E - E})"
         )
+    return topo
+
+
+def _check_migration(previous, budget, L: int, E: int, topo: Topology) -> None:
+    """previous (the served Placement, of this plan's shape) and budget (needs previous)."""
+    if budget is not None and not isinstance(budget, Budget):
+        raise EplbError(f"budget must be an eplb.Budget (max_moves, max_moves_per_gpu, move_cost, span_cost, "
+                        f"bytes_per_expert), got {type(budget).__name__}")
+    if previous is None:
+        if budget is not None:
+            # Refused, not ignored: a budget only prices or counts migration from `previous`.
+            given = [f"{f.name} ({getattr(budget, f.name)!r})" for f in fields(Budget)
+                     if getattr(budget, f.name) != f.default]
+            raise EplbError(f"{', '.join(given) or f'budget ({budget})'}: migration options need the placement "
+                            f"now served (previous=... / --previous OLD.json); drop them for a plan from scratch")
+        return
+    if not isinstance(previous, Placement):
+        raise EplbError(f"previous must be a Placement (the one now served, e.g. eplb.load_placement('old.json')), "
+                        f"got {type(previous).__name__}")
+    if previous.phy2log_LP.shape != (L, topo.num_slots) or previous.num_logical_experts != E:
+        raise EplbError(
+            f"previous placement is {previous.num_layers} layers x {previous.num_slots} slots of "
+            f"{previous.num_logical_experts} experts; this plan needs {L} x {topo.num_slots} of {E}: "
+            f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
+            f"on a trace of the same model"
+        )
+
+
+def plan(
+    loads: Any,
+    *,
+    topology: Topology | None = None,
+    num_gpus: int | None = None,
+    num_nodes: int = 1,
+    num_redundant: int | None = None,
+    slots_per_gpu: int | None = None,
+    planner: str = "greedy",
+    settings: Mapping | None = None,
+    aggregate: str | Aggregation = "sum",
+    num_expert_groups: int | None = None,
+    previous: Placement | None = None,
+    budget: Budget | None = None,
+    dispatch: str | DispatchRule | None = None,
+) -> PlanResult:
+    """Plan an expert placement: the one front door for the API and the CLI.
+
+    loads: a Trace, or counts [L, E] / [T, L, E]. Windows are history: `aggregate` (a name,
+    "sum", "mean", "last", "window", "ema", or an eplb.stats.Aggregation with its window /
+    alpha) makes them the planning load, and planners that plan against every window (robust)
+    get them whole.
+    Where: `topology` (an eplb.Topology), or `num_gpus`, `num_nodes` and `num_redundant` slots in
+    total or `slots_per_gpu` (default one redundant slot per GPU); whole numbers only (2.5 or
+    "4" are refused, not truncated). `num_expert_groups` defaults to the trace's.
+    Migration (eplb.migration): with `previous`, the placement now served, the plan is relabelled
+    to keep the most of its replicas in place; `budget` (an eplb.Budget: max_moves,
+    max_moves_per_gpu, move_cost, span_cost, bytes_per_expert) bounds and prices the copies (a
+    budgeted search from `previous` then competes with the relabelled plan). Moves (and bytes)
+    are reported in info["migration"]. A budget without `previous` is refused.
+    dispatch: the rule the engine will apply (eplb.dispatch.get_rule: a name or a DispatchRule;
+    default "plan", the plan's own weights, else an even split). Planners read it from the
+    request; the result's reports are scored under it.
+    """
+    if settings is not None and not isinstance(settings, Mapping):
+        raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
+                        f"got {type(settings).__name__}")
+    if num_expert_groups is not None:
+        num_expert_groups = whole_number("num_expert_groups", num_expert_groups, 1)
+    rule = get_rule("plan" if dispatch is None else dispatch)
+    agg = stats.as_aggregation(aggregate)
+    history_TLE, layer_ids, meta = as_history(loads)
+    load_LE = agg(history_TLE)
+    L, E = load_LE.shape
+    if num_expert_groups is not None and E % num_expert_groups:
+        raise EplbError(f"{E} experts do not split into {num_expert_groups} equal expert groups: group-limited "
+                        f"routing uses equal contiguous groups, so give num_expert_groups (--expert-groups) "
+                        f"dividing {E}")
+    topo = size_topology(E, topology, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
+                         slots_per_gpu=slots_per_gpu)
+    _check_migration(previous, budget, L, E, topo)
     if num_expert_groups is None and meta.get("num_expert_groups"):
         num_expert_groups = int(meta["num_expert_groups"])
-    if previous is not None:
-        if previous.phy2log_LP.shape != (L, topo.num_slots) or previous.num_logical_experts != E:
-            raise EplbError(
-                f"previous placement is {previous.num_layers} layers x {previous.num_slots} slots of "
-                f"{previous.num_logical_experts} experts; this plan needs {L} x {topo.num_slots} of {E}: "
-                f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
-                f"on a trace of the same model"
-            )
-    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous)
+    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous, rule)
     impl = get_planner(planner, **(settings or {}))
     t0 = time.perf_counter()
     sol = impl.plan(request)
     seconds = time.perf_counter() - t0
-    if previous is not None:
-        from eplb import migration
-
-        budget = migration.Budget(max_moves, max_moves_per_gpu, move_cost, 1.0 if span_cost is None else span_cost)
-        sol = migration.adapt_solution(request, sol, budget, bytes_per_expert)
-    return finish(request, sol, planner, seconds)
-
-
-def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) -> PlanResult:
-    """Wrap a planner's Solution into a scored PlanResult."""
-    topo = request.topology
     if sol.status not in STATUSES:
         raise AssertionError(f"planner {planner} returned unknown status {sol.status!r}")
-    placement = Placement(
-        phy2log_LP=sol.phy2log_LP,
-        num_gpus=topo.num_gpus,
-        num_logical_experts=request.num_logical_experts,
-        num_nodes=topo.num_nodes,
-        layer_ids=request.layer_ids,
-        dispatch_weights_LP=sol.dispatch_weights_LP,
-        planner=planner,
-    )
-    from planners.contiguous import contiguous_placement
-
-    baseline = contiguous_placement(placement)
-    lb = stats.lower_bound(request.load_LE, topo.num_gpus, topo.num_slots)
-    before = stats.evaluate(baseline, request.load_LE, lower_bound_L=lb)
-    after = stats.evaluate(placement, request.load_LE, lower_bound_L=lb)
-    metrics = {
-        "imbalance_median": float(np.median(after.imbalance_L)),
-        "imbalance_max": float(np.max(after.imbalance_L)),
-        "bound_ratio_max": float(np.max(after.bound_ratio_L)),
-        "balancedness": after.balancedness,
-        "contiguous_imbalance_median": float(np.median(before.imbalance_L)),
-    }
-    placement = Placement(placement.phy2log_LP, placement.num_gpus, placement.num_logical_experts,
-                          placement.num_nodes, placement.layer_ids, placement.dispatch_weights_LP,
-                          planner, metrics)
-    return PlanResult(
-        placement=placement, planner=planner, status=sol.status,
-        success=sol.status != "FALLBACK", message=sol.message, seconds=seconds,
-        load_LE=request.load_LE, lower_bound_L=lb, before=before, after=after, info=dict(sol.info),
-    )
+    if previous is not None:
+        budget = budget or Budget()
+        sol = migration.adapt_solution(request, sol, budget, budget.bytes_per_expert)
+    return PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids)

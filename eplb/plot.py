@@ -6,17 +6,21 @@ Loads are token-slot counts (a token routed to K experts counts K times).
 Every function builds a matplotlib `Figure` without pyplot (so nothing global changes and no
 display is needed: headless by construction), returns it, and writes it when given `path`;
 the file type follows the extension (.png, .svg or .pdf). matplotlib is imported inside the
-functions: importing this module costs nothing.
+functions: importing this module costs nothing. Plots draw what they are given (loads,
+placements, backtest results); the commands compute it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from eplb import stats
+from eplb.backtest import BacktestResult
 from eplb.errors import EplbError
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -135,8 +139,6 @@ def gpu_load_comparison(load_LE: Any, placements: Mapping[str, Any], *, layer_id
     placement under a name containing "contiguous" to show "before". Left: the ratio per
     layer; right: its spread over layers for the planners (box and every layer as a dot).
     """
-    from eplb import stats
-
     load = _loads(load_LE)
     L, E = load.shape
     ids = _layer_ids(layer_ids, L, load_LE)
@@ -225,7 +227,8 @@ def replica_map(placement: Any, load_LE: Any = None, *, layer: int | None = None
     if layer is None:
         layer = int(np.argmax(load.max(axis=1) / np.maximum(load.mean(axis=1), 1e-12))) if load is not None else 0
     if not 0 <= int(layer) < L:
-        raise EplbError(f"layer index {layer} is outside 0..{L - 1} (an index into the MoE layers, not a hidden-layer id)")
+        raise EplbError(f"layer index {layer} is outside 0..{L - 1} (an index into the MoE layers, "
+                        f"not a hidden-layer id)")
     layer = int(layer)
 
     # Discrete colours: 1 replica light grey, 2..X from a sequential map.
@@ -328,8 +331,6 @@ def timeline_from_backtest(results: Any, dispatch: str = "even") -> list[Timelin
     window each plan serves; moves are the copies each rebalance cost (NaN for the first
     plan, which is not charged). All results must score the same windows (one x axis).
     """
-    from eplb.backtest import BacktestResult
-
     if isinstance(results, Mapping) and "results" in results:
         results = results["results"]
     if isinstance(results, (BacktestResult, Mapping)):
@@ -437,8 +438,6 @@ def as_timeline(obj: Any) -> list[TimelineSeries]:
     """TimelineSeries from one or a list of them, a name -> [T] imbalance mapping, or
     `eplb.backtest.BacktestResult`(s) (even dispatch; see `timeline_from_backtest` for others).
     Parsed JSON goes through `timeline_from_json`."""
-    from eplb.backtest import BacktestResult
-
     if isinstance(obj, TimelineSeries):
         return [obj]
     if isinstance(obj, BacktestResult):

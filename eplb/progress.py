@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Iterable, Iterator, TextIO, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TextIO, TypeVar
 
 T = TypeVar("T")
 
@@ -53,7 +54,7 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

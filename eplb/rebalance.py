@@ -25,14 +25,20 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from eplb import stats
-from eplb.errors import EplbError, is_whole
-from eplb.migration import Budget, MigrationPlan, count_moves, migrate, schedule
+from eplb.errors import EplbError, fraction, is_number, is_whole, whole_number
+from eplb.migration import Budget, MigrationPlan, schedule, warm_up
 from eplb.placement import Placement
+from eplb.planner_api import get_planner
+from eplb.planning import plan
+
+DEFAULT_BUDGET = Budget(move_cost=0.001)
+"""The Rebalancer's budget when none is given: no move limit, each move must buy 0.1% of a
+layer's mean GPU load (so a rebalance never copies experts for a negligible gain)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,10 +85,6 @@ class RebalanceResult:
         }
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-
-
 class Rebalancer:
     """Observe router counts, decide when to rebalance, plan and schedule the migration.
 
@@ -94,70 +96,50 @@ class Rebalancer:
     min_improvement: rebalance when the predicted cut in the summed busiest-GPU load
       (1 - lower bound / current) is at least this (0 = rebalance at every check).
     planner, settings: the planner `eplb.plan` runs (from-scratch target).
-    max_moves, max_moves_per_gpu, move_cost: migration budget per rebalance (see
-      eplb.migration.Budget); the default move_cost=0.001 makes each copied expert buy at
-      least 0.1% of a layer's mean GPU load.
-    bytes_per_expert: size of one expert's weights, for byte counts.
+    budget: migration budget per rebalance (eplb.Budget: max_moves, max_moves_per_gpu,
+      move_cost, span_cost, bytes_per_expert); default `DEFAULT_BUDGET`, move_cost=0.001: each
+      copied expert must buy at least 0.1% of a layer's mean GPU load. bytes_per_expert gives
+      the migration's byte counts.
     layers_per_chunk: rounds of the migration only mix layers of one chunk.
     num_expert_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
-      placements over several nodes, for `span_cost`: spreading a group onto one more node
-      costs that many moves (Budget.span_cost), which keeps a node-aware plan's locality.
+      placements over several nodes, for the budget's span_cost: spreading a group onto one more
+      node costs that many moves, which keeps a node-aware plan's locality.
     """
 
     def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
                  interval: int = 1000, min_improvement: float = 0.02, planner: str = "greedy",
-                 settings: dict | None = None, max_moves: int | None = None,
-                 max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
-                 bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
-                 num_expert_groups: int | None = None, span_cost: float = 1.0):
-        from eplb.migration import _check_count
-
-        if not isinstance(placement, Placement):
-            raise EplbError(f"Rebalancer needs a Placement, got {type(placement).__name__}")
+                 settings: dict | None = None, budget: Budget | None = None,
+                 layers_per_chunk: int | None = None, num_expert_groups: int | None = None):
+        if not isinstance(placement, Placement) or placement.partial:
+            what = "a partial Placement" if isinstance(placement, Placement) else type(placement).__name__
+            raise EplbError(f"Rebalancer needs a Placement (the one the engine serves), got {what}")
         if window is not None and alpha is not None:
             raise EplbError(f"give either window ({window}) or alpha ({alpha}), not both")
-        if window is not None:
-            _check_count("window (observations)", window)
-        if alpha is not None and not (_is_number(alpha) and 0.0 < float(alpha) <= 1.0):
-            raise EplbError(f"alpha must be in (0, 1], got {alpha!r}")
-        _check_count("interval (observations)", interval)
-        if not (_is_number(min_improvement) and 0.0 <= float(min_improvement) < 1.0):
-            raise EplbError(f"min_improvement must be in [0, 1), got {min_improvement!r}")
+        self.window = None if window is None else whole_number("window (observations)", window, 1)
+        self.alpha = None if alpha is None else fraction("alpha", alpha)
+        self.interval = whole_number("interval (observations)", interval, 1)
+        self.min_improvement = fraction("min_improvement", min_improvement, low_open=False, high_open=True)
         # Used only once a rebalance has planned: checked now, not after the planning.
-        if layers_per_chunk is not None:
-            _check_count("layers_per_chunk", layers_per_chunk)
-        if bytes_per_expert is not None:
-            _check_count("bytes_per_expert", bytes_per_expert)
-        for name, v in (("move_cost", move_cost), ("span_cost", span_cost)):
-            if not _is_number(v):
-                raise EplbError(f"{name} must be a finite number >= 0, got {v!r}")
-        from eplb.planning import get_planner
-
-        get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
-        # Load the numba kernels of the migration step now (~0.5 s; ~10 s the first time after
-        # an install, when numba compiles and caches them) rather than in the first rebalance
-        # decision; scipy.optimize too, which planners other than greedy use (robust, ilp).
-        # The compiled schedule no longer needs scipy.sparse.csgraph (only compiled=False does).
-        import scipy.optimize  # noqa: F401
-
-        from eplb.migration import warm_up
-
-        warm_up()
-        self.budget = Budget(max_moves, max_moves_per_gpu, float(move_cost), float(span_cost))
-        if num_expert_groups is not None and (isinstance(num_expert_groups, bool)
-                                              or int(num_expert_groups) != num_expert_groups or num_expert_groups < 1
-                                              or placement.num_logical_experts % num_expert_groups):
-            raise EplbError(f"num_expert_groups must divide the {placement.num_logical_experts} experts, "
-                            f"got {num_expert_groups!r}")
+        self.layers_per_chunk = None if layers_per_chunk is None else whole_number("layers_per_chunk",
+                                                                                   layers_per_chunk, 1)
+        if budget is not None and not isinstance(budget, Budget):
+            raise EplbError(f"budget must be an eplb.Budget (max_moves, max_moves_per_gpu, move_cost, span_cost, "
+                            f"bytes_per_expert), got {type(budget).__name__}")
+        self.budget = DEFAULT_BUDGET if budget is None else budget
+        E = placement.num_logical_experts
+        if num_expert_groups is not None and (not is_whole(num_expert_groups) or num_expert_groups < 1
+                                              or E % num_expert_groups):
+            raise EplbError(f"num_expert_groups must divide the {E} experts, got {num_expert_groups!r}")
         self.num_expert_groups = None if num_expert_groups is None else int(num_expert_groups)
-        self.window = None if window is None else int(window)
-        self.alpha = None if alpha is None else float(alpha)
-        self.interval = int(interval)
-        self.min_improvement = float(min_improvement)
+        get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
         self.planner = planner
         self.settings = dict(settings or {})
-        self.bytes_per_expert = bytes_per_expert
-        self.layers_per_chunk = layers_per_chunk
+        # Load the numba kernels of the migration step now (numba compiles and caches them on
+        # the first run after an install) rather than in the first rebalance decision;
+        # scipy.optimize too, which planners other than greedy use (robust, ilp).
+        import scipy.optimize  # noqa: F401
+
+        warm_up()
         self._lock = threading.Lock()
         self._version = 0
         self._load_LE = None
@@ -277,7 +259,8 @@ class Rebalancer:
         failed_ranks: engine ranks that are gone. The plan then uses the surviving ranks only
         (same slots per GPU), restores each expert from a surviving replica, and reports
         experts that lost every replica in `lost_experts` (their copies come from the
-        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with False, call `adopt(result)` once the engine has migrated.
+        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with
+        False, call `adopt(result)` once the engine has migrated.
         """
         with self._lock:
             pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step
@@ -286,11 +269,8 @@ class Rebalancer:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
-        if failed.size:
-            result = self._plan_failed(pl, ranks, load, failed, step)
-        else:
-            result = self._plan(pl, ranks, load, step)
-        object.__setattr__(result, "seconds", time.perf_counter() - t0)
+        result = self._plan(pl, ranks, load, failed, step)
+        result = replace(result, seconds=time.perf_counter() - t0)
         if apply:
             self.adopt(result, _expect_version=version)
         return result
@@ -326,14 +306,14 @@ class Rebalancer:
             self._adopt(new, ranks)
 
     def _failed_indices(self, failed_ranks, ranks: np.ndarray) -> np.ndarray:
-        if failed_ranks is None or _is_number(failed_ranks):
+        if failed_ranks is None or is_number(failed_ranks):
             given = [] if failed_ranks is None else [failed_ranks]
         else:
             try:
                 given = list(failed_ranks)
             except TypeError:
                 given = [failed_ranks]
-        # Whole numbers only: [1.5] used to become rank 1 and plan without it.
+        # Whole numbers only: int() would read rank 1.5 as rank 1 and plan without it.
         if not all(is_whole(r) for r in given):
             raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {failed_ranks!r}")
         failed = np.unique(np.asarray(given, dtype=np.int64))
@@ -344,62 +324,43 @@ class Rebalancer:
             raise EplbError(f"all {ranks.size} ranks failed: nothing left to plan on")
         return np.flatnonzero(np.isin(ranks, failed))
 
-    def _plan(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int) -> RebalanceResult:
-        from eplb.planning import plan
-
-        t0 = time.perf_counter()
-        res = plan(load, num_gpus=pl.num_gpus, num_nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
-                   planner=self.planner, settings=self.settings, num_expert_groups=self.num_expert_groups, previous=pl,
-                   max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
-                   move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert,
-                   span_cost=self.budget.span_cost)
-        new = Placement(res.placement.phy2log_LP, pl.num_gpus, pl.num_logical_experts, pl.num_nodes,
-                        pl.layer_ids, res.placement.dispatch_weights_LP, res.planner, res.placement.metrics)
-        # The plan was scored on this same load and topology: reuse its report and lower bound.
-        before, after = stats.evaluate(pl, load, lower_bound_L=res.lower_bound_L), res.after
-        t1 = time.perf_counter()
-        mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
-                       layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
-                       bytes_per_expert=self.bytes_per_expert)
-        t2 = time.perf_counter()
-        info = dict(res.info.get("migration", {}))
-        info.update(decision_seconds=t1 - t0, schedule_seconds=t2 - t1)
-        return RebalanceResult(
-            placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
-            message=f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else ""),
-            info=info,
-        )
-
-    def _plan_failed(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
-                     step: int) -> RebalanceResult:
-        from eplb.planning import plan
-
+    def _plan(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
+              step: int) -> RebalanceResult:
+        """Plan through the front door from what the serving GPUs hold (all of them, or the
+        survivors when ranks failed: their own slots, planned as one node), then schedule."""
         t0 = time.perf_counter()
         L, E, G, S = pl.num_layers, pl.num_logical_experts, pl.num_gpus, pl.slots_per_gpu
         alive = np.setdiff1d(np.arange(G), failed)
-        Ga = alive.size
-        if Ga * S < E:
+        if alive.size * S < E:
+            Ga = alive.size
             raise EplbError(f"{Ga} surviving ranks x {S} slots = {Ga * S} slots cannot hold {E} experts: "
                             f"add ranks or slots per GPU (at least {-(-E // Ga)} per GPU on {Ga} ranks)")
-        old_LP = pl.phy2log_LP.reshape(L, G, S)[:, alive].reshape(L, Ga * S)
-        present = np.zeros((L, E), dtype=bool)
-        present[np.arange(L)[:, None], old_LP] = True
-        lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
-        # Surviving ranks need not split evenly over the old nodes: plan them as one node.
-        target = plan(load, num_gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings,
-                      num_expert_groups=self.num_expert_groups)
-        budget = self.budget
-        phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)
-        new = Placement(phy, Ga, E, 1, pl.layer_ids, planner=target.planner)
-        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        served = pl.on_gpus(alive) if failed.size else pl
+        res = plan(load, topology=served.topology, planner=self.planner, settings=self.settings,
+                   num_expert_groups=self.num_expert_groups, previous=served, budget=self.budget)
+        sol, after = res.solution, res.after
+        # The plan's own report, not PlanResult.placement: that one scores the contiguous baseline too.
+        metrics = {"imbalance_median": float(np.median(after.imbalance_L)),
+                   "imbalance_max": float(np.max(after.imbalance_L)),
+                   "bound_ratio_max": float(np.max(after.bound_ratio_L)), "balancedness": after.balancedness}
+        new = replace(served, phy2log_LP=sol.phy2log_LP, dispatch_weights_LP=sol.dispatch_weights_LP,
+                      planner=res.planner, metrics=metrics, partial=False)
+        # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
+        before = stats.evaluate(pl, load, lower_bound_L=None if failed.size else res.lower_bound_L)
         t1 = time.perf_counter()
-        mig = schedule(old_LP, phy, Ga, E, layers_per_chunk=self.layers_per_chunk, rank_ids=ranks[alive],
-                       bytes_per_expert=self.bytes_per_expert)
-        info.update(decision_seconds=t1 - t0, schedule_seconds=time.perf_counter() - t1)
-        info["moves"] = int(count_moves(old_LP, phy, Ga, E).sum())
-        info["failed_ranks"] = ranks[failed].tolist()
-        msg = (f"ranks {ranks[failed].tolist()} failed: planned on {Ga} surviving ranks (one node), "
-               f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
-        return RebalanceResult(
-            placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive], lost_experts=lost, step=step, message=msg, info=info,
-        )
+        mig = schedule(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, layers_per_chunk=self.layers_per_chunk,
+                       rank_ids=ranks[alive], bytes_per_expert=self.budget.bytes_per_expert)
+        t2 = time.perf_counter()
+        info = dict(res.info.get("migration", {}))
+        info.update(decision_seconds=t1 - t0, schedule_seconds=t2 - t1)
+        message = f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else "")
+        lost: tuple[tuple[int, int], ...] = ()
+        if failed.size:
+            present = np.zeros((L, E), dtype=bool)
+            present[np.arange(L)[:, None], served.phy2log_LP] = True
+            lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
+            info["failed_ranks"] = ranks[failed].tolist()
+            message = (f"ranks {ranks[failed].tolist()} failed: planned on {alive.size} surviving ranks (one node), "
+                       f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
+        return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive],
+                               lost_experts=lost, step=step, message=message, info=info)

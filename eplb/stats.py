@@ -10,14 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, is_number, is_whole, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
 
 
 def _check_alpha(alpha) -> float:
-    ok = not isinstance(alpha, bool) and isinstance(alpha, (int, float, np.integer, np.floating))
-    if not ok or not 0.0 < float(alpha) <= 1.0:
+    if not is_number(alpha) or not 0.0 < float(alpha) <= 1.0:
         raise EplbError(f"EMA alpha must be in (0, 1] (a number), got {alpha!r}")
     return float(alpha)
 
@@ -31,34 +30,67 @@ def _as_counts_TLE(counts) -> np.ndarray:
     return c
 
 
-def aggregate(counts_TLE, how: str = "sum", *, window: int | None = None, alpha: float | None = None) -> np.ndarray:
-    """Collapse windows into one load [L, E].
+@dataclass(frozen=True)
+class Aggregation:
+    """How windows collapse into one planning load [L, E] (`aggregate` applies it).
 
     how: "sum" (all windows), "mean", "last" (newest window), "window" (sum of the newest
     `window` windows), "ema" (exponential moving average with weight `alpha` on the newest
-    window, computed oldest to newest, so the result is on the scale of one window).
+    window, default 0.3, computed oldest to newest, so the result is on the scale of one window).
     """
-    c = _as_counts_TLE(counts_TLE)
-    # A window or alpha the chosen aggregation would not use is a mistake, not a no-op.
-    if window is not None and how != "window":
-        raise EplbError(f"window ({window!r}) only applies to aggregation 'window', not {how!r}: "
-                        f"add --aggregate window (aggregate='window') or drop the window")
-    if alpha is not None and how != "ema":
-        raise EplbError(f"alpha ({alpha!r}) only applies to aggregation 'ema', not {how!r}: "
-                        f"add --aggregate ema (aggregate='ema') or drop alpha")
-    if how == "sum":
-        return c.sum(axis=0)
-    if how == "mean":
-        return c.mean(axis=0)
-    if how == "last":
-        return c[-1].copy()
-    if how == "window":
-        if window is None or not is_whole(window) or int(window) < 1:  # int(2.5) would sum 2 windows
-            raise EplbError(f"aggregation 'window' needs window >= 1, got {window!r} (a whole number of windows)")
-        return c[-int(window):].sum(axis=0)
-    if how == "ema":
-        return ema(c, 0.3 if alpha is None else alpha)[-1]
-    raise EplbError(f"unknown aggregation {how!r}: choose one of {', '.join(AGGREGATIONS)}")
+
+    how: str = "sum"
+    window: int | None = None
+    """Windows summed by "window" (a whole number >= 1); only with how="window"."""
+    alpha: float | None = None
+    """Weight of the newest window for "ema", in (0, 1]; only with how="ema"."""
+
+    def __post_init__(self) -> None:
+        # A window or alpha the chosen aggregation would not use is a mistake, not a no-op.
+        if self.window is not None and self.how != "window":
+            raise EplbError(f"window ({self.window!r}) only applies to aggregation 'window', not {self.how!r}: "
+                            f"add --aggregate window (aggregate='window') or drop the window")
+        if self.alpha is not None and self.how != "ema":
+            raise EplbError(f"alpha ({self.alpha!r}) only applies to aggregation 'ema', not {self.how!r}: "
+                            f"add --aggregate ema (aggregate='ema') or drop alpha")
+        if self.how not in AGGREGATIONS:
+            raise EplbError(f"unknown aggregation {self.how!r}: choose one of {', '.join(AGGREGATIONS)}")
+        if self.how == "window":
+            if self.window is None or not is_whole(self.window) or int(self.window) < 1:  # int(2.5) would sum 2
+                raise EplbError(f"aggregation 'window' needs window >= 1, got {self.window!r} "
+                                f"(a whole number of windows)")
+            object.__setattr__(self, "window", int(self.window))
+        if self.alpha is not None:
+            object.__setattr__(self, "alpha", _check_alpha(self.alpha))
+
+    def __call__(self, counts_TLE) -> np.ndarray:
+        """The planning load [L, E] of counts [T, L, E] (or [L, E], one window)."""
+        c = _as_counts_TLE(counts_TLE)
+        if self.how == "sum":
+            return c.sum(axis=0)
+        if self.how == "mean":
+            return c.mean(axis=0)
+        if self.how == "last":
+            return c[-1].copy()
+        if self.how == "window":
+            return c[-self.window:].sum(axis=0)
+        return ema(c, 0.3 if self.alpha is None else self.alpha)[-1]
+
+
+def aggregate(counts_TLE, how: str | Aggregation = "sum", *, window: int | None = None,
+              alpha: float | None = None) -> np.ndarray:
+    """Collapse windows into one load [L, E]: `how` is an Aggregation, or its name with
+    `window` / `alpha` (see Aggregation)."""
+    return as_aggregation(how, window=window, alpha=alpha)(counts_TLE)
+
+
+def as_aggregation(how: str | Aggregation, *, window: int | None = None, alpha: float | None = None) -> Aggregation:
+    """An Aggregation from a value or a name (+ window / alpha); a value takes no extra options."""
+    if isinstance(how, Aggregation):
+        if window is not None or alpha is not None:
+            raise EplbError(f"give window / alpha inside the Aggregation ({how}), not beside it")
+        return how
+    return Aggregation(how, window, alpha)
 
 
 def sliding_sum(counts_TLE, size: int) -> np.ndarray:
@@ -69,7 +101,7 @@ def sliding_sum(counts_TLE, size: int) -> np.ndarray:
                         f"got {size!r}")
     size = int(size)
     # Each run summed on its own: differences of a running sum lose a small window after a
-    # large one (1e10 then 1e-3 gave 9.9945e-4).
+    # large one (a window of 1e-3 after one of 1e10 would come out as 9.9945e-4).
     return np.lib.stride_tricks.sliding_window_view(c, size, axis=0).sum(axis=-1)
 
 
@@ -185,9 +217,7 @@ def lower_bound(load_LE, num_gpus: int, num_slots: int) -> np.ndarray:
     max(total / G, min over replica counts r (sum r = P, r_e >= 1) of max_e load_e / r_e):
     no placement, however tokens are split among replicas, can beat either term.
     """
-    for name, v in (("num_gpus", num_gpus), ("num_slots", num_slots)):
-        if not is_whole(v) or v < 1:  # num_gpus=0 gave inf, num_slots=4.5 a TypeError
-            raise EplbError(f"{name} must be a whole number >= 1, got {v!r}")
+    num_gpus, num_slots = whole_number("num_gpus", num_gpus, 1), whole_number("num_slots", num_slots, 1)
     load = np.asarray(load_LE, dtype=np.float64)
     r = replica_counts_minmax(load, int(num_slots), tie_break=False)
     return np.maximum(load.sum(axis=1) / num_gpus, (load / r).max(axis=1))

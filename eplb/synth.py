@@ -38,7 +38,10 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from eplb import stats
 from eplb.errors import EplbError
+from eplb.placement import contiguous_map, gpu_loads
+from eplb.topology import Topology
 from eplb.trace import Trace
 
 PHASES = ("prefill", "decode")
@@ -111,7 +114,8 @@ class SynthSettings:
         need(self.num_windows >= 1, f"num_windows must be >= 1, got {self.num_windows}")
         need(self.tokens_per_window >= 1, f"tokens_per_window must be >= 1, got {self.tokens_per_window}")
         need(0 <= self.first_moe_layer < self.num_hidden_layers,
-             f"first_moe_layer ({self.first_moe_layer}) must be in 0..num_hidden_layers-1 ({self.num_hidden_layers - 1})")
+             f"first_moe_layer ({self.first_moe_layer}) must be in 0..num_hidden_layers-1 "
+             f"({self.num_hidden_layers - 1})")
         need(self.num_expert_groups >= 1 and self.num_experts % self.num_expert_groups == 0,
              f"num_experts ({self.num_experts}) must be divisible by num_expert_groups ({self.num_expert_groups})")
         per_group = self.num_experts // self.num_expert_groups
@@ -129,7 +133,8 @@ class SynthSettings:
              f"phase_share ({self.phase_share}) and drift_share ({self.drift_share}) must be >= 0 and sum to <= 1")
         need(0 <= self.drift_memory <= 1, f"drift_memory must be in [0, 1], got {self.drift_memory}")
         lo, hi = self.phase_run
-        need(1 <= lo <= hi, f"phase_run must be (shortest, longest) with 1 <= shortest <= longest, got {self.phase_run}")
+        need(1 <= lo <= hi,
+             f"phase_run must be (shortest, longest) with 1 <= shortest <= longest, got {self.phase_run}")
         need(0 <= self.keep_tokens <= self.tokens_per_window,
              f"keep_tokens ({self.keep_tokens}) must be in 0..tokens_per_window ({self.tokens_per_window})")
         need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
@@ -247,13 +252,12 @@ CONTIGUOUS_GPUS = (4, 8, 16, 32)
 
 def contiguous_imbalance(load_LE: np.ndarray, num_gpus: int) -> float:
     """Median over layers of busiest/mean GPU when expert e sits on GPU e // (E / num_gpus)."""
-    from eplb import stats
-
     load = np.asarray(load_LE, dtype=np.float64)
     L, E = load.shape
     if num_gpus < 1 or E % num_gpus:
         raise EplbError(f"contiguous placement needs num_gpus dividing num_experts ({E}), got {num_gpus}")
-    return float(np.median(stats.imbalance(load.reshape(L, num_gpus, E // num_gpus).sum(axis=2))))
+    phy2log_LP = contiguous_map(E, Topology(num_gpus, E // num_gpus), L)
+    return float(np.median(stats.imbalance(gpu_loads(phy2log_LP, load, num_gpus, 1.0))))
 
 
 def calibration_stats(load_LE: np.ndarray) -> dict:
@@ -261,8 +265,6 @@ def calibration_stats(load_LE: np.ndarray) -> dict:
 
     `contig_G<n>`: contiguous busiest/mean GPU at n GPUs (only for n dividing E).
     """
-    from eplb import stats
-
     hot_L, gini_L = stats.hot_ratio(load_LE), stats.gini(load_LE)
     E = np.shape(load_LE)[-1]
     return {

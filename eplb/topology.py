@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, positive_integer, whole_number
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "slots_per_gpu", "num_nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise EplbError(f"{name} must be a positive integer, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, positive_integer(name, getattr(self, name)))
         if self.num_gpus % self.num_nodes:
             raise EplbError(
                 f"num_gpus ({self.num_gpus}) must be divisible by num_nodes ({self.num_nodes}): "
@@ -45,7 +42,7 @@ class Topology:
         num_nodes: int = 1,
         num_redundant: int | None = None,
         slots_per_gpu: int | None = None,
-    ) -> "Topology":
+    ) -> Topology:
         """Size a topology for E logical experts.
 
         Give either `num_redundant` (extra slots in total, P - E) or `slots_per_gpu`. With neither,
@@ -53,15 +50,10 @@ class Topology:
         never more than E slots per GPU: a GPU that already holds every expert has no use for a
         second copy of one (so a single GPU gets no redundant slot).
         """
-        # Whole numbers only: int() would read 2.5 GPUs as 2 and "4" as 4. (A negative
-        # redundant count and too few slots get their own messages below.)
-        for name, value, low in (("num_gpus", num_gpus, 1), ("num_redundant", num_redundant, None),
-                                 ("slots_per_gpu", slots_per_gpu, None)):
-            if value is None and name != "num_gpus":
-                continue
-            if not is_whole(value) or (low is not None and value < low):
-                raise EplbError(f"{name} must be a {'positive integer' if low else 'whole number'}, got {value!r}")
-        num_gpus = int(num_gpus)
+        # A negative redundant count and too few slots get their own messages below.
+        num_gpus = positive_integer("num_gpus", num_gpus)
+        num_redundant = None if num_redundant is None else whole_number("num_redundant", num_redundant, None)
+        slots_per_gpu = None if slots_per_gpu is None else whole_number("slots_per_gpu", slots_per_gpu, None)
         if num_redundant is not None and slots_per_gpu is not None:
             raise EplbError(
                 f"give either num_redundant ({num_redundant}) or slots_per_gpu ({slots_per_gpu}), not both"

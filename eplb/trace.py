@@ -2,26 +2,20 @@
 
 Legend: T = time windows, L = MoE layers, E = logical experts, N = tokens, K = top-k.
 
-Native file (`.npz`, schema in traces/README.md):
-- `counts`    int64 [T, L, E]  token-slots routed to each logical expert per window and layer
-- `layer_ids` int64 [L]        hidden-layer index of each MoE layer in the model
-- `meta`      JSON text        model, num_hidden_layers, num_experts, top_k,
-                               num_expert_groups, tokens_per_window, source, synthetic
-- optional per-token data: `topk_ids` int16 [N, L, K] (expert ids each token chose) and
-  `token_window` int32 [N] (window index of each token, non-decreasing).
-Files are read with `allow_pickle=False`; nothing in a trace can execute code.
+A Trace holds `counts_TLE` (token-slots routed to each logical expert per window and layer),
+the MoE layers' hidden-layer ids, provenance `meta`, and optionally per-token expert choices
+(`topk_ids_NLK`, with `token_window_N`). It does no file I/O: eplb.formats reads and writes
+traces (`eplb.load_trace`, `eplb.save_trace`; the `.npz` schema is in traces/README.md).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, is_whole, readonly
 
 REQUIRED_META = (
     "model", "num_hidden_layers", "num_experts", "top_k", "num_expert_groups",
@@ -31,12 +25,6 @@ WHOLE_META = ("num_hidden_layers", "num_experts", "top_k", "num_expert_groups", 
 """Meta fields that are whole numbers >= 1 when known (None when not)."""
 MAX_COUNT = 2**62
 """Largest token count accepted: beyond it int64 sums over windows could wrap."""
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
 
 
 def default_meta(num_layers_total: int, num_logical_experts: int, **overrides: Any) -> dict[str, Any]:
@@ -91,7 +79,8 @@ class Trace:
             raise EplbError(f"counts must have at least one window, layer and expert, got shape {c.shape}")
         ids = np.asarray(self.layer_ids)
         if ids.shape != (L,) or ids.dtype.kind not in "iu":
-            raise EplbError(f"layer_ids must be {L} integers (one per MoE layer), got shape {ids.shape} dtype {ids.dtype}")
+            raise EplbError(f"layer_ids must be {L} integers (one per MoE layer), got shape {ids.shape} "
+                            f"dtype {ids.dtype}")
         if ids.min() < 0 or np.any(np.diff(ids) <= 0):
             raise EplbError(f"layer_ids must be non-negative and strictly increasing, got {ids.tolist()}")
         meta = dict(self.meta)
@@ -102,8 +91,7 @@ class Trace:
             v = meta[key]
             if v is None:
                 continue
-            whole = is_whole(v)
-            if not whole or v < 1:
+            if not is_whole(v) or v < 1:
                 raise EplbError(f"meta {key} must be a whole number >= 1 or null, got {v!r}")
             meta[key] = int(v)
         if meta["num_expert_groups"] is not None and E % meta["num_expert_groups"]:
@@ -116,8 +104,8 @@ class Trace:
             raise EplbError(f"meta num_hidden_layers ({nh}) must exceed the largest layer id ({int(ids.max())})")
         if not isinstance(meta["synthetic"], bool):
             raise EplbError(f"meta synthetic must be true or false, got {meta['synthetic']!r}")
-        object.__setattr__(self, "counts_TLE", _readonly(c.astype(np.int64)))
-        object.__setattr__(self, "layer_ids", _readonly(ids.astype(np.int64)))
+        object.__setattr__(self, "counts_TLE", readonly(c.astype(np.int64)))
+        object.__setattr__(self, "layer_ids", readonly(ids.astype(np.int64)))
         object.__setattr__(self, "meta", meta)
         if (self.topk_ids_NLK is None) != (self.token_window_N is None):
             raise EplbError("topk_ids and token_window must be given together")
@@ -132,8 +120,8 @@ class Trace:
                 raise EplbError(f"token_window must be {k.shape[0]} integers, got shape {w.shape}")
             if w.size and (w.min() < 0 or w.max() >= T or np.any(np.diff(w) < 0)):
                 raise EplbError(f"token_window must be non-decreasing window indices in 0..{T - 1}")
-            object.__setattr__(self, "topk_ids_NLK", _readonly(k.astype(np.int16)))
-            object.__setattr__(self, "token_window_N", _readonly(w.astype(np.int32)))
+            object.__setattr__(self, "topk_ids_NLK", readonly(k.astype(np.int16)))
+            object.__setattr__(self, "token_window_N", readonly(w.astype(np.int32)))
 
     @property
     def num_windows(self) -> int:
@@ -151,84 +139,9 @@ class Trace:
         """Sum over all windows, int64 [L, E]."""
         return self.counts_TLE.sum(axis=0)
 
-    def windows(self, start: int, stop: int | None = None) -> "Trace":
+    def windows(self, start: int, stop: int | None = None) -> Trace:
         """The windows start..stop-1 as a trace of their own (per-token rows dropped)."""
         c = self.counts_TLE[start:stop]
         if c.shape[0] == 0:
             raise EplbError(f"window range {start}:{stop} is empty (trace has {self.num_windows} windows)")
         return Trace(c, self.layer_ids, dict(self.meta))
-
-    # Files ------------------------------------------------------------------------------------
-
-    def save(self, path: str | Path) -> None:
-        arrays = {
-            "counts": np.asarray(self.counts_TLE, dtype=np.int64),
-            "layer_ids": np.asarray(self.layer_ids, dtype=np.int64),
-            "meta": np.array(json.dumps(self.meta, sort_keys=True)),
-        }
-        if self.topk_ids_NLK is not None:
-            arrays["topk_ids"] = self.topk_ids_NLK
-            arrays["token_window"] = self.token_window_N
-        with open(path, "wb") as f:
-            np.savez_compressed(f, **arrays)
-
-    @classmethod
-    def load_npz(cls, path: str | Path) -> "Trace":
-        path = Path(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except ValueError as exc:
-            raise EplbError(f"{path}: cannot read without pickle ({exc}); eplb never unpickles files") from None
-        except (OSError, EOFError) as exc:
-            raise EplbError(f"{path}: not a readable .npz file ({exc})") from None
-        missing = [k for k in ("counts", "layer_ids", "meta") if k not in arrays]
-        if missing:
-            raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")
-        try:
-            meta = json.loads(str(arrays["meta"]))
-        except json.JSONDecodeError as exc:
-            raise EplbError(f"{path}: meta is not valid JSON ({exc})") from None
-        if not isinstance(meta, dict):
-            raise EplbError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
-        try:
-            return cls(arrays["counts"], arrays["layer_ids"], meta,
-                       arrays.get("topk_ids"), arrays.get("token_window"))
-        except EplbError as exc:
-            raise EplbError(f"{path}: {exc}") from None
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Read any supported trace file, detected by content (see eplb.formats.detect)."""
-    from eplb.formats.detect import read_trace
-
-    return read_trace(path)
-
-
-def load_history(paths) -> Trace:
-    """Read several trace files of one model and stack their windows in the given order."""
-    traces = [load_trace(p) for p in paths]
-    if not traces:
-        raise EplbError("no trace files given")
-    first = traces[0]
-    for p, t in zip(paths[1:], traces[1:]):
-        if t.num_logical_experts != first.num_logical_experts or not np.array_equal(t.layer_ids, first.layer_ids):
-            raise EplbError(
-                f"{p}: {t.num_layers} layers x {t.num_logical_experts} experts "
-                f"(layer ids {t.layer_ids[:3].tolist()}...) "
-                f"does not match {paths[0]}: {first.num_layers} x {first.num_logical_experts}"
-            )
-        # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
-        for key in ("num_expert_groups", "top_k"):
-            a, b = first.meta.get(key), t.meta.get(key)
-            if a is not None and b is not None and a != b:
-                raise EplbError(f"{p}: {key} = {b} but {paths[0]} says {a}: traces of one model are needed")
-    if len(traces) == 1:
-        return first
-    meta = dict(first.meta)
-    for key in ("num_expert_groups", "top_k"):
-        if meta.get(key) is None:
-            meta[key] = next((t.meta[key] for t in traces if t.meta.get(key) is not None), None)
-    meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
-    meta["synthetic"] = all(t.meta["synthetic"] for t in traces)
-    return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)

@@ -1,6 +1,7 @@
 """Expert-parallel MoE layers before and after load balancing, on trace-driven traffic.
 
-    torchrun --standalone --nproc-per-node 4 examples/ep_moe_demo.py --trace traces/deepseek.npz --planner greedy --json report.json
+    torchrun --standalone --nproc-per-node 4 examples/ep_moe_demo.py --trace traces/deepseek.npz \
+        --planner greedy --json report.json
 
 Each rank (attention is data-parallel) brings its own tokens to a stack of MoE layers of the
 reference model (`eplb.runtime.model.MoE`, small sizes, all 256 experts of the trace). The
@@ -30,16 +31,16 @@ import torch
 import torch.distributed as dist
 
 from eplb import plan
+from eplb.commands.common import positive_int
 from eplb.errors import EplbError
-from eplb.placement import Placement
+from eplb.formats import load_trace
+from eplb.placement import Placement, contiguous_map
 from eplb.runtime.apply import apply_placement, plan_migration
 from eplb.runtime.ep import MODES, ExpertParallelMoE
 from eplb.runtime.measure import Recorder
-from eplb.runtime.model import MoE, ModelConfig
+from eplb.runtime.model import ModelConfig, MoE
 from eplb.topology import Topology
-from eplb.commands.common import positive_int
-from eplb.trace import Trace, load_trace
-from planners.contiguous import contiguous_map
+from eplb.trace import Trace
 
 
 def parse(argv):

@@ -31,7 +31,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from eplb import plan  # noqa: E402
+from eplb import Budget, plan  # noqa: E402
 from eplb.rebalance import Rebalancer  # noqa: E402
 
 BYTES_PER_EXPERT = 3 * 7168 * 2048  # DeepSeek-V3 expert: 3 matrices 7168 x 2048 at 1 byte (FP8)
@@ -41,7 +41,7 @@ def load_windows(path: str, seed: int) -> tuple[np.ndarray, str, int | None]:
     """(counts [T, L, E], source, expert groups) from an eplb trace, or seeded random drifting
     loads (8 groups, as DeepSeek-V3) if it is absent."""
     if os.path.exists(path):
-        from eplb.trace import load_trace
+        from eplb.formats import load_trace
 
         trace = load_trace(path)
         return trace.counts_TLE.astype(np.float64), path, trace.meta.get("num_expert_groups")
@@ -93,10 +93,12 @@ def main(argv=None) -> int:
     # The server starts with a plan made on the first window only (stale soon after).
     start = plan(counts_TLE[0], num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant,
                  num_expert_groups=groups, planner="hierarchical" if args.nodes > 1 else "greedy").placement
+    budget = Budget(max_moves=args.max_moves, move_cost=0.001, span_cost=args.span_cost,
+                    bytes_per_expert=BYTES_PER_EXPERT)
     rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
-                    min_improvement=args.min_improvement, max_moves=args.max_moves,
-                    bytes_per_expert=BYTES_PER_EXPERT, num_expert_groups=groups, span_cost=args.span_cost)
-    print(f"trace: {os.path.relpath(source) if os.path.exists(source) else source}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
+                    min_improvement=args.min_improvement, budget=budget, num_expert_groups=groups)
+    where = os.path.relpath(source) if os.path.exists(source) else source
+    print(f"trace: {where}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
           f"{start.num_slots} slots, {groups} expert groups; {args.steps_per_window} steps per window")
     print(f"rebalancer: sliding window {4 * args.steps_per_window} steps, check every {args.interval}, "
           f"rebalance if predicted gain >= {args.min_improvement:.0%}, <= {args.max_moves} copies each")
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
         for c_LE in steps:
             pl = rb.placement
             slot_LP = pl.slot_loads(c_LE)                 # what each physical slot served this step
-            g = slot_LP.reshape(L, pl.num_gpus, -1).sum(axis=2)
+            g = pl.gpu_loads(c_LE)                        # what each GPU served
             served_max += g.max(axis=1).sum()
             served_mean += g.mean(axis=1).sum()
             t0 = time.perf_counter()

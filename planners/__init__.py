@@ -1,7 +1,5 @@
-"""Built-in planners, one module per algorithm; importing this package registers them all."""
+"""Built-in planners, one module per algorithm (greedy, robust, ...).
 
-from planners import contiguous, greedy  # noqa: F401  (registration side effect)
-from planners import deepseek  # noqa: F401
-from planners import ilp  # noqa: F401
-from planners import hierarchical  # noqa: F401
-from planners import robust  # noqa: F401
+Nothing is imported here: the front door finds each planner through the static table in
+`eplb.planner_api.PLANNERS` and imports its module on first use.
+"""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register
+from eplb.planner_api import PlanRequest, Solution
 
 POLICIES = ("auto", "hierarchical", "global")
 
@@ -168,13 +168,14 @@ def rebalance_experts(weight_LE, num_replicas: int, num_expert_groups: int | Non
     return phy2log_LP, log2phy_LEX, count_LE, policy
 
 
-@register("deepseek")
 class DeepSeekPlanner:
     """DeepSeek's EPLB (hierarchical when groups divide over nodes, else global): a baseline.
 
     policy: "auto" (DeepSeek's own rule), "hierarchical" or "global". Groups come from the
     request (`num_expert_groups`, from the trace's meta or the caller); with none, auto is global.
     """
+
+    name = "deepseek"
 
     one_replica_per_gpu = False
     """DeepSeek's packing may put two replicas of one expert on one GPU."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register, whole_setting
+from eplb.errors import EplbError, whole_number
+from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
 
 
@@ -49,8 +49,8 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
     P = G * S
     rows = np.arange(L)[:, None]
     # Heaviest replicas first (np.repeat keeps one expert's replicas adjacent). Quicksort, not a
-    # stable sort: 2.5x faster at [58, 256]; it is deterministic, and the order among equal
-    # loads changes which GPU gets which equal replica, never any GPU's load.
+    # stable sort: faster, still deterministic, and the order among equal loads changes which
+    # GPU gets which equal replica, never any GPU's load.
     order_LE = np.argsort(-per_LE, axis=1)
     rep_expert_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
     rep_load_LP = np.take_along_axis(per_LE, rep_expert_LP, axis=1)
@@ -148,17 +148,18 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     return phy2log_LP
 
 
-@register("greedy")
 class GreedyPlanner:
     """Replicate by load per replica, pack heaviest-first; even dispatch.
 
     refine_rounds: rounds of busiest-GPU swaps after packing (0 = off, the default: packing
-    alone is within ~1% of the lower bound in ~3 ms at DeepSeek-V3 shape; 64 rounds bring it
-    to ~0.05% but take ~100x longer).
+    alone is already close to the lower bound; each round closes part of the rest at the cost
+    of a swap search, see benchmarks/bench_greedy.py).
     """
 
+    name = "greedy"
+
     def __init__(self, refine_rounds: int = 0):
-        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
+        self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology

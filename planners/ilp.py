@@ -35,9 +35,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 
 from eplb import stats
+from eplb.dispatch import optimal_weights
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, Solution, register
+from eplb.planner_api import PlanRequest, Solution
 from eplb.progress import progress
 from planners.greedy import plan_greedy
 
@@ -333,7 +334,6 @@ def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.nda
     return out
 
 
-@register("ilp")
 class IlpPlanner:
     """Exact placement per layer with CP-SAT (see the module docstring for the model).
 
@@ -349,6 +349,8 @@ class IlpPlanner:
       is better (False: always the greedy hint).
     quiet: no progress bar (it is shown on a terminal only anyway).
     """
+
+    name = "ilp"
 
     def __init__(self, time_limit: float = 12.0, workers: int | None = None, jobs: int | None = None,
                  seed: int = 0, dispatch: str = "weighted", chain: bool = True, quiet: bool = False):
@@ -379,8 +381,6 @@ class IlpPlanner:
         return jobs, workers
 
     def plan(self, request: PlanRequest) -> Solution:
-        from eplb.dispatch import optimal_weights
-
         t = request.topology
         G, S = t.num_gpus, t.slots_per_gpu
         load_LE = np.asarray(request.load_LE, dtype=np.float64)

@@ -25,16 +25,16 @@ Step 3: refine. Pairwise replica swaps between a busiest GPU and any other GPU, 
 Steps 1-3 run for each blend in `blends`, and the plan with the lowest worst-window maximum
 on the history is kept per layer. With `quantile` < 1 the worst windows (above that quantile
 of the per-window maximum) are left out of the objective, so a single outlier window does not
-drive the plan. All layers move in lock-step (numpy over L); a DeepSeek-V3-shape plan
-(58 layers x 256 experts, 32 GPUs, 7 windows) takes about a second of CPU per blend.
+drive the plan. All layers move in lock-step (numpy over L); each blend costs one packing and
+one swap search (benchmarks/bench_backtest.py times them).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.planning import PlanRequest, Solution, register, whole_setting
+from eplb.errors import EplbError, fraction, positive_number, whole_number
+from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
 
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
@@ -189,7 +189,6 @@ def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.nda
     return phy2log_LP
 
 
-@register("robust")
 class RobustPlanner:
     """Plan against every history window: keep the worst window's busiest GPU low.
 
@@ -201,6 +200,8 @@ class RobustPlanner:
         GPU load; 50 makes a GPU 2% above another count e times more).
     refine_rounds: swap rounds (0 = vector packing only).
     """
+
+    name = "robust"
 
     def __init__(self, blends: tuple | list | str = (0.0, 1.0), quantile: float = 1.0,
                  beta: float = 50.0, refine_rounds: int = 200):
@@ -214,14 +215,11 @@ class RobustPlanner:
         blends = tuple(float(b) for b in blends)
         if not blends or any(not 0.0 <= b <= 1.0 for b in blends):
             raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
-        if not 0.0 < float(quantile) <= 1.0:
-            raise EplbError(f"quantile must be in (0, 1], got {quantile!r}")
-        if not float(beta) > 0:
-            raise EplbError(f"beta must be > 0, got {beta!r}")
         self.blends = blends
-        self.quantile = float(quantile)
-        self.beta = float(beta)
-        self.refine_rounds = whole_setting("refine_rounds", refine_rounds)
+        # float() first: a setting given as text (--set quantile=x) is "of the wrong type" (get_planner).
+        self.quantile = fraction("quantile", float(quantile))
+        self.beta = positive_number("beta", float(beta))
+        self.refine_rounds = whole_number("refine_rounds", refine_rounds)
 
     def plan(self, request: PlanRequest) -> Solution:
         topo = request.topology

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.commands.common import add_command, positive_int, add_output_flags, format_table, print_json
+from eplb.backtest import DISPATCH, backtest, leave_one_out
+from eplb.commands.common import add_command, add_output_flags, format_table, positive_int, print_json
+from eplb.commands.plan import parse_settings
+from eplb.errors import EplbError
+from eplb.formats import load_history, load_trace
+from eplb.planner_api import planner_names
+from eplb.stats import AGGREGATIONS
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from eplb.backtest import DISPATCH
-    from eplb.planning import planner_names
-
     p = add_command(sub, "backtest", "replay traces: plan on the past, score held-out windows",
                     "eplb backtest traces/deepseek.npz --gpus 32 --planner greedy --planner robust "
                     "--interval 4 --history 8")
@@ -32,7 +35,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="plan on all trace files but one, score on the one left out, for each file")
     p.add_argument("--dispatch", action="append", choices=DISPATCH, metavar="POLICY",
                    help=f"dispatch policies to score, repeatable ({', '.join(DISPATCH)}; default all)")
-    p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
+    p.add_argument("--aggregate", default="sum", choices=AGGREGATIONS,
                    help="how history windows become the planning load (default sum; 'window' sums the "
                         "newest --history windows, which is what sum over --history does)")
     p.add_argument("--no-oracle", action="store_true",
@@ -44,12 +47,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from eplb.backtest import DISPATCH, backtest, leave_one_out
-    from eplb.commands.plan import parse_settings
-    from eplb.trace import load_history, load_trace
-
-    from eplb.errors import EplbError
-
     if args.leave_one_out:
         # Each fold plans on all other workloads: there is no replay order to step through.
         given = [f"--{k} {v}" for k, v in (("interval", args.interval), ("history", args.history)) if v is not None]

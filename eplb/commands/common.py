@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from eplb.errors import EplbError
 
 
 def positive_int(text: str) -> int:
@@ -23,11 +28,6 @@ def positive_int(text: str) -> int:
 
 def check_output_path(path: str, what: str, flag: str = "-o") -> None:
     """Refuse an output path that cannot be written, before the (maybe long) work that fills it."""
-    import os
-    from pathlib import Path
-
-    from eplb.errors import EplbError
-
     if not path:
         raise EplbError(f"{flag} is empty: give a file name for {what}")
     p = Path(path)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from eplb import stats
 from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.errors import EplbError
+from eplb.formats import load_placement, load_trace
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -17,14 +22,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from eplb import stats
-    from eplb.errors import EplbError
-    from eplb.placement import Placement
-    from eplb.trace import load_trace
-
-    pl = Placement.load(args.placement)
+    pl = load_placement(args.placement)
     cnt = pl.replica_count_LE
     info = {
         "planner": pl.planner, "num_layers": pl.num_layers, "num_logical_experts": pl.num_logical_experts,

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.commands.common import (add_command, add_output_flags, check_output_path, format_table, positive_int,
-                                  print_json)
+import numpy as np
 
-FORMATS = ("eplb", "sglang", "vllm", "trtllm")
+from eplb import planning
+from eplb.commands.capacity import add_arguments as add_capacity_arguments
+from eplb.commands.capacity import slots_from_args
+from eplb.commands.common import (
+    add_command,
+    add_output_flags,
+    check_output_path,
+    format_table,
+    positive_int,
+    print_json,
+)
+from eplb.errors import EplbError
+from eplb.formats import load_history, load_placement
+from eplb.formats.export import FORMATS, write_placement
+from eplb.migration import Budget
+from eplb.placement import contiguous_placement
+from eplb.planner_api import planner_names, planner_settings
+from eplb.stats import AGGREGATIONS, Aggregation, evaluate, window_balancedness
+
+MIGRATION_FLAGS = ("max_moves", "max_moves_per_gpu", "move_cost", "span_cost", "bytes_per_expert")
+"""Options that become the plan's eplb.Budget (they act only with --previous)."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from eplb.planning import planner_names
-
     p = add_command(sub, "plan", "plan an expert-to-GPU placement from router traces",
                     "eplb plan traces/deepseek.npz --gpus 16 -o plan.json")
     p.add_argument("traces", nargs="+", metavar="TRACE",
@@ -27,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     # API's eplb.plan() keeps greedy as its default because serving loops call it per rebalance.
     p.add_argument("--planner", "-p", default="robust", choices=planner_names(),
                    help="algorithm (default robust: plans against every window of the history)")
-    p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
+    p.add_argument("--aggregate", default="sum", choices=AGGREGATIONS,
                    help="how windows become the planning load (default sum)")
     p.add_argument("--window", type=positive_int, help="with --aggregate window: newest windows to sum")
     p.add_argument("--alpha", type=float, help="with --aggregate ema: weight of the newest window (default 0.3)")
@@ -41,17 +58,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     mig.add_argument("--previous", metavar="OLD.json",
                      help="placement now served (eplb JSON): keep its replicas in place, report moves")
     mig.add_argument("--max-moves", type=int, metavar="K", help="with --previous: copy at most K experts in total")
-    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K", help="with --previous: at most K copies onto any GPU")
+    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K",
+                     help="with --previous: at most K copies onto any GPU")
     mig.add_argument("--move-cost", type=float, default=0.0, metavar="C",
                      help="with --previous: a copy must lower its layer's busiest GPU by C x mean GPU load")
-    mig.add_argument("--bytes-per-expert", type=int, metavar="B", help="size of one expert's weights, to report bytes moved")
+    mig.add_argument("--bytes-per-expert", type=int, metavar="B",
+                     help="size of one expert's weights, to report bytes moved")
     mig.add_argument("--span-cost", type=float, metavar="C",
                      help="with --previous, --nodes > 1 and expert groups: spreading a group onto one more "
                           "node costs C moves (default 1; 0 ignores node locality)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set time_limit=30 (repeatable)")
-    from eplb.capacity import add_arguments as add_capacity_arguments
-
     add_capacity_arguments(p, for_plan=True)
     add_output_flags(p)
     return p
@@ -59,8 +76,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def parse_settings(items: list[str]) -> dict:
     """KEY=VALUE strings into a dict; values parsed as int, float, bool or kept as text."""
-    from eplb.errors import EplbError
-
     out: dict = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -79,18 +94,10 @@ def parse_settings(items: list[str]) -> dict:
     return out
 
 
-def run(args) -> int:
-    import numpy as np
-
-    from eplb.errors import EplbError
-    from eplb.planning import plan, planner_settings
-    from eplb.stats import window_balancedness
-    from eplb.trace import load_history
-
-    # Options that only act together with another one are refused alone, not ignored.
+def _check_flags(args) -> None:
+    """Options that only act together with another one are refused alone, not ignored."""
     if args.format is not None and args.output is None:
         raise EplbError(f"--format {args.format} sets the file format of --output: add -o FILE")
-    args.format = args.format or "eplb"
     if args.slots_per_gpu != "auto":
         given = [f"--{k.replace('_', '-')}" for k in ("model", "gpu_memory", "context", "concurrency", "expert_dtype")
                  if getattr(args, k) is not None]
@@ -98,6 +105,39 @@ def run(args) -> int:
             raise EplbError(f"{', '.join(given)} size the slots only with --slots-per-gpu auto: add it, or drop them")
     if args.output is not None:
         check_output_path(args.output, "the placement")  # before planning, which may take minutes
+
+
+def _budget(args, trace) -> Budget | None:
+    """The migration flags as a Budget (None when none is given and there is no --previous)."""
+    if args.previous and args.span_cost is not None and (
+            args.nodes == 1 or not (args.expert_groups or trace.meta.get("num_expert_groups"))):
+        raise EplbError(f"--span-cost {args.span_cost:g} prices spreading an expert group onto one more node, so "
+                        f"it needs --nodes > 1 and expert groups (--expert-groups, or the trace's "
+                        f"num_expert_groups); give both or drop --span-cost")
+    given = {k: getattr(args, k) for k in MIGRATION_FLAGS
+             if getattr(args, k) is not None and not (k == "move_cost" and getattr(args, k) == 0.0)}
+    # Without --previous a given flag still goes to plan(), which refuses it by name.
+    return Budget(**given) if given or args.previous else None
+
+
+def _slots(args, trace, previous):
+    """(slots per GPU or None, the capacity report behind --slots-per-gpu auto or None)."""
+    if args.slots_per_gpu == "auto":
+        capacity = slots_from_args(args, trace.num_logical_experts)
+        return capacity.slots_per_gpu, capacity
+    if args.slots_per_gpu is not None:
+        try:
+            return int(args.slots_per_gpu), None
+        except ValueError:
+            raise EplbError(f"--slots-per-gpu must be a whole number, got {args.slots_per_gpu!r}") from None
+    if previous is not None and args.redundant is None:
+        return previous.slots_per_gpu, None  # same slots as the placement being replaced
+    return None, None
+
+
+def run(args) -> int:
+    _check_flags(args)
+    args.format = args.format or "eplb"
     trace = load_history(args.traces)
     if args.window is not None and args.window > trace.num_windows:
         raise EplbError(f"--window {args.window} asks for more windows than the trace holds ({trace.num_windows}): "
@@ -105,54 +145,30 @@ def run(args) -> int:
     settings = parse_settings(args.set)
     if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):
         settings.setdefault("quiet", True)  # no progress bar when asked for silence
-    slots = None
-    capacity = None
-    if args.slots_per_gpu == "auto":
-        from eplb.capacity import slots_from_args
-
-        capacity = slots_from_args(args, trace.num_logical_experts)
-        slots = capacity.slots_per_gpu
-    elif args.slots_per_gpu is not None:
-        try:
-            slots = int(args.slots_per_gpu)
-        except ValueError:
-            raise EplbError(f"--slots-per-gpu must be a whole number, got {args.slots_per_gpu!r}") from None
-    previous = None
-    if args.previous:
-        from eplb.placement import Placement
-
-        if args.span_cost is not None and (args.nodes == 1
-                                           or not (args.expert_groups or trace.meta.get("num_expert_groups"))):
-            raise EplbError(f"--span-cost {args.span_cost:g} prices spreading an expert group onto one more node, so "
-                            f"it needs --nodes > 1 and expert groups (--expert-groups, or the trace's "
-                            f"num_expert_groups); give both or drop --span-cost")
-        previous = Placement.load(args.previous)
-        if slots is None and args.redundant is None:
-            slots = previous.slots_per_gpu  # same slots as the placement being replaced
-    result = plan(
+    budget = _budget(args, trace)
+    previous = load_placement(args.previous) if args.previous else None
+    slots, capacity = _slots(args, trace, previous)
+    result = planning.plan(
         trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
-        planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
-        num_expert_groups=args.expert_groups, settings=settings, previous=previous,
-        max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
-        bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
+        planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
+        num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
     )
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
         raise EplbError(f"{which} holds no tokens (every count is zero): there is no load to balance; "
                         f"check the collector, or plan on windows with traffic")
-    migration = result.info.get("migration")
     if args.output:
-        write_placement(result.placement, args.output, args.format, trace.meta)
+        write_placement(result.placement, args.output, args.format,
+                        num_hidden_layers=trace.meta.get("num_hidden_layers"))
     window_bal = None
     if trace.num_windows > 1:
         # Each window alone (robust plans for these; the summed-load columns hide them).
-        from planners.contiguous import contiguous_placement
-
-        scored = [("contiguous", contiguous_placement(result.placement))]
+        pl = result.placement
+        scored = [("contiguous", contiguous_placement(pl.num_logical_experts, pl.topology, pl.layer_ids))]
         scored += [("previous", previous)] if previous is not None else []
-        window_bal = {name: window_balancedness(p, trace.counts_TLE)
-                      for name, p in scored + [("plan", result.placement)]}
+        window_bal = {name: window_balancedness(p, trace.counts_TLE) for name, p in scored + [("plan", pl)]}
     if args.json:
+        migration = result.info.get("migration")
         out = result.summary()
         out["window_balancedness"] = None if window_bal is None else {k: v.tolist() for k, v in window_bal.items()}
         out["output"] = args.output
@@ -161,9 +177,12 @@ def run(args) -> int:
         out["moves"] = migration["moves"] if migration else None
         out["bytes_moved"] = migration["bytes"] if migration else None
         print_json(out)
-        return 0
-    if args.quiet:
-        return 0
+    elif not args.quiet:
+        _print_report(args, trace, result, previous, capacity, window_bal)
+    return 0
+
+
+def _print_report(args, trace, result, previous, capacity, window_bal) -> None:
     pl = result.placement
     print(f"{trace.num_layers} MoE layers x {trace.num_logical_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
@@ -175,8 +194,6 @@ def run(args) -> int:
     rows = []
     reports = [("contiguous (no EPLB)", result.before)]
     if previous is not None:
-        from eplb.stats import evaluate
-
         reports.append((f"previous ({args.previous})", evaluate(previous, result.load_LE)))
     reports.append((f"{result.planner}", result.after))
     per_window = list(window_bal.values()) if window_bal else [None] * len(reports)
@@ -196,6 +213,7 @@ def run(args) -> int:
               f"per window: balancedness of each window alone")
     print(f"planner {result.planner}: {result.status}, {result.seconds * 1e3:.1f} ms"
           + (f" ({result.message})" if result.message else ""))
+    migration = result.info.get("migration")
     if migration:
         size = "" if migration["bytes"] is None else f", {migration['bytes'] / 2**30:.2f} GiB"
         print(f"moves: {migration['moves']} experts copied onto GPUs that did not hold them{size} "
@@ -207,16 +225,3 @@ def run(args) -> int:
                   f"nodes on average (--span-cost {migration['span_cost']:g})")
     if args.output:
         print(f"wrote {args.output} ({args.format})")
-    return 0
-
-
-def write_placement(placement, path: str, fmt: str, meta: dict) -> None:
-    """Write a placement in one of FORMATS (engine formats live in eplb.formats.export)."""
-    if fmt == "eplb":
-        placement.save(path)
-        return
-    from eplb.formats.export import write_placement as write_engine
-
-    write_engine(placement, path, fmt, num_hidden_layers=meta.get("num_hidden_layers"))
-
-

@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 
+import numpy as np
+
+from eplb import plot, stats
+from eplb.backtest import DISPATCH
 from eplb.commands.common import add_command, add_output_flags, print_json
+from eplb.errors import EplbError
+from eplb.formats import load_history, load_placement, load_trace, read_json_file
+from eplb.placement import contiguous_placement
+from eplb.planner_api import planner_names
+from eplb.planning import plan
+from eplb.progress import progress
+from eplb.topology import Topology
 
 EXAMPLES = {
     "heatmap": "eplb plot heatmap traces/deepseek.npz -o heatmap.png",
@@ -17,9 +28,6 @@ EXAMPLES = {
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from eplb.backtest import DISPATCH
-    from eplb.planning import planner_names
-
     p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest",
                     EXAMPLES["balance"])
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
@@ -64,21 +72,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _load_backtest_json(path: str, dispatch: str):
     """Series and the parsed JSON of a backtest file (see the RESULT help)."""
-    import json
-
-    from eplb.errors import EplbError
-    from eplb.plot import timeline_from_json
-
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise EplbError(f"backtest file {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise EplbError(f"{path!r} is a folder: give the JSON file `eplb backtest --json` wrote") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not a JSON file ({exc}); save `eplb backtest ... --json` output and plot that") from None
-    return timeline_from_json(data, dispatch, source=path), data
+        data = read_json_file(path, "backtest file")
+    except EplbError as exc:
+        raise EplbError(f"{exc}; plot the JSON that `eplb backtest ... --json` printed, saved to a file") from None
+    return plot.timeline_from_json(data, dispatch, source=path), data
 
 
 def _backtest_labels(data, dispatch: str) -> tuple[str, str]:
@@ -96,10 +94,6 @@ def _backtest_labels(data, dispatch: str) -> tuple[str, str]:
 
 def _check_layer_ids(plan_path, pl, trace, trace_path) -> None:
     """Same shape is not enough: rows of another model's layers would be scored silently."""
-    import numpy as np
-
-    from eplb.errors import EplbError
-
     if pl.layer_ids.shape == trace.layer_ids.shape and not np.array_equal(pl.layer_ids, trace.layer_ids):
         raise EplbError(f"placement {plan_path} is for MoE layers {_ids(pl.layer_ids)} but {trace_path} holds "
                         f"layers {_ids(trace.layer_ids)}: plan on a trace of the same model")
@@ -109,79 +103,67 @@ def _ids(ids) -> str:
     return f"{int(ids[0])}..{int(ids[-1])}" if len(ids) else "-"
 
 
+def _heatmap(args):
+    trace = load_history(args.traces)
+    total = trace.total()
+    info = {"hot_ratio_median": float(np.median(total.max(1) / np.maximum(total.mean(1), 1e-12)))}
+    return plot.expert_heatmap(trace, title=args.title), info
+
+
+def _balance(args):
+    trace = load_history(args.traces)
+    load = trace.total().astype(np.float64)
+    files = [load_placement(f) for f in args.placement]
+    num_gpus = args.gpus if args.gpus is not None else (files[0].num_gpus if files else None)
+    if num_gpus is None:
+        raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
+    planners = args.planner or ([] if files else ["greedy"])
+    topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
+                                num_redundant=args.redundant)
+    placements = {"contiguous": contiguous_placement(trace.num_logical_experts, topo, trace.layer_ids)}
+    for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
+        placements[name] = plan(trace, topology=topo, planner=name).placement
+    for path, pl in zip(args.placement, files):
+        if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_logical_experts:
+            raise EplbError(f"placement {path} is {pl.num_layers} layers x {pl.num_logical_experts} experts, "
+                            f"the trace {trace.num_layers} x {trace.num_logical_experts}")
+        _check_layer_ids(path, pl, trace, args.traces[0])
+        placements[os.path.basename(path)] = pl
+    fig = plot.gpu_load_comparison(load, placements, layer_ids=trace.layer_ids, title=args.title)
+    info = {"imbalance_median": {n: float(np.median(stats.imbalance(p.gpu_loads(load))))
+                                 for n, p in placements.items()}}
+    return fig, info
+
+
+def _replicas(args):
+    pl = load_placement(args.placement)
+    load = None
+    if args.trace:
+        trace = load_trace(args.trace)
+        _check_layer_ids(args.placement, pl, trace, args.trace)
+        load = trace.total()
+    fig = plot.replica_map(pl, load, layer=args.layer, title=args.title)
+    return fig, {"max_replicas": int(pl.replica_count_LE.max())}
+
+
+def _backtest(args):
+    series, data = _load_backtest_json(args.result, args.dispatch)
+    xlabel, ylabel = _backtest_labels(data, args.dispatch)
+    fig = plot.backtest_timeline(series, window_label=args.window_label or xlabel, metric_label=ylabel,
+                                 title=args.title)
+    return fig, {"series": [s.name for s in series],
+                 "imbalance_mean": {s.name: float(s.imbalance_T.mean()) for s in series}}
+
+
+KINDS = {"heatmap": _heatmap, "balance": _balance, "replicas": _replicas, "backtest": _backtest}
+"""What each KIND computes before plot draws it: (figure, numbers for --json)."""
+
+
 def run(args) -> int:
-    import numpy as np
-
-    from eplb import plot
-    from eplb.errors import EplbError
-
     out = args.output
-    info: dict = {"kind": args.kind, "output": out}
-    if args.kind == "heatmap":
-        from eplb.trace import load_history
-
-        trace = load_history(args.traces)
-        fig = plot.expert_heatmap(trace, title=args.title)
-        info["hot_ratio_median"] = float(np.median(trace.total().max(1) / np.maximum(trace.total().mean(1), 1e-12)))
-    elif args.kind == "balance":
-        from eplb.placement import Placement
-        from eplb.planning import plan
-        from eplb.progress import progress
-        from eplb.trace import load_history
-        from planners.contiguous import contiguous_map
-
-        trace = load_history(args.traces)
-        load = trace.total().astype(np.float64)
-        placements: dict = {}
-        files = [Placement.load(f) for f in args.placement]
-        num_gpus = args.gpus if args.gpus is not None else (files[0].num_gpus if files else None)
-        if num_gpus is None:
-            raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
-        planners = args.planner or ([] if files else ["greedy"])
-        from eplb.topology import Topology
-
-        topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
-                                    num_redundant=args.redundant)
-        placements["contiguous"] = Placement(contiguous_map(trace.num_logical_experts, topo, trace.num_layers),
-                                             topo.num_gpus, trace.num_logical_experts, topo.num_nodes, trace.layer_ids)
-        for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
-            placements[name] = plan(trace, num_gpus=num_gpus, num_nodes=args.nodes, num_redundant=args.redundant,
-                                    planner=name)
-        for path, pl in zip(args.placement, files):
-            if pl.num_layers != trace.num_layers or pl.num_logical_experts != trace.num_logical_experts:
-                raise EplbError(f"placement {path} is {pl.num_layers} layers x {pl.num_logical_experts} experts, "
-                                f"the trace {trace.num_layers} x {trace.num_logical_experts}")
-            _check_layer_ids(path, pl, trace, args.traces[0])
-            placements[os.path.basename(path)] = pl
-        fig = plot.gpu_load_comparison(load, placements, layer_ids=trace.layer_ids, title=args.title)
-        from eplb import stats
-
-        info["imbalance_median"] = {n: float(np.median(stats.imbalance(plot._placement(p).gpu_loads(load))))
-                                    for n, p in placements.items()}
-    elif args.kind == "replicas":
-        from eplb.placement import Placement
-
-        pl = Placement.load(args.placement)
-        load = None
-        if args.trace:
-            from eplb.trace import load_trace
-
-            trace = load_trace(args.trace)
-            _check_layer_ids(args.placement, pl, trace, args.trace)
-            load = trace.total()
-        fig = plot.replica_map(pl, load, layer=args.layer, title=args.title)
-        info["max_replicas"] = int(pl.replica_count_LE.max())
-    elif args.kind == "backtest":
-        series, data = _load_backtest_json(args.result, args.dispatch)
-        xlabel, ylabel = _backtest_labels(data, args.dispatch)
-        fig = plot.backtest_timeline(series, window_label=args.window_label or xlabel, metric_label=ylabel,
-                                     title=args.title)
-        info["series"] = [s.name for s in series]
-        info["imbalance_mean"] = {s.name: float(s.imbalance_T.mean()) for s in series}
-    else:  # argparse restricts KIND; reaching here is a bug
-        raise AssertionError(args.kind)
+    fig, numbers = KINDS[args.kind](args)
     plot.save(fig, out)
-    info["bytes"] = os.path.getsize(out)
+    info = {"kind": args.kind, "output": out, **numbers, "bytes": os.path.getsize(out)}
     if args.json:
         print_json(info)
     elif not args.quiet:

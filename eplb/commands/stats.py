@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from eplb import stats
 from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.errors import EplbError
+from eplb.formats import load_history
+from eplb.placement import contiguous_placement
+from eplb.topology import Topology
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -19,15 +26,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from eplb import stats
-    from eplb.errors import EplbError
-    from eplb.topology import Topology
-    from eplb.trace import load_history
-    from planners.contiguous import contiguous_map
-    from eplb.placement import Placement
-
     trace = load_history(args.traces)
     load = trace.total().astype(np.float64)
     L, E = load.shape
@@ -35,10 +33,10 @@ def run(args) -> int:
     if topo.slots_per_gpu > E:  # as in eplb.plan: refused before [L, P] arrays and a P-step bound
         raise EplbError(f"{topo.num_slots} slots give {topo.slots_per_gpu} per GPU, more than the {E} "
                         f"logical experts: use --redundant <= {topo.num_gpus * E - E}")
-    base = Placement(contiguous_map(E, topo, L), topo.num_gpus, E, layer_ids=trace.layer_ids)
+    base = contiguous_placement(E, topo, trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.num_gpus
-    # Idle layers count as balanced (1), like every other column; lb / 1 gave 0 for them.
+    # Idle layers count as balanced (1), like every other column (lb / 1 would give 0).
     bound = np.where(mean_gpu > 0,
                      stats.lower_bound(load, topo.num_gpus, topo.num_slots) / np.where(mean_gpu > 0, mean_gpu, 1), 1.0)
     hot, gini = stats.hot_ratio(load), stats.gini(load)

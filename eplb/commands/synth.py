@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
+from eplb import synth
 from eplb.commands.common import add_command, add_output_flags, check_output_path, format_table, print_json
+from eplb.errors import EplbError
+from eplb.formats import load_trace, save_trace
+from eplb.progress import Progress
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -17,8 +23,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.67)")
     p.add_argument("--id-trend", type=float, default=None,
                    help="median strength of the smooth popularity trend along expert ids (default 0.23)")
-    p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
-    p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
+    p.add_argument("--phase-share", type=float, default=None,
+                   help="logit variance specific to prefill/decode (default 0.18)")
+    p.add_argument("--drift-share", type=float, default=None,
+                   help="logit variance that drifts per window (default 0.05)")
     p.add_argument("--keep-tokens", type=int, default=0,
                    help="also store this many tokens' expert choices per window (topk_ids; default 0)")
     p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,
@@ -28,41 +36,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from eplb.errors import EplbError
-    from eplb.progress import Progress
-    from eplb.synth import CONTIGUOUS_GPUS, SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
-    from eplb.trace import load_trace
-
     check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
                        ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
         if value is not None:
             overrides[key] = value
-    settings = SynthSettings(**overrides)
+    settings = synth.SynthSettings(**overrides)
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
-        trace = generate(settings, progress=lambda done, total: bar.update())
+        trace = synth.generate(settings, progress=lambda done, total: bar.update())
     try:
-        trace.save(args.output)
+        save_trace(trace, args.output)
     except OSError as exc:
         raise EplbError(f"cannot write the trace to {args.output!r} ({exc.strerror}); "
                         f"give -o a path in an existing, writable folder") from None
 
     try:
-        corr = phase_correlation(trace)
+        corr = synth.phase_correlation(trace)
     except EplbError:  # a short trace may hold one phase only: nothing to correlate
         corr = None
-    rows = {"synthetic": {**calibration_stats(trace.total()), "prefill_decode_corr": corr}}
+    rows = {"synthetic": {**synth.calibration_stats(trace.total()), "prefill_decode_corr": corr}}
     if args.compare:
         reals = {str(p): load_trace(p) for p in args.compare}
         for p, t in reals.items():
-            rows[p] = {**calibration_stats(t.total()), "prefill_decode_corr": None}
+            rows[p] = {**synth.calibration_stats(t.total()), "prefill_decode_corr": None}
         pre = [t.total() for p, t in reals.items() if "prefill" in p]
         dec = [t.total() for p, t in reals.items() if "decode" in p]
         # Real files hold one phase each: correlate every prefill file with every decode file.
-        corr = [layer_correlation(a, b) for a in pre for b in dec]
+        corr = [synth.layer_correlation(a, b) for a in pre for b in dec]
         if corr:
             rows["real prefill x decode"] = {"prefill_decode_corr": float(np.median(corr))}
     if args.json:
@@ -74,7 +75,7 @@ def run(args) -> int:
 
         def f(v):
             return "" if v is None else float(v)
-        gpus = [g for g in CONTIGUOUS_GPUS if trace.num_logical_experts % g == 0]
+        gpus = [g for g in synth.CONTIGUOUS_GPUS if trace.num_logical_experts % g == 0]
         keys = ("hot_median", "hot_max", "gini_median", *(f"contig_G{g}" for g in gpus), "prefill_decode_corr")
         table = [[name.rsplit("/", 1)[-1][:40], *(f(r.get(k)) for k in keys)] for name, r in rows.items()]
         print(format_table(["trace", "hot/mean med", "hot/mean max", "gini med",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, whole_number
 from eplb.placement import Placement
 
 
@@ -27,8 +27,7 @@ def to_deepseek(placement: Placement, *, pad_to: int | None = None, as_torch: bo
     """
     log2phy_LEX = placement.log2phy_LEX
     if pad_to is not None:
-        if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)):
-            raise EplbError(f"pad_to must be a whole number of replica columns, got {pad_to!r}")
+        pad_to = whole_number("pad_to (replica columns)", pad_to, 1)
         X = log2phy_LEX.shape[2]
         if pad_to < X:
             raise EplbError(f"pad_to ({pad_to}) is smaller than the largest replica count ({X})")

@@ -1,6 +1,7 @@
 """Read any supported trace file, detected by content rather than by file name.
 
-- eplb native `.npz` (zip with `counts`, `layer_ids`, `meta`)
+`load_trace(path)` reads one file; `load_history(paths)` stacks the windows of several.
+- eplb native `.npz` (zip with `counts`, `layer_ids`, `meta`; eplb.formats.native)
 - plain NumPy `.npy` array [L, E] or [T, L, E] (layer ids 0..L-1)
 - SGLang expert-distribution JSON or torch `.pt` (`logical_count`)
 - TensorRT-LLM expert-statistic directory (`meta_info.json` + `rank*.safetensors`)
@@ -9,11 +10,15 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.formats.native import read_npz
+from eplb.formats.sglang import read_json, read_pt
+from eplb.formats.trtllm import is_expert_statistic_dir, read_expert_statistic
 from eplb.trace import Trace, default_meta
 
 _ZIP = b"PK\x03\x04"
@@ -28,7 +33,8 @@ def _read_npy(path: Path) -> Trace:
     if a.ndim == 2:
         a = a[None]
     if a.ndim != 3:
-        raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], got shape {a.shape}")
+        raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], "
+                        f"got shape {a.shape}")
     meta = default_meta(a.shape[1], a.shape[2], source=f"npy: {path.name}")
     try:
         return Trace(a, np.arange(a.shape[1]), meta)
@@ -36,13 +42,12 @@ def _read_npy(path: Path) -> Trace:
         raise EplbError(f"{path}: {exc}") from None
 
 
-def read_trace(path) -> Trace:
+def load_trace(path: str | Path) -> Trace:
+    """Read any supported trace file (see the module docstring), detected by content."""
     path = Path(path)
     if not path.exists():
         raise EplbError(f"trace file {str(path)!r} does not exist")
     if path.is_dir():
-        from eplb.formats.trtllm import is_expert_statistic_dir, read_expert_statistic
-
         if is_expert_statistic_dir(path):
             return read_expert_statistic(path)
         raise EplbError(f"trace path {str(path)!r} is a directory but not a TensorRT-LLM expert statistic "
@@ -59,18 +64,14 @@ def read_trace(path) -> Trace:
     if head.startswith(_NPY):
         return _read_npy(path)
     if head.startswith(_ZIP):
-        import zipfile
-
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
         except zipfile.BadZipFile as exc:
             raise EplbError(f"{path}: starts like a zip (.npz / .pt) but is corrupt ({exc})") from None
         if "counts.npy" in names:
-            return Trace.load_npz(path)
+            return read_npz(path)
         if any(n.endswith("data.pkl") or "/data/" in n for n in names):
-            from eplb.formats.sglang import read_pt
-
             return read_pt(path)
         raise EplbError(f"{path}: zip archive is neither an eplb .npz trace nor a torch .pt file")
     if head.lstrip()[:1] in (b"{", b"["):
@@ -78,10 +79,37 @@ def read_trace(path) -> Trace:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EplbError(f"{path}: looks like JSON but does not parse ({exc})") from None
-        from eplb.formats.sglang import read_json
-
         return read_json(path, data)
     raise EplbError(
         f"{path}: unknown trace format; expected an eplb .npz, a .npy [L, E] / [T, L, E] array, "
         f"SGLang expert-distribution JSON / .pt, or a TensorRT-LLM expert statistic directory"
     )
+
+
+def load_history(paths) -> Trace:
+    """Read several trace files of one model and stack their windows in the given order."""
+    traces = [load_trace(p) for p in paths]
+    if not traces:
+        raise EplbError("no trace files given")
+    first = traces[0]
+    for p, t in zip(paths[1:], traces[1:]):
+        if t.num_logical_experts != first.num_logical_experts or not np.array_equal(t.layer_ids, first.layer_ids):
+            raise EplbError(
+                f"{p}: {t.num_layers} layers x {t.num_logical_experts} experts "
+                f"(layer ids {t.layer_ids[:3].tolist()}...) "
+                f"does not match {paths[0]}: {first.num_layers} x {first.num_logical_experts}"
+            )
+        # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
+        for key in ("num_expert_groups", "top_k"):
+            a, b = first.meta.get(key), t.meta.get(key)
+            if a is not None and b is not None and a != b:
+                raise EplbError(f"{p}: {key} = {b} but {paths[0]} says {a}: traces of one model are needed")
+    if len(traces) == 1:
+        return first
+    meta = dict(first.meta)
+    for key in ("num_expert_groups", "top_k"):
+        if meta.get(key) is None:
+            meta[key] = next((t.meta[key] for t in traces if t.meta.get(key) is not None), None)
+    meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
+    meta["synthetic"] = all(t.meta["synthetic"] for t in traces)
+    return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)

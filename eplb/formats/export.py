@@ -1,7 +1,7 @@
 """One front door for placement files: write or read a Placement in an engine's format.
 
 Formats (`--format`):
-- "eplb":   native JSON (`Placement.save` / `Placement.load`), lossless
+- "eplb":   native JSON (eplb.formats.native: `save_placement` / `load_placement`), lossless
 - "sglang": `--init-expert-location` JSON, rows for every hidden layer (eplb.formats.sglang)
 - "vllm":   `.pt` dict of vLLM's three EPLB tensors (eplb.formats.vllm; needs torch)
 - "trtllm": TensorRT-LLM `load_balancer` YAML (eplb.formats.trtllm)
@@ -16,6 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from eplb.errors import EplbError
+from eplb.formats.native import load_placement, save_placement
+from eplb.formats.sglang import read_sglang, write_sglang
+from eplb.formats.trtllm import read_trtllm, write_trtllm
+from eplb.formats.vllm import read_vllm, write_vllm
 from eplb.placement import Placement
 
 FORMATS = ("eplb", "sglang", "vllm", "trtllm")
@@ -35,21 +39,16 @@ def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *
     layer id + 1, which is right whenever the model ends with a MoE layer (DeepSeek-V3: 61).
     """
     path = Path(path)
-    if _check(fmt) != "sglang" and num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max()):
+    too_few = num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max())
+    if _check(fmt) != "sglang" and too_few:
         raise EplbError(f"num_hidden_layers ({num_hidden_layers}) must exceed the largest MoE layer id")
     if fmt == "eplb":
-        placement.save(path)
+        save_placement(placement, path)
     elif fmt == "sglang":
-        from eplb.formats.sglang import write_sglang
-
         write_sglang(placement, path, num_hidden_layers)
     elif fmt == "vllm":
-        from eplb.formats.vllm import write_vllm
-
         write_vllm(placement, path)
     else:
-        from eplb.formats.trtllm import write_trtllm
-
         write_trtllm(placement, path)
     return path
 
@@ -63,18 +62,12 @@ def read_placement(path: str | Path, fmt: str = "eplb", *, num_gpus: int | None 
     layer_ids picks the MoE rows of an SGLang map (default: every row, ids 0..H-1).
     """
     if _check(fmt) == "eplb":
-        return Placement.load(path)
+        return load_placement(path)
     if fmt == "vllm":
-        from eplb.formats.vllm import read_vllm
-
         return read_vllm(path, num_gpus=num_gpus, num_nodes=num_nodes, layer_ids=layer_ids)
     if num_gpus is None:
         raise EplbError(f"reading a {fmt} placement needs num_gpus (the file does not record the GPU count)")
     if fmt == "sglang":
-        from eplb.formats.sglang import read_sglang
-
         return read_sglang(path, num_gpus=num_gpus, layer_ids=layer_ids,
                            num_logical_experts=num_logical_experts, num_nodes=num_nodes or 1)
-    from eplb.formats.trtllm import read_trtllm
-
     return read_trtllm(path, num_gpus=num_gpus, num_logical_experts=num_logical_experts, num_nodes=num_nodes or 1)

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.formats.native import read_json_file
+from eplb.placement import Placement
 from eplb.trace import Trace, default_meta
 
 
@@ -36,7 +38,8 @@ def trace_from_logical_count(logical_count: Any, *, source: str) -> Trace:
     if c.ndim == 2:
         c = c[None]
     if c.ndim != 3:
-        raise EplbError(f"{source}: logical_count must be [layers, experts] or [steps, layers, experts], got shape {c.shape}")
+        raise EplbError(f"{source}: logical_count must be [layers, experts] or [steps, layers, experts], "
+                        f"got shape {c.shape}")
     if not np.all(np.isfinite(c)) or (c.size and c.min() < 0):
         raise EplbError(f"{source}: logical_count holds negative, NaN or infinite values")
     # Counts are whole tokens; rounding fractions (or wrapping values past int64) would change
@@ -68,7 +71,8 @@ def read_pt(path: Path) -> Trace:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or corrupt files
-        raise EplbError(f"{path}: cannot load as a weights-only torch file ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        raise EplbError(f"{path}: cannot load as a weights-only torch file "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
     if not isinstance(obj, dict) or "logical_count" not in obj:
         raise EplbError(f"{path}: torch file holds no 'logical_count' (not an SGLang expert-distribution dump)")
     lc = obj["logical_count"]
@@ -106,8 +110,6 @@ def write_sglang(placement, path, num_hidden_layers: int | None = None) -> Path:
 def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int | None = None,
                 num_nodes: int = 1):
     """A Placement from an `--init-expert-location` JSON; layer_ids picks the MoE rows."""
-    from eplb.placement import Placement, read_json_file
-
     path = Path(path)
     d = read_json_file(path, "SGLang expert-location file")
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:
@@ -120,7 +122,8 @@ def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int
             raise ValueError(f"non-integer expert id {phy2log_HP[phy2log_HP != np.rint(phy2log_HP)][0]:g}")
         phy2log_HP = phy2log_HP.astype(np.int64)
     except (TypeError, ValueError) as exc:
-        raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists ({exc})") from None
+        raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists "
+                        f"({exc})") from None
     if phy2log_HP.ndim != 2:
         raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots], "
                         f"got shape {phy2log_HP.shape}")

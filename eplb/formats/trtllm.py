@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, is_whole, whole_number
 from eplb.placement import Placement
 from eplb.trace import Trace, default_meta
 
@@ -81,8 +81,8 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     if len({len(r) for r in rows}) != 1:
         raise EplbError(f"{path}: layers list different numbers of slots: {sorted({len(r) for r in rows})}")
     num_slots = d.get("num_slots")
-    if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int)):
-        raise EplbError(f"{path}: num_slots must be a whole number, got {num_slots!r}")
+    if num_slots is not None:
+        num_slots = whole_number(f"{path}: num_slots", num_slots, None)
     if num_slots is not None and num_slots != len(rows[0]):
         raise EplbError(f"{path}: num_slots is {num_slots} but each layer lists {len(rows[0])} slots")
     phy = np.array(rows, dtype=np.int64)
@@ -165,10 +165,7 @@ def read_expert_statistic(path: str | Path) -> Trace:
         raise EplbError(f"{path}: cannot read meta_info.json ({exc})") from None
     if not isinstance(info, dict) or "num_experts" not in info:
         raise EplbError(f"{path}/meta_info.json: no num_experts (not a TensorRT-LLM expert statistic dump)")
-    E = info["num_experts"]
-    if not is_whole(E) or E < 1:
-        raise EplbError(f"{path}/meta_info.json: num_experts must be a whole number >= 1, got {E!r}")
-    E = int(E)
+    E = whole_number(f"{path}/meta_info.json: num_experts", info["num_experts"], 1)
     files = _rank_files(path)
     if not files:
         raise EplbError(f"{path}: no rank*.safetensors files")
@@ -179,7 +176,8 @@ def read_expert_statistic(path: str | Path) -> Trace:
             if not m:
                 raise EplbError(f"{f}: tensor name {key!r} is not '<iteration>_<layer>'")
             if a.shape != (E,):
-                raise EplbError(f"{f}: tensor {key!r} has shape {a.shape}, expected ({E},) (num_experts in meta_info.json)")
+                raise EplbError(f"{f}: tensor {key!r} has shape {a.shape}, expected ({E},) "
+                                f"(num_experts in meta_info.json)")
             if a.dtype.kind == "f" and not (np.all(np.isfinite(a)) and np.array_equal(a, np.rint(a))):
                 bad = a[~(np.isfinite(a) & (a == np.rint(a)))][0]
                 raise EplbError(f"{f}: tensor {key!r} holds {bad:g}; expert statistics are whole token counts")

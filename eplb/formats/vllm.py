@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.formats.deepseek import from_deepseek, to_deepseek
 from eplb.placement import Placement
 
 KEYS = ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count")
@@ -28,8 +29,6 @@ KEYS = ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_c
 
 def vllm_maps(placement: Placement) -> dict[str, np.ndarray]:
     """The three vLLM maps as int64 numpy arrays (log2phy padded to P - E + 1 columns)."""
-    from eplb.formats.deepseek import to_deepseek
-
     P, E = placement.num_slots, placement.num_logical_experts
     phy, l2p, cnt = to_deepseek(placement, pad_to=P - E + 1)
     return dict(zip(KEYS, (phy, l2p, cnt)))
@@ -71,8 +70,6 @@ def read_vllm(path: str | Path, *, num_gpus: int | None = None, num_nodes: int |
         if key not in obj:
             raise EplbError(f"{path}: no {key} in the file; pass {key}=...")
         return int(obj[key])
-
-    from eplb.formats.deepseek import from_deepseek
 
     ids = layer_ids if layer_ids is not None else obj.get("layer_ids")
     try:

@@ -4,6 +4,6 @@ torch is imported here (and only under eplb.runtime and eplb.collect); nothing i
 planning path or the CLI's start-up imports this package.
 """
 
-from eplb.runtime.model import MoE, DeepSeekModel, MLAttention, ModelConfig, Router
+from eplb.runtime.model import DeepSeekModel, MLAttention, ModelConfig, MoE, Router
 
 __all__ = ["DeepSeekModel", "MLAttention", "ModelConfig", "MoE", "Router"]

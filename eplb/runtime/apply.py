@@ -20,7 +20,8 @@ placements, or ranks that disagree, raise `EplbError` instead of hanging some ra
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

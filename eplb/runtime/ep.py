@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from eplb.dispatch import Resplitter
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.runtime.model import swiglu
@@ -104,14 +105,15 @@ class ReplicaTable:
     """The plan's dispatch weight of each replica (0 on padding), float64 [E, X], or None."""
 
     @classmethod
-    def build(cls, placement: Placement, layer: int, rank: int, device: torch.device | str = "cpu") -> "ReplicaTable":
+    def build(cls, placement: Placement, layer: int, rank: int, device: torch.device | str = "cpu") -> ReplicaTable:
         S = placement.slots_per_gpu
         log2phy_EX = placement.log2phy_LEX[layer]
         count_E = placement.replica_count_LE[layer]
         is_local_EX = (log2phy_EX >= 0) & (log2phy_EX // S == rank)
         # Stable sort puts the local replicas first, in slot order.
         first_EX = np.argsort(~is_local_EX, axis=1, kind="stable")
-        local_EX = np.where(np.take_along_axis(is_local_EX, first_EX, 1), np.take_along_axis(log2phy_EX, first_EX, 1), -1)
+        local_EX = np.where(np.take_along_axis(is_local_EX, first_EX, 1),
+                            np.take_along_axis(log2phy_EX, first_EX, 1), -1)
         weights_EX = None
         if placement.dispatch_weights_LP is not None:
             w_P = placement.dispatch_weights_LP[layer]
@@ -233,7 +235,7 @@ class ExpertParallelMoE(torch.nn.Module):
     @classmethod
     def from_full(cls, placement: Placement, layer: int, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor,
                   w_down_EDF: torch.Tensor, *, group: dist.ProcessGroup, mode: str = "even",
-                  sync_timing: bool = False) -> "ExpertParallelMoE":
+                  sync_timing: bool = False) -> ExpertParallelMoE:
         """Take this rank's slots out of the full stacked expert weights [E, ...] (copies)."""
         rank = dist.get_rank(group)
         S = placement.slots_per_gpu
@@ -321,8 +323,6 @@ class ExpertParallelMoE(torch.nn.Module):
         The same all-reduce carries every rank's input verdict (see `forward`), since it is the
         first exchange of a forward in this mode."""
         if self._resplitter is None:
-            from eplb.dispatch import Resplitter  # numpy; its index tables are built once per placement
-
             self._resplitter = Resplitter(self._one_layer)
         E, G, r = self.placement.num_logical_experts, self.world, self.rank
         counts = torch.zeros(E + 2 * G, dtype=torch.int64, device=expert_N.device)
@@ -338,7 +338,8 @@ class ExpertParallelMoE(torch.nn.Module):
             raise AssertionError(f"resplit returned shape {w_LP.shape}, expected {(1, self.placement.num_slots)}")
         w_P = torch.as_tensor(w_LP[0], device=expert_N.device)
         log2phy_EX = table.log2phy_EX
-        return torch.where(log2phy_EX >= 0, w_P[log2phy_EX.clamp_min(0)], torch.zeros((), dtype=w_P.dtype, device=w_P.device))
+        zero = torch.zeros((), dtype=w_P.dtype, device=w_P.device)
+        return torch.where(log2phy_EX >= 0, w_P[log2phy_EX.clamp_min(0)], zero)
 
     def _input_problem(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor,
                        topk_weights_TK: torch.Tensor) -> str | None:

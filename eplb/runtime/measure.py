@@ -13,9 +13,9 @@ layer waits for its busiest rank, so the ratio is what the layer loses to imbala
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch

@@ -120,7 +120,7 @@ class ModelConfig:
             raise EplbError(f"routed_scaling must be > 0, got {self.routed_scaling}")
 
     @classmethod
-    def deepseek_v3(cls) -> "ModelConfig":
+    def deepseek_v3(cls) -> ModelConfig:
         """The published DeepSeek-V3 / R1 shape (for sizes and KV arithmetic; too big to build)."""
         return cls(hidden=7168, num_layers=61, first_moe_layer=3, num_heads=128, q_lora_rank=1536,
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,

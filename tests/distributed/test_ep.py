@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def reference_moes(num_layers: int, seed: int = 0):
     """Single-device reference MoE layers (the model's own `MoE.routed` is the reference)."""
-    from eplb.runtime.model import MoE, ModelConfig
+    from eplb.runtime.model import ModelConfig, MoE
 
     torch.manual_seed(seed)
     cfg = ModelConfig(hidden=D, num_logical_experts=E, top_k=K, num_expert_groups=4, topk_groups=2, expert_hidden=FF)
@@ -58,9 +58,8 @@ def tokens(rank: int, world: int, salt: int = 0):
 
 def placements(world: int, num_layers: int = 2):
     from eplb import plan
-    from eplb.placement import Placement
+    from eplb.placement import Placement, contiguous_map
     from eplb.topology import Topology
-    from planners.contiguous import contiguous_map
 
     S = E // world + 1
     topo = Topology(num_gpus=world, slots_per_gpu=S)
@@ -121,7 +120,7 @@ def _check_migration(old, new, moes, group):
         plan = plan_migration(old, new, layers_per_chunk=chunk)
         local = local_of(old.phy2log_LP)
 
-        def served_intact(k):
+        def served_intact(k, plan=plan, local=local):
             phy2log_LP, w_LP = plan.serving(k)
             ok = torch.tensor([1])
             for l in range(old.num_layers):

@@ -8,6 +8,7 @@ import pytest
 from eplb.backtest import DISPATCH, backtest, leave_one_out
 from eplb.cli import main
 from eplb.errors import EplbError
+from eplb.formats import save_trace
 from eplb.trace import Trace, default_meta
 
 
@@ -121,7 +122,8 @@ def test_leave_one_out_needs_two_matching_workloads(rng):
 
 def _write(tmp_path, name, counts):
     path = tmp_path / name
-    Trace(counts, np.arange(3, 3 + counts.shape[1]), default_meta(3 + counts.shape[1], counts.shape[2])).save(path)
+    L, E = counts.shape[1:]
+    save_trace(Trace(counts, np.arange(3, 3 + L), default_meta(3 + L, E)), path)
     return str(path)
 
 

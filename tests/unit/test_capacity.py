@@ -5,11 +5,17 @@ import dataclasses
 import pytest
 
 from eplb.capacity import (
-    PRESETS, Deployment, ModelShape, auto_slots_per_gpu, bytes_per_expert, get_model, kv_bytes_per_token,
-    parse_memory, plan_capacity,
+    PRESETS,
+    Deployment,
+    ModelShape,
+    auto_slots_per_gpu,
+    bytes_per_expert,
+    get_model,
+    kv_bytes_per_token,
+    parse_memory,
+    plan_capacity,
 )
 from eplb.errors import EplbError
-
 
 # Worked figures ---------------------------------------------------------------------------------
 

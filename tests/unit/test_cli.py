@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eplb.cli import COMMANDS, main
+from eplb.formats import load_placement, save_trace
 from eplb.trace import Trace, default_meta
 
 L, E, G = 6, 32, 4
@@ -22,7 +23,7 @@ def files(tmp_path_factory):
     rng = np.random.default_rng(11)
     counts = rng.poisson(rng.lognormal(3.0, 1.0, size=(1, L, E)), size=(4, L, E))
     trace = d / "trace.npz"
-    Trace(counts, np.arange(1, L + 1), default_meta(L + 1, E, top_k=4, num_expert_groups=4)).save(trace)
+    save_trace(Trace(counts, np.arange(1, L + 1), default_meta(L + 1, E, top_k=4, num_expert_groups=4)), trace)
     bad_shape = d / "bad.npy"
     np.save(bad_shape, np.zeros(5))
     plan = d / "plan.json"
@@ -88,7 +89,8 @@ def test_json_output_parses(name, files, capsys):
 
 def test_plot_backtest_draws_what_eplb_backtest_wrote(files, capsys):
     results = json.loads(open(files["backtest"]).read())["results"]
-    argv = ["plot", "backtest", files["backtest"], "--dispatch", "resplit", "-o", str(files["dir"] / "bt.pdf"), "--json"]
+    argv = ["plot", "backtest", files["backtest"], "--dispatch", "resplit", "-o", str(files["dir"] / "bt.pdf"),
+            "--json"]
     assert main(argv) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["series"] == ["greedy", "contiguous"]
@@ -104,8 +106,8 @@ def test_plot_backtest_draws_what_eplb_backtest_wrote(files, capsys):
 def test_plan_scores_each_window_alone(files, capsys):
     """The per-window columns are the balancedness of each window of the trace under the plan."""
     from eplb import plan
+    from eplb.formats import load_trace
     from eplb.stats import balancedness
-    from eplb.trace import load_trace
 
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--json"]) == 0
     wb = json.loads(capsys.readouterr().out)["window_balancedness"]
@@ -127,14 +129,13 @@ def test_quiet_prints_nothing(files, capsys):
 
 def test_expert_groups_flag_keeps_its_short_old_spelling(files, tmp_path, capsys):
     # --groups stays a second spelling of --expert-groups: scripts use it.
-    from eplb.placement import Placement
 
     paths = []
     for flag in ("--expert-groups", "--groups"):
         paths.append(tmp_path / f"{flag.strip('-')}.json")
         assert main(["plan", files["trace"], "--gpus", "4", "--nodes", "2", "-p", "hierarchical", flag, "8",
                      "-o", str(paths[-1]), "-q"]) == 0
-    a, b = (Placement.load(p) for p in paths)
+    a, b = (load_placement(p) for p in paths)
     np.testing.assert_array_equal(a.phy2log_LP, b.phy2log_LP)
     assert main(["plan", files["trace"], "--gpus", "4", "--expert-groups", "5"]) == 2
     assert "--expert-groups" in capsys.readouterr().err
@@ -158,7 +159,7 @@ def test_plan_slots_auto_refuses_a_model_that_does_not_match_the_trace(files, ca
 def test_plan_slots_auto_on_deepseek_shape(tmp_path, capsys):
     counts = np.random.default_rng(2).poisson(30, size=(1, 58, 256))
     path = tmp_path / "ds.npz"
-    Trace(counts, np.arange(3, 61), default_meta(61, 256)).save(path)
+    save_trace(Trace(counts, np.arange(3, 61), default_meta(61, 256)), path)
     argv = ["plan", str(path), "--gpus", "32", "--slots-per-gpu", "auto", "--model", "deepseek-v3",
             "--gpu-memory", "h200", "--context", "8192", "--concurrency", "2048", "--json",
             "--planner", "greedy"]  # the sizing is under test, not the (slower) default planner
@@ -189,7 +190,8 @@ def _bad_inputs(f):
         "capacity options without slots auto": ["plan", f["trace"], "--gpus", "4", "--model", "deepseek-v3",
                                                 "--gpu-memory", "h200"],
         "inspect missing file": ["inspect", str(f["dir"] / "nope.json")],
-        "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80", "--context", "10"],
+        "capacity unknown model": ["capacity", "--model", "gpt-5", "--gpus", "8", "--gpu-memory", "80",
+                                   "--context", "10"],
         "capacity bad memory": ["capacity", "--model", "deepseek-v3", "--gpus", "8", "--gpu-memory", "lots",
                                 "--context", "10"],
         "capacity redundant does not split": ["capacity", "--model", "deepseek-v3", "--gpus", "24",
@@ -233,7 +235,7 @@ def test_plan_does_not_import_heavy_libraries(files):
 def test_unwritable_output_is_one_line(tmp_path, capsys):
     counts = np.random.default_rng(3).poisson(20, size=(2, 3, 16))
     path = tmp_path / "t.npz"
-    Trace(counts, np.arange(3), default_meta(3, 16)).save(path)
+    save_trace(Trace(counts, np.arange(3), default_meta(3, 16)), path)
     assert main(["plan", str(path), "--gpus", "4", "-p", "greedy", "-o", str(tmp_path / "no" / "p.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No such file or directory" in err[0] and "p.json" in err[0]
@@ -242,8 +244,8 @@ def test_unwritable_output_is_one_line(tmp_path, capsys):
 def test_inspect_refuses_a_trace_of_other_layers(tmp_path, capsys):
     counts = np.random.default_rng(4).poisson(20, size=(1, 3, 16))
     a, b = tmp_path / "a.npz", tmp_path / "b.npz"
-    Trace(counts, np.arange(3), default_meta(3, 16)).save(a)
-    Trace(counts, np.arange(3, 6), default_meta(6, 16)).save(b)
+    save_trace(Trace(counts, np.arange(3), default_meta(3, 16)), a)
+    save_trace(Trace(counts, np.arange(3, 6), default_meta(6, 16)), b)
     plan_path = tmp_path / "p.json"
     assert main(["plan", str(a), "--gpus", "4", "-p", "greedy", "-o", str(plan_path), "-q"]) == 0
     assert main(["inspect", str(plan_path), "--trace", str(b)]) == 2
@@ -264,7 +266,7 @@ def test_unwritable_output_is_refused_before_the_work(tmp_path, capsys, monkeypa
     monkeypatch.setattr(eplb.synth, "generate", must_not_run)
     out = {"missing folder": str(tmp_path / "no" / "x.out"), "a folder": str(tmp_path), "empty": ""}[where]
     path = tmp_path / "t.npz"
-    Trace(np.ones((1, 2, 8), dtype=np.int64), np.arange(2), default_meta(2, 8)).save(path)
+    save_trace(Trace(np.ones((1, 2, 8), dtype=np.int64), np.arange(2), default_meta(2, 8)), path)
     argv = {"plan": ["plan", str(path), "--gpus", "2"], "synth": ["synth", "--windows", "1"]}[command]
     assert main(argv + ["-o", out]) == 2
     err = capsys.readouterr().err.strip()
@@ -275,7 +277,7 @@ def test_stats_idle_layer_is_balanced_in_every_column(tmp_path, capsys):
     counts = np.random.default_rng(5).poisson(20, size=(2, 3, 16))
     counts[:, 1] = 0  # a layer that saw no tokens
     path = tmp_path / "t.npz"
-    Trace(counts, np.arange(3), default_meta(3, 16)).save(path)
+    save_trace(Trace(counts, np.arange(3), default_meta(3, 16)), path)
     assert main(["stats", str(path), "--gpus", "4", "--json"]) == 0
     per_layer = json.loads(capsys.readouterr().out)["per_layer"]
     for column in ("hot/mean", "contiguous max/mean", "bound/mean"):
@@ -285,13 +287,13 @@ def test_stats_idle_layer_is_balanced_in_every_column(tmp_path, capsys):
 def test_plan_refuses_a_trace_without_tokens(tmp_path, capsys):
     """An all-zero trace was 'planned' (HEURISTIC, every ratio 1.0) and written without a word."""
     path = tmp_path / "zero.npz"
-    Trace(np.zeros((2, 3, 16), dtype=np.int64), np.arange(3), default_meta(3, 16)).save(path)
+    save_trace(Trace(np.zeros((2, 3, 16), dtype=np.int64), np.arange(3), default_meta(3, 16)), path)
     assert main(["plan", str(path), "--gpus", "4", "-o", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no tokens" in err and not (tmp_path / "p.json").exists()
     counts = np.random.default_rng(6).poisson(20, size=(2, 3, 16))
     counts[-1] = 0  # traffic, but not in the newest window
-    Trace(counts, np.arange(3), default_meta(3, 16)).save(path)
+    save_trace(Trace(counts, np.arange(3), default_meta(3, 16)), path)
     assert main(["plan", str(path), "--gpus", "4", "--aggregate", "last"]) == 2
     assert "--aggregate last" in capsys.readouterr().err
     assert main(["plan", str(path), "--gpus", "4", "-q"]) == 0
@@ -299,7 +301,8 @@ def test_plan_refuses_a_trace_without_tokens(tmp_path, capsys):
 
 def test_plan_says_which_windows_it_planned_on(files, capsys):
     """--aggregate window --window 2 printed "(window of 4 windows)"; --window 9 of 4 was clipped silently."""
-    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "window", "--window", "2"]) == 0
+    assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "window",
+                 "--window", "2"]) == 0
     assert "planning load (sum of the newest 2 of 4 windows)" in capsys.readouterr().out
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--aggregate", "ema"]) == 0
     assert "planning load (EMA of 4 windows, alpha 0.3)" in capsys.readouterr().out
@@ -310,7 +313,8 @@ def test_plan_says_which_windows_it_planned_on(files, capsys):
 def test_closed_pipe_is_not_an_error(tmp_path):
     """`eplb stats --json | head -1` printed "eplb stats: error: Broken pipe" and exited 2."""
     path = tmp_path / "many_layers.npz"  # > 64 KiB of JSON: the writer blocks until the reader leaves
-    Trace(np.random.default_rng(7).poisson(20, size=(1, 2000, 8)), np.arange(2000), default_meta(2000, 8)).save(path)
+    counts = np.random.default_rng(7).poisson(20, size=(1, 2000, 8))
+    save_trace(Trace(counts, np.arange(2000), default_meta(2000, 8)), path)
     code = (
         "import sys; from eplb.cli import main\n"
         f"sys.exit(main(['stats', {str(path)!r}, '--gpus', '4', '--json']))\n"

@@ -11,11 +11,10 @@ from torch import nn  # noqa: E402
 import eplb  # noqa: E402
 from eplb.collect import RouterCollector, collect_trace, count_experts, scatter_count  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
-
+from eplb.formats import load_trace  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402
-from eplb.trace import Trace  # noqa: E402
 
 
 class IdsGate(nn.Module):
@@ -126,7 +125,7 @@ def test_reference_model_counts_match_router_outputs(tmp_path):
         model(tokens)
         model(tokens[:1])
     t = rec.save(tmp_path / "t.npz")
-    back = Trace.load_npz(tmp_path / "t.npz")
+    back = load_trace(tmp_path / "t.npz")
     assert back.layer_ids.tolist() == cfg.moe_layer_ids
     for l, lid in enumerate(cfg.moe_layer_ids):
         want = torch.bincount(torch.cat(seen[lid]).flatten(), minlength=cfg.num_logical_experts).numpy()
@@ -213,7 +212,7 @@ def test_meta_carries_the_group_limit(tmp_path):
     with RouterCollector(DeepSeekModel(cfg).eval()) as rec, torch.no_grad():
         rec.model(torch.randint(0, cfg.vocab, (1, 5)))
     rec.save(tmp_path / "t.npz")
-    assert Trace.load_npz(tmp_path / "t.npz").meta["topk_groups"] == 3
+    assert load_trace(tmp_path / "t.npz").meta["topk_groups"] == 3
     model = ToyModel()
     model.config.topk_group = 2                        # HF DeepSeek config name
     assert RouterCollector(model, router_class=IdsGate, ids_from=1).meta["topk_groups"] == 2

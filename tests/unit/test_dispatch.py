@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 
 from eplb.dispatch import Resplitter, max_gpu_load, optimal_weights, resplit
 from eplb.errors import EplbError
-from eplb.placement import Placement
+from eplb.placement import Placement, contiguous_map
 from eplb.topology import Topology
-from planners.contiguous import contiguous_map
 from planners.greedy import plan_greedy
 
 

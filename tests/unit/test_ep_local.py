@@ -13,10 +13,15 @@ from eplb.migration import schedule  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
 from eplb.runtime.apply import apply_placement, check_plan, migrate_weights, plan_migration  # noqa: E402
 from eplb.runtime.ep import (  # noqa: E402
-    ExpertParallelMoE, ReplicaTable, choose_slots, occurrence, swiglu_experts, weighted_choice,
+    ExpertParallelMoE,
+    ReplicaTable,
+    choose_slots,
+    occurrence,
+    swiglu_experts,
+    weighted_choice,
 )
 from eplb.runtime.measure import RuntimeReport, percentiles, straggler_ratio  # noqa: E402
-from eplb.runtime.model import MoE, ModelConfig  # noqa: E402
+from eplb.runtime.model import ModelConfig, MoE  # noqa: E402
 
 
 def placement_with_replicas(seed: int = 0, G: int = 4, E: int = 10, S: int = 4, weights: bool = True) -> Placement:
@@ -104,7 +109,7 @@ def test_local_experts_equal_the_reference_model():
     moe = MoE(ModelConfig(hidden=16, num_logical_experts=8, top_k=2, num_expert_groups=2, topk_groups=1,
                           expert_hidden=12))
     x = torch.randn(30, 16)
-    ids = torch.randint(0, 8, (30, 1))
+    torch.randint(0, 8, (30, 1))  # a draw the seeded stream below was written after
     w = torch.ones(30, 1)
     experts = torch.tensor([5, 2, 2, 7])  # a rank's slots, one expert twice
     slot = torch.randint(0, 4, (30,))

@@ -6,14 +6,17 @@ import numpy as np
 import pytest
 
 from eplb.errors import EplbError
+from eplb.formats import load_trace
 from eplb.formats.deepseek import from_deepseek, to_deepseek
 from eplb.formats.export import FORMATS, read_placement, write_placement
 from eplb.formats.sglang import sglang_map
 from eplb.formats.trtllm import read_safetensors, write_safetensors
 from eplb.placement import Placement
-from eplb.trace import load_trace
 
-torch = pytest.importorskip("torch")
+
+def _torch():
+    """torch, for the tests of the .pt formats only (the others run without it)."""
+    return pytest.importorskip("torch")
 
 
 def random_placement(rng, layers=4, experts=12, num_gpus=4, slots_per_gpu=4, num_nodes=2, first_layer=3):
@@ -33,6 +36,8 @@ def placement(rng):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_every_format(tmp_path, placement, fmt):
+    if fmt == "vllm":
+        _torch()
     path = tmp_path / f"plan.{fmt}"
     write_placement(placement, path, fmt, num_hidden_layers=9)
     back = read_placement(path, fmt, num_gpus=4, num_nodes=2, layer_ids=placement.layer_ids)
@@ -43,6 +48,8 @@ def test_round_trip_every_format(tmp_path, placement, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_unwritable_path_is_an_os_error_in_every_format(tmp_path, placement, fmt):
     """The CLI turns OSError into one line; torch.save alone raised RuntimeError (a traceback)."""
+    if fmt == "vllm":
+        _torch()
     for bad in (tmp_path / "no" / "plan.out", tmp_path):  # a missing folder, a folder
         with pytest.raises(OSError) as info:
             write_placement(placement, bad, fmt)
@@ -69,6 +76,7 @@ def test_sglang_default_rows_and_too_few_layers(placement):
 
 
 def test_vllm_file_holds_vllm_shapes(tmp_path, placement):
+    torch = _torch()
     path = write_placement(placement, tmp_path / "plan.pt", "vllm")
     state = torch.load(path, weights_only=True)
     L, P, E = 4, 16, 12
@@ -97,6 +105,10 @@ def test_deepseek_tuple_round_trip(placement):
     assert l2p.shape == (4, 12, int(cnt.max()))
     back = from_deepseek(phy, l2p, cnt, num_gpus=4, num_nodes=2, layer_ids=placement.layer_ids)
     assert back == placement
+
+
+def test_deepseek_tuple_as_torch_tensors(placement):
+    torch = _torch()
     # DeepSeek's own padding (P - E + 1 columns), and torch tensors, are accepted too
     t = to_deepseek(placement, pad_to=16 - 12 + 1, as_torch=True)
     assert isinstance(t[0], torch.Tensor) and t[1].shape == (4, 12, 5)
@@ -136,12 +148,16 @@ def test_bad_engine_files_name_the_problem(tmp_path):
     (tmp_path / "c.yaml").write_text("num_slots: 4\nlayer_updates_per_iter: 2\n")
     with pytest.raises(EplbError, match="initial_global_assignments"):
         read_placement(tmp_path / "c.yaml", "trtllm", num_gpus=1)
-    torch.save({"physical_to_logical_map": torch.zeros(2, 4, dtype=torch.int64)}, tmp_path / "d.pt")
-    with pytest.raises(EplbError, match="logical_to_physical_map"):
-        read_placement(tmp_path / "d.pt", "vllm")
     (tmp_path / "e.yaml").write_text("num_slots: 4\ninitial_global_assignments:\n  3: [0, 1, 1, 1]\n")
     with pytest.raises(EplbError, match="no replica"):  # expert 2 of 3 missing
         read_placement(tmp_path / "e.yaml", "trtllm", num_gpus=2, num_logical_experts=3)
+
+
+def test_vllm_file_without_the_maps_is_named(tmp_path):
+    torch = _torch()
+    torch.save({"physical_to_logical_map": torch.zeros(2, 4, dtype=torch.int64)}, tmp_path / "d.pt")
+    with pytest.raises(EplbError, match="logical_to_physical_map"):
+        read_placement(tmp_path / "d.pt", "vllm")
 
 
 # Trace importers ------------------------------------------------------------------------------
@@ -155,6 +171,7 @@ def sglang_counts(rng, steps=None, hidden=6, dense=2, experts=16):
 
 @pytest.mark.parametrize("steps", [None, 3])
 def test_sglang_pt_import(tmp_path, rng, steps):
+    torch = _torch()
     c = sglang_counts(rng, steps)
     # the dict SGLang's recorder writes in stat mode
     torch.save({"rank": 0, "logical_count": torch.from_numpy(c), "average_utilization_rate_over_window": None},
@@ -179,6 +196,7 @@ class NotATensor:
 
 
 def test_sglang_pt_rejects_pickled_objects_and_wrong_content(tmp_path):
+    torch = _torch()
     torch.save({"logical_count": NotATensor()}, tmp_path / "evil.pt")
     with pytest.raises(EplbError, match="weights-only"):
         load_trace(tmp_path / "evil.pt")
@@ -191,6 +209,7 @@ def test_sglang_pt_rejects_pickled_objects_and_wrong_content(tmp_path):
 
 
 def test_sglang_counts_of_other_dtypes_and_bad_values(tmp_path, rng):
+    torch = _torch()
     c = sglang_counts(rng)
     # bfloat16 has no numpy dtype; it must still load (its small integers are exact).
     torch.save({"logical_count": torch.from_numpy(c).to(torch.bfloat16)}, tmp_path / "bf16.pt")
@@ -198,6 +217,9 @@ def test_sglang_counts_of_other_dtypes_and_bad_values(tmp_path, rng):
     torch.save({"logical_count": torch.ones(3, 4, dtype=torch.complex64)}, tmp_path / "c.pt")
     with pytest.raises(EplbError, match="complex64"):
         load_trace(tmp_path / "c.pt")
+
+
+def test_sglang_json_counts_must_be_whole_and_fit_int64(tmp_path):
     # Fractions are not rounded away and huge values do not wrap to negative int64.
     (tmp_path / "frac.json").write_text(json.dumps({"logical_count": [[1.5, 2.0]]}))
     with pytest.raises(EplbError, match=r"whole token counts, got 1.5 at .* \[0, 0, 0\]"):

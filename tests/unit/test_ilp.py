@@ -9,8 +9,7 @@ import eplb.planning as planning
 from eplb.dispatch import max_gpu_load, optimal_weights
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from planners.ilp import (balanced_groups, chain_fill, integer_lower_bound, integer_shares, scale_loads,
-                          solve_layer)
+from planners.ilp import balanced_groups, chain_fill, integer_lower_bound, integer_shares, scale_loads, solve_layer
 
 
 def all_placements(E, G, S):
@@ -136,7 +135,7 @@ def test_bad_settings_raise(settings, match):
 
 def test_boolean_and_time_settings_are_checked():
     from eplb.errors import EplbError
-    from eplb.planning import get_planner
+    from eplb.planner_api import get_planner
 
     for bad in ({"chain": "abc"}, {"quiet": 1}, {"time_limit": True}, {"time_limit": 0}):
         with pytest.raises(EplbError):

@@ -180,7 +180,7 @@ def test_move_cost_trades_balance_for_moves(rng):
     prev = plan(rng.gamma(0.4, 100.0, (4, 64)), num_gpus=8, num_redundant=8).placement
     moves, imb = [], []
     for cost in (0.0005, 0.2):
-        r = plan(load, num_gpus=8, num_redundant=8, previous=prev, move_cost=cost)
+        r = plan(load, num_gpus=8, num_redundant=8, previous=prev, budget=mg.Budget(move_cost=cost))
         assert r.info["migration"]["method"] == "budgeted_search"
         moves.append(r.info["migration"]["moves"])
         imb.append(r.after.imbalance_L.mean())
@@ -192,7 +192,8 @@ def test_every_planner_takes_a_move_budget_through_the_front_door(rng):
     load = rng.gamma(0.5, 100.0, (2, 16))
     prev = plan(rng.gamma(0.5, 100.0, (2, 16)), num_gpus=4, num_redundant=4).placement
     for name in planner_names():
-        r = plan(load, num_gpus=4, num_redundant=4, planner=name, previous=prev, max_moves=3, bytes_per_expert=10)
+        r = plan(load, num_gpus=4, num_redundant=4, planner=name, previous=prev,
+                 budget=mg.Budget(max_moves=3, bytes_per_expert=10))
         mig = r.info["migration"]
         assert mig["moves"] <= 3, name
         assert mig["bytes"] == 10 * mig["moves"]
@@ -201,10 +202,10 @@ def test_every_planner_takes_a_move_budget_through_the_front_door(rng):
 
 def test_budget_options_need_a_previous_placement(rng):
     with pytest.raises(EplbError, match="previous"):
-        plan(rng.random((2, 8)), num_gpus=2, max_moves=3)
+        plan(rng.random((2, 8)), num_gpus=2, budget=mg.Budget(max_moves=3))
     prev = plan(rng.random((2, 8)), num_gpus=2).placement
     with pytest.raises(EplbError, match="max_moves"):
-        plan(rng.random((2, 8)), num_gpus=2, previous=prev, max_moves=-1)
+        plan(rng.random((2, 8)), num_gpus=2, previous=prev, budget=mg.Budget(max_moves=-1))
 
 
 # Schedules ------------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
     a = rng.gamma(0.4, 100.0, (L, E))
     b = rng.gamma(0.4, 100.0, (L, E))
     prev = plan(a, num_gpus=G, num_redundant=8).placement
-    r = plan(b, num_gpus=G, num_redundant=8, previous=prev, max_moves=20)
+    r = plan(b, num_gpus=G, num_redundant=8, previous=prev, budget=mg.Budget(max_moves=20))
     for compiled in (True, False):
         m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2, compiled=compiled)
         replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
@@ -325,7 +326,7 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     load = rng.gamma(0.5, 1.0, (3, 64)) * 100
     pl = plan(load, num_gpus=8, num_redundant=8).placement
     assert not pl.phy2log_LP.flags.writeable
-    rb = Rebalancer(pl, move_cost=0.001)
+    rb = Rebalancer(pl, budget=mg.Budget(move_cost=0.001))
     rb.observe(load[:, ::-1].copy())
     rb.rebalance()
     mg.budgeted_search(np.asfortranarray(load.astype(np.float32)), pl.phy2log_LP.astype(np.int32), 8,
@@ -391,10 +392,10 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
 
     prev, load, G, N, K, E = _two_node_case(seed=9)
     span = lambda pl: group_span(pl.phy2log_LP, G, N, K, E).mean()  # noqa: E731
-    kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, move_cost=0.001, num_expert_groups=K)
-    blind, aware = (plan(load, span_cost=c, **kw).placement for c in (0.0, 4.0))
+    kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, num_expert_groups=K)
+    blind, aware = (plan(load, budget=mg.Budget(move_cost=0.001, span_cost=c), **kw).placement for c in (0.0, 4.0))
     assert span(aware) < span(blind)
-    rb = Rebalancer(prev, num_expert_groups=K, span_cost=4.0, move_cost=0.001)
+    rb = Rebalancer(prev, num_expert_groups=K, budget=mg.Budget(span_cost=4.0, move_cost=0.001))
     rb.observe(load)
     assert span(rb.rebalance().placement) == pytest.approx(span(aware))
     with pytest.raises(EplbError, match="span_cost"):

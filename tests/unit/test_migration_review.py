@@ -345,6 +345,6 @@ def test_bytes_per_expert_must_be_a_positive_count(bad):
     rng = np.random.default_rng(0)
     prev = plan(rng.random((2, 8)), num_gpus=2).placement
     with pytest.raises(EplbError, match="bytes_per_expert"):
-        plan(rng.random((2, 8)), num_gpus=2, previous=prev, bytes_per_expert=bad)
+        plan(rng.random((2, 8)), num_gpus=2, previous=prev, budget=mg.Budget(bytes_per_expert=bad))
     with pytest.raises(EplbError, match="bytes_per_expert"):
         mg.schedule(_OLD, _NEW, 2, 3, bytes_per_expert=bad)

@@ -7,10 +7,16 @@ torch = pytest.importorskip("torch")
 
 from eplb.errors import EplbError  # noqa: E402
 
-
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 from eplb.runtime.model import (  # noqa: E402
-    DeepSeekModel, MLAttention, ModelConfig, MoE, Router, inclusion_probs, sample_distinct, swiglu,
+    DeepSeekModel,
+    MLAttention,
+    ModelConfig,
+    MoE,
+    Router,
+    inclusion_probs,
+    sample_distinct,
+    swiglu,
 )
 
 

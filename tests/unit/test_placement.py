@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eplb.errors import EplbError
+from eplb.formats import load_placement, save_placement
 from eplb.placement import Placement
 from eplb.topology import Topology
 
@@ -87,11 +88,11 @@ def test_json_round_trip(tmp_path):
     p = Placement(PHY[:1], 3, 4, num_nodes=3, layer_ids=np.array([7]), dispatch_weights_LP=w,
                   planner="greedy", metrics={"imbalance_max": 1.25})
     path = tmp_path / "plan.json"
-    p.save(path)
+    save_placement(p, path)
     d = json.loads(path.read_text())
     assert d["physical_to_logical_map"] == PHY[:1].tolist() and d["layer_ids"] == [7]
     assert d["num_gpus"] == 3 and d["num_nodes"] == 3 and d["num_logical_experts"] == 4
-    q = Placement.load(path)
+    q = load_placement(path)
     assert q == p and q.planner == "greedy" and q.metrics == {"imbalance_max": 1.25}
     assert Placement.from_dict(Placement(PHY, 3, 4).to_dict()) == Placement(PHY, 3, 4)
     assert Placement(PHY, 3, 4) != Placement(PHY, 3, 4, num_nodes=3)
@@ -99,20 +100,20 @@ def test_json_round_trip(tmp_path):
 
 def test_load_errors(tmp_path):
     with pytest.raises(EplbError, match="does not exist"):
-        Placement.load(tmp_path / "missing.json")
+        load_placement(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(EplbError, match="not valid JSON"):
-        Placement.load(bad)
+        load_placement(bad)
     bad.write_text(json.dumps({"num_gpus": 2}))
     with pytest.raises(EplbError, match="missing key"):
-        Placement.load(bad)
+        load_placement(bad)
     bad.write_text(json.dumps({"physical_to_logical_map": [[0, 1], [0]], "num_gpus": 1, "num_logical_experts": 2}))
     with pytest.raises(EplbError, match="rectangular"):
-        Placement.load(bad)
+        load_placement(bad)
     bad.write_text(json.dumps({"physical_to_logical_map": [[0, 5]], "num_gpus": 1, "num_logical_experts": 2}))
     with pytest.raises(EplbError, match=str(bad).replace("\\", "\\\\") + ".*outside"):
-        Placement.load(bad)
+        load_placement(bad)
     with pytest.raises(EplbError, match="expected a JSON object"):
         Placement.from_dict([1, 2])  # type: ignore[arg-type]
     # A fractional GPU count was truncated (4.7 -> 4) and the file read as valid.
@@ -186,7 +187,7 @@ def test_load_of_an_engine_file_names_the_reader(tmp_path, fmt):
     path = tmp_path / f"plan.{fmt}"
     write_placement(Placement(np.array([[0, 1, 2, 3, 0, 1]]), 2, 4), path, fmt)
     with pytest.raises(EplbError, match=rf"{fmt}.*read_placement\(path, '{fmt}'"):
-        Placement.load(path)
+        load_placement(path)
 
 
 def test_from_dict_layer_ids_must_be_whole():

@@ -21,10 +21,10 @@ import eplb
 from eplb import stats
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, _REGISTRY, get_planner, planner_names
+from eplb.planner_api import PlanRequest, get_planner, planner_class, planner_names
+from eplb.stats import group_span
 from eplb.topology import Topology
 from planners.deepseek import rebalance_experts
-from eplb.stats import group_span
 
 # DeepSeek's EPLB README worked example (github.com/deepseek-ai/EPLB, "Interface and Example"):
 # 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs, and the map it prints.
@@ -38,7 +38,7 @@ PLANNERS = planner_names()
 
 def fast_settings(name: str) -> dict:
     """Settings that keep slow planners quick in tests, found by the constructor's parameters."""
-    params = inspect.signature(_REGISTRY[name].__init__).parameters
+    params = inspect.signature(planner_class(name).__init__).parameters
     out = {}
     if "time_limit" in params:
         out["time_limit"] = 0.3
@@ -50,7 +50,7 @@ def fast_settings(name: str) -> dict:
 
 
 def is_time_limited(name: str) -> bool:
-    return "time_limit" in inspect.signature(_REGISTRY[name].__init__).parameters
+    return "time_limit" in inspect.signature(planner_class(name).__init__).parameters
 
 
 def check_invariants(name: str, phy2log_LP: np.ndarray, weights_LP, load_LE: np.ndarray, topo: Topology) -> None:
@@ -64,7 +64,7 @@ def check_invariants(name: str, phy2log_LP: np.ndarray, weights_LP, load_LE: np.
     np.add.at(count_LE, (np.arange(L)[:, None], phy2log_LP), 1)
     assert count_LE.min() >= 1, f"{name}: an expert has no replica"
     assert count_LE.sum(axis=1).tolist() == [P] * L  # exactly S slots on each of the G GPUs
-    if getattr(_REGISTRY[name], "one_replica_per_gpu", True):
+    if getattr(planner_class(name), "one_replica_per_gpu", True):
         per_gpu = np.sort(phy2log_LP.reshape(L, G, S), axis=2)
         assert not (np.diff(per_gpu, axis=2) == 0).any(), f"{name}: two replicas of one expert on a GPU"
     placement = Placement(phy2log_LP, G, E, topo.num_nodes, dispatch_weights_LP=weights_LP)
@@ -326,7 +326,7 @@ def test_plan_previous_of_other_shape_names_the_fix():
     (dict(num_gpus=4, num_expert_groups=0), r"num_expert_groups must be a whole number >= 1, got 0"),
     (dict(num_gpus=4, num_expert_groups=3), r"16 experts do not split into 3 equal expert groups"),  # greedy ignored it
     (dict(num_gpus=4, settings=["quantile=0.9"]), r"settings must be a dict of planner settings"),  # was a TypeError
-    (dict(num_gpus=4, previous="old.json"), r"previous must be a Placement.*Placement.load"),  # was an AttributeError
+    (dict(num_gpus=4, previous="old.json"), r"previous must be a Placement.*load_placement"),  # was an AttributeError
 ])
 def test_plan_front_door_refuses_arguments_of_the_wrong_type(kwargs, message):
     with pytest.raises(EplbError, match=message):
@@ -339,12 +339,18 @@ def test_plan_front_door_refuses_ragged_loads():
         eplb.plan([[1.0, 2.0], [3.0]], num_gpus=1)
 
 
-@pytest.mark.parametrize("kwargs", [dict(span_cost=2.0), dict(span_cost=-1.0), dict(bytes_per_expert=100)])
+@pytest.mark.parametrize("kwargs", [dict(span_cost=2.0), dict(bytes_per_expert=100)])
 def test_plan_migration_options_without_previous_are_refused(kwargs):
     """Like max_moves: an option that only prices migration must not be ignored silently."""
     name = next(iter(kwargs))
     with pytest.raises(EplbError, match=rf"{name} \({kwargs[name]!r}\).*previous"):
-        eplb.plan(np.arange(1.0, 17.0)[None], num_gpus=4, **kwargs)
+        eplb.plan(np.arange(1.0, 17.0)[None], num_gpus=4, budget=eplb.Budget(**kwargs))
+
+
+def test_a_negative_span_cost_is_refused_by_the_budget():
+    """span_cost=-1.0 was refused by plan() for want of a previous placement; the Budget value refuses it first."""
+    with pytest.raises(EplbError, match=r"span_cost must be a finite number >= 0, got -1.0"):
+        eplb.Budget(span_cost=-1.0)
 
 
 def test_unknown_setting_is_named_with_the_known_ones():

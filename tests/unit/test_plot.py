@@ -5,10 +5,10 @@ import pytest
 
 from eplb import plot
 from eplb.errors import EplbError
-from eplb.placement import Placement
+from eplb.formats import save_placement, save_trace
+from eplb.placement import Placement, contiguous_map
 from eplb.planning import plan
 from eplb.topology import Topology
-from planners.contiguous import contiguous_map
 
 L, E, G = 6, 32, 4
 
@@ -201,9 +201,9 @@ def test_cli_refuses_a_placement_for_other_layer_ids(tmp_path, load_LE, capsys):
 
     counts = load_LE.astype(np.int64)[None]
     trace = Trace(counts, np.arange(3, 3 + L), default_meta(3 + L, E, source="t"))
-    trace.save(tmp_path / "t.npz")
-    Trace(counts, np.arange(L), default_meta(3 + L, E, source="u")).save(tmp_path / "shifted.npz")
-    plan(trace, num_gpus=G, planner="greedy").placement.save(tmp_path / "p.json")
+    save_trace(trace, tmp_path / "t.npz")
+    save_trace(Trace(counts, np.arange(L), default_meta(3 + L, E, source="u")), tmp_path / "shifted.npz")
+    save_placement(plan(trace, num_gpus=G, planner="greedy").placement, tmp_path / "p.json")
     assert main(["plot", "balance", str(tmp_path / "t.npz"), "--placement", str(tmp_path / "p.json"),
                  "-o", str(tmp_path / "ok.png"), "-q"]) == 0
     for argv in (["balance", str(tmp_path / "shifted.npz"), "--placement", str(tmp_path / "p.json")],

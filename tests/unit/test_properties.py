@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from eplb import backtest as backtest_mod
 from eplb import stats
-from eplb.capacity import Deployment, bytes_per_expert, get_model, kv_bytes_per_token, parse_memory, plan_capacity
+from eplb.capacity import Deployment, bytes_per_expert, get_model, kv_bytes_per_token, plan_capacity
 from eplb.dispatch import Resplitter, optimal_weights, resplit
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, _REGISTRY, get_planner, planner_names
+from eplb.planner_api import PlanRequest, get_planner, planner_class, planner_names
 from eplb.topology import Topology
 
 FAST = settings(max_examples=25, deadline=None, derandomize=True,
@@ -151,16 +151,16 @@ def test_lower_bound_below_the_exact_lp_of_random_placements(seed, G, extra):
 # 2. Every planner on edge shapes ----------------------------------------------------------------
 
 def _fast_settings(name: str) -> dict:
-    params = inspect.signature(_REGISTRY[name].__init__).parameters
+    params = inspect.signature(planner_class(name).__init__).parameters
     return {k: v for k, v in (("time_limit", 0.3), ("workers", 1), ("quiet", True)) if k in params}
 
 
 def _solver(name: str) -> bool:
-    return "time_limit" in inspect.signature(_REGISTRY[name].__init__).parameters
+    return "time_limit" in inspect.signature(planner_class(name).__init__).parameters
 
 
 def _one_per_gpu(name: str) -> bool:
-    return getattr(_REGISTRY[name], "one_replica_per_gpu", True)
+    return getattr(planner_class(name), "one_replica_per_gpu", True)
 
 
 _rng = np.random.default_rng(2024)

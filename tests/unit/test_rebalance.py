@@ -5,8 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from eplb import EplbError, Placement, plan
-from eplb import stats
+from eplb import Budget, EplbError, Placement, plan, stats
 from eplb.rebalance import Rebalancer
 
 L, E, G = 3, 32, 4
@@ -69,7 +68,7 @@ def test_decision_rule_checks_every_interval_against_threshold(rng, start):
 
 def test_rebalance_improves_and_adopts(rng, start):
     shifted = skewed(rng, [7, 20])
-    rb = Rebalancer(start, interval=1, bytes_per_expert=1000, max_moves=12)
+    rb = Rebalancer(start, interval=1, budget=Budget(max_moves=12, bytes_per_expert=1000))
     rb.observe(shifted)
     res = rb.rebalance()
     assert res.after.balancedness > res.before.balancedness
@@ -94,7 +93,7 @@ def test_rebalance_without_apply_leaves_placement(rng, start):
 
 def test_failed_ranks_plan_on_survivors_and_report_lost_experts(rng):
     # Rank 1 holds the only replicas of experts 8..15 (contiguous placement): they are lost.
-    from planners.contiguous import contiguous_map
+    from eplb.placement import contiguous_map
     from eplb.topology import Topology
 
     topo = Topology(num_gpus=G, slots_per_gpu=12)
@@ -240,15 +239,16 @@ def test_adopt_refuses_a_result_planned_before_another_was_adopted(rng, start):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(layers_per_chunk=0), "layers_per_chunk"), (dict(layers_per_chunk=1.5), "layers_per_chunk"),
-    (dict(bytes_per_expert=-1), "bytes_per_expert"), (dict(bytes_per_expert=2.5), "bytes_per_expert"),
+    (dict(budget=dict(bytes_per_expert=-1)), "bytes_per_expert"),
+    (dict(budget=dict(bytes_per_expert=2.5)), "bytes_per_expert"),
     (dict(interval="a"), "interval"), (dict(window="a"), "window"), (dict(window=True), "window"),
-    (dict(move_cost="a"), "move_cost"), (dict(span_cost=None), "span_cost"),
+    (dict(budget=dict(move_cost="a")), "move_cost"), (dict(budget=dict(span_cost=None)), "span_cost"),
 ])
 def test_settings_used_only_at_rebalance_are_checked_when_built(start, kw, match):
     """layers_per_chunk=0 or bytes_per_expert=-1 were stored and failed only after a
     rebalance had planned; strings gave a ValueError traceback."""
     with pytest.raises(EplbError, match=match):
-        Rebalancer(start, **kw)
+        Rebalancer(start, **{k: Budget(**v) if k == "budget" else v for k, v in kw.items()})
 
 
 def test_failed_ranks_must_be_engine_ranks(rng, start):
@@ -272,7 +272,7 @@ def test_physical_observes_race_repeated_rebalances(rng):
     and again: every count lands in the window exactly once, whatever placement it was mapped
     through (the per-layer totals are placement-free), and no call sees a half-switched state."""
     pl = plan(skewed(rng, [0, 1]), num_gpus=G, num_redundant=8).placement
-    rb = Rebalancer(pl, interval=10**6, move_cost=0.0)
+    rb = Rebalancer(pl, interval=10**6, budget=Budget(move_cost=0.0))
     rb.observe(skewed(rng, [4]))
     first = rb.load_LE.sum(axis=1)
     P = pl.num_slots

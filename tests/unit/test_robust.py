@@ -2,16 +2,25 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eplb.errors import EplbError
 from eplb.placement import Placement
-from eplb.planning import PlanRequest, plan
+from eplb.planner_api import PlanRequest
+from eplb.planning import plan
+from eplb.stats import replica_counts_minmax
 from eplb.topology import Topology
 from planners.greedy import plan_greedy
-from planners.robust import (RobustPlanner, kept_windows, normalise_windows, pack_vector, refine_swaps,
-                             robust_demand, window_gpu_loads)
-from eplb.stats import replica_counts_minmax
+from planners.robust import (
+    RobustPlanner,
+    kept_windows,
+    normalise_windows,
+    pack_vector,
+    refine_swaps,
+    robust_demand,
+    window_gpu_loads,
+)
 
 
 def _history(rng, T=4, L=3, E=16):

@@ -122,7 +122,8 @@ def test_evaluate_report_and_summary():
 @pytest.mark.parametrize("call, message", [
     (lambda c: stats.aggregate(c, "window", window=2.5), r"window >= 1, got 2.5"),  # summed the newest 2
     (lambda c: stats.aggregate(c, "window", window=True), r"window >= 1, got True"),
-    (lambda c: stats.aggregate(c, "ema", alpha="0.5"), r"alpha must be in \(0, 1\] \(a number\), got '0.5'"),  # UFuncTypeError
+    # alpha="0.5" was a UFuncTypeError.
+    (lambda c: stats.aggregate(c, "ema", alpha="0.5"), r"alpha must be in \(0, 1\] \(a number\), got '0.5'"),
     (lambda c: stats.aggregate(c, "ema", alpha=True), r"alpha must be in \(0, 1\] \(a number\), got True"),
     (lambda c: stats.sliding_sum(c, 1.5), r"sliding window size must be a whole number in 1..3 .*, got 1.5"),
     (lambda c: stats.lower_bound(c[0], 0, 4), r"gpus must be a whole number >= 1, got 0"),  # was inf

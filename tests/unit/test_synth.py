@@ -8,8 +8,16 @@ import pytest
 
 from eplb.cli import main
 from eplb.errors import EplbError
-from eplb.synth import SynthSettings, calibration_stats, contiguous_imbalance, generate, layer_correlation, phase_correlation, route_tokens
-from eplb.trace import load_trace
+from eplb.formats import load_trace
+from eplb.synth import (
+    SynthSettings,
+    calibration_stats,
+    contiguous_imbalance,
+    generate,
+    layer_correlation,
+    phase_correlation,
+    route_tokens,
+)
 
 SHIPPED = Path(__file__).resolve().parents[2] / "traces" / "deepseek.npz"
 SMALL = dict(num_windows=4, tokens_per_window=64, num_hidden_layers=5, first_moe_layer=1,

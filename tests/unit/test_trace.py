@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from eplb.errors import EplbError
-from eplb.trace import REQUIRED_META, Trace, default_meta, load_history, load_trace
+from eplb.formats import load_history, load_trace, save_trace
+from eplb.trace import REQUIRED_META, Trace, default_meta
 
 
 def meta(**kw):
@@ -34,7 +35,7 @@ def test_good_file_round_trips(tmp_path, rng):
     c = rng.integers(0, 9, (2, 3, 8))
     topk = rng.integers(0, 8, (5, 3, 2)).astype(np.int16)
     t = Trace(c, np.array([1, 3, 5]), meta(), topk, np.array([0, 0, 1, 1, 1], dtype=np.int32))
-    t.save(tmp_path / "t.npz")
+    save_trace(t, tmp_path / "t.npz")
     back = load_trace(tmp_path / "t.npz")
     np.testing.assert_array_equal(back.counts_TLE, c)
     assert back.counts_TLE.dtype == np.int64 and back.layer_ids.tolist() == [1, 3, 5]
@@ -184,7 +185,7 @@ def test_history_must_match(tmp_path, rng):
     b = Trace(rng.integers(0, 5, (2, 3, 8)), np.array([1, 3, 5]), meta(synthetic=False))
     c = Trace(rng.integers(0, 5, (1, 3, 8)), np.array([1, 2, 5]), meta())
     for name, t in (("a", a), ("b", b), ("c", c)):
-        t.save(tmp_path / f"{name}.npz")
+        save_trace(t, tmp_path / f"{name}.npz")
     h = load_history([tmp_path / "a.npz", tmp_path / "b.npz"])
     assert h.num_windows == 3 and h.meta["synthetic"] is False
     with pytest.raises(EplbError, match="does not match"):
@@ -198,7 +199,7 @@ def test_history_of_traces_that_disagree_on_the_router_is_refused(tmp_path):
     paths = []
     for name, groups in (("a", 4), ("b", 2), ("c", None)):
         path = tmp_path / f"{name}.npz"
-        Trace(counts, np.array([1, 2]), default_meta(3, 8, num_expert_groups=groups)).save(path)
+        save_trace(Trace(counts, np.array([1, 2]), default_meta(3, 8, num_expert_groups=groups)), path)
         paths.append(path)
     with pytest.raises(EplbError, match="num_expert_groups = 2"):
         load_history([paths[0], paths[1]])

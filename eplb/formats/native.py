@@ -1,0 +1,124 @@
+"""eplb's own files: traces (`.npz`) and placements (JSON), read and written.
+
+Legend: T = time windows, L = MoE layers, E = logical experts, N = tokens, K = top-k, P = slots.
+
+Trace `.npz` (schema in traces/README.md), read with `allow_pickle=False` (nothing in a trace
+can execute code):
+- `counts`    int64 [T, L, E]  token-slots routed to each logical expert per window and layer
+- `layer_ids` int64 [L]        hidden-layer index of each MoE layer in the model
+- `meta`      JSON text        model, num_hidden_layers, num_experts, top_k,
+                               num_expert_groups, tokens_per_window, source, synthetic
+- optional per-token data: `topk_ids` int16 [N, L, K] and `token_window` int32 [N].
+
+Placement JSON: `Placement.to_dict()` (`physical_to_logical_map` [L][P], `layer_ids`,
+`num_gpus`, `num_nodes`, `num_logical_experts`, optional `dispatch_weights`, planner, metrics).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.trace import Trace
+
+TRACE_ARRAYS = ("counts", "layer_ids", "meta")
+"""Arrays every trace `.npz` holds (plus the optional per-token `topk_ids`, `token_window`)."""
+
+
+# Traces -----------------------------------------------------------------------------------------
+
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    """Write `trace` as eplb's `.npz` (compressed); returns the path."""
+    arrays = {
+        "counts": np.asarray(trace.counts_TLE, dtype=np.int64),
+        "layer_ids": np.asarray(trace.layer_ids, dtype=np.int64),
+        "meta": np.array(json.dumps(trace.meta, sort_keys=True)),
+    }
+    if trace.topk_ids_NLK is not None:
+        arrays["topk_ids"] = trace.topk_ids_NLK
+        arrays["token_window"] = trace.token_window_N
+    path = Path(path)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    return path
+
+
+def read_npz(path: str | Path) -> Trace:
+    """A Trace from eplb's `.npz` (no pickle); errors name the file and what is wrong."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except ValueError as exc:
+        raise EplbError(f"{path}: cannot read without pickle ({exc}); eplb never unpickles files") from None
+    except (OSError, EOFError) as exc:
+        raise EplbError(f"{path}: not a readable .npz file ({exc})") from None
+    missing = [k for k in TRACE_ARRAYS if k not in arrays]
+    if missing:
+        raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")
+    try:
+        meta = json.loads(str(arrays["meta"]))
+    except json.JSONDecodeError as exc:
+        raise EplbError(f"{path}: meta is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise EplbError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
+    try:
+        return Trace(arrays["counts"], arrays["layer_ids"], meta, arrays.get("topk_ids"), arrays.get("token_window"))
+    except EplbError as exc:
+        raise EplbError(f"{path}: {exc}") from None
+
+
+# JSON and placements ----------------------------------------------------------------------------
+
+def read_json_file(path: str | Path, what: str) -> Any:
+    """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EplbError(f"{what} {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EplbError(f"{path}: not valid JSON ({exc})") from None
+
+
+def save_placement(placement: Placement, path: str | Path) -> Path:
+    """Write `placement` as eplb's JSON (lossless: weights, layer ids, planner, metrics); returns the path."""
+    path = Path(path)
+    path.write_text(json.dumps(placement.to_dict()) + "\n")
+    return path
+
+
+def load_placement(path: str | Path) -> Placement:
+    """Read eplb's placement JSON; an engine export (SGLang, vLLM, TensorRT-LLM) is named as such."""
+    path = Path(path)
+    fmt = _engine_format(path)
+    if fmt is None:
+        d = read_json_file(path, "placement file")
+        if isinstance(d, dict) and set(d) == {"physical_to_logical_map"}:
+            fmt = "sglang"  # SGLang's --init-expert-location file holds this key and nothing else
+        else:
+            return Placement.from_dict(d, source=str(path))
+    name = {"vllm": "vLLM .pt", "trtllm": "TensorRT-LLM YAML", "sglang": "SGLang JSON"}[fmt]
+    extra = "" if fmt == "vllm" else ", num_gpus=G"
+    raise EplbError(f"{path}: a {name} placement export, not an eplb placement file: read it with "
+                    f"eplb.formats.export.read_placement(path, '{fmt}'{extra}); eplb commands take the "
+                    f"file `eplb plan --format eplb` writes")
+
+
+def _engine_format(path: Path) -> str | None:
+    """Which non-JSON engine export a file looks like ("vllm", "trtllm"), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None  # read_json_file says what is wrong with the path
+    if head.startswith(b"PK\x03\x04"):
+        return "vllm"  # a torch .pt zip
+    if head.lstrip().startswith((b"num_slots:", b"initial_global_assignments:")):
+        return "trtllm"
+    return None

@@ -1,0 +1,141 @@
+"""Layers import only downward: the import graph of eplb/ and planners/, built from the source.
+
+Every `import` and `from ... import` counts, inside functions too (a lazy import hides an edge
+from start-up time, not from the design). `from eplb import stats` is an edge to `eplb.stats`;
+`eplb/__init__.py` is the facade: no module may import a name from `eplb` itself. The table
+below is docs/design.md's; a module matches its longest listed prefix, so a new module of a
+listed package (eplb.formats.x) needs no entry, and a new top-level module must get one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FACADE = "eplb"
+
+LAYERS: dict[str, int] = {
+    "eplb.errors": 0, "eplb._version": 0,
+    "eplb.files": 1, "eplb.progress": 1, "eplb.topology": 1,
+    "eplb.trace": 2, "eplb.placement": 2,
+    "eplb.stats": 3, "eplb.capacity": 3, "eplb.synth": 3,
+    "eplb.dispatch": 4, "eplb.cost": 4,
+    "eplb.planner_api": 5,
+    "planners": 6, "eplb.migration": 6, "eplb._search_kernel": 6, "eplb._schedule_kernel": 6,
+    "eplb.planning": 7,
+    "eplb.rebalance": 8, "eplb.policy": 8, "eplb.backtest": 8, "eplb.replay": 8,
+    "eplb.formats": 9, "eplb.plot": 9,
+    "eplb.collect": 10, "eplb.runtime": 10,
+    "eplb.integrations": 11,
+    "eplb.commands": 12, "eplb.cli": 12, "eplb.__main__": 12, FACADE: 12,
+}
+"""Module (or package prefix) -> layer, lowest first (docs/design.md, "Layers")."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources() -> dict[str, Path]:
+    files = sorted((ROOT / "eplb").rglob("*.py")) + sorted((ROOT / "planners").rglob("*.py"))
+    return {module_name(p): p for p in files}
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        layer = LAYERS.get(".".join(parts[:n]))
+        if layer is not None:
+            return layer
+    return None
+
+
+def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(imported project module, line) for every import statement of `module`'s source."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import: resolve against this module's package
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            # `from eplb import stats` imports the submodule eplb.stats; `from eplb.x import y` imports eplb.x.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t.split(".")[0] not in ("eplb", "planners"):
+                continue
+            while t not in known and "." in t:  # `import eplb.formats.sglang` names a module; so does its prefix
+                t = t.rpartition(".")[0]
+            if t != module:
+                found.append((t, node.lineno))
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, int]]]:
+    src = sources()
+    known = set(src)
+    return {m: imports(m, p, known) for m, p in src.items()}
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in sources() if layer_of(m) is None]
+    assert not missing, f"modules without a layer in LAYERS (and docs/design.md): {missing}"
+
+
+def test_no_module_imports_the_facade():
+    bad = [f"{m} line {line}" for m, edges in graph().items() if m != FACADE
+           for t, line in edges if t == FACADE]
+    assert not bad, f"import a name from its own module, not from the eplb facade: {bad}"
+
+
+def test_no_edge_points_to_a_higher_layer():
+    bad = []
+    for m, edges in graph().items():
+        for t, line in edges:
+            if t != FACADE and layer_of(t) > layer_of(m):
+                bad.append(f"{m} (layer {layer_of(m)}) -> {t} (layer {layer_of(t)}), line {line}")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    g = {m: sorted({t for t, _ in edges if t != FACADE}) for m, edges in graph().items()}
+    # A package imports its own submodules (eplb.formats re-exports eplb.formats.detect): that
+    # is one node, not a cycle, unless a submodule imports its package back for a name.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in g.get(m, ()):
+            if state.get(t) == 1:
+                cycle = stack[stack.index(t):] + [t]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+
+
+def test_the_table_matches_docs_design():
+    """Every layer named here is named in docs/design.md's table (the doc is the design)."""
+    doc = (ROOT / "docs" / "design.md").read_text()
+    public = [m for m in LAYERS if m != FACADE and not m.rpartition(".")[2].startswith("_")]
+    missing = [m for m in public if (ROOT / Path(*m.split("."))).with_suffix(".py").exists()
+               and f"`{m.replace('.', '/')}" not in doc]
+    assert not missing, f"modules in LAYERS but not in docs/design.md: {missing}"
