@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
@@ -44,6 +44,11 @@ class PlanRequest:
     """Expert groups of group-limited routing (DeepSeek-V3: 8), for node-aware planners."""
     previous: Placement | None = None
     """The placement now being served (migration-aware planners keep its replicas in place)."""
+    objective: Any = "tokens"
+    """What the loads are: "tokens", or an `eplb.cost.TimeObjective` (then load_LE and
+    history_TLE hold each expert's expected seconds per step on one replica)."""
+    topk_ids_NLK: np.ndarray | None = None
+    """Per-token expert choices [N, L, K] when the trace carries them (traffic-aware planners)."""
 
     @property
     def num_layers(self) -> int:
@@ -218,6 +223,7 @@ def plan(
     move_cost: float = 0.0,
     bytes_per_expert: int | None = None,
     span_cost: float | None = None,
+    objective: Any = "tokens",
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -234,6 +240,9 @@ def plan(
     in moves (eplb.migration.Budget.span_cost, default 1), so that search keeps node locality.
     Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_expert_groups) refuse 2.5 or
     "4" rather than truncate them; the migration options without `previous` are refused.
+    objective: "tokens" (balance token loads), or an `eplb.cost.TimeObjective` (balance modeled
+    per-GPU time: planners see each expert's expected time on one replica instead of its
+    tokens); the result is still scored in tokens, and `info["objective"]` says what was planned.
     """
     num_gpus = whole_setting("num_gpus", num_gpus, 1)
     num_nodes = whole_setting("num_nodes", num_nodes, 1)
@@ -255,7 +264,11 @@ def plan(
         if given:
             raise EplbError(f"{', '.join(given)}: migration options need the placement now served "
                             f"(previous=... / --previous OLD.json); drop them for a plan from scratch")
+    from eplb.cost import check_objective
+
+    objective = check_objective(objective)
     history_TLE, layer_ids, meta = as_history(loads_or_trace)
+    topk_ids_NLK = loads_or_trace.topk_ids_NLK if isinstance(loads_or_trace, Trace) else None
     load_LE = stats.aggregate(history_TLE, aggregate, window=window, alpha=alpha)
     L, E = load_LE.shape
     if num_expert_groups is not None and E % num_expert_groups:
@@ -287,7 +300,12 @@ def plan(
                 f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
                 f"on a trace of the same model"
             )
-    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous)
+    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous, objective,
+                          topk_ids_NLK)
+    if objective != "tokens":
+        # Planners balance whatever load they are given: hand them expected seconds per expert.
+        request = replace(request, load_LE=objective.planning_load(load_LE, topo.num_gpus),
+                          history_TLE=objective.planning_load(history_TLE, topo.num_gpus))
     impl = get_planner(planner, **(settings or {}))
     t0 = time.perf_counter()
     sol = impl.plan(request)
@@ -297,6 +315,9 @@ def plan(
 
         budget = migration.Budget(max_moves, max_moves_per_gpu, move_cost, 1.0 if span_cost is None else span_cost)
         sol = migration.adapt_solution(request, sol, budget, bytes_per_expert)
+    if objective != "tokens":
+        sol = replace(sol, info={**sol.info, "objective": objective.describe(topo.num_gpus)})
+        request = replace(request, load_LE=load_LE, history_TLE=history_TLE)  # scored in tokens, as always
     return finish(request, sol, planner, seconds)
 
 
@@ -327,6 +348,8 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
         "balancedness": after.balancedness,
         "contiguous_imbalance_median": float(np.median(before.imbalance_L)),
     }
+    if request.objective != "tokens":
+        metrics["objective"] = request.objective.name
     placement = Placement(placement.phy2log_LP, placement.num_gpus, placement.num_logical_experts,
                           placement.num_nodes, placement.layer_ids, placement.dispatch_weights_LP,
                           planner, metrics)

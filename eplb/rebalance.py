@@ -102,6 +102,8 @@ class Rebalancer:
     num_expert_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
       placements over several nodes, for `span_cost`: spreading a group onto one more node
       costs that many moves (Budget.span_cost), which keeps a node-aware plan's locality.
+    objective: "tokens", or an `eplb.cost.TimeObjective`, handed to `eplb.plan` (the decision
+      to rebalance still compares token loads with their lower bound).
     """
 
     def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
@@ -109,7 +111,7 @@ class Rebalancer:
                  settings: dict | None = None, max_moves: int | None = None,
                  max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
                  bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
-                 num_expert_groups: int | None = None, span_cost: float = 1.0):
+                 num_expert_groups: int | None = None, span_cost: float = 1.0, objective="tokens"):
         from eplb.migration import _check_count
 
         if not isinstance(placement, Placement):
@@ -154,6 +156,9 @@ class Rebalancer:
         self.alpha = None if alpha is None else float(alpha)
         self.interval = int(interval)
         self.min_improvement = float(min_improvement)
+        from eplb.cost import check_objective
+
+        self.objective = check_objective(objective)
         self.planner = planner
         self.settings = dict(settings or {})
         self.bytes_per_expert = bytes_per_expert
@@ -350,6 +355,7 @@ class Rebalancer:
         t0 = time.perf_counter()
         res = plan(load, num_gpus=pl.num_gpus, num_nodes=pl.num_nodes, slots_per_gpu=pl.slots_per_gpu,
                    planner=self.planner, settings=self.settings, num_expert_groups=self.num_expert_groups, previous=pl,
+                   objective=self.objective,
                    max_moves=self.budget.max_moves, max_moves_per_gpu=self.budget.max_moves_per_gpu,
                    move_cost=self.budget.move_cost, bytes_per_expert=self.bytes_per_expert,
                    span_cost=self.budget.span_cost)
@@ -387,7 +393,7 @@ class Rebalancer:
         lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
         # Surviving ranks need not split evenly over the old nodes: plan them as one node.
         target = plan(load, num_gpus=Ga, slots_per_gpu=S, planner=self.planner, settings=self.settings,
-                      num_expert_groups=self.num_expert_groups)
+                      num_expert_groups=self.num_expert_groups, objective=self.objective)
         budget = self.budget
         phy, _perm, info = migrate(load, old_LP, target.placement.phy2log_LP, Ga, 1, budget)
         new = Placement(phy, Ga, E, 1, pl.layer_ids, planner=target.planner)
