@@ -123,7 +123,7 @@ class CostModel:
         return (f"{self.model.name} experts ({self.expert_dtype}, {self.weight_bytes / 2**20:.1f} MiB each) on "
                 f"{hw.name}: {_rate(hw.flops(self.expert_dtype), 'FLOP/s')}, HBM {_rate(hw.hbm_bytes_per_s, 'B/s')}, "
                 f"NVLink {_rate(hw.nvlink_bytes_per_s, 'B/s')}, inter-node {_rate(hw.internode_bytes_per_s, 'B/s')} "
-                f"per GPU; memory-bound below {self.knee_rows():,.0f} rows per replica"
+                f"per GPU; memory-bound below {self.knee_rows():,.3g} rows per replica"
                 + ("; communication overlapped" if self.overlap else ""))
 
 

@@ -105,6 +105,12 @@ class TimeSolver:
                                   (lay * (P + 1))[:, None] + slot_LCKX[:, c][ok][:, :width],
                                   (lay * (G + 1))[:, None] + gpu_LCKX[:, c][ok][:, :width], lay))
         self.num_colours, self.X = C, X
+        # Step 1 and the shares as flat gathers: home slot of every expert, expert of every slot.
+        self._home_flat = (np.arange(L)[:, None] * (P + 1) + self.home_LE).ravel()
+        self._home_gpu_flat = (np.arange(L)[:, None] * G + gpu_P[self.home_LE]).ravel()
+        self._phy_flat = (np.arange(L)[:, None] * E + placement.phy2log_LP).ravel()
+        self._even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
+        self._ks = [np.arange(1, c[1].shape[1] + 1, dtype=np.float64) for c in self._colours]
         hw = cost.hardware
         self._overhead = hw.expert_overhead_s
         self._stream = cost.weight_bytes / hw.hbm_bytes_per_s
@@ -129,35 +135,47 @@ class TimeSolver:
         if not np.all(np.isfinite(counts)) or (counts.size and counts.min() < 0):
             raise EplbError("counts must be finite and non-negative")
         whole = bool(np.array_equal(counts, np.floor(counts)))
-        # Step 1: experts on one GPU keep their rows there.
-        rows = np.zeros((L, P + 1))
-        rows[np.arange(L)[:, None], self.home_LE] += np.where(self.multi_LE, 0.0, counts)
-        busy = np.full((L, G + 1), np.inf)
-        busy[:, :G] = self._seconds(rows[:, :P]).reshape(L, G, -1).sum(axis=2)
-        rows, busy = rows.reshape(-1), busy.reshape(-1)
         flat_counts = counts.reshape(-1)
+        # Step 1: experts on one GPU keep their rows there (one home slot each: no two share one).
+        fixed = np.where(self.multi_LE.reshape(-1), 0.0, flat_counts)
+        rows = np.bincount(self._home_flat, weights=fixed, minlength=L * (P + 1))
+        busy = np.full((L, G + 1), np.inf)
+        busy[:, :G] = np.bincount(self._home_gpu_flat, weights=self._seconds(fixed), minlength=L * G).reshape(L, G)
+        busy = busy.reshape(-1)
         # Step 2: one colour at a time, every layer at once.
         with np.errstate(invalid="ignore"):                         # padding replicas are +inf busy
-            for count_R, slot_RX, gpu_RX, layer_R in self._colours:
+            for (count_R, slot_RX, gpu_RX, layer_R), ks in zip(self._colours, self._ks):
                 n_R = flat_counts[count_R]
                 base_RX = busy[gpu_RX]
-                order_RX = np.argsort(base_RX, axis=1, kind="stable")
-                ar = np.arange(len(n_R))[:, None]
-                b_RX = base_RX[ar, order_RX]
+                R = len(n_R)
+                # All rows on the least busy replica is the least work; where that leaves the
+                # layer's busiest GPU as it is, it is the choice, and nothing needs sorting.
+                first_R = base_RX.argmin(axis=1)
+                one_R = self._seconds(n_R)
                 layer_max_R = busy.reshape(L, G + 1)[:, :G].max(axis=1)[layer_R]
-                take_RX = np.empty_like(b_RX)
-                take_RX[ar, order_RX] = self._options(n_R, b_RX, layer_max_R, whole)
+                hard = np.flatnonzero(base_RX[np.arange(R), first_R] + one_R > layer_max_R)
+                take_RX = np.zeros_like(base_RX)
+                take_RX[np.arange(R), first_R] = n_R
+                if hard.size:
+                    sub_RX = base_RX[hard]
+                    order_RX = np.argsort(sub_RX, axis=1, kind="stable")
+                    ar = np.arange(hard.size)[:, None]
+                    amount_RX = np.empty_like(sub_RX)
+                    amount_RX[ar, order_RX] = self._options(n_R[hard], sub_RX[ar, order_RX], layer_max_R[hard],
+                                                            whole, ks)
+                    take_RX[hard] = amount_RX
                 # Experts of one colour use distinct GPUs: the fancy-index updates do not collide
                 # (only the padding slot and GPU repeat, and they only ever get 0).
                 rows[slot_RX] += take_RX
                 busy[gpu_RX] += self._seconds(take_RX)
-        return _to_shares(p, counts, rows.reshape(L, P + 1)[:, :P])
+        count_LP = flat_counts[self._phy_flat].reshape(L, P)
+        rows_LP = rows.reshape(L, P + 1)[:, :P]
+        return np.where(count_LP > 0, rows_LP / np.where(count_LP > 0, count_LP, 1.0), self._even_LP)
 
-    def _options(self, n_R, b_RX, layer_max_R, whole: bool) -> np.ndarray:
+    def _options(self, n_R, b_RX, layer_max_R, whole: bool, ks) -> np.ndarray:
         """Rows for each of the X least busy replicas (sorted by busy time), [R, X]."""
         R, X = b_RX.shape
         ar = np.arange(R)
-        ks = np.arange(1, X + 1)
         # j >= 2: water-fill over the j least busy with cost fixed + slope x rows per replica,
         # in the regime its rows per replica fall in (compute-bound: no streaming term).
         compute_RX = n_R[:, None] / ks >= self._knee
@@ -172,6 +190,10 @@ class TimeSolver:
         work_RX[:, 0] = one_R
         # Lowest busiest GPU first; ties (under the layer's busiest) go to the least work.
         j_R = (np.maximum(touched_RX, layer_max_R[:, None]) + 1e-9 * work_RX).argmin(axis=1)
+        if not j_R.any():                                          # every expert on one replica (decode)
+            amount_RX = np.zeros_like(b_RX)
+            amount_RX[:, 0] = n_R
+            return amount_RX
         level_R, fixed_R, slope_R = level_RX[ar, j_R], fixed_RX[ar, j_R], slope_RX[ar, j_R]
         used_RX = np.arange(X)[None, :] <= j_R[:, None]
         amount_RX = np.where(used_RX, np.maximum((level_R - fixed_R)[:, None] - b_RX, 0.0) / slope_R[:, None], 0.0)
@@ -201,10 +223,3 @@ def _colour(multi_LE, n_gpus_LE, gpu_LEX, use_LEX, num_gpus: int) -> list[list[l
                 taken_G[g].add(c)
         groups.append(layer)
     return groups
-
-
-def _to_shares(placement: Placement, counts_LE: np.ndarray, rows_LP: np.ndarray) -> np.ndarray:
-    """Rows per slot -> shares of each expert's count (even split where the count is 0)."""
-    count_LP = np.take_along_axis(counts_LE, placement.phy2log_LP, axis=1)
-    even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
-    return np.where(count_LP > 0, rows_LP / np.where(count_LP > 0, count_LP, 1.0), even_LP)

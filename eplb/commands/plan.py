@@ -51,8 +51,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set time_limit=30 (repeatable)")
     from eplb.capacity import add_arguments as add_capacity_arguments
+    from eplb.commands.simulate import add_cost_arguments
 
     add_capacity_arguments(p, for_plan=True)
+    p.add_argument("--objective", choices=("tokens", "time"), default="tokens",
+                   help="balance token loads (default), or modeled per-GPU time (needs --model and --hardware; "
+                        "serve it with the per-batch time dispatch)")
+    add_cost_arguments(p, model_flag=False)
     add_output_flags(p)
     return p
 
@@ -92,10 +97,12 @@ def run(args) -> int:
         raise EplbError(f"--format {args.format} sets the file format of --output: add -o FILE")
     args.format = args.format or "eplb"
     if args.slots_per_gpu != "auto":
-        given = [f"--{k.replace('_', '-')}" for k in ("model", "gpu_memory", "context", "concurrency", "expert_dtype")
-                 if getattr(args, k) is not None]
+        # --model and --expert-dtype also describe the experts to the cost model (with --hardware).
+        sizing = ("gpu_memory", "context", "concurrency") + (() if args.hardware else ("model", "expert_dtype"))
+        given = [f"--{k.replace('_', '-')}" for k in sizing if getattr(args, k) is not None]
         if given:
             raise EplbError(f"{', '.join(given)} size the slots only with --slots-per-gpu auto: add it, or drop them")
+    objective = _objective(args)
     if args.output is not None:
         check_output_path(args.output, "the placement")  # before planning, which may take minutes
     trace = load_history(args.traces)
@@ -134,7 +141,7 @@ def run(args) -> int:
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
         num_expert_groups=args.expert_groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
-        bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
+        bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost, objective=objective,
     )
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
@@ -152,8 +159,10 @@ def run(args) -> int:
         scored += [("previous", previous)] if previous is not None else []
         window_bal = {name: window_balancedness(p, trace.counts_TLE)
                       for name, p in scored + [("plan", result.placement)]}
+    modeled = _modeled(args, result.placement, trace, objective) if args.hardware else None
     if args.json:
         out = result.summary()
+        out["modeled"] = modeled
         out["window_balancedness"] = None if window_bal is None else {k: v.tolist() for k, v in window_bal.items()}
         out["output"] = args.output
         out["format"] = args.format
@@ -205,9 +214,53 @@ def run(args) -> int:
         if "group_span_after" in migration:
             print(f"expert groups span {migration['group_span_before']:.2f} -> {migration['group_span_after']:.2f} "
                   f"nodes on average (--span-cost {migration['span_cost']:g})")
+    if modeled:
+        from eplb.commands.simulate import modeled_table
+
+        print(f"modeled ({modeled['model']} on {modeled['hardware']}, {modeled['phase']}, dispatch "
+              f"{modeled['dispatch']}; {modeled['batches']}; on the planning trace):")
+        print(modeled_table(modeled))
     if args.output:
         print(f"wrote {args.output} ({args.format})")
     return 0
+
+
+def _objective(args):
+    """"tokens", or the TimeObjective the cost options describe (refusing options that need others)."""
+    from eplb.errors import EplbError
+
+    cost_opts = [f"--{k.replace('_', '-')}" for k in ("phase", "batch_tokens") if getattr(args, k) is not None]
+    cost_opts += ["--overlap"] if args.overlap else []
+    if args.hardware is None:
+        if args.objective == "time":
+            raise EplbError("--objective time balances modeled time: give --model M and --hardware H "
+                            "(e.g. --model deepseek-v3 --hardware h200)")
+        if cost_opts:
+            raise EplbError(f"{', '.join(cost_opts)} describe the cost model: add --hardware (and --model)")
+        return "tokens"
+    if args.model is None:
+        raise EplbError("--hardware needs --model: the experts' shape (e.g. --model deepseek-v3)")
+    if args.objective == "tokens":
+        return "tokens"
+    from eplb.commands.simulate import cost_from_args
+    from eplb.cost import TimeObjective
+
+    return TimeObjective(cost_from_args(args), batch_tokens=args.batch_tokens, phase=args.phase or "decode")
+
+
+def _modeled(args, placement, trace, objective) -> dict:
+    """Modeled step time of the plan and the contiguous placement on the planning trace."""
+    from eplb.commands.simulate import batch_from_args, cost_from_args
+    from eplb.simulate import simulate
+
+    cost = objective.cost if objective != "tokens" else cost_from_args(args)
+    B, phase = batch_from_args(args, placement.num_gpus)
+    rule = "time" if objective != "tokens" else "even"
+    rep = simulate(cost, placement, trace, rule=rule, batch_tokens=B,
+                   batches_per_window=max(1, 64 // trace.num_windows), seed=0)
+    out = rep.summary()
+    out.update({"model": cost.model.name, "hardware": cost.hardware.name, "phase": phase})
+    return out
 
 
 def write_placement(placement, path: str, fmt: str, meta: dict) -> None:

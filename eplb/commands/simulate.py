@@ -8,7 +8,8 @@ from eplb.commands.common import add_command, add_output_flags, format_table, po
 
 
 def add_cost_arguments(p, *, model_flag: bool = True) -> None:
-    """Cost-model options shared by `simulate` and `plan` (plan has --model already)."""
+    """Cost-model options shared by `simulate` and `plan` (plan's capacity options already have
+    --model and --expert-dtype, which it shares)."""
     from eplb.capacity import DTYPE_BITS, PRESETS
     from eplb.cost import PHASE_TOKENS_PER_GPU, PHASES
     from eplb.hardware import PROFILES
@@ -22,8 +23,9 @@ def add_cost_arguments(p, *, model_flag: bool = True) -> None:
                         + ", ".join(f"{k} {v} tokens per GPU" for k, v in PHASE_TOKENS_PER_GPU.items()))
     g.add_argument("--batch-tokens", type=positive_int, metavar="B",
                    help="tokens per step over all GPUs (default: the phase's tokens per GPU x GPUs)")
-    g.add_argument("--expert-dtype", dest="cost_expert_dtype", default=None, choices=list(DTYPE_BITS),
-                   help="dtype of the experts' weights and GEMMs (default fp8)")
+    if model_flag:
+        g.add_argument("--expert-dtype", default=None, choices=list(DTYPE_BITS),
+                       help="dtype of the experts' weights and GEMMs (default fp8)")
     g.add_argument("--overlap", action="store_true",
                    help="communication hidden under computation (two-micro-batch overlap)")
 
@@ -32,8 +34,7 @@ def cost_from_args(args):
     """The CostModel the options describe."""
     from eplb.cost import cost_model
 
-    return cost_model(args.model, args.hardware, expert_dtype=args.cost_expert_dtype or "fp8",
-                      overlap=bool(args.overlap))
+    return cost_model(args.model, args.hardware, expert_dtype=args.expert_dtype or "fp8", overlap=bool(args.overlap))
 
 
 def batch_from_args(args, num_gpus: int) -> tuple[int, str]:
