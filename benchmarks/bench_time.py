@@ -227,11 +227,13 @@ def part_shim(args, out: list[str]) -> dict:
     return {"r2": rep["r2_compute_held_out"], "wins": wins}
 
 
-def _timed(f, repeats: int) -> tuple[float, float]:
+def _timed(f, repeats: int, inputs=None) -> tuple[float, float]:
+    """Median wall and CPU seconds of f() (or f(x) for x cycling through `inputs`)."""
     wall, cpu = [], []
-    for _ in range(repeats):
+    for i in range(repeats):
+        x = None if inputs is None else inputs[i % len(inputs)]
         t0, c0 = time.perf_counter(), time.process_time()
-        f()
+        f() if inputs is None else f(x)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return float(np.median(wall)), float(np.median(cpu))
@@ -246,10 +248,10 @@ def part_speed(args, out: list[str]) -> dict:
     batches, _ = cut_batches(tr, 8, 32, 50, seed=0)
     td, rs = TimeDispatch(cost).bind(pl), Resplitter(pl)
     rows = []
-    for label, f in (("time dispatch", lambda b: td(b.counts_LE)), ("token re-split, 1 sweep", lambda b: rs(b.counts_LE, 1)),
-                     ("token re-split, 8 sweeps", lambda b: rs(b.counts_LE, 8))):
-        it = iter(batches * 4)
-        w, c = _timed(lambda: f(next(it)), 100)
+    rules = (("time dispatch", lambda b: td(b.counts_LE)), ("token re-split, 1 sweep", lambda b: rs(b.counts_LE, 1)),
+             ("token re-split, 8 sweeps", lambda b: rs(b.counts_LE, 8)))
+    for label, f in rules:
+        w, c = _timed(f, 100, batches)
         rows.append([label, 1e3 * w, 1e3 * c])
     sim_w, _ = _timed(lambda: simulate(cost, pl, tr, rule="even", batch_tokens=4096), 5)
     sim_t, _ = _timed(lambda: simulate(cost, pl, tr, rule="time", batch_tokens=32), 3)
@@ -270,7 +272,8 @@ def part_speed(args, out: list[str]) -> dict:
     torch_loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
                                   env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip()
     out += ["## Part 4: speed (58 layers x 256 experts, 32 GPUs, 288 slots; this 2-core shared machine)", "",
-            "```", format_table(["per-batch rule (58 layers, 32-token batches)", "median wall ms", "median CPU ms"], rows),
+            "```", format_table(["per-batch rule (58 layers, 32-token batches)", "median wall ms", "median CPU ms"],
+                                rows),
             "```", "",
             f"`simulate` in-process on {name} (58 x 256): {1e3 * sim_w:.0f} ms with the default 8 batches of "
             f"4096 tokens under the even split, {1e3 * sim_t:.0f} ms with 8 batches of 32 tokens under the time "
