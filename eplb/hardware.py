@@ -119,12 +119,12 @@ _GPU_OVERHEADS = {"expert_overhead_s": 2e-6, "a2a_latency_s": 1e-5}
 PROFILES: dict[str, Hardware] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): FP8 3,958 / BF16 1,979 TFLOPS with sparsity,
     # HBM3 3.35 TB/s, NVLink 900 GB/s.
-    "h100": Hardware("H100 SXM", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "h100": Hardware("H100 SXM", {"bf16": 989.5e12, "fp16": 989.5e12, "fp8": 1979e12},
                      hbm_bytes_per_s=3.35e12, nvlink_bytes_per_s=450e9, internode_bytes_per_s=50e9,
                      **_GPU_OVERHEADS, source="NVIDIA H100 datasheet (SXM5); ConnectX-7 400 Gb/s per GPU"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same tensor cores as H100, HBM3e 4.8 TB/s,
     # NVLink 900 GB/s.
-    "h200": Hardware("H200 SXM", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+    "h200": Hardware("H200 SXM", {"bf16": 989.5e12, "fp16": 989.5e12, "fp8": 1979e12},
                      hbm_bytes_per_s=4.8e12, nvlink_bytes_per_s=450e9, internode_bytes_per_s=50e9,
                      **_GPU_OVERHEADS, source="NVIDIA H200 datasheet (SXM); ConnectX-7 400 Gb/s per GPU"),
     # NVIDIA HGX B200 / DGX B200 datasheets, per GPU: FP4 18 / FP8 9 / BF16 4.5 PFLOPS with
@@ -179,6 +179,16 @@ def load_hardware(path: str | Path) -> Hardware:
     return hardware_from_dict(d, source=str(path))
 
 
+def _number(v: Any) -> Any:
+    """A float from numeric text ("4.8e12"); anything else as it is (the value checks name it)."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return v
+
+
 def hardware_from_dict(d: Any, *, source: str = "profile") -> Hardware:
     """A Hardware from a mapping of its fields; every missing one is named."""
     if not isinstance(d, Mapping):
@@ -189,6 +199,13 @@ def hardware_from_dict(d: Any, *, source: str = "profile") -> Hardware:
     if unknown:
         raise EplbError(f"{source}: unknown field(s) {', '.join(unknown)}; a profile has "
                         f"{', '.join(sorted(known - {'extra'}))}")
+    # PyYAML (YAML 1.1) reads 4.8e12, without a sign in the exponent, as text: take numeric text.
+    for key in (*NUMBER_FIELDS, *OVERHEAD_FIELDS):
+        d[key] = _number(d[key]) if key in d else d.get(key)
+        if d[key] is None:
+            del d[key]
+    if isinstance(d.get("flops_per_s"), Mapping):
+        d["flops_per_s"] = {k: _number(v) for k, v in d["flops_per_s"].items()}
     base_name = d.pop("base", None)
     if base_name is not None:
         if str(base_name).lower() not in PROFILES:

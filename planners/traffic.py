@@ -17,7 +17,8 @@ Step 2: co-locate. Per layer, replica swaps between two GPUs, best first, while 
         once: with cnt[t, g] = replicas of token t on GPU g, moving replica a from GPU A to B
         saves the tokens with cnt[t, A] == 1 and costs those with cnt[t, B] == 0; a swap with
         b adds b's move and takes back the tokens that hold both (their GPUs do not change).
-Needs per-token expert choices (a trace with `topk_ids`); refuses to run without them.
+Needs per-token expert choices (a trace with `topk_ids`); without them it returns the base plan
+with status FALLBACK and says so.
 """
 
 from __future__ import annotations
@@ -145,10 +146,11 @@ class TrafficPlanner:
         self.max_swaps = whole_setting("max_swaps", max_swaps, 0)
 
     def plan(self, request: PlanRequest) -> Solution:
-        if request.topk_ids_NLK is None:
-            raise EplbError("planner traffic needs per-token expert choices: plan on a trace with topk_ids "
-                            "(eplb's collectors write them), or use another planner")
         base = self.base.plan(request)
+        if request.topk_ids_NLK is None or not len(request.topk_ids_NLK):
+            return Solution(base.phy2log_LP, base.dispatch_weights_LP, "FALLBACK",
+                            f"no per-token expert choices in the trace (topk_ids, which eplb's collectors write): "
+                            f"returned {self.base.name}'s plan without co-location", dict(base.info))
         ids_NLK = np.asarray(request.topk_ids_NLK[-self.max_tokens:], dtype=np.int64)
         phy2log_LP = np.array(base.phy2log_LP, dtype=np.int64)
         G = request.topology.num_gpus
