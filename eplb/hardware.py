@@ -134,11 +134,12 @@ PROFILES: dict[str, Hardware] = {
                      **_GPU_OVERHEADS, source="NVIDIA HGX B200 datasheet; ConnectX-7 400 Gb/s per GPU"),
     # This project's 2-core development machine (AMD EPYC, KVM), running the runtime shim in
     # fp32 with one torch thread per rank and gloo over loopback: fitted by `eplb calibrate`
-    # (4 ranks; docs/results/time.md has the fit and its R^2). Nodes do not exist there: the
+    # (4 ranks; docs/results/time.md has the fit and its R^2; fits of the shared machine vary
+    # from run to run, memory bandwidth most: 130-310 GB/s). Nodes do not exist there: the
     # inter-node figure is the same loopback transport.
-    "cpu": Hardware("2-core CPU (gloo)", {"fp32": 5.9e10},
-                    hbm_bytes_per_s=3.1e11, nvlink_bytes_per_s=7.8e7, internode_bytes_per_s=7.8e7,
-                    expert_overhead_s=6.8e-4, a2a_latency_s=1.1e-2,
+    "cpu": Hardware("2-core CPU (gloo)", {"fp32": 6.4e10},
+                    hbm_bytes_per_s=1.3e11, nvlink_bytes_per_s=2.4e7, internode_bytes_per_s=2.4e7,
+                    expert_overhead_s=6.5e-4, a2a_latency_s=1.0e-2,
                     source="fitted by eplb calibrate on the 2-core development machine"),
 }
 

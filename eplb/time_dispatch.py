@@ -15,6 +15,8 @@ Step 2: experts on several GPUs (most GPUs first) each pick j of their replicas 
         The j chosen gives the lowest resulting busiest GPU of the layer; among choices that
         leave the layer's busiest GPU where it is, the one with the least added work (usually
         j = 1: one weight stream).
+Step 3: a layer whose busiest GPU the even split would make less busy (in the model) keeps the
+        even split: the rule is never worse than it, layer by layer.
 It is the rule of `eplb.dispatch`'s Resplitter done for time instead of tokens: in prefill
 (hundreds of rows per expert, compute-bound) it splits hot experts like the token re-split;
 in decode it keeps each expert's few rows on one replica. The rule is built with a cost
@@ -45,6 +47,8 @@ class TimeDispatch:
         if not isinstance(self.cost, CostModel):
             raise EplbError(f"TimeDispatch needs a CostModel (eplb.cost.cost_model(...)), got "
                             f"{type(self.cost).__name__}")
+        if not isinstance(placement, Placement):
+            raise EplbError(f"TimeDispatch binds a Placement, got {type(placement).__name__}")
         solver = TimeSolver(placement, self.cost)
 
         def bound(counts_LE):
@@ -111,6 +115,17 @@ class TimeSolver:
         self._phy_flat = (np.arange(L)[:, None] * E + placement.phy2log_LP).ravel()
         self._even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
         self._ks = [np.arange(1, c[1].shape[1] + 1, dtype=np.float64) for c in self._colours]
+        # The even split, for Step 3: replicas of each slot's expert, the slot's rank among them
+        # (slot order), and the first copy on the same GPU that its rows are counted with.
+        from eplb.cost import first_copy_LP
+
+        self._count_LP = np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
+        rank_LEX = np.broadcast_to(np.arange(X), log2phy_LEX.shape)
+        rank_flat = np.zeros(L * P, dtype=np.int64)
+        valid = log2phy_LEX >= 0
+        rank_flat[(np.arange(L)[:, None, None] * P + log2phy_LEX)[valid]] = rank_LEX[valid]
+        self._rank_LP = rank_flat.reshape(L, P)
+        self._first_flat = first_copy_LP(placement).ravel()
         hw = cost.hardware
         self._overhead = hw.expert_overhead_s
         self._stream = cost.weight_bytes / hw.hbm_bytes_per_s
@@ -170,7 +185,24 @@ class TimeSolver:
                 busy[gpu_RX] += self._seconds(take_RX)
         count_LP = flat_counts[self._phy_flat].reshape(L, P)
         rows_LP = rows.reshape(L, P + 1)[:, :P]
-        return np.where(count_LP > 0, rows_LP / np.where(count_LP > 0, count_LP, 1.0), self._even_LP)
+        shares_LP = np.where(count_LP > 0, rows_LP / np.where(count_LP > 0, count_LP, 1.0), self._even_LP)
+        # Step 3: keep the even split in layers where it is modeled faster (a greedy choice can
+        # lose to it between the regimes), so the rule is never worse than the even split.
+        even_LP = self._even_rows(count_LP, whole)
+        even_LG = self._seconds(even_LP).reshape(L, G, -1).sum(axis=2)
+        worse_L = busy.reshape(L, G + 1)[:, :G].max(axis=1) > even_LG.max(axis=1) * (1 + 1e-12)
+        return np.where(worse_L[:, None], self._even_LP, shares_LP)
+
+    def _even_rows(self, count_LP: np.ndarray, whole: bool) -> np.ndarray:
+        """Rows of every slot under the even split (whole rows round-robin in slot order, as
+        `eplb.cost.slot_rows` deals them), copies on one GPU counted with the first, [L, P]."""
+        if whole:
+            base_LP = np.floor(count_LP / self._count_LP)
+            rows_LP = base_LP + (self._rank_LP < count_LP - base_LP * self._count_LP)
+        else:
+            rows_LP = count_LP / self._count_LP
+        L, P = rows_LP.shape
+        return np.bincount(self._first_flat, weights=rows_LP.ravel(), minlength=L * P).reshape(L, P)
 
     def _options(self, n_R, b_RX, layer_max_R, whole: bool, ks) -> np.ndarray:
         """Rows for each of the X least busy replicas (sorted by busy time), [R, X]."""

@@ -142,3 +142,13 @@ def test_traffic_planner_without_tokens_says_it_fell_back():
     assert res.status == "FALLBACK" and not res.success and "no per-token expert choices" in res.message
     with pytest.raises(EplbError, match="tolerance must be a share"):
         eplb.plan(np.ones((1, 8)), num_gpus=2, planner="traffic", settings={"tolerance": 2})
+
+
+@pytest.mark.parametrize("B", [1, 16, 256, 4096])
+def test_never_worse_than_the_even_split_in_any_layer(B):
+    p, load = _placement(seed=B, L=6, G=8, redundant=24)
+    td, even = TimeDispatch(COST).bind(p), get_rule("even").bind(p)
+    for counts in _batches(load, B, 4, seed=B):
+        t = step_cost(COST, p, slot_rows(p, counts, td(counts)), B).compute_s_LG.max(axis=1)
+        e = step_cost(COST, p, slot_rows(p, counts, even(counts)), B).compute_s_LG.max(axis=1)
+        assert (t <= e * (1 + 1e-9)).all()
