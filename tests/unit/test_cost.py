@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -212,3 +216,16 @@ def test_rebalancer_hands_the_objective_to_plan():
     assert res.placement.metrics.get("objective") == "time"
     with pytest.raises(EplbError, match="needs a cost model"):
         eplb.Rebalancer(start, objective="time")
+
+
+def test_planning_and_simulating_for_time_never_import_torch():
+    code = ("import sys, numpy as np, eplb; from eplb.cost import TimeObjective, cost_model; "
+            "from eplb.simulate import simulate; from eplb.trace import load_trace; "
+            "t = load_trace('traces/deepseek.npz').windows(0, 2); c = cost_model('deepseek-v3', 'h200'); "
+            "r = eplb.plan(t, num_gpus=16, objective=TimeObjective(c, batch_tokens=32)); "
+            "simulate(c, r.placement, t, rule='time', batch_tokens=32, batches_per_window=1); "
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "False"
