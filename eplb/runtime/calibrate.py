@@ -210,7 +210,7 @@ def default_cases(num_ranks: int, num_logical_experts: int = 32, num_layers: int
     if G > E:
         raise EplbError(f"more ranks ({G}) than experts ({E})")
     pop_LE = popularity(L, E, settings.skew, settings.seed)
-    S = -(-E // G) + 2
+    S = min(-(-E // G) + 2, E)                       # two redundant slots per rank where they fit
     greedy = plan(pop_LE, num_gpus=G, slots_per_gpu=S, planner="greedy").placement
     cost = CostModel(shim_model(settings.hidden, settings.expert_hidden, E, settings.top_k, L), get_hardware(hardware),
                      expert_dtype="fp32", dispatch_dtype="fp32", combine_dtype="fp32")
