@@ -229,6 +229,11 @@ PRESETS: dict[str, ModelShape] = {
         num_attention_heads=128, num_kv_heads=128, head_dim=128, intermediate_size=18432,
         num_dense_layers=3, num_logical_experts=256, moe_intermediate_size=2048, num_shared_experts=1,
         top_k=8, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128),
+    "deepseek-v2-lite": ModelShape(
+        "DeepSeek-V2-Lite", num_hidden_layers=27, hidden_size=2048, vocab_size=102400,
+        num_attention_heads=16, num_kv_heads=16, head_dim=128, intermediate_size=10944,
+        num_dense_layers=1, num_logical_experts=64, moe_intermediate_size=1408, num_shared_experts=2,
+        top_k=6, kv_lora_rank=512, q_lora_rank=0, qk_rope_head_dim=64, v_head_dim=128),
     "kimi-k2": ModelShape(
         "Kimi-K2", num_hidden_layers=61, hidden_size=7168, vocab_size=163840,
         num_attention_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=18432,

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from eplb.cost import TimeObjective
 from eplb.dispatch import DispatchRule, PlanWeights
 from eplb.errors import EplbError
 from eplb.placement import Placement
@@ -41,6 +42,7 @@ PLANNERS: dict[str, str] = {
     "hierarchical": "planners.hierarchical:HierarchicalPlanner",
     "ilp": "planners.ilp:IlpPlanner",
     "robust": "planners.robust:RobustPlanner",
+    "traffic": "planners.traffic:TrafficPlanner",
 }
 """Built-in planners: name -> "module:Class" (a test checks it against the CLI's --planner choices)."""
 
@@ -66,6 +68,11 @@ class PlanRequest:
     dispatch: DispatchRule = field(default_factory=PlanWeights)
     """How the engine will split each expert's tokens among its replicas (eplb.dispatch); the
     default, "plan", serves the plan's own weights (an even split when it has none)."""
+    objective: str | TimeObjective = "tokens"
+    """What load_LE and history_TLE hold: "tokens", or, for an `eplb.cost.TimeObjective`, each
+    expert's expected seconds per step on one replica (the front door converts them)."""
+    topk_ids_NLK: np.ndarray | None = None
+    """Per-token expert choices [N, L, K] when the trace carries them (traffic-aware planners)."""
 
     @property
     def num_layers(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from eplb import migration, stats
+from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, PlanWeights, get_rule
 from eplb.errors import EplbError, whole_number
 from eplb.migration import Budget
@@ -49,6 +50,9 @@ class PlanResult:
     """The rule `after` and `before` are scored under (eplb.dispatch)."""
     layer_ids: np.ndarray | None = None
     """Hidden-layer index of each MoE layer [L] (None: 0..L-1)."""
+    objective: str | TimeObjective = "tokens"
+    """What the planner balanced: "tokens", or modeled time (an eplb.cost.TimeObjective); the
+    scores are in tokens either way."""
 
     def __post_init__(self) -> None:
         # Built now, not on first access: a planner's bad output fails in plan(), where it was made.
@@ -103,8 +107,15 @@ class PlanResult:
             "bound_ratio_max": float(np.max(after.bound_ratio_L)),
             "balancedness": after.balancedness,
             "contiguous_imbalance_median": float(np.median(self.before.imbalance_L)),
+            **self.objective_metrics,
         }
         return replace(self._plain, metrics=metrics)  # type: ignore[attr-defined]
+
+    @property
+    def objective_metrics(self) -> dict[str, str]:
+        """{"objective": "time"} for a plan made for modeled time (`eplb simulate` then serves it
+        with the time dispatch by default), else nothing."""
+        return {} if self.objective == "tokens" else {"objective": self.objective.name}
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary (what `eplb plan --json` prints)."""
@@ -233,6 +244,7 @@ def plan(
     previous: Placement | None = None,
     budget: Budget | None = None,
     dispatch: str | DispatchRule | None = None,
+    objective: str | TimeObjective = "tokens",
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -251,6 +263,10 @@ def plan(
     dispatch: the rule the engine will apply (eplb.dispatch.get_rule: a name or a DispatchRule;
     default "plan", the plan's own weights, else an even split). Planners read it from the
     request; the result's reports are scored under it.
+    objective: "tokens" (balance token loads), or an eplb.cost.TimeObjective (balance modeled
+    per-GPU time: planners, and the migration step, see each expert's expected seconds per step
+    on one replica instead of its tokens); the result is still scored in tokens, and
+    info["objective"] says what was planned for.
     """
     if settings is not None and not isinstance(settings, Mapping):
         raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
@@ -258,6 +274,7 @@ def plan(
     if num_expert_groups is not None:
         num_expert_groups = whole_number("num_expert_groups", num_expert_groups, 1)
     rule = get_rule("plan" if dispatch is None else dispatch)
+    objective = check_objective(objective)
     agg = stats.as_aggregation(aggregate)
     history_TLE, layer_ids, meta = as_history(loads)
     load_LE = agg(history_TLE)
@@ -271,7 +288,13 @@ def plan(
     _check_migration(previous, budget, L, E, topo)
     if num_expert_groups is None and meta.get("num_expert_groups"):
         num_expert_groups = int(meta["num_expert_groups"])
-    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous, rule)
+    topk_ids_NLK = loads.topk_ids_NLK if isinstance(loads, Trace) else None
+    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous, rule, objective,
+                          topk_ids_NLK)
+    if objective != "tokens":
+        # Planners balance whatever load they are given: hand them expected seconds per expert.
+        request = replace(request, load_LE=objective.planning_load(load_LE, topo.num_gpus),
+                          history_TLE=objective.planning_load(history_TLE, topo.num_gpus))
     impl = get_planner(planner, **(settings or {}))
     t0 = time.perf_counter()
     sol = impl.plan(request)
@@ -281,4 +304,7 @@ def plan(
     if previous is not None:
         budget = budget or Budget()
         sol = migration.adapt_solution(request, sol, budget, budget.bytes_per_expert)
-    return PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids)
+    if objective != "tokens":
+        sol = replace(sol, info={**sol.info, "objective": objective.describe(topo.num_gpus)})
+    # Scored on the token load, whatever the planner balanced.
+    return PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids, objective)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from eplb import stats
+from eplb.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, fraction, is_number, is_whole, whole_number
 from eplb.migration import Budget, MigrationPlan, schedule, warm_up
 from eplb.placement import Placement
@@ -104,12 +105,15 @@ class Rebalancer:
     num_expert_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
       placements over several nodes, for the budget's span_cost: spreading a group onto one more
       node costs that many moves, which keeps a node-aware plan's locality.
+    objective: "tokens", or an `eplb.cost.TimeObjective`, handed to `eplb.plan` (the decision
+      to rebalance still compares token loads with their lower bound).
     """
 
     def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
                  interval: int = 1000, min_improvement: float = 0.02, planner: str = "greedy",
                  settings: dict | None = None, budget: Budget | None = None,
-                 layers_per_chunk: int | None = None, num_expert_groups: int | None = None):
+                 layers_per_chunk: int | None = None, num_expert_groups: int | None = None,
+                 objective: str | TimeObjective = "tokens"):
         if not isinstance(placement, Placement) or placement.partial:
             what = "a partial Placement" if isinstance(placement, Placement) else type(placement).__name__
             raise EplbError(f"Rebalancer needs a Placement (the one the engine serves), got {what}")
@@ -132,6 +136,7 @@ class Rebalancer:
             raise EplbError(f"num_expert_groups must divide the {E} experts, got {num_expert_groups!r}")
         self.num_expert_groups = None if num_expert_groups is None else int(num_expert_groups)
         get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
+        self.objective = check_objective(objective)
         self.planner = planner
         self.settings = dict(settings or {})
         # Load the numba kernels of the migration step now (numba compiles and caches them on
@@ -337,12 +342,14 @@ class Rebalancer:
                             f"add ranks or slots per GPU (at least {-(-E // Ga)} per GPU on {Ga} ranks)")
         served = pl.on_gpus(alive) if failed.size else pl
         res = plan(load, topology=served.topology, planner=self.planner, settings=self.settings,
-                   num_expert_groups=self.num_expert_groups, previous=served, budget=self.budget)
+                   num_expert_groups=self.num_expert_groups, previous=served, budget=self.budget,
+                   objective=self.objective)
         sol, after = res.solution, res.after
         # The plan's own report, not PlanResult.placement: that one scores the contiguous baseline too.
         metrics = {"imbalance_median": float(np.median(after.imbalance_L)),
                    "imbalance_max": float(np.max(after.imbalance_L)),
-                   "bound_ratio_max": float(np.max(after.bound_ratio_L)), "balancedness": after.balancedness}
+                   "bound_ratio_max": float(np.max(after.bound_ratio_L)), "balancedness": after.balancedness,
+                   **res.objective_metrics}
         new = replace(served, phy2log_LP=sol.phy2log_LP, dispatch_weights_LP=sol.dispatch_weights_LP,
                       planner=res.planner, metrics=metrics, partial=False)
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.

@@ -17,12 +17,15 @@ from eplb.commands.common import (
     positive_int,
     print_json,
 )
+from eplb.commands.simulate import add_cost_arguments, batch_from_args, cost_from_args, modeled_table
+from eplb.cost import TimeObjective
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement
 from eplb.formats.export import FORMATS, write_placement
 from eplb.migration import Budget
 from eplb.placement import contiguous_placement
 from eplb.planner_api import planner_names, planner_settings
+from eplb.simulate import simulate
 from eplb.stats import AGGREGATIONS, Aggregation, evaluate, window_balancedness
 
 MIGRATION_FLAGS = ("max_moves", "max_moves_per_gpu", "move_cost", "span_cost", "bytes_per_expert")
@@ -70,6 +73,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set time_limit=30 (repeatable)")
     add_capacity_arguments(p, for_plan=True)
+    p.add_argument("--objective", choices=("tokens", "time"), default="tokens",
+                   help="balance token loads (default), or modeled per-GPU time (needs --model and --hardware; "
+                        "serve it with the per-batch time dispatch)")
+    add_cost_arguments(p, model_flag=False)
     add_output_flags(p)
     return p
 
@@ -99,8 +106,9 @@ def _check_flags(args) -> None:
     if args.format is not None and args.output is None:
         raise EplbError(f"--format {args.format} sets the file format of --output: add -o FILE")
     if args.slots_per_gpu != "auto":
-        given = [f"--{k.replace('_', '-')}" for k in ("model", "gpu_memory", "context", "concurrency", "expert_dtype")
-                 if getattr(args, k) is not None]
+        # --model and --expert-dtype also describe the experts to the cost model (with --hardware).
+        sizing = ("gpu_memory", "context", "concurrency") + (() if args.hardware else ("model", "expert_dtype"))
+        given = [f"--{k.replace('_', '-')}" for k in sizing if getattr(args, k) is not None]
         if given:
             raise EplbError(f"{', '.join(given)} size the slots only with --slots-per-gpu auto: add it, or drop them")
     if args.output is not None:
@@ -135,8 +143,39 @@ def _slots(args, trace, previous):
     return None, None
 
 
+def _objective(args) -> str | TimeObjective:
+    """"tokens", or the TimeObjective the cost options describe (refusing options that need others)."""
+    cost_opts = [f"--{k.replace('_', '-')}" for k in ("phase", "batch_tokens") if getattr(args, k) is not None]
+    cost_opts += ["--overlap"] if args.overlap else []
+    if args.hardware is None:
+        if args.objective == "time":
+            raise EplbError("--objective time balances modeled time: give --model M and --hardware H "
+                            "(e.g. --model deepseek-v3 --hardware h200)")
+        if cost_opts:
+            raise EplbError(f"{', '.join(cost_opts)} describe the cost model: add --hardware (and --model)")
+        return "tokens"
+    if args.model is None:
+        raise EplbError("--hardware needs --model: the experts' shape (e.g. --model deepseek-v3)")
+    if args.objective == "tokens":
+        return "tokens"
+    return TimeObjective(cost_from_args(args), batch_tokens=args.batch_tokens, phase=args.phase or "decode")
+
+
+def _modeled(args, placement, trace, objective) -> dict:
+    """Modeled step time of the plan and the contiguous placement on the planning trace."""
+    cost = objective.cost if objective != "tokens" else cost_from_args(args)
+    B, phase = batch_from_args(args, placement.num_gpus)
+    rule = "time" if objective != "tokens" else "even"
+    rep = simulate(cost, placement, trace, rule=rule, batch_tokens=B,
+                   batches_per_window=max(1, 64 // trace.num_windows), seed=0)
+    out = rep.summary()
+    out.update({"model": cost.model.name, "hardware": cost.hardware.name, "phase": phase})
+    return out
+
+
 def run(args) -> int:
     _check_flags(args)
+    objective = _objective(args)
     args.format = args.format or "eplb"
     trace = load_history(args.traces)
     if args.window is not None and args.window > trace.num_windows:
@@ -152,6 +191,7 @@ def run(args) -> int:
         trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
         num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
+        objective=objective,
     )
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
@@ -167,9 +207,11 @@ def run(args) -> int:
         scored = [("contiguous", contiguous_placement(pl.num_logical_experts, pl.topology, pl.layer_ids))]
         scored += [("previous", previous)] if previous is not None else []
         window_bal = {name: window_balancedness(p, trace.counts_TLE) for name, p in scored + [("plan", pl)]}
+    modeled = _modeled(args, result.placement, trace, objective) if args.hardware else None
     if args.json:
         migration = result.info.get("migration")
         out = result.summary()
+        out["modeled"] = modeled
         out["window_balancedness"] = None if window_bal is None else {k: v.tolist() for k, v in window_bal.items()}
         out["output"] = args.output
         out["format"] = args.format
@@ -178,11 +220,11 @@ def run(args) -> int:
         out["bytes_moved"] = migration["bytes"] if migration else None
         print_json(out)
     elif not args.quiet:
-        _print_report(args, trace, result, previous, capacity, window_bal)
+        _print_report(args, trace, result, previous, capacity, window_bal, modeled)
     return 0
 
 
-def _print_report(args, trace, result, previous, capacity, window_bal) -> None:
+def _print_report(args, trace, result, previous, capacity, window_bal, modeled) -> None:
     pl = result.placement
     print(f"{trace.num_layers} MoE layers x {trace.num_logical_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
@@ -223,5 +265,9 @@ def _print_report(args, trace, result, previous, capacity, window_bal) -> None:
         if "group_span_after" in migration:
             print(f"expert groups span {migration['group_span_before']:.2f} -> {migration['group_span_after']:.2f} "
                   f"nodes on average (--span-cost {migration['span_cost']:g})")
+    if modeled:
+        print(f"modeled ({modeled['model']} on {modeled['hardware']}, {modeled['phase']}, dispatch "
+              f"{modeled['dispatch']}; {modeled['batches']}; on the planning trace):")
+        print(modeled_table(modeled))
     if args.output:
         print(f"wrote {args.output} ({args.format})")

@@ -1,0 +1,154 @@
+"""The per-batch time dispatch (eplb.time_dispatch) and the traffic-aware planner."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb.cost import cost_model, slot_rows, step_cost
+from eplb.dispatch import get_rule
+from eplb.errors import EplbError
+from eplb.placement import Placement
+from eplb.simulate import get_dispatch
+from eplb.time_dispatch import TimeDispatch
+from eplb.trace import Trace
+from planners.traffic import colocate_layer
+
+COST = cost_model("deepseek-v3", "h200")
+
+
+def _placement(seed=0, L=4, E=256, G=16, redundant=32):
+    rng = np.random.default_rng(seed)
+    load = np.floor(rng.pareto(1.0, (L, E)) * 100) + 1
+    return eplb.plan(load, num_gpus=G, num_redundant=redundant).placement, load
+
+
+def _batches(load, B, n, seed=1, K=8):
+    rng = np.random.default_rng(seed)
+    return [rng.multinomial(B * K, load / load.sum(axis=1, keepdims=True)).astype(float) for _ in range(n)]
+
+
+def test_shares_are_valid_and_rows_whole():
+    p, load = _placement()
+    td = TimeDispatch(COST).bind(p)
+    for counts in _batches(load, 32, 5) + _batches(load, 4096, 2):
+        w = td(counts)
+        sums = np.zeros_like(counts)
+        np.add.at(sums, (np.arange(p.num_layers)[:, None], p.phy2log_LP), w)
+        np.testing.assert_allclose(sums, 1.0)
+        assert w.min() >= 0
+        rows = slot_rows(p, counts, w)
+        np.testing.assert_allclose(rows, np.rint(rows))
+        np.testing.assert_allclose(rows.sum(axis=1), counts.sum(axis=1))
+
+
+def test_small_batches_wake_fewer_replicas_and_lower_the_busiest_gpu():
+    p, load = _placement()
+    td, even = TimeDispatch(COST).bind(p), get_rule("even").bind(p)
+    busiest = {"even": [], "time": []}
+    for counts in _batches(load, 32, 20):
+        steps = {name: step_cost(COST, p, slot_rows(p, counts, bound(counts)), 32)
+                 for name, bound in (("even", even), ("time", td))}
+        assert steps["time"].active_LG.sum() <= steps["even"].active_LG.sum()
+        for name, s in steps.items():
+            busiest[name].append(s.busiest_compute_seconds)
+    assert np.mean(busiest["time"]) < 0.95 * np.mean(busiest["even"])
+    assert max(t / e for t, e in zip(busiest["time"], busiest["even"])) <= 1.0
+
+
+def test_compute_bound_batches_split_hot_experts():
+    """In prefill an expert with thousands of rows is split over its replicas, as the token
+    re-split would; a 1-token decode batch sends each expert to one replica."""
+    p = Placement(np.array([[0, 1, 0, 2]]), 2, 3)                  # expert 0 on both GPUs
+    td = TimeDispatch(COST).bind(p)
+    w = td(np.array([[20000.0, 10.0, 10.0]]))
+    assert 0.3 < w[0, 0] < 0.7 and 0.3 < w[0, 2] < 0.7
+    w = td(np.array([[1.0, 1.0, 0.0]]))
+    assert sorted(w[0, [0, 2]].tolist()) == [0.0, 1.0]
+    assert w[0, 2] == 1.0                                           # GPU 1 holds nothing else that is busy
+
+
+def test_time_rule_contract():
+    p, _ = _placement(L=1)
+    with pytest.raises(EplbError, match="pass counts"):
+        TimeDispatch(COST).bind(p)(None)
+    with pytest.raises(EplbError, match=r"counts have shape \(2, 256\).*\(1, 256\)"):
+        TimeDispatch(COST).bind(p)(np.ones((2, 256)))
+    with pytest.raises(EplbError, match="needs a CostModel"):
+        TimeDispatch("h200").bind(p)
+    assert get_dispatch("time", COST).name == "time" and get_dispatch("even", COST).name == "even"
+    with pytest.raises(EplbError, match="unknown dispatch rule 'fast'.*time"):
+        get_dispatch("fast", COST)
+
+
+# Traffic-aware placement ----------------------------------------------------------------------------
+
+
+def _clustered_tokens(E=32, clusters=8, K=4, N=3000, L=2, seed=0):
+    """Tokens that pick all K experts inside one of `clusters` groups of experts (shuffled ids)."""
+    rng = np.random.default_rng(seed)
+    size = E // clusters
+    ids = np.empty((N, L, K), dtype=np.int64)
+    for l in range(L):
+        perm = rng.permutation(E).reshape(clusters, size)
+        c = rng.integers(0, clusters, N)
+        ids[:, l] = np.stack([rng.choice(perm[ci], K, replace=False) for ci in c])
+    counts = np.stack([np.bincount(ids[:, l].ravel(), minlength=E) for l in range(L)])[None]
+    meta = {"model": None, "num_hidden_layers": L, "num_experts": E, "top_k": K, "num_expert_groups": None,
+            "tokens_per_window": N, "source": "test", "synthetic": True}
+    return Trace(counts, np.arange(L), meta, ids, np.zeros(N, dtype=np.int32))
+
+
+def _distinct_gpus(placement, ids_NLK):
+    gpu_LP = np.broadcast_to(placement.gpu_of_slot(), placement.phy2log_LP.shape)
+    out = []
+    for l in range(placement.num_layers):
+        gpu_E = np.empty(placement.num_logical_experts, dtype=np.int64)
+        gpu_E[placement.phy2log_LP[l]] = gpu_LP[l]
+        s = np.sort(gpu_E[ids_NLK[:, l]], axis=1)
+        out.append((1 + (np.diff(s, axis=1) != 0).sum(axis=1)).mean())
+    return np.array(out)
+
+
+def test_traffic_planner_keeps_co_activated_experts_together():
+    trace = _clustered_tokens()
+    greedy = eplb.plan(trace, num_gpus=8, num_nodes=2, slots_per_gpu=4, planner="greedy")
+    traffic = eplb.plan(trace, num_gpus=8, num_nodes=2, slots_per_gpu=4, planner="traffic",
+                        settings={"tolerance": 0.05})
+    assert traffic.status == greedy.status and traffic.info["swaps"] > 0
+    ids = np.asarray(trace.topk_ids_NLK, dtype=np.int64)
+    assert (_distinct_gpus(traffic.placement, ids) < 0.8 * _distinct_gpus(greedy.placement, ids)).all()
+    # Balance: within the tolerance of the base plan's busiest GPU, layer by layer.
+    load = trace.total().astype(float)
+    assert (traffic.placement.gpu_loads(load).max(axis=1)
+            <= 1.05 * greedy.placement.gpu_loads(load).max(axis=1) + 1e-9).all()
+
+
+def test_colocate_layer_never_adds_distinct_gpus_and_keeps_a_valid_map():
+    trace = _clustered_tokens(E=16, clusters=4, K=3, N=800, L=1, seed=3)
+    ids = np.asarray(trace.topk_ids_NLK[:, 0], dtype=np.int64)
+    start = eplb.plan(trace, num_gpus=4, slots_per_gpu=5, planner="greedy").placement
+    before = _distinct_gpus(start, ids[:, None])[0]
+    out, swaps = colocate_layer(start.phy2log_LP[0], ids, trace.total()[0].astype(float), 4, 0.1, 100)
+    after_p = Placement(out[None], 4, 16)
+    assert sorted(set(out.tolist())) == list(range(16))
+    assert all(len(set(out[g * 5:(g + 1) * 5].tolist())) == 5 for g in range(4))
+    assert swaps > 0 and _distinct_gpus(after_p, ids[:, None])[0] <= before
+
+
+def test_traffic_planner_without_tokens_says_it_fell_back():
+    res = eplb.plan(np.arange(1, 33, dtype=float)[None], num_gpus=4, planner="traffic")
+    assert res.status == "FALLBACK" and not res.success and "no per-token expert choices" in res.message
+    with pytest.raises(EplbError, match="tolerance must be a number in"):
+        eplb.plan(np.ones((1, 8)), num_gpus=2, planner="traffic", settings={"tolerance": 2})
+
+
+@pytest.mark.parametrize("B", [1, 16, 256, 4096])
+def test_never_worse_than_the_even_split_in_any_layer(B):
+    p, load = _placement(seed=B, L=6, G=8, redundant=24)
+    td, even = TimeDispatch(COST).bind(p), get_rule("even").bind(p)
+    for counts in _batches(load, B, 4, seed=B):
+        t = step_cost(COST, p, slot_rows(p, counts, td(counts)), B).compute_s_LG.max(axis=1)
+        e = step_cost(COST, p, slot_rows(p, counts, even(counts)), B).compute_s_LG.max(axis=1)
+        assert (t <= e * (1 + 1e-9)).all()
