@@ -110,7 +110,7 @@ class Rebalancer:
                  max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
                  bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
                  num_expert_groups: int | None = None, span_cost: float = 1.0):
-        from eplb.migration import _check_count
+        from eplb.migration.checks import check_count as _check_count
 
         if not isinstance(placement, Placement):
             raise EplbError(f"Rebalancer needs a Placement, got {type(placement).__name__}")
