@@ -355,3 +355,28 @@ def test_bytes_per_expert_must_be_a_positive_count(bad):
         plan(rng.random((2, 8)), num_gpus=2, previous=prev, bytes_per_expert=bad)
     with pytest.raises(EplbError, match="bytes_per_expert"):
         mg.schedule(_OLD, _NEW, 2, 3, bytes_per_expert=bad)
+
+
+@pytest.mark.parametrize("kw, match", [
+    # Slot 3 written twice in one round (two local copies, no link limit involved).
+    (dict(old_LP=[[0, 1, 2, 0]], new_LP=[[0, 1, 2, 1]], slots_per_gpu=4, rank_ids_G=[0], round_M=[0, 0],
+          layer_M=[0, 0], expert_M=[0, 1], src_rank_M=[0, 0], src_slot_M=[0, 1], dst_rank_M=[0, 0],
+          dst_slot_M=[3, 3], staging_M=[False, False]), "written twice"),
+    # The only replica of expert 1 is overwritten while nothing else serves it.
+    (dict(old_LP=[[0, 1, 2, 0]], new_LP=[[0, 0, 2, 0]], slots_per_gpu=4, rank_ids_G=[0]), "no serving replica"),
+    # A slot that is read and written in the same round.
+    (dict(old_LP=[[0, 1, 2, 1]], new_LP=[[1, 0, 2, 1]], slots_per_gpu=4, rank_ids_G=[0], round_M=[0, 0],
+          layer_M=[0, 0], expert_M=[1, 0], src_rank_M=[0, 0], src_slot_M=[1, 0], dst_rank_M=[0, 0],
+          dst_slot_M=[0, 1], staging_M=[False, False]), "both a source and written"),
+    # No transfers, but new_LP differs from old_LP.
+    (dict(round_M=[], layer_M=[], expert_M=[], src_rank_M=[], src_slot_M=[], dst_rank_M=[], dst_slot_M=[],
+          staging_M=[], chunk_R=[]), "ends with expert"),
+])
+def test_migration_plan_check_replays_every_guarantee(kw, match):
+    """check() is the one replay of a plan (the runtime runs it before moving weights)."""
+    base = dict(round_M=[0], layer_M=[0], expert_M=[0], src_rank_M=[0], src_slot_M=[0], dst_rank_M=[0],
+                dst_slot_M=[1], staging_M=[False])
+    m = mg.MigrationPlan(**_plan_kw(**{**base, **kw}))
+    with pytest.raises(EplbError, match=match):
+        m.check()
+    mg.schedule(_OLD, _NEW, 2, 3).check()                          # a scheduled plan passes
