@@ -12,18 +12,23 @@ way (whole-array numpy, scipy's matchings, dicts and sets), and the tests compar
   first-maximum tie-breaking), from the same `SearchState`; it does not price group span;
 - `schedule`: both schedules pass the same replay (their rounds can differ: the kernel gives
   the link matching to the ranks with the most copies left first, this one takes scipy's).
-Benchmarks import `schedule` to time the compiled schedule against it.
+Benchmarks import `schedule` to time the compiled schedule against it (it lives in
+migration_schedule.py and is re-exported here).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from eplb.errors import EplbError
-from eplb.migration import CHECKPOINT, MigrationPlan, holdings
+from eplb.migration import holdings
 from eplb.migration.checks import check_maps
-from eplb.migration.schedule import CANDIDATES_PER_RANK, NO_SAFE_MIGRATION, check_schedule_input, plan_from_rows
 from eplb.migration.search import Budget, prepare_search
+from tests.oracles.migration_schedule import schedule
+
+__all__ = ["budgeted_search", "count_moves", "gpu_assignment", "keep_counts", "keep_slots", "schedule"]
 
 # Moves and relabelling ---------------------------------------------------------------------------
 
@@ -126,51 +131,81 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
     if st.span_price > 0:
         raise EplbError("the numpy reference does not price group span: compare it with num_nodes=1 "
                         "or span_cost=0")
-    phy, load_LE, cnt_LEG, old_LEG, r_LE, in_G = st.phy_LP, st.load_LE, st.cnt_LEG, st.old_LEG, st.r_LE, st.in_G
-    G, S, C, D, iters = st.num_gpus, st.slots_per_gpu, st.partners, st.donors, st.iters
-    if G < 2:
-        return phy
-    P = G * S
-    gpu_P = np.arange(P) // S
-    state = {"total": st.total}
-    cap_total, cap_gpu, min_gain_L, active = st.cap_total, st.cap_gpu, st.min_gain_L, st.active_A
-    H = 1                                                       # busy GPUs priced per layer
-    s_idx = np.arange(S)
-    gpu_G = np.arange(G)
+    if st.num_gpus < 2:
+        return st.phy_LP
+    search = _NumpySearch(st)
+    active = st.active_A
+    for _ in range(st.iters):
+        if active.size == 0:
+            break
+        v = search.layer_loads(active)
+        swap_gain, swap_cost, q_AQ = search.swap_prices(v)
+        rep_gain, rep_cost, q_AD, gq_AD = search.replication_prices(v)
+        # Best change per layer by gain per move.
+        si, skey = _pick(swap_gain[:, 0], swap_cost[:, 0], v.need_A)
+        ri, rkey = _pick(rep_gain, rep_cost, v.need_A)
+        use_rep = rkey > skey
+        best = np.maximum(skey, rkey)
+        order = np.argsort(-best, kind="stable")
+        order = order[np.isfinite(best[order])]
+        if order.size == 0:
+            break
+        applied = search.apply_best(active, order, use_rep, v.h, si, ri, q_AQ, q_AD, gq_AD)
+        if not applied.any():
+            break
+        active = active[applied]
+    return st.phy_LP
 
-    def fits(g_list, d_list):
+
+class _NumpySearch:
+    """The numpy search on a SearchState: per iteration the loads of the active layers, the
+    prices of their swaps and replications, and the changes the budget pays for."""
+
+    H = 1                                                       # busy GPUs priced per layer
+
+    def __init__(self, st):
+        self.phy, self.load_LE, self.cnt_LEG, self.old_LEG = st.phy_LP, st.load_LE, st.cnt_LEG, st.old_LEG
+        self.r_LE, self.in_G, self.total = st.r_LE, st.in_G, st.total
+        self.G, self.S, self.C, self.D = st.num_gpus, st.slots_per_gpu, st.partners, st.donors
+        self.cap_total, self.cap_gpu, self.min_gain_L = st.cap_total, st.cap_gpu, st.min_gain_L
+        self.P = self.G * self.S
+        self.gpu_P = np.arange(self.P) // self.S
+
+    def fits(self, g_list, d_list):
         """Can every change of a batch be paid for, in any order? (positive parts only)"""
         pos = [np.maximum(d, 0) for d in d_list]
-        if sum(int(p.sum()) for p in pos) > cap_total - state["total"]:
+        if sum(int(p.sum()) for p in pos) > self.cap_total - self.total:
             return False
-        if np.isfinite(cap_gpu):
-            need = np.zeros(G, dtype=np.int64)
+        if np.isfinite(self.cap_gpu):
+            need = np.zeros(self.G, dtype=np.int64)
             for g, p in zip(g_list, pos):
                 np.add.at(need, g, p)
-            return bool((in_G + need <= cap_gpu).all())
+            return bool((self.in_G + need <= self.cap_gpu).all())
         return True
 
-    def apply_swaps(l, a_slot, q):
+    def apply_swaps(self, l, a_slot, q):
         """Swap slot a_slot with slot q in layers l (distinct layers); False where the budget refused."""
-        hh, g = gpu_P[a_slot], gpu_P[q]
+        phy, cnt_LEG, old_LEG, in_G, cap_total, cap_gpu = (self.phy, self.cnt_LEG, self.old_LEG, self.in_G,
+                                                           self.cap_total, self.cap_gpu)
+        hh, g = self.gpu_P[a_slot], self.gpu_P[q]
         ea, eb = phy[l, a_slot], phy[l, q]
         dg = (~old_LEG[l, ea, g]).astype(np.int64) - ((~old_LEG[l, eb, g]) & (cnt_LEG[l, eb, g] == 1))
         dh = (~old_LEG[l, eb, hh]).astype(np.int64) - ((~old_LEG[l, ea, hh]) & (cnt_LEG[l, ea, hh] == 1))
         ok = np.ones(l.size, dtype=bool)
-        if not fits((g, hh), (dg, dh)):
+        if not self.fits((g, hh), (dg, dh)):
             # The budget binds: one at a time, best first (callers pass them in that order).
             for k in range(l.size):
-                t = state["total"] + dg[k] + dh[k]
+                t = self.total + dg[k] + dh[k]
                 if t > cap_total or in_G[g[k]] + dg[k] > cap_gpu or in_G[hh[k]] + dh[k] > cap_gpu:
                     ok[k] = False
                     continue
                 in_G[g[k]] += dg[k]
                 in_G[hh[k]] += dh[k]
-                state["total"] = int(t)
+                self.total = int(t)
         else:
             np.add.at(in_G, g, dg)
             np.add.at(in_G, hh, dh)
-            state["total"] += int(dg.sum() + dh.sum())
+            self.total += int(dg.sum() + dh.sum())
         l, a_slot, q, hh, g, ea, eb = (x[ok] for x in (l, a_slot, q, hh, g, ea, eb))
         phy[l, a_slot], phy[l, q] = eb, ea
         cnt_LEG[l, ea, hh] -= 1
@@ -179,23 +214,24 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         cnt_LEG[l, ea, g] += 1
         return ok
 
-    def apply_reps(l, a_slot, q):
+    def apply_reps(self, l, a_slot, q):
         """Copy the expert of slot a_slot over donor slot q in layers l (distinct layers)."""
-        g = gpu_P[q]
+        phy, cnt_LEG, old_LEG, in_G, r_LE = self.phy, self.cnt_LEG, self.old_LEG, self.in_G, self.r_LE
+        g = self.gpu_P[q]
         x, b = phy[l, a_slot], phy[l, q]
         dg = (~old_LEG[l, x, g]).astype(np.int64) - ((~old_LEG[l, b, g]) & (cnt_LEG[l, b, g] == 1))
         ok = np.ones(l.size, dtype=bool)
-        if not fits((g,), (dg,)):
+        if not self.fits((g,), (dg,)):
             for k in range(l.size):
-                t = state["total"] + dg[k]
-                if t > cap_total or in_G[g[k]] + dg[k] > cap_gpu:
+                t = self.total + dg[k]
+                if t > self.cap_total or in_G[g[k]] + dg[k] > self.cap_gpu:
                     ok[k] = False
                     continue
                 in_G[g[k]] += dg[k]
-                state["total"] = int(t)
+                self.total = int(t)
         else:
             np.add.at(in_G, g, dg)
-            state["total"] += int(dg.sum())
+            self.total += int(dg.sum())
         l, q, g, x, b = (v[ok] for v in (l, q, g, x, b))
         phy[l, q] = x
         cnt_LEG[l, b, g] -= 1
@@ -204,14 +240,14 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         r_LE[l, x] += 1
         return ok
 
-    for _ in range(iters):
-        if active.size == 0:
-            break
+    def layer_loads(self, active):
+        """What both kinds of change read, for the active layers: a namespace of [A, ...] arrays."""
+        G, S = self.G, self.S
         A = active.size
         ar = np.arange(A)
-        ph = phy[active]                                          # [A, P]
-        ld = load_LE[active]                                      # [A, E]
-        r = r_LE[active]
+        ph = self.phy[active]                                     # [A, P]
+        ld = self.load_LE[active]                                 # [A, E]
+        r = self.r_LE[active]
         w_AP = np.take_along_axis(ld / r, ph, axis=1)             # load of each replica
         # Summed slot by slot (not .sum, whose pairwise order depends on S) so the compiled
         # kernel can reproduce the same float64 loads exactly.
@@ -221,23 +257,30 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
             gl_AG += w_AGS[:, :, s]
         srt = np.argsort(-gl_AG, axis=1, kind="stable")
         h = srt[:, 0]                                             # busiest GPU
-        Lh = gl_AG[ar, h]
-        room_G = cap_gpu - in_G
-        room_tot = cap_total - state["total"]
-        la2 = active[:, None]
+        hr_AH = srt[:, :self.H]
+        hs_AHS = hr_AH[:, :, None] * S + np.arange(S)             # slots of the busy GPUs
+        ea_AHS = np.take_along_axis(ph, hs_AHS.reshape(A, self.H * S), axis=1).reshape(A, self.H, S)
         la3 = active[:, None, None]
-        h2 = h[:, None]
-        need_A = min_gain_L[active]
+        return SimpleNamespace(
+            A=A, ph=ph, ld=ld, r=r, w_AP=w_AP, gl_AG=gl_AG, srt=srt, h=h, Lh=gl_AG[ar, h], hr_AH=hr_AH,
+            hs_AHS=hs_AHS, ea_AHS=ea_AHS, room_G=self.cap_gpu - self.in_G, room_tot=self.cap_total - self.total,
+            la2=active[:, None], la3=la3, need_A=self.min_gain_L[active],
+            # Counts of each busy-GPU expert on every GPU, gathered once: [A, H, S, G].
+            cnt_x_AHSG=self.cnt_LEG[la3, ea_AHS], old_x_AHSG=self.old_LEG[la3, ea_AHS])
 
-        # Swap: slot a on the busiest GPU (axis H, one row) <-> slot q on one of the C lightest
-        # GPUs (heavier partners seldom help and would cost G / C times the work).
-        hr_AH = srt[:, :H]
+    def swap_prices(self, v):
+        """Swap: slot a on the busiest GPU (axis H, one row) <-> slot q on one of the C lightest
+        GPUs (heavier partners seldom help and would cost G / C times the work). Returns
+        (gain, cost) [A, H, S, Q] (gain -inf where refused) and the partner slots q_AQ."""
+        S, C, H = self.S, self.C, self.H
+        cnt_LEG, old_LEG, gpu_P = self.cnt_LEG, self.old_LEG, self.gpu_P
+        A, ph, w_AP, gl_AG, srt, hr_AH = v.A, v.ph, v.w_AP, v.gl_AG, v.srt, v.hr_AH
+        ea_AHS, cnt_x_AHSG, old_x_AHSG, la2, la3 = v.ea_AHS, v.cnt_x_AHSG, v.old_x_AHSG, v.la2, v.la3
+        room_G, room_tot = v.room_G, v.room_tot
         Lr_AH = np.take_along_axis(gl_AG, hr_AH, axis=1)
-        hs_AHS = hr_AH[:, :, None] * S + s_idx                   # slots of the busy GPUs
-        ea_AHS = np.take_along_axis(ph, hs_AHS.reshape(A, H * S), axis=1).reshape(A, H, S)
-        wa_AHS = np.take_along_axis(w_AP, hs_AHS.reshape(A, H * S), axis=1).reshape(A, H, S)
+        wa_AHS = np.take_along_axis(w_AP, v.hs_AHS.reshape(A, H * S), axis=1).reshape(A, H, S)
         light_AC = srt[:, ::-1][:, :C]
-        q_AQ = (light_AC[:, :, None] * S + s_idx).reshape(A, C * S)
+        q_AQ = (light_AC[:, :, None] * S + np.arange(S)).reshape(A, C * S)
         g_AQ = gpu_P[q_AQ]
         eb_AQ = np.take_along_axis(ph, q_AQ, axis=1)
         w_AQ = np.take_along_axis(w_AP, q_AQ, axis=1)
@@ -248,9 +291,6 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         # near-busiest GPUs still sees each step as progress.
         Lr4 = Lr_AH[:, :, None, None]
         swap_gain = Lr4 - np.maximum(Lr4 - delta, gl_AQ[:, None, None, :] + delta)
-        # Counts of each busy-GPU expert on every GPU, gathered once: [A, H, S, G].
-        cnt_x_AHSG = cnt_LEG[la3, ea_AHS]
-        old_x_AHSG = old_LEG[la3, ea_AHS]
         # Per partner GPU, then repeated over its S slots (S times fewer gathers).
         light4 = np.broadcast_to(light_AC[:, None, None, :], (A, H, S, C))
         cn_g_ea = np.repeat(np.take_along_axis(cnt_x_AHSG, light4, axis=3), S, axis=3)
@@ -271,10 +311,17 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         bad |= ((d_g > room_G[g_AQ][:, None, None, :]) | (d_h > room_G[hr_AH][:, :, None, None])
                 | (swap_cost > room_tot))
         swap_gain[bad] = -np.inf
+        return swap_gain, swap_cost, q_AQ
 
-        # Replicate (busiest GPU only): expert x on h gets one more replica in donor slot q
-        # (expert b, r_b >= 2), donors ranked by how little losing them hurts (light GPU,
-        # light expert).
+    def replication_prices(self, v):
+        """Replicate (busiest GPU only): expert x on h gets one more replica in donor slot q
+        (expert b, r_b >= 2), donors ranked by how little losing them hurts (light GPU, light
+        expert). Returns (gain, cost) [A, S, D] (gain -inf where refused), q_AD and gq_AD."""
+        D, P = self.D, self.P
+        cnt_LEG, old_LEG, gpu_P, gpu_G = self.cnt_LEG, self.old_LEG, self.gpu_P, np.arange(self.G)
+        A, ph, ld, r, w_AP, gl_AG, Lh, la2 = v.A, v.ph, v.ld, v.r, v.w_AP, v.gl_AG, v.Lh, v.la2
+        ea_AHS, cnt_x_AHSG, old_x_AHSG, room_G, room_tot = v.ea_AHS, v.cnt_x_AHSG, v.old_x_AHSG, v.room_G, v.room_tot
+        h2 = v.h[:, None]
         ea_AS = ea_AHS[:, 0]
         rb_AP = np.take_along_axis(r, ph, axis=1)
         Wb_AP = np.take_along_axis(ld, ph, axis=1)
@@ -307,7 +354,7 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         xm_ASG = np.where(cnt_x_ASG > 0, y_ASG, -np.inf)
         bm_ADG = np.where((cnt_b_ADG > 0) & not_gq_ADG, cbdb_ADG, -np.inf)
         # GPUs on axis 1 ([A, G, S, D]): the reduction then runs over whole [S, D] planes,
-        # ~30% faster than over a short last axis.
+        # faster than over a short last axis.
         t = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1))  # noqa: E731
         buf = np.add(t(xm_ASG)[:, :, :, None], t(cbdb_ADG)[:, :, None, :])
         top_ASD = buf.max(axis=1)
@@ -325,18 +372,13 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == ea_AS[:, :, None])
         rbad |= (rep_cost > room_G[gq_AD][:, None, :]) | (rep_cost > room_tot)
         rep_gain[rbad] = -np.inf
+        return rep_gain, rep_cost, q_AD, gq_AD
 
-        # Best change per layer by gain per move.
-        si, skey = _pick(swap_gain[:, 0], swap_cost[:, 0], need_A)
-        ri, rkey = _pick(rep_gain, rep_cost, need_A)
-        use_rep = rkey > skey
-        best = np.maximum(skey, rkey)
-        order = np.argsort(-best, kind="stable")
-        order = order[np.isfinite(best[order])]
-        if order.size == 0:
-            break
-        # Apply, best gain per move first, re-checking budgets (layers share them).
-        applied = np.zeros(A, dtype=bool)
+    def apply_best(self, active, order, use_rep, h, si, ri, q_AQ, q_AD, gq_AD):
+        """Apply the layers' changes in `order` (best gain per move first), re-checking budgets
+        (layers share them); returns which were applied, bool [A]."""
+        S, C, D, gpu_P = self.S, self.C, self.D, self.gpu_P
+        applied = np.zeros(active.size, dtype=bool)
         rep_k = order[use_rep[order]]
         sw_k = order[~use_rep[order]]
         s_rp, d_rp = np.divmod(ri, D)
@@ -344,23 +386,20 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         # Upper bounds (1 per replication, 1 onto each GPU of a swap): if even they fit, the
         # order does not matter and every layer's change is applied at once.
         one_r, one_s = np.ones(rep_k.size, np.int64), np.ones(sw_k.size, np.int64)
-        if not fits((gq_AD[rep_k, d_rp[rep_k]], gpu_P[q_AQ[sw_k, q_sw[sw_k]]], h[sw_k]), (one_r, one_s, one_s)):
+        if not self.fits((gq_AD[rep_k, d_rp[rep_k]], gpu_P[q_AQ[sw_k, q_sw[sw_k]]], h[sw_k]), (one_r, one_s, one_s)):
             # The budget may bind: apply strictly best first over both kinds, one at a time.
             for k in order:
                 kk = np.array([k])
                 if use_rep[k]:
-                    applied[k] = apply_reps(active[kk], h[kk] * S + s_rp[kk], q_AD[kk, d_rp[kk]])[0]
+                    applied[k] = self.apply_reps(active[kk], h[kk] * S + s_rp[kk], q_AD[kk, d_rp[kk]])[0]
                 else:
-                    applied[k] = apply_swaps(active[kk], h[kk] * S + s_sw[kk], q_AQ[kk, q_sw[kk]])[0]
+                    applied[k] = self.apply_swaps(active[kk], h[kk] * S + s_sw[kk], q_AQ[kk, q_sw[kk]])[0]
         else:
             if rep_k.size:
-                applied[rep_k] = apply_reps(active[rep_k], h[rep_k] * S + s_rp[rep_k], q_AD[rep_k, d_rp[rep_k]])
+                applied[rep_k] = self.apply_reps(active[rep_k], h[rep_k] * S + s_rp[rep_k], q_AD[rep_k, d_rp[rep_k]])
             if sw_k.size:
-                applied[sw_k] = apply_swaps(active[sw_k], h[sw_k] * S + s_sw[sw_k], q_AQ[sw_k, q_sw[sw_k]])
-        if not applied.any():
-            break
-        active = active[applied]
-    return phy
+                applied[sw_k] = self.apply_swaps(active[sw_k], h[sw_k] * S + s_sw[sw_k], q_AQ[sw_k, q_sw[sw_k]])
+        return applied
 
 
 def _pick(gain, cost, need_A):
@@ -372,225 +411,3 @@ def _pick(gain, cost, need_A):
     key = np.where(gain >= need * np.maximum(cost, 1), gain / np.maximum(cost, 0.25), -np.inf)
     i = key.reshape(A, -1).argmax(axis=1)
     return i, key.reshape(A, -1)[np.arange(A), i]
-
-
-# Schedule ----------------------------------------------------------------------------------------
-
-def schedule(old_LP, new_LP, num_gpus: int, num_logical_experts: int, *, layers_per_chunk=None, rank_ids=None,
-             bytes_per_expert=None) -> MigrationPlan:
-    """`eplb.migration.schedule` in Python: dicts and sets per round, scipy's maximum bipartite
-    matching for the links. Same input checks, same rules; its rounds can differ."""
-    old_LP, new_LP, chunk, ranks = check_schedule_input(old_LP, new_LP, num_gpus, num_logical_experts,
-                                                        layers_per_chunk, rank_ids)
-    L, P = old_LP.shape
-    S = P // num_gpus
-    cols: list[tuple] = []
-    chunk_R: list[int] = []
-    for c, first in enumerate(range(0, L, chunk)):
-        layers = range(first, min(L, first + chunk))
-        _schedule_chunk(old_LP, new_LP, layers, S, num_gpus, num_logical_experts, c, cols, chunk_R)
-    rows = np.asarray(cols, dtype=np.int64).reshape(-1, 8)
-    return plan_from_rows(old_LP, new_LP, num_gpus, num_logical_experts, rows, chunk_R, ranks, bytes_per_expert)
-
-
-def _schedule_chunk(old_LP, new_LP, layers, S, G, E, chunk_id, cols, chunk_R,
-                    per_rank: int = CANDIDATES_PER_RANK) -> None:
-    """Append the rounds of one layer chunk to cols / chunk_R (see `schedule`).
-
-    Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
-    keep it, reloads of lost experts use it up, and a cycle needs one unit to stage through:
-    a reload that would leave none waits until it is its layer's last pending slot (with
-    E < P every reload leaves some)."""
-    P = G * S
-    tight = E >= P
-    cur = {l: old_LP[l].tolist() for l in layers}
-    tgt = {l: new_LP[l].tolist() for l in layers}
-    holders: dict[tuple[int, int], set] = {}
-    for l in layers:
-        for p, e in enumerate(cur[l]):
-            if e >= 0:
-                holders.setdefault((l, e), set()).add(p)
-    pend: list[list[tuple[int, int]]] = [[] for _ in range(G)]
-    for l in layers:
-        for p in np.flatnonzero(old_LP[l] != new_LP[l]).tolist():
-            pend[p // S].append((l, p))
-    left = sum(len(q) for q in pend)
-    # Staging slot -> (blocked slot, expert): the staging copy stays until the blocked slot
-    # has been overwritten, or restoring it first would just recreate the cycle.
-    staged_for: dict[tuple[int, int], tuple[int, int]] = {}
-    guard = 4 * (left + len(layers) * len(cur[layers[0]]) if len(layers) else 0) + 8
-    while left:
-        guard -= 1
-        assert guard > 0, "migration schedule does not converge (bug)"
-        rnd = len(chunk_R)
-        sourcing, done, inflight = set(), [], set()
-        if tight:
-            npl = {l: 0 for l in layers}
-            for q in pend:
-                for (l, _p) in q:
-                    npl[l] += 1
-            ndist = {l: sum(1 for e in range(E) if holders.get((l, e))) for l in layers}
-
-        def commit(l, p, e, src, src_rank, d, sourcing=sourcing, inflight=inflight, done=done):
-            o = cur[l][p]
-            if o >= 0:
-                holders[(l, o)].discard(p)
-            sourcing.add((l, src))
-            inflight.add((l, e))
-            done.append((l, p, e, src_rank, src, d, False))
-
-        # Scan: local copies are taken at once (no link); network and checkpoint candidates
-        # (at most `per_rank` per destination rank) go to a matching of links.
-        cand: list[list[tuple]] = [[] for _ in range(G)]
-        rows, cols_ = [], []
-        for d in range(G):
-            for (l, p) in pend[d]:
-                if (l, p) in sourcing:
-                    continue
-                if (l, p) in staged_for:
-                    blocked, a = staged_for[(l, p)]
-                    if cur[l][blocked] == a:
-                        continue
-                    del staged_for[(l, p)]
-                o, e = cur[l][p], tgt[l][p]
-                if o >= 0 and len(holders[(l, o)]) < 2:
-                    continue                      # p holds the last complete replica of o
-                hs = holders.get((l, e))
-                if hs:
-                    local = next((s for s in hs if s // S == d), None)
-                    if local is not None:
-                        commit(l, p, e, local, d, d)
-                        continue
-                    by_rank = {}
-                    for s in hs:
-                        by_rank.setdefault(s // S, s)
-                elif (l, e) in inflight:
-                    continue                      # e's only copy is still being written
-                elif tight and P - ndist[l] < 2 and npl[l] > 1:
-                    continue                      # the layer's last spare room: reload last
-                else:
-                    by_rank = {G + d: -1}         # lost with every replica: checkpoint reload
-                if len(cand[d]) < per_rank:
-                    cand[d].append((l, p, e, by_rank))
-                    for r in by_rank:
-                        rows.append(d)
-                        cols_.append(r)
-        # Each rank receives <= 1 and sends <= 1: a maximum matching of destination ranks to
-        # source ranks (columns G + d stand for the checkpoint, one per destination).
-        if rows:
-            from scipy.sparse import csr_matrix
-            from scipy.sparse.csgraph import maximum_bipartite_matching
-
-            graph = csr_matrix((np.ones(len(rows)), (rows, cols_)), shape=(G, 2 * G))
-            match = maximum_bipartite_matching(graph, perm_type="column")
-            for d in range(G):
-                r = int(match[d])
-                if r < 0:
-                    continue
-                for (l, p, e, by_rank) in cand[d]:
-                    if r not in by_rank or (l, p) in sourcing:
-                        continue
-                    o, src = cur[l][p], by_rank[r]
-                    if any(t[0] == l and t[1] == p for t in done[-G:]):
-                        continue
-                    if o >= 0 and len(holders[(l, o)]) < 2:
-                        continue                  # an earlier pick this round took o's spare
-                    if src >= 0 and src not in holders.get((l, e), ()):
-                        continue                  # the source is being written this round
-                    if src < 0 and (l, e) in inflight:
-                        continue
-                    if src < 0 and tight:
-                        if P - ndist[l] < 2 and npl[l] > 1:
-                            continue              # another reload this round took the room
-                        ndist[l] += 1
-                    commit(l, p, e, src, CHECKPOINT if src < 0 else r, d)
-                    break
-        if not done:
-            done = _stage_cycles(cur, tgt, holders, pend, S, staged_for)
-            for (l, s_, a, _r, src, *_) in done:
-                staged_for[(l, s_)] = (src, a)
-        for (l, p, e, src_rank, src, d, staged) in done:
-            if cur[l][p] >= 0:
-                holders[(l, cur[l][p])].discard(p)
-            cur[l][p] = e
-            holders.setdefault((l, e), set()).add(p)
-            cols.append((rnd, l, e, src_rank, src, d, p, staged))
-        chunk_R.append(chunk_id)
-        for g in range(G):
-            pend[g] = [(l, p) for (l, p) in pend[g] if cur[l][p] != tgt[l][p]]
-        # A staging copy makes its slot pending again (it must get its own expert back).
-        for (l, p, *_rest) in done:
-            if cur[l][p] != tgt[l][p] and (l, p) not in pend[p // S]:
-                pend[p // S].append((l, p))
-        left = sum(len(q) for q in pend)
-
-
-def _stage_cycles(cur, tgt, holders, pend, S, staged_for):
-    """Break every cycle of blocked slots at once, one staging copy per cycle.
-
-    Slot p is blocked when it holds the last replica of its expert o; it waits for a
-    pending slot whose target is o. Following these waits from any blocked slot ends in a
-    cycle (everything is blocked when this runs). Per cycle, one member's expert is copied
-    into a spare slot: a finished slot whose own expert has another complete replica,
-    on the member's GPU if possible (no link), else over free links. Only when no finished
-    slot is spare: a pending one that is empty or holds a duplicate and stages nothing yet
-    (a layer with as many slots as experts whose lost experts' reloads wait for the end).
-    """
-    waiting_for: dict[tuple[int, int], list] = {}
-    for q in pend:
-        for (l, p) in q:
-            waiting_for.setdefault((l, tgt[l][p]), []).append(p)
-    state: dict[tuple[int, int], int] = {}                 # 1 = on the current walk, 2 = done
-    cycles = []
-    for q in pend:
-        for start in q:
-            path = []
-            node = start
-            while node is not None and state.get(node) is None:
-                state[node] = 1
-                path.append(node)
-                l, p = node
-                nxt = waiting_for.get((l, cur[l][p]), [])
-                node = (l, nxt[0]) if nxt else None
-            if node is not None and state.get(node) == 1:
-                cycles.append(path[path.index(node):])
-            for n in path:
-                state[n] = 2
-    out, used, send_busy, recv_busy = [], set(), set(), set()
-    spares_by_layer: dict[int, tuple[list[int], list[int]]] = {}
-    spare = lambda l, s: cur[l][s] < 0 or len(holders[(l, cur[l][s])]) >= 2  # noqa: E731
-    for cyc in cycles:
-        l = cyc[0][0]
-        if l not in spares_by_layer:
-            P = len(cur[l])
-            spares_by_layer[l] = ([s for s in range(P) if cur[l][s] == tgt[l][s] and cur[l][s] >= 0 and spare(l, s)],
-                                  [s for s in range(P) if cur[l][s] != tgt[l][s] and (l, s) not in staged_for
-                                   and spare(l, s)])
-        best = None
-        for spares in spares_by_layer[l]:
-            for (_, p) in cyc:
-                for s in spares:
-                    if (l, s) in used or not spare(l, s):
-                        continue
-                    if s // S == p // S:
-                        best = (p, s)
-                        break
-                    if best is None and p // S not in send_busy and s // S not in recv_busy:
-                        best = (p, s)
-                if best is not None and best[1] // S == best[0] // S:
-                    break
-            if best is not None:
-                break
-        if best is None:
-            continue
-        p, s = best
-        if s // S != p // S:
-            send_busy.add(p // S)
-            recv_busy.add(s // S)
-        used.add((l, s))
-        if cur[l][s] >= 0:
-            holders[(l, cur[l][s])].discard(s)
-        out.append((l, s, cur[l][p], p // S, p, s // S, True))
-    if not out:
-        raise EplbError(NO_SAFE_MIGRATION)
-    return out
