@@ -71,7 +71,7 @@ class SearchState:
 
     load_LE: np.ndarray
     """Load of each expert, float64 [L, E], C-ordered."""
-    phy_LP: np.ndarray
+    phy2log_LP: np.ndarray
     """The placement being improved, int64 [L, P]; starts as a copy of old_LP."""
     cnt_LEG: np.ndarray
     """Replicas of each expert on each GPU, int16 [L, E, G] (a GPU's row is contiguous)."""
@@ -168,7 +168,7 @@ def prepare_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=
     else:
         grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)
     return SearchState(
-        load_LE=np.array(load_LE, order="C"), phy_LP=phy, cnt_LEG=cnt_LEG, old_LEG=old_LEG, r_LE=r_LE,
+        load_LE=np.array(load_LE, order="C"), phy2log_LP=phy, cnt_LEG=cnt_LEG, old_LEG=old_LEG, r_LE=r_LE,
         in_G=np.zeros(G, dtype=np.int64), total=0,
         cap_total=np.inf if budget.max_moves is None else float(budget.max_moves),
         cap_gpu=np.inf if budget.max_moves_per_gpu is None else float(budget.max_moves_per_gpu),
@@ -206,12 +206,12 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
                            num_expert_groups=num_expert_groups, donors=donors, partners=partners,
                            max_iters=max_iters)
     if state.num_gpus < 2:
-        return state.phy_LP
+        return state.phy2log_LP
     from eplb.migration import _search_kernel
 
     s = state
     s.total = _search_kernel.search(
-        s.load_LE, s.phy_LP, s.r_LE, s.cnt_LEG, s.old_LEG, s.in_G, s.total, s.cap_total, s.cap_gpu,
+        s.load_LE, s.phy2log_LP, s.r_LE, s.cnt_LEG, s.old_LEG, s.in_G, s.total, s.cap_total, s.cap_gpu,
         s.min_gain_L, s.active_A, s.num_gpus, s.slots_per_gpu, s.partners, s.donors, s.iters, s.span_price,
         s.grp_E, s.node_G, s.gn_LKN)
-    return s.phy_LP
+    return s.phy2log_LP

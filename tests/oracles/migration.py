@@ -132,7 +132,7 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         raise EplbError("the numpy reference does not price group span: compare it with num_nodes=1 "
                         "or span_cost=0")
     if st.num_gpus < 2:
-        return st.phy_LP
+        return st.phy2log_LP
     search = _NumpySearch(st)
     active = st.active_A
     for _ in range(st.iters):
@@ -154,7 +154,7 @@ def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes
         if not applied.any():
             break
         active = active[applied]
-    return st.phy_LP
+    return st.phy2log_LP
 
 
 class _NumpySearch:
@@ -164,7 +164,7 @@ class _NumpySearch:
     H = 1                                                       # busy GPUs priced per layer
 
     def __init__(self, st):
-        self.phy, self.load_LE, self.cnt_LEG, self.old_LEG = st.phy_LP, st.load_LE, st.cnt_LEG, st.old_LEG
+        self.phy, self.load_LE, self.cnt_LEG, self.old_LEG = st.phy2log_LP, st.load_LE, st.cnt_LEG, st.old_LEG
         self.r_LE, self.in_G, self.total = st.r_LE, st.in_G, st.total
         self.G, self.S, self.C, self.D = st.num_gpus, st.slots_per_gpu, st.partners, st.donors
         self.cap_total, self.cap_gpu, self.min_gain_L = st.cap_total, st.cap_gpu, st.min_gain_L
