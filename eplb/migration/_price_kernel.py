@@ -63,7 +63,7 @@ def _span_delta_copy(X, B, ng, gn_KN):
     return (1 if gn_KN[X, ng] == 0 else 0) - (1 if gn_KN[B, ng] == 1 else 0)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _layer_loads(ld, r, ph, G, S, C, wE, w, gl, light):
     """Fill w (load of each slot, [P]) and gl (of each GPU, [G], summed slot by slot as the
     reference does) and light (the C lightest GPUs, lightest first); returns the busiest GPU h.
@@ -91,7 +91,7 @@ def _layer_loads(ld, r, ph, G, S, C, wE, w, gl, light):
     return h
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _price_swaps(ph, cnt, old, w, gl, h, light, room_G, room_tot, need, S, span, grp_E, node_G, gn_KN, fw, iw):
     """Best swap of slot a on the busiest GPU h with slot q on one of the lightest GPUs
     `light`: (key, flat index s * Q + qi), key -inf when none passes the threshold."""
@@ -159,7 +159,7 @@ def _price_swaps(ph, cnt, old, w, gl, h, light, room_G, room_tot, need, S, span,
     return skey, s_i
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _donors(ld, r, ph, cnt, old, w, gl, h, S, hE, harm, q_D, b_D, gq_D, db_D, wdb_D, cb_D, out_D, nb):
     """Choose the D donor slots of a replication (harm: how little losing a replica hurts,
     light GPU and light expert first; slots on h and of single-replica experts are inf) and
@@ -198,7 +198,7 @@ def _donors(ld, r, ph, cnt, old, w, gl, h, S, hE, harm, q_D, b_D, gq_D, db_D, wd
         nb[d] = -1
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _touched_max(cnt, gl, x, b, gq, dx, db, gx, nx, gb, nb):
     """Busiest GPU a replication of x over b touches other than gq: the max over GPUs holding x
     (gx[:nx], any b) and over GPUs holding b (gb[:nb], any x), as the reference's two passes.
@@ -220,7 +220,7 @@ def _touched_max(cnt, gl, x, b, gq, dx, db, gx, nx, gb, nb):
     return top
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _price_replications(ld, r, ph, cnt, old, w, gl, h, room_G, room_tot, need, S, D, span, grp_E, node_G, gn_KN,
                         fw, iw):
     """Best replication: expert x on the busiest GPU h gets one more replica in donor slot q

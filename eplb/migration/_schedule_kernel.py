@@ -121,7 +121,7 @@ def pend_layer(pend, npend, P):
     return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _new_state(old_LP, new_LP, G, E):
     """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
     L, P = new_LP.shape
@@ -139,7 +139,7 @@ def _new_state(old_LP, new_LP, G, E):
         np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _queue_chunk(st, c0, c1, S, P):
     """Queue the slots of layers c0..c1-1 that change on their ranks; returns how many."""
     st.npend[:] = 0
@@ -153,7 +153,7 @@ def _queue_chunk(st, c0, c1, S, P):
     return st.npend.sum()
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _count_room(st, c0, c1, E, P):
     """Round-start counts of a layer's spare room (tight layers): experts held, pending slots."""
     for l in range(c0, c1):
@@ -167,7 +167,7 @@ def _count_room(st, c0, c1, E, P):
             st.npl[st.pend[d, k] // P] += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _scan(st, rd, S, P, tight):
     """Local copies are taken at once (no link); network and checkpoint candidates (at most
     K per destination rank) go to rd for the link matching. Returns the copies taken."""
@@ -225,7 +225,7 @@ def _scan(st, rd, S, P, tight):
     return nd
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _take_links(st, rd, nd, P, tight):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
@@ -274,7 +274,7 @@ def _take_links(st, rd, nd, P, tight):
     return nd
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _apply_round(st, done, nd, out, M, R):
     """Write the nd copies of round R into the slots and as rows M.. of out (grown as needed);
     returns (out, new M)."""
@@ -301,7 +301,7 @@ def _apply_round(st, done, nd, out, M, R):
     return out, M
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _requeue(st, done, nd, S, P):
     """Drop the slots that reached their target from the queues; a staging copy makes its slot
     pending again (it must get its own expert back). Returns the slots still pending."""

@@ -23,7 +23,7 @@ from numba import njit
 from eplb.migration._price_kernel import price_layer
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _move_deltas(l, a, q, S, phy, cnt_LEG, old_LEG):
     """Moves a change of layer l adds onto slot q's GPU (dg) and, for a swap, onto slot a's GPU
     (dh): +1 for an expert landing on a GPU that did not hold it in the old placement, -1 for
@@ -70,7 +70,7 @@ def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E
     return dg + dh
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _best_change(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
                  span, grp_E, node_G, gn_LKN):
     """Layer l's best change: (key, replicate?, slot a on the busiest GPU, slot q it goes to);
@@ -84,7 +84,7 @@ def _best_change(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
     return skey, False, h * S + s_i // (C * S), light[qi // S] * S + qi % S
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _search_uncapped(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, min_gain_L, active, G, S, C, D, iters,
                      span, grp_E, node_G, gn_LKN, fw, iw):
     """No move cap: no change is ever refused and layers share nothing, so each layer runs all
@@ -103,7 +103,7 @@ def _search_uncapped(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, min_gain
     return total
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _price_active(load_LE, phy, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L, active, G, S, C, D,
                   span, grp_E, node_G, gn_LKN, fw, iw, kind, slot_a, slot_q):
     """Best change of every active layer l into kind[l] (1 replicate, 0 swap), slot_a[l],
@@ -133,7 +133,7 @@ def _price_active(load_LE, phy, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_ga
     return order
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _apply_in_order(order, kind, slot_a, slot_q, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
                     G, S, span, grp_E, node_G, gn_LKN):
     """Apply the changes of the layers in `order` that the budget can pay for; returns

@@ -22,7 +22,7 @@ _Staging = namedtuple("_Staging", [
 ])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def new_staging(L, P, E, G):
     """Scratch of `stage` for L layers of P slots, E experts and G ranks."""
     return _Staging(np.full((L, E), -1, dtype=np.int64), np.zeros((L, P), dtype=np.int8), np.empty(P, dtype=np.int64),
@@ -30,7 +30,7 @@ def new_staging(L, P, E, G):
                     np.zeros(G, dtype=np.bool_), np.zeros(G, dtype=np.bool_))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _find_cycles(st, sg, P):
     """Walk the "waits for" links from every pending slot; returns the cycles found as
     (count, sg.cyc_buf of codes l * P + p, sg.cyc_start, sg.cyc_len)."""

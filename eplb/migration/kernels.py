@@ -10,6 +10,11 @@ GIL, and is compiled with `cache=True`: the machine code is stored beside the mo
 NUMBA_CACHE_DIR), so only the first process after an install compiles. Arrays reach the
 kernels as writable C-ordered int64 (`checks.kernel_ints`) or float64, one type per argument,
 so each kernel has one compiled version; `warm_up` makes it exist before the first decision.
+The stages a kernel is written in (`_scan`, `_price_swaps`, ...) are `inline="always"`: numba
+then compiles each entry point as one function. A separately compiled helper is optimised on
+its own and again inside its caller, which makes the first compile markedly longer; helpers
+with several callers (`_apply`, `price_layer`, `_commit`, `stage`) stay separate so that
+their code is compiled once.
 """
 
 from __future__ import annotations
