@@ -303,7 +303,7 @@ def plan(
         raise AssertionError(f"planner {planner} returned unknown status {sol.status!r}")
     if previous is not None:
         budget = budget or Budget()
-        sol = migration.adapt_solution(request, sol, budget, budget.bytes_per_expert)
+        sol = migration.adapt_solution(request, sol, budget)
     if objective != "tokens":
         sol = replace(sol, info={**sol.info, "objective": objective.describe(topo.num_gpus)})
     # Scored on the token load, whatever the planner balanced.

@@ -55,8 +55,9 @@ def _check_pair(old: Placement, new: Placement) -> None:
 
 
 def check_plan(old: Placement, new: Placement, plan: MigrationPlan) -> None:
-    """Raise EplbError unless replaying `plan` on old's slot map reads only slots that hold the
-    expert being copied and ends exactly at new's slot map."""
+    """Raise EplbError unless `plan` was made for these placements and its replay
+    (`MigrationPlan.check`) reads only slots that hold the expert being copied, keeps every
+    expert served and ends exactly at new's slot map."""
     _check_pair(old, new)
     if not (np.array_equal(plan.old_LP, old.phy2log_LP) and np.array_equal(plan.new_LP, new.phy2log_LP)):
         raise EplbError("the migration plan was made for other placements: build it with "
@@ -65,21 +66,7 @@ def check_plan(old: Placement, new: Placement, plan: MigrationPlan) -> None:
     if plan.slots_per_gpu != S or len(plan.rank_ids_G) != G:
         raise EplbError(f"the migration plan is for {len(plan.rank_ids_G)} ranks x {plan.slots_per_gpu} slots, "
                         f"the placements for {G} x {S}")
-    cur = old.phy2log_LP.copy()
-    for k in range(plan.num_rounds):
-        now = np.flatnonzero(plan.round_M == k)
-        for m in now:
-            l, e, src, s = plan.layer_M[m], plan.expert_M[m], plan.src_rank_M[m], plan.src_slot_M[m]
-            if src != CHECKPOINT and (s // S != src or cur[l, s] != e):
-                raise EplbError(f"migration round {k}: source slot {s} (rank {src}) does not hold expert {e} "
-                                f"of layer {l}")
-            if plan.dst_slot_M[m] // S != plan.dst_rank_M[m]:
-                raise EplbError(f"migration round {k}: slot {plan.dst_slot_M[m]} is not on rank {plan.dst_rank_M[m]}")
-        cur[plan.layer_M[now], plan.dst_slot_M[now]] = plan.expert_M[now]
-    if not np.array_equal(cur, new.phy2log_LP):
-        l, p = np.argwhere(cur != new.phy2log_LP)[0]
-        raise EplbError(f"the migration plan ends with expert {cur[l, p]} in slot {p} of layer {l}, "
-                        f"the new placement wants {new.phy2log_LP[l, p]}")
+    plan.check()
 
 
 def migrate_weights(old: Placement, new: Placement, local: Mapping[str, Any], *, group: dist.ProcessGroup,

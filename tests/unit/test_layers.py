@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "eplb.stats": 3, "eplb.capacity": 3, "eplb.synth": 3,
     "eplb.dispatch": 4, "eplb.cost": 4, "eplb.time_dispatch": 4, "eplb.calibration": 4,
     "eplb.planner_api": 5,
-    "planners": 6, "eplb.migration": 6, "eplb._search_kernel": 6, "eplb._schedule_kernel": 6,
+    "planners": 6, "eplb.migration": 6,
     "eplb.planning": 7,
     "eplb.rebalance": 8, "eplb.policy": 8, "eplb.backtest": 8, "eplb.replay": 8, "eplb.simulate": 8,
     "eplb.formats": 9, "eplb.plot": 9,

@@ -9,6 +9,11 @@ from hypothesis import strategies as st
 
 from eplb import EplbError, Placement, plan, planner_names
 from eplb import migration as mg
+from eplb.migration.moves import _gpu_assignment, _keep_counts
+from tests.oracles import migration as oracle
+
+# The compiled schedule and its Python reference: every schedule test runs on both.
+SCHEDULERS = pytest.mark.parametrize("scheduler", [mg.schedule, oracle.schedule], ids=["compiled", "python"])
 
 
 def random_map(rng, L, G, S, E):
@@ -66,8 +71,8 @@ def test_compiled_gpu_assignment_keeps_as_much_as_scipys(num_nodes):
     rng = np.random.default_rng(num_nodes)
     L, G = 20, 8
     keep = rng.integers(0, 4, (L, G, G)).astype(float)    # small integers: many ties
-    fast = mg._gpu_assignment(keep, num_nodes)
-    ref = mg._gpu_assignment(keep, num_nodes, compiled=False)
+    fast = _gpu_assignment(keep, num_nodes)
+    ref = oracle.gpu_assignment(keep, num_nodes)
     kept = lambda out: keep[np.arange(L)[:, None], out, np.arange(G)[None, :]].sum(axis=1)  # noqa: E731
     np.testing.assert_array_equal(kept(fast), kept(ref))
     n = G // num_nodes
@@ -109,13 +114,12 @@ def test_compiled_keep_slots_and_count_moves_match_the_numpy_reference(seed):
     L, G, S, E = (int(v) for v in rng.integers(1, 6, 4))
     old, new = rng.integers(-1, E + 1, (2, L, G * S))
     perm = mg.keep_slots(old, new, G)
-    np.testing.assert_array_equal(perm, mg.keep_slots(old, new, G, compiled=False))
+    np.testing.assert_array_equal(perm, oracle.keep_slots(old, new, G))
     assert (np.sort(perm, axis=1) == np.arange(G * S)).all()
     np.testing.assert_array_equal(mg.count_moves(old, new, G, E + 1),
-                                  mg.count_moves(old, new, G, E + 1, compiled=False))
-    np.testing.assert_array_equal(mg._keep_counts(old, new, G, E + 1),
-                                  mg._keep_counts(old, new, G, E + 1, compiled=False))
-    from eplb import _search_kernel
+                                  oracle.count_moves(old, new, G, E + 1))
+    np.testing.assert_array_equal(_keep_counts(old, new, G, E + 1), oracle.keep_counts(old, new, G, E + 1))
+    from eplb.migration import _search_kernel
 
     np.testing.assert_array_equal(_search_kernel.holdings_LEG(new, G, E + 1),
                                   mg.holdings(new, G, E + 1).transpose(0, 2, 1))
@@ -139,8 +143,8 @@ def test_compiled_search_matches_the_numpy_reference(shape, integer_loads):
         load = rng.gamma(0.6, 1.0, (L, E)) * rng.integers(1, 100, (L, 1))
     changed = 0
     for budget in BUDGETS:
-        ref = mg.budgeted_search(load, old, G, budget, compiled=False)
-        fast = mg.budgeted_search(load, old, G, budget, compiled=True)
+        ref = oracle.budgeted_search(load, old, G, budget)
+        fast = mg.budgeted_search(load, old, G, budget)
         np.testing.assert_array_equal(fast, ref, err_msg=f"{budget}")
         changed += int((ref != old).any())
     assert changed >= 4                          # the searches did make changes to compare
@@ -154,7 +158,7 @@ def test_compiled_search_matches_the_reference_on_a_deepseek_plan():
     old = plan(skew * 1000, num_gpus=G, num_redundant=R).placement.phy2log_LP
     load = (skew * rng.gamma(2.0, 0.5, (L, E))) * 1000
     for budget in [mg.Budget(move_cost=0.001), mg.Budget(max_moves=50), mg.Budget(max_moves_per_gpu=1)]:
-        ref = mg.budgeted_search(load, old, G, budget, compiled=False)
+        ref = oracle.budgeted_search(load, old, G, budget)
         np.testing.assert_array_equal(mg.budgeted_search(load, old, G, budget), ref, err_msg=f"{budget}")
         assert mg.count_moves(old, ref, G, E).sum() > 0
 
@@ -243,13 +247,13 @@ def replay_and_check(m: mg.MigrationPlan, old, new, G):
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), G=st.integers(2, 5), S=st.integers(1, 3), L=st.integers(1, 3),
        chunk=st.integers(1, 3), spare=st.integers(1, 4))
-@pytest.mark.parametrize("compiled", [True, False])
-def test_schedule_keeps_every_expert_served(compiled, seed, G, S, L, chunk, spare):
+@SCHEDULERS
+def test_schedule_keeps_every_expert_served(scheduler, seed, G, S, L, chunk, spare):
     """Both schedulers (numba and the Python reference) pass the independent replay."""
     rng = np.random.default_rng(seed)
     E = max(1, G * S - spare)
     old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
-    m = mg.schedule(old, new, G, E, layers_per_chunk=chunk, compiled=compiled)
+    m = scheduler(old, new, G, E, layers_per_chunk=chunk)
     replay_and_check(m, old, new, G)
     m.check()
     # Rounds never mix layer chunks, and chunks run in order.
@@ -260,12 +264,12 @@ def test_schedule_keeps_every_expert_served(compiled, seed, G, S, L, chunk, spar
     assert m.moves == mg.count_moves(old, new, G, E).sum()
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_swap_of_only_replicas_is_staged_through_a_spare_slot(compiled):
+@SCHEDULERS
+def test_swap_of_only_replicas_is_staged_through_a_spare_slot(scheduler):
     # GPU0 [A, C], GPU1 [B, C] -> GPU0 [B, C], GPU1 [A, C]: A and B have one replica each.
     old = np.array([[0, 2, 1, 2]])
     new = np.array([[1, 2, 0, 2]])
-    m = mg.schedule(old, new, 2, 3, compiled=compiled)
+    m = scheduler(old, new, 2, 3)
     replay_and_check(m, old, new, 2)
     assert m.staging_M.sum() == 1
     # The staging copy lands in a slot of C, which keeps its other replica meanwhile.
@@ -280,20 +284,20 @@ def test_new_placement_must_keep_every_expert():
         mg.schedule(np.array([[0, 1, 2, 0]]), np.array([[0, 2, 2, 0]]), 2, 3)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_cycle_without_spare_slot_is_refused(compiled):
+@SCHEDULERS
+def test_cycle_without_spare_slot_is_refused(scheduler):
     old = np.array([[0, 1]])
     new = np.array([[1, 0]])
     with pytest.raises(EplbError, match="no safe migration"):
-        mg.schedule(old, new, 2, 2, compiled=compiled)
+        scheduler(old, new, 2, 2)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_lost_experts_are_reloaded_from_checkpoint_once(compiled):
+@SCHEDULERS
+def test_lost_experts_are_reloaded_from_checkpoint_once(scheduler):
     # Expert 3 has no replica left (its rank failed): one checkpoint read, then a copy.
     old = np.array([[0, 1, 2, 0, 1, 2]])
     new = np.array([[0, 1, 3, 2, 3, 0]])
-    m = mg.schedule(old, new, 2, 4, bytes_per_expert=7, compiled=compiled)
+    m = scheduler(old, new, 2, 4, bytes_per_expert=7)
     assert m.reloads == 1 and (m.expert_M == 3).sum() == 2
     replay_and_check(m, old, new, 2)
     assert m.bytes == 7 * (m.network_mask.sum() + 1)
@@ -307,8 +311,8 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
     b = rng.gamma(0.4, 100.0, (L, E))
     prev = plan(a, num_gpus=G, num_redundant=8).placement
     r = plan(b, num_gpus=G, num_redundant=8, previous=prev, budget=mg.Budget(max_moves=20))
-    for compiled in (True, False):
-        m = mg.schedule(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2, compiled=compiled)
+    for scheduler in (mg.schedule, oracle.schedule):
+        m = scheduler(prev.phy2log_LP, r.placement.phy2log_LP, G, E, layers_per_chunk=2)
         replay_and_check(m, prev.phy2log_LP, r.placement.phy2log_LP, G)
         assert m.moves <= 20
 
@@ -316,12 +320,15 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
 def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     """Read-only Placement arrays, int32 maps, float32 and non-contiguous loads all reach the
     kernels as the types warm_up compiled: a decision never compiles (seconds) on first use."""
-    from eplb import _search_kernel as K
+    from eplb.migration import _moves_kernel, _schedule_kernel, _search_kernel
     from eplb.rebalance import Rebalancer
 
     assert mg.warm_up() >= 0.0
-    names = ("search", "keep_slots", "count_moves", "keep_counts", "holdings_LEG")
-    before = {n: len(getattr(K, n).signatures) for n in names}
+    kernels = [(_search_kernel, "search"), (_search_kernel, "holdings_LEG"), (_moves_kernel, "keep_slots"),
+               (_moves_kernel, "count_moves"), (_moves_kernel, "keep_counts"), (_moves_kernel, "gpu_assignment"),
+               (_schedule_kernel, "schedule")]
+    signatures = lambda: [len(getattr(K, n).signatures) for K, n in kernels]  # noqa: E731
+    before = signatures()
     rng = np.random.default_rng(3)
     load = rng.gamma(0.5, 1.0, (3, 64)) * 100
     pl = plan(load, num_gpus=8, num_redundant=8).placement
@@ -331,7 +338,7 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     rb.rebalance()
     mg.budgeted_search(np.asfortranarray(load.astype(np.float32)), pl.phy2log_LP.astype(np.int32), 8,
                        mg.Budget(max_moves=5))
-    assert {n: len(getattr(K, n).signatures) for n in names} == before
+    assert signatures() == before
 
 
 _OLD = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
@@ -403,5 +410,4 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
     with pytest.raises(EplbError, match="num_expert_groups"):
         Rebalancer(prev, num_expert_groups=7)
     with pytest.raises(EplbError, match="numpy reference"):
-        mg.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), num_nodes=N, num_expert_groups=K,
-                           compiled=False)
+        oracle.budgeted_search(load, prev.phy2log_LP, G, mg.Budget(move_cost=0.001), num_nodes=N, num_expert_groups=K)

@@ -5,6 +5,11 @@ import pytest
 
 from eplb import EplbError
 from eplb import migration as mg
+from tests.oracles import migration as oracle
+
+# Each compiled entry point beside its reference (tests/oracles/migration.py).
+SEARCHES = (mg.budgeted_search, oracle.budgeted_search)
+SCHEDULERS = (mg.schedule, oracle.schedule)
 
 _OLD = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
 _NEW = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
@@ -53,9 +58,9 @@ def test_budgeted_search_refuses_empty_slots():
     a replica of expert 0 here, in both versions. restore_missing must fill it first."""
     load = np.array([[0.06002583, 0.97334402]])
     old = np.array([[0, -1, 1, 0]])
-    for compiled in (True, False):
+    for search in SEARCHES:
         with pytest.raises(EplbError, match="restore_missing"):
-            mg.budgeted_search(load, old, 4, mg.Budget(move_cost=0.001), compiled=compiled)
+            search(load, old, 4, mg.Budget(move_cost=0.001))
     fixed = mg.restore_missing(load, old, 4)
     out = mg.budgeted_search(load, fixed, 4, mg.Budget(move_cost=0.001))
     assert (out >= 0).all() and set(out[0].tolist()) == {0, 1}
@@ -71,9 +76,9 @@ def test_budgeted_search_refuses_empty_slots():
 def test_budgeted_search_names_bad_settings(kw, match):
     """donors=0 / partners=0 made the kernel's top-k insertion write index -1 of an empty
     view (into the next scratch array) while the numpy version raised ValueError."""
-    for compiled in (True, False):
+    for search in SEARCHES:
         with pytest.raises(EplbError, match=match):
-            mg.budgeted_search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), compiled=compiled, **kw)
+            search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), **kw)
 
 
 def test_budgeted_search_accepts_whole_float_settings():
@@ -89,11 +94,12 @@ def test_budgeted_search_accepts_whole_float_settings():
 
 # Counting, restoring, scheduling: edge shapes and bad settings ---------------------------------
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_no_layers_is_a_valid_empty_migration(compiled):
+@pytest.mark.parametrize("count_moves, scheduler", [(mg.count_moves, mg.schedule),
+                                                    (oracle.count_moves, oracle.schedule)], ids=["compiled", "python"])
+def test_no_layers_is_a_valid_empty_migration(count_moves, scheduler):
     """L = 0 (a model slice without MoE layers): no moves, no rounds, not an error."""
-    assert mg.count_moves(_OLD[:0], _NEW[:0], 2, 3, compiled=compiled).shape == (0, 2)
-    m = mg.schedule(_OLD[:0], _NEW[:0], 2, 3, compiled=compiled)
+    assert count_moves(_OLD[:0], _NEW[:0], 2, 3).shape == (0, 2)
+    m = scheduler(_OLD[:0], _NEW[:0], 2, 3)
     assert m.num_rounds == 0 and m.num_transfers == 0 and m.moves == 0
 
 
@@ -151,19 +157,19 @@ def _feasible(old, new, E):
     return False
 
 
-@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("scheduler", SCHEDULERS, ids=["compiled", "python"])
 @pytest.mark.parametrize("G, old, new", [
     (3, [0, 1, 1], [1, 2, 0]),                   # 2 lost, 1 doubled: its reload must come last
     (3, [2, 0, -1], [0, 2, 1]),                  # 1 lost: stage the 0 <-> 2 swap through its slot
     (3, [8, 6, 4, 0, 6, 3, 5, 1, 2], [8, 2, 4, 7, 1, 0, 5, 3, 6]),
 ])
-def test_as_many_slots_as_experts_with_lost_experts_is_scheduled(compiled, G, old, new):
+def test_as_many_slots_as_experts_with_lost_experts_is_scheduled(scheduler, G, old, new):
     """P = E after failed ranks: the lost experts' slots are the only spare room. Reloading the
     last one early left every pending slot holding an only replica ('no safe migration')
     although a safe order exists."""
     old, new = np.array([old]), np.array([new])
     assert _feasible(old[0].tolist(), new[0].tolist(), new.shape[1])
-    m = mg.schedule(old, new, G, new.shape[1], compiled=compiled)
+    m = scheduler(old, new, G, new.shape[1])
     _replay(m, old, new, G)
 
 
@@ -183,12 +189,12 @@ def test_schedules_succeed_exactly_when_a_safe_order_exists():
         new = rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, P - E)]))[None]
         feasible = _feasible(old[0].tolist(), new[0].tolist(), E)
         seen.add(feasible)
-        for compiled in (True, False):
+        for scheduler in SCHEDULERS:
             if feasible:
-                _replay(mg.schedule(old, new, G, E, compiled=compiled), old, new, G)
+                _replay(scheduler(old, new, G, E), old, new, G)
             else:
                 with pytest.raises(EplbError, match="no safe migration"):
-                    mg.schedule(old, new, G, E, compiled=compiled)
+                    scheduler(old, new, G, E)
     assert seen == {True, False}
 
 
@@ -221,7 +227,7 @@ def _node_cases(count=40):
 def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, budget):
     """After the kernel ran: its (group, node) counts, replica counts and moves per GPU equal
     the ones recomputed from the map it returns (the prices of the next change read them)."""
-    from eplb import _search_kernel
+    from eplb.migration import _search_kernel
     from eplb.stats import group_span
 
     seen = {}
@@ -258,7 +264,8 @@ def test_prohibitive_span_cost_never_adds_a_group_node_pair():
     for num_nodes, groups, G, E, old, load in _node_cases():
         # With move_cost 0 the price only ranks changes (any gain passes the threshold): a
         # price refuses a change only through move_cost x (1 + span_cost x pairs added).
-        for budget in (mg.Budget(move_cost=0.001, span_cost=1e6), mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
+        for budget in (mg.Budget(move_cost=0.001, span_cost=1e6),
+                       mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
             out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups)
             before = group_span(old, G, num_nodes, groups, E).sum(axis=1)
             assert (group_span(out, G, num_nodes, groups, E).sum(axis=1) <= before).all()
@@ -266,7 +273,7 @@ def test_prohibitive_span_cost_never_adds_a_group_node_pair():
             blind = mg.Budget(budget.max_moves, budget.max_moves_per_gpu, budget.move_cost, 0.0)
             np.testing.assert_array_equal(
                 mg.budgeted_search(load, old, G, blind, num_nodes=num_nodes, num_expert_groups=groups),
-                mg.budgeted_search(load, old, G, blind, compiled=False))
+                oracle.budgeted_search(load, old, G, blind))
 
 
 # MigrationPlan: invariants on construction -------------------------------------------------------
@@ -322,9 +329,9 @@ def test_schedulers_agree_on_random_failed_rank_style_maps():
         old = np.stack(rows)
         new = np.stack([rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, P - E)])) for _ in range(L)])
         got = []
-        for compiled in (True, False):
+        for scheduler in SCHEDULERS:
             try:
-                m = mg.schedule(old, new, G, E, layers_per_chunk=chunk, compiled=compiled)
+                m = scheduler(old, new, G, E, layers_per_chunk=chunk)
             except EplbError as exc:
                 assert "no safe migration" in str(exc)
                 got.append(False)
@@ -348,3 +355,28 @@ def test_bytes_per_expert_must_be_a_positive_count(bad):
         plan(rng.random((2, 8)), num_gpus=2, previous=prev, budget=mg.Budget(bytes_per_expert=bad))
     with pytest.raises(EplbError, match="bytes_per_expert"):
         mg.schedule(_OLD, _NEW, 2, 3, bytes_per_expert=bad)
+
+
+@pytest.mark.parametrize("kw, match", [
+    # Slot 3 written twice in one round (two local copies, no link limit involved).
+    (dict(old_LP=[[0, 1, 2, 0]], new_LP=[[0, 1, 2, 1]], slots_per_gpu=4, rank_ids_G=[0], round_M=[0, 0],
+          layer_M=[0, 0], expert_M=[0, 1], src_rank_M=[0, 0], src_slot_M=[0, 1], dst_rank_M=[0, 0],
+          dst_slot_M=[3, 3], staging_M=[False, False]), "written twice"),
+    # The only replica of expert 1 is overwritten while nothing else serves it.
+    (dict(old_LP=[[0, 1, 2, 0]], new_LP=[[0, 0, 2, 0]], slots_per_gpu=4, rank_ids_G=[0]), "no serving replica"),
+    # A slot that is read and written in the same round.
+    (dict(old_LP=[[0, 1, 2, 1]], new_LP=[[1, 0, 2, 1]], slots_per_gpu=4, rank_ids_G=[0], round_M=[0, 0],
+          layer_M=[0, 0], expert_M=[1, 0], src_rank_M=[0, 0], src_slot_M=[1, 0], dst_rank_M=[0, 0],
+          dst_slot_M=[0, 1], staging_M=[False, False]), "both a source and written"),
+    # No transfers, but new_LP differs from old_LP.
+    (dict(round_M=[], layer_M=[], expert_M=[], src_rank_M=[], src_slot_M=[], dst_rank_M=[], dst_slot_M=[],
+          staging_M=[], chunk_R=[]), "ends with expert"),
+])
+def test_migration_plan_check_replays_every_guarantee(kw, match):
+    """check() is the one replay of a plan (the runtime runs it before moving weights)."""
+    base = dict(round_M=[0], layer_M=[0], expert_M=[0], src_rank_M=[0], src_slot_M=[0], dst_rank_M=[0],
+                dst_slot_M=[1], staging_M=[False])
+    m = mg.MigrationPlan(**_plan_kw(**{**base, **kw}))
+    with pytest.raises(EplbError, match=match):
+        m.check()
+    mg.schedule(_OLD, _NEW, 2, 3).check()                          # a scheduled plan passes

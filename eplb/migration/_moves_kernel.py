@@ -1,0 +1,218 @@
+"""Compiled counting and matching of `eplb.migration.moves` (numba).
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots,
+R = rows of S slots (one per layer and GPU).
+
+- `count_moves`, `keep_slots`: per row of S slots (a GPU in one layer);
+- `keep_counts`: the [L, G, G] overlap matrix `relabel` assigns on;
+- `gpu_assignment`: the per-layer GPU (and node) matching, a Hungarian method.
+
+Every kernel trusts its inputs (no bounds checks): the callers validate maps first
+(`eplb.migration.checks`). All release the GIL, so a serving thread keeps running while a side
+thread plans. `cache=True` stores the machine code beside this file, so later processes load
+it instead of compiling (`eplb.migration.warm_up`). The numpy / scipy references the tests
+compare them with are in tests/oracles/migration.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _occurrence_keys(x, S, key):
+    """key[j] = x[j] * S + (occurrences of x[j] before j), or -1 - j for an empty slot."""
+    for j in range(S):
+        if x[j] < 0:
+            key[j] = -1 - j
+            continue
+        k = 0
+        for i in range(j):
+            if x[i] == x[j]:
+                k += 1
+        key[j] = x[j] * S + k
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def keep_slots(old_RS, new_RS):
+    """Compiled `migration.keep_slots` on rows of S slots (one row per layer and GPU): the
+    within-row source slot of each old position, int64 [R, S]; same rules, same output."""
+    R, S = new_RS.shape
+    out = np.empty((R, S), dtype=np.int64)
+    kn = np.empty(S, dtype=np.int64)
+    ko = np.empty(S, dtype=np.int64)
+    matched = np.empty(S, dtype=np.bool_)
+    taken = np.empty(S, dtype=np.bool_)
+    for r in range(R):
+        _occurrence_keys(new_RS[r], S, kn)
+        _occurrence_keys(old_RS[r], S, ko)
+        for i in range(S):
+            taken[i] = False
+            out[r, i] = -1
+        for j in range(S):
+            matched[j] = False
+            for i in range(S):
+                if kn[j] == ko[i]:        # keys are unique in a row: at most one match
+                    matched[j] = True
+                    taken[i] = True
+                    out[r, i] = j
+                    break
+        # Unmatched new slots fill the free positions, both in increasing order.
+        i = 0
+        for j in range(S):
+            if matched[j]:
+                continue
+            while taken[i]:
+                i += 1
+            out[r, i] = j
+            i += 1
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def count_moves(old_RS, new_RS):
+    """Compiled `migration.count_moves` on rows of S slots: experts (>= 0) a row of new_RS
+    holds that its row of old_RS does not, each counted once, int64 [R]."""
+    R, S = new_RS.shape
+    out = np.zeros(R, dtype=np.int64)
+    for r in range(R):
+        for j in range(S):
+            x = new_RS[r, j]
+            if x < 0:
+                continue
+            seen = False
+            for i in range(j):
+                if new_RS[r, i] == x:
+                    seen = True
+                    break
+            if seen:
+                continue
+            for i in range(S):
+                if old_RS[r, i] == x:
+                    seen = True
+                    break
+            if not seen:
+                out[r] += 1
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def keep_counts(old_LP, new_LP, G, E):
+    """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too (each counted once),
+    float64 [L, G, G]; the overlap matrix `migration.relabel` assigns on."""
+    L, P = new_LP.shape
+    S = P // G
+    out = np.zeros((L, G, G))
+    old_EG = np.zeros((E, G), dtype=np.bool_)
+    for l in range(L):
+        for p in range(P):
+            e = old_LP[l, p]
+            if e >= 0:
+                old_EG[e, p // S] = True
+        for a in range(G):
+            for j in range(S):
+                x = new_LP[l, a * S + j]
+                if x < 0:
+                    continue
+                seen = False
+                for i in range(j):
+                    if new_LP[l, a * S + i] == x:
+                        seen = True
+                        break
+                if seen:
+                    continue
+                for b in range(G):
+                    if old_EG[x, b]:
+                        out[l, a, b] += 1.0
+        for p in range(P):
+            e = old_LP[l, p]
+            if e >= 0:
+                old_EG[e, p // S] = False
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _assign_max(w, r0, c0, n, u, v, p, way, minv, used, out):
+    """Maximum-weight perfect matching of the n x n block w[r0:r0+n, c0:c0+n] (Hungarian
+    method with potentials, O(n^3)); out[j] = row (0..n-1) matched to column j. Returns the
+    matched weight. u, v, p, way, minv, used: scratch of n + 1 entries."""
+    for j in range(n + 1):
+        u[j] = 0.0
+        v[j] = 0.0
+        p[j] = 0
+        way[j] = 0
+    for i in range(1, n + 1):
+        p[0] = i
+        j0 = 0
+        for j in range(n + 1):
+            minv[j] = np.inf
+            used[j] = False
+        while True:
+            used[j0] = True
+            i0 = p[j0]
+            delta = np.inf
+            j1 = 0
+            for j in range(1, n + 1):
+                if not used[j]:
+                    cur = -w[r0 + i0 - 1, c0 + j - 1] - u[i0] - v[j]
+                    if cur < minv[j]:
+                        minv[j] = cur
+                        way[j] = j0
+                    if minv[j] < delta:
+                        delta = minv[j]
+                        j1 = j
+            for j in range(n + 1):
+                if used[j]:
+                    u[p[j]] += delta
+                    v[j] -= delta
+                else:
+                    minv[j] -= delta
+            j0 = j1
+            if p[j0] == 0:
+                break
+        while True:
+            j1 = way[j0]
+            p[j0] = p[j1]
+            j0 = j1
+            if j0 == 0:
+                break
+    total = 0.0
+    for j in range(1, n + 1):
+        out[j - 1] = p[j] - 1
+        total += w[r0 + p[j] - 1, c0 + j - 1]
+    return total
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gpu_assignment(keep_LGG, num_nodes):
+    """Compiled `migration._gpu_assignment`: out[l, b] = new GPU placed at old GPU b, int64
+    [L, G]; the best GPU matching inside every (new node, old node) pair, then the best node
+    matching (num_nodes = 1: one matching of all GPUs). Optimal like scipy's; ties may differ."""
+    L, G, _ = keep_LGG.shape
+    n = G // num_nodes
+    m = max(n, num_nodes)
+    u = np.empty(m + 1)
+    v = np.empty(m + 1)
+    p = np.empty(m + 1, dtype=np.int64)
+    way = np.empty(m + 1, dtype=np.int64)
+    minv = np.empty(m + 1)
+    used = np.empty(m + 1, dtype=np.bool_)
+    inner = np.empty((num_nodes, num_nodes, n), dtype=np.int64)
+    node_keep = np.empty((num_nodes, num_nodes))
+    node_of = np.empty(num_nodes, dtype=np.int64)
+    out = np.empty((L, G), dtype=np.int64)
+    for l in range(L):
+        w = keep_LGG[l]
+        for a in range(num_nodes):
+            for b in range(num_nodes):
+                node_keep[a, b] = _assign_max(w, a * n, b * n, n, u, v, p, way, minv, used, inner[a, b])
+        if num_nodes == 1:
+            node_of[0] = 0
+        else:
+            _assign_max(node_keep, 0, 0, num_nodes, u, v, p, way, minv, used, node_of)
+        for b in range(num_nodes):
+            a = node_of[b]
+            for j in range(n):
+                out[l, b * n + j] = a * n + inner[a, b, j]
+    return out

@@ -1,0 +1,380 @@
+"""Compiled migration schedule (numba): the rounds of `eplb.migration.schedule`.
+
+Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = G x S slots,
+K = candidates per destination rank and round, M = transfers, R = rounds.
+
+The greedy rounds of the Python reference (tests/oracles/migration.py, held to the same
+replay in the tests), on flat arrays instead of dicts and sets, in three namedtuples:
+- `_Slots`, the schedule's state: cur_LP (slot contents), hc_LE (each expert's *complete*
+  replicas: slots that hold it and are not being written this round), the round's flags
+  writing_LP, sourcing_LP, inflight_LE, and pend_GK, each rank's pending slots (code
+  l * P + p) in the reference's order;
+- `_Round`, one round's network candidates and its transfers so far (done rows).
+A round: `_scan` takes local copies at once and lists network and checkpoint candidates;
+`_take_links` gives the links to a maximum matching of destination ranks to source ranks
+(augmenting paths, the ranks with the most copies left tried first: the reference asks
+scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
+are the last to wait; when nothing can move, `_stage_kernel.stage` breaks the cycles; `_apply_round`
+writes the round. Ties among replicas pick the lowest slot index. Releases the GIL: a
+serving thread keeps running while a side thread schedules.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from eplb.migration._stage_kernel import new_staging, stage
+
+NO_SOURCE = -2            # cand_src entry: this column (rank) holds no complete replica
+STATUS_OK = 0
+STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
+STATUS_NO_PROGRESS = -2   # the round guard ran out (a bug)
+
+_Slots = namedtuple("_Slots", [
+    "cur", "tgt", "hc", "writing", "sourcing", "inflight", "inpend",
+    "staged_blk",   # staging slot -> the blocked slot it stages for (-1: none)
+    "staged_exp",   # ... and the expert it holds for it
+    "pend", "npend",
+    "ndist",        # experts held per layer, at round start + reloads (tight layers)
+    "npl",          # pending slots per layer at round start (tight layers)
+])
+_Round = namedtuple("_Round", ["cand", "cand_e", "cand_src", "ncand", "adj", "done"])
+
+
+@njit(cache=True, nogil=True)
+def _grow(a, n):
+    """a with room for at least n rows (doubling), rows kept."""
+    if n <= a.shape[0]:
+        return a
+    b = np.empty((max(n, 2 * a.shape[0]),) + a.shape[1:], dtype=a.dtype)
+    b[:a.shape[0]] = a
+    return b
+
+
+@njit(cache=True, nogil=True)
+def _match(adj, npend, G):
+    """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
+    G + d), rows with the most pending copies first; match_row[d] = column or -1."""
+    C = adj.shape[1]
+    match_row = np.full(G, -1, dtype=np.int64)
+    match_col = np.full(C, -1, dtype=np.int64)
+    parent = np.empty(C, dtype=np.int64)
+    seen = np.empty(C, dtype=np.bool_)
+    queue = np.empty(G, dtype=np.int64)
+    for d in np.argsort(-npend, kind="mergesort"):
+        seen[:] = False
+        head, tail = 0, 1
+        queue[0] = d
+        end = -1
+        while head < tail and end < 0:
+            u = queue[head]
+            head += 1
+            for r in range(C):
+                if not adj[u, r] or seen[r]:
+                    continue
+                seen[r] = True
+                parent[r] = u
+                if match_col[r] < 0:
+                    end = r
+                    break
+                queue[tail] = match_col[r]
+                tail += 1
+        r = end
+        while r >= 0:                       # flip the augmenting path
+            u = parent[r]
+            nxt = match_row[u]
+            match_row[u] = r
+            match_col[r] = u
+            r = nxt
+    return match_row
+
+
+@njit(cache=True, nogil=True)
+def _commit(l, p, e, src_rank, src, d, st, done, nd):
+    """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
+    checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""
+    o = st.cur[l, p]
+    if o >= 0:
+        st.hc[l, o] -= 1
+    st.writing[l, p] = True
+    if src >= 0:
+        st.sourcing[l, src] = True
+    st.inflight[l, e] = True
+    done[nd, 0] = l
+    done[nd, 1] = p
+    done[nd, 2] = e
+    done[nd, 3] = src_rank
+    done[nd, 4] = src
+    done[nd, 5] = d
+    done[nd, 6] = 0
+
+
+@njit(cache=True, nogil=True)
+def pend_layer(pend, npend, P):
+    """Layer of the first pending slot (for the error message), or -1."""
+    for d in range(npend.size):
+        if npend[d]:
+            return pend[d, 0] // P
+    return -1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _new_state(old_LP, new_LP, G, E):
+    """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
+    L, P = new_LP.shape
+    S = P // G
+    hc = np.zeros((L, E), dtype=np.int64)
+    for l in range(L):
+        for p in range(P):
+            if old_LP[l, p] >= 0:
+                hc[l, old_LP[l, p]] += 1
+    return _Slots(
+        old_LP.copy(), new_LP, hc, np.zeros((L, P), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
+        np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
+        np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
+        np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _queue_chunk(st, c0, c1, S, P):
+    """Queue the slots of layers c0..c1-1 that change on their ranks; returns how many."""
+    st.npend[:] = 0
+    for l in range(c0, c1):
+        for p in range(P):
+            if st.cur[l, p] != st.tgt[l, p]:
+                g = p // S
+                st.pend[g, st.npend[g]] = l * P + p
+                st.npend[g] += 1
+                st.inpend[l, p] = True
+    return st.npend.sum()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count_room(st, c0, c1, E, P):
+    """Round-start counts of a layer's spare room (tight layers): experts held, pending slots."""
+    for l in range(c0, c1):
+        st.npl[l] = 0
+        st.ndist[l] = 0
+        for e in range(E):
+            if st.hc[l, e] > 0:
+                st.ndist[l] += 1
+    for d in range(st.npend.size):
+        for k in range(st.npend[d]):
+            st.npl[st.pend[d, k] // P] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scan(st, rd, S, P, tight):
+    """Local copies are taken at once (no link); network and checkpoint candidates (at most
+    K per destination rank) go to rd for the link matching. Returns the copies taken."""
+    G = st.npend.size
+    K = rd.cand.shape[1]
+    cur, tgt, hc = st.cur, st.tgt, st.hc
+    nd = 0
+    rd.ncand[:] = 0
+    for d in range(G):
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            l = code // P
+            p = code % P
+            if st.sourcing[l, p]:
+                continue
+            if st.staged_blk[l, p] >= 0:
+                if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p]:
+                    continue               # its blocked slot still needs the copy
+                st.staged_blk[l, p] = -1
+            o = cur[l, p]
+            e = tgt[l, p]
+            if o >= 0 and hc[l, o] < 2:
+                continue                   # p holds the last complete replica of o
+            if hc[l, e] > 0:
+                local = -1
+                for j in range(S):
+                    s = d * S + j
+                    if cur[l, s] == e and not st.writing[l, s]:
+                        local = s
+                        break
+                if local >= 0:
+                    _commit(l, p, e, d, local, d, st, rd.done, nd)
+                    nd += 1
+                    continue
+                if rd.ncand[d] < K:
+                    i = rd.ncand[d]
+                    rd.cand[d, i] = code
+                    rd.cand_e[d, i] = e
+                    rd.cand_src[d, i, :] = NO_SOURCE
+                    for s in range(P):
+                        if cur[l, s] == e and not st.writing[l, s] and rd.cand_src[d, i, s // S] == NO_SOURCE:
+                            rd.cand_src[d, i, s // S] = s
+                    rd.ncand[d] += 1
+            elif st.inflight[l, e]:
+                continue                   # e's only copy is still being written
+            elif tight and P - st.ndist[l] < 2 and st.npl[l] > 1:
+                continue                   # the layer's last spare room: reload last
+            elif rd.ncand[d] < K:          # lost with every replica: checkpoint reload
+                i = rd.ncand[d]
+                rd.cand[d, i] = code
+                rd.cand_e[d, i] = e
+                rd.cand_src[d, i, :] = NO_SOURCE
+                rd.cand_src[d, i, G + d] = -1
+                rd.ncand[d] += 1
+    return nd
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _take_links(st, rd, nd, P, tight):
+    """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
+    source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
+    candidate that is still possible. Returns the copies of the round so far."""
+    G = st.npend.size
+    cur, hc = st.cur, st.hc
+    rd.adj[:, :] = False
+    any_edge = False
+    for d in range(G):
+        for i in range(rd.ncand[d]):
+            for r in range(2 * G):
+                if rd.cand_src[d, i, r] != NO_SOURCE:
+                    rd.adj[d, r] = True
+                    any_edge = True
+    if not any_edge:
+        return nd
+    match_row = _match(rd.adj, st.npend, G)
+    for d in range(G):
+        r = match_row[d]
+        if r < 0:
+            continue
+        for i in range(rd.ncand[d]):
+            src = rd.cand_src[d, i, r]
+            if src == NO_SOURCE:
+                continue
+            code = rd.cand[d, i]
+            l = code // P
+            p = code % P
+            e = rd.cand_e[d, i]
+            if st.sourcing[l, p] or st.writing[l, p]:
+                continue
+            o = cur[l, p]
+            if o >= 0 and hc[l, o] < 2:
+                continue               # an earlier pick this round took o's spare
+            if src >= 0 and (cur[l, src] != e or st.writing[l, src]):
+                continue               # the source is being written this round
+            if src < 0 and st.inflight[l, e]:
+                continue
+            if src < 0 and tight:
+                if P - st.ndist[l] < 2 and st.npl[l] > 1:
+                    continue           # another reload this round took the room
+                st.ndist[l] += 1
+            _commit(l, p, e, -1 if src < 0 else r, src, d, st, rd.done, nd)
+            nd += 1
+            break
+    return nd
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _apply_round(st, done, nd, out, M, R):
+    """Write the nd copies of round R into the slots and as rows M.. of out (grown as needed);
+    returns (out, new M)."""
+    out = _grow(out, M + nd)
+    for i in range(nd):
+        l = done[i, 0]
+        p = done[i, 1]
+        e = done[i, 2]
+        st.cur[l, p] = e
+        st.hc[l, e] += 1
+        st.writing[l, p] = False
+        if done[i, 4] >= 0:
+            st.sourcing[l, done[i, 4]] = False
+        st.inflight[l, e] = False
+        out[M, 0] = R
+        out[M, 1] = l
+        out[M, 2] = e
+        out[M, 3] = done[i, 3]
+        out[M, 4] = done[i, 4]
+        out[M, 5] = done[i, 5]
+        out[M, 6] = p
+        out[M, 7] = done[i, 6]
+        M += 1
+    return out, M
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _requeue(st, done, nd, S, P):
+    """Drop the slots that reached their target from the queues; a staging copy makes its slot
+    pending again (it must get its own expert back). Returns the slots still pending."""
+    for d in range(st.npend.size):
+        n = 0
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            if st.cur[code // P, code % P] != st.tgt[code // P, code % P]:
+                st.pend[d, n] = code
+                n += 1
+            else:
+                st.inpend[code // P, code % P] = False
+        st.npend[d] = n
+    for i in range(nd):
+        l = done[i, 0]
+        p = done[i, 1]
+        if st.cur[l, p] != st.tgt[l, p] and not st.inpend[l, p]:
+            g = p // S
+            st.pend[g, st.npend[g]] = l * P + p
+            st.npend[g] += 1
+            st.inpend[l, p] = True
+    return st.npend.sum()
+
+
+@njit(cache=True, nogil=True)
+def schedule(old_LP, new_LP, G, E, chunk, per_rank):
+    """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
+
+    out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
+    dst slot, staging). status STATUS_NO_SPARE names the layer that could not stage.
+    chunk: layers per chunk (rounds never mix chunks); per_rank: K.
+    """
+    L, P = new_LP.shape
+    S = P // G
+    st = _new_state(old_LP, new_LP, G, E)
+    rd = _Round(np.empty((G, per_rank), dtype=np.int64), np.empty((G, per_rank), dtype=np.int64),
+                np.empty((G, per_rank, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64),
+                np.zeros((G, 2 * G), dtype=np.bool_),
+                np.empty((L * P + G, 7), dtype=np.int64))      # l, p, e, src rank, src, d, staging
+    sg = new_staging(L, P, E, G)
+    out = np.empty((1024, 8), dtype=np.int64)
+    chunk_R = np.empty(64, dtype=np.int64)
+    # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
+    # keep it, reloads of lost experts use it up, and a cycle needs one unit to stage through:
+    # a reload that would leave none waits until it is its layer's last pending slot. Only
+    # with E >= P can a reload leave none (else it leaves >= P - E + 1 - 1 >= 1).
+    tight = E >= P
+    M = 0
+    R = 0
+    for chunk_id, c0 in enumerate(range(0, L, chunk)):
+        c1 = min(L, c0 + chunk)
+        left = _queue_chunk(st, c0, c1, S, P)
+        guard = 4 * (left + (c1 - c0) * P) + 8
+        while left > 0:
+            guard -= 1
+            if guard <= 0:
+                return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
+            if tight:
+                _count_room(st, c0, c1, E, P)
+            nd = _scan(st, rd, S, P, tight)
+            nd = _take_links(st, rd, nd, P, tight)
+            if nd == 0:
+                # Every pending slot is blocked: break each cycle of "waits for" links with
+                # one staging copy into a spare slot.
+                nd = stage(st, sg, rd.done, S, P)
+                if nd == 0:
+                    return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
+                for i in range(nd):
+                    st.staged_blk[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 4]
+                    st.staged_exp[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 2]
+            out, M = _apply_round(st, rd.done, nd, out, M, R)
+            chunk_R = _grow(chunk_R, R + 1)
+            chunk_R[R] = chunk_id
+            R += 1
+            left = _requeue(st, rd.done, nd, S, P)
+    return out[:M], chunk_R[:R], STATUS_OK, -1

@@ -1,0 +1,47 @@
+"""The numba kernels of the migration package: what compiles, and loading it ahead of time.
+
+Three kernel modules, each imported on first use (numba takes about half a second to import,
+and `eplb plan` without a previous placement must start fast):
+- `_moves_kernel`: count_moves, keep_slots, keep_counts, gpu_assignment (for `moves`);
+- `_search_kernel`: holdings_LEG and the budgeted search loop (for `search`);
+- `_schedule_kernel`: the rounds of a migration schedule (for `schedule`).
+Every kernel trusts its input (the package's entry points check it: `checks`), releases the
+GIL, and is compiled with `cache=True`: the machine code is stored beside the module (or under
+NUMBA_CACHE_DIR), so only the first process after an install compiles. Arrays reach the
+kernels as writable C-ordered int64 (`checks.kernel_ints`) or float64, one type per argument,
+so each kernel has one compiled version; `warm_up` makes it exist before the first decision.
+The stages a kernel is written in (`_scan`, `_price_swaps`, ...) are `inline="always"`: numba
+then compiles each entry point as one function. A separately compiled helper is optimised on
+its own and again inside its caller, which makes the first compile markedly longer; helpers
+with several callers (`_apply`, `price_layer`, `_commit`, `stage`) stay separate so that
+their code is compiled once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from eplb.migration.moves import count_moves, keep_slots, relabel
+from eplb.migration.schedule import schedule
+from eplb.migration.search import Budget, budgeted_search
+
+
+def warm_up() -> float:
+    """Load (or, on a fresh install, compile) the numba kernels of the migration package now,
+    so that the first rebalance decision does not pay for it; returns the seconds it took.
+    Fast after the first call in a process."""
+    t0 = time.perf_counter()
+    # Two layers, 3 experts, 2 GPUs x 2 slots: runs every kernel on the argument types the
+    # real calls use (all sizes share one compiled version).
+    old = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
+    new = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
+    load = np.array([[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]])
+    count_moves(old, new, 2, 3)
+    relabel(old, new, 2, 3)
+    keep_slots(old, new, 2)
+    budgeted_search(load, old, 2, Budget(move_cost=0.001))
+    budgeted_search(load, old, 2, Budget(max_moves=1))
+    schedule(old, new, 2, 3)
+    return time.perf_counter() - t0

@@ -1,0 +1,104 @@
+"""Moves and relabelling: how many experts a new placement copies, and renaming it to copy fewer.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots,
+R = L x G rows of S slots (one per layer and GPU). Slot p lives on GPU p // S.
+
+A *move* is a replica copied onto a GPU that did not hold that expert before (in that layer);
+reshuffling slots inside a GPU is free. `relabel` renames the GPUs (and nodes) of a new plan
+so that it keeps as many old replicas as possible (an assignment problem per layer), then
+`keep_slots` puts every replica that stays on its GPU back in its old slot.
+
+The counting and matching run in numba (`_moves_kernel`): a rebalance decision calls them
+several times, and their numpy equivalents ([L, G, E] holdings, one scipy matching per node
+pair) would cost more than the search itself. The numpy / scipy references they are tested
+against live in tests/oracles/migration.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb.migration.checks import check_maps, check_nodes, kernel_ints
+
+
+def holdings(phy2log_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
+    """Replicas of each expert on each GPU, int64 [L, G, E]. Entries < 0 in phy2log_LP (empty) are skipped."""
+    phy2log_LP = np.asarray(phy2log_LP)
+    L, P = phy2log_LP.shape
+    S = P // num_gpus
+    gpu_P = np.arange(P) // S
+    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical_experts + phy2log_LP
+    flat = flat[phy2log_LP >= 0]
+    return np.bincount(flat, minlength=L * num_gpus * num_logical_experts).reshape(L, num_gpus, num_logical_experts)
+
+
+def count_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
+    """Moves onto each GPU, int64 [L, G]: experts the GPU holds in new_LP but not in old_LP."""
+    check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
+    from eplb.migration import _moves_kernel  # numba: imported on first use, `eplb plan` starts fast
+
+    L, P = np.shape(new_LP)
+    R, S = L * num_gpus, P // num_gpus
+    return _moves_kernel.count_moves(kernel_ints(old_LP).reshape(R, S),
+                                     kernel_ints(new_LP).reshape(R, S)).reshape(L, num_gpus)
+
+
+def _keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
+    """keep_LGG[l, a, b]: experts new GPU a holds that old GPU b held too, float64 [L, G, G]."""
+    check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
+    from eplb.migration import _moves_kernel
+
+    return _moves_kernel.keep_counts(kernel_ints(old_LP), kernel_ints(new_LP), num_gpus, num_logical_experts)
+
+
+def _gpu_assignment(keep_LGG: np.ndarray, num_nodes: int) -> np.ndarray:
+    """For each layer, which new GPU goes to each old GPU position, int64 [L, G].
+
+    keep_LGG[l, a, b]: experts new GPU a would keep if it became old GPU b. With several
+    nodes a node's GPUs move as a whole (node-aware planners packed them together): first
+    the best GPU matching for every (new node, old node) pair, then the best node matching.
+    A Hungarian method in numba: the same kept totals as scipy's linear_sum_assignment
+    (ties may pick other GPUs) without one scipy call per node pair and layer.
+    """
+    from eplb.migration import _moves_kernel
+
+    return _moves_kernel.gpu_assignment(np.ascontiguousarray(keep_LGG, dtype=np.float64), int(num_nodes))
+
+
+def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
+            num_nodes: int = 1) -> np.ndarray:
+    """Slot permutation perm_LP that makes new_LP[l, perm_LP[l]] keep the most old replicas.
+
+    The GPUs of one layer are interchangeable as wholes (and nodes, as wholes of GPUs), so a
+    new plan loses nothing by renaming them; the renaming that keeps the most (GPU, expert)
+    pairs of old_LP is an assignment problem. Inside a GPU, an expert it already held goes
+    back to the slot it occupied, so a kept replica is not even copied locally.
+    """
+    L, P = check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
+    num_nodes = check_nodes(num_gpus, num_nodes)
+    old_LP = np.asarray(old_LP)
+    new_LP = np.asarray(new_LP)
+    G, S = num_gpus, P // num_gpus
+    keep_LGG = _keep_counts(old_LP, new_LP, G, num_logical_experts)
+    gsrc_LG = _gpu_assignment(keep_LGG, num_nodes)             # new GPU placed at each old GPU position
+    # Slots of new GPU gsrc[l, b] placed on GPU b, still in their own order.
+    base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
+    moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
+
+    return np.take_along_axis(base_LP, keep_slots(old_LP, moved_LP, G), axis=1)
+
+
+def keep_slots(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Within-GPU slot permutation perm_LP: new_LP[l, perm_LP[l]] has each expert that a GPU
+    keeps in the slot it held in old_LP (GPUs are not renamed), so kept replicas are not
+    even copied locally. The k-th copy of an expert in a GPU's new slots takes the slot of
+    its k-th copy in the old ones; the other new slots fill the free slots, both in order."""
+    old_LP = np.asarray(old_LP)
+    new_LP = np.asarray(new_LP)
+    L, P = check_maps(num_gpus, max(int(old_LP.max(initial=0)), int(new_LP.max(initial=0))) + 1,
+                      old_LP=old_LP, new_LP=new_LP)
+    G, S = num_gpus, P // num_gpus
+    from eplb.migration import _moves_kernel
+
+    src_RS = _moves_kernel.keep_slots(kernel_ints(old_LP).reshape(L * G, S), kernel_ints(new_LP).reshape(L * G, S))
+    return src_RS.reshape(L, P) + (np.arange(P) // S * S)[None, :]

@@ -1,0 +1,103 @@
+"""Safe migration schedules: the copies from one placement to another, ordered into rounds.
+
+Legend: L = MoE layers, E = logical experts, G = ranks (GPUs), S = slots per rank,
+P = G x S slots. Slot p lives on rank p // S.
+
+In every round each rank sends at most one and receives at most one expert, and every
+logical expert keeps at least one complete replica serving tokens at every moment (see
+`MigrationPlan`). The rounds come from a numba kernel (`_schedule_kernel`); its Python
+reference, held to the same replay in the tests, is in tests/oracles/migration.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.migration.checks import check_count, check_maps, kernel_ints
+from eplb.migration.moves import holdings
+from eplb.migration.plan import MigrationPlan
+
+NO_SAFE_MIGRATION = (
+    "no safe migration: every pending slot holds the only replica of its expert and no slot holds "
+    "a spare replica to stage through (a layer with as many slots as experts); add redundant slots "
+    "or migrate with the experts offline")
+
+CANDIDATES_PER_RANK = 8
+"""Pending slots per destination rank offered to a round's link matching (the first ones in
+its queue): enough that a rank whose first candidates' sources are busy still gets a link."""
+
+
+def check_schedule_input(old_LP, new_LP, num_gpus: int, num_logical_experts: int, layers_per_chunk, rank_ids):
+    """schedule's input checked: (old_LP, new_LP as int64, layers per chunk, rank ids int64 [G])."""
+    L, P = check_maps(num_gpus, num_logical_experts, old_LP=old_LP, new_LP=new_LP)
+    old_LP = np.asarray(old_LP, dtype=np.int64)
+    new_LP = np.asarray(new_LP, dtype=np.int64)
+    if (new_LP < 0).any():
+        raise EplbError(f"the new placement must hold expert ids 0..{num_logical_experts - 1} in every slot")
+    had = holdings(old_LP, 1, num_logical_experts)[:, 0] > 0
+    gone = had & ~(holdings(new_LP, 1, num_logical_experts)[:, 0] > 0)
+    if gone.any():
+        l, e = np.argwhere(gone)[0]
+        raise EplbError(f"expert {e} of layer index {l} is in the old placement but not the new one: "
+                        f"every expert needs a replica in the new placement")
+    # All layers in one chunk by default (at least 1: a map of no layers has nothing to chunk).
+    chunk = max(L, 1) if layers_per_chunk is None else check_count("layers_per_chunk", layers_per_chunk)
+    chunk = min(chunk, max(L, 1))                           # the kernel takes an int64
+    ranks = np.arange(num_gpus) if rank_ids is None else np.asarray(rank_ids)
+    if ranks.shape != (num_gpus,) or (ranks.size and ranks.dtype.kind not in "iu"):
+        raise EplbError(f"rank_ids must be {num_gpus} whole numbers (one engine rank per GPU), got {rank_ids!r}")
+    return old_LP, new_LP, chunk, ranks.astype(np.int64)
+
+
+def plan_from_rows(old_LP, new_LP, num_gpus: int, num_logical_experts: int, rows_M8: np.ndarray, chunk_R,
+                   rank_ids_G: np.ndarray, bytes_per_expert: int | None) -> MigrationPlan:
+    """The MigrationPlan of transfer rows int64 [M, 8] (round, layer, expert, src rank, src slot,
+    dst rank, dst slot, staging) and the layer chunk of each round, chunk_R [R]."""
+    return MigrationPlan(
+        old_LP=old_LP, new_LP=new_LP, slots_per_gpu=old_LP.shape[1] // num_gpus,
+        num_logical_experts=num_logical_experts,
+        round_M=rows_M8[:, 0], layer_M=rows_M8[:, 1], expert_M=rows_M8[:, 2], src_rank_M=rows_M8[:, 3],
+        src_slot_M=rows_M8[:, 4], dst_rank_M=rows_M8[:, 5], dst_slot_M=rows_M8[:, 6],
+        staging_M=rows_M8[:, 7].astype(bool), chunk_R=np.asarray(chunk_R, dtype=np.int64),
+        rank_ids_G=rank_ids_G, bytes_per_expert=bytes_per_expert,
+    )
+
+
+def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int, *,
+             layers_per_chunk: int | None = None, rank_ids=None,
+             bytes_per_expert: int | None = None) -> MigrationPlan:
+    """Order the copies from old_LP to new_LP into safe rounds (see MigrationPlan).
+
+    Greedy per round: ranks with the most copies left go first; each takes its first
+    pending slot that may be written now, i.e. whose current expert keeps another complete
+    replica that is not being written this round, from a source slot that is complete and
+    on a rank with its send link free (a source on the same GPU needs no link). The links of
+    a round are a maximum matching of destination ranks to source ranks, the ranks with the
+    most copies left tried first. Experts absent from old_LP are read from the checkpoint
+    once, then copied from that replica.
+
+    Cycles: when no pending slot may be written (each holds the only replica of its expert,
+    e.g. two GPUs exchanging their only copies of A and B), one such expert is first copied
+    into a *staging* slot: a slot already in its final state whose expert has another
+    complete replica (exists whenever a layer has more slots than experts present). The
+    cycle then unwinds, and the staging slot is restored last. With no such slot (P = E
+    and a cycle) a safe schedule does not exist and EplbError says so. After failed ranks
+    with P = E, the slots of the lost experts are the only room to stage through: a reload
+    that would use up a layer's last such room waits until it is the layer's last copy.
+
+    layers_per_chunk: rounds only mix layers of one chunk of that many consecutive layers,
+    and chunks run in order, so an engine can migrate (and free buffers) chunk by chunk.
+    rank_ids: the engine rank of each GPU index (default 0..G-1). The kernel releases the
+    GIL: a serving thread is not stalled while a side thread schedules.
+    """
+    old_LP, new_LP, chunk, ranks = check_schedule_input(old_LP, new_LP, num_gpus, num_logical_experts,
+                                                        layers_per_chunk, rank_ids)
+    from eplb.migration import _schedule_kernel  # numba: imported on first use, `eplb plan` starts fast
+
+    rows, chunk_R, status, layer = _schedule_kernel.schedule(
+        kernel_ints(old_LP), kernel_ints(new_LP), num_gpus, num_logical_experts, chunk, CANDIDATES_PER_RANK)
+    if status == _schedule_kernel.STATUS_NO_SPARE:
+        raise EplbError(f"{NO_SAFE_MIGRATION} (layer index {layer})")
+    assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
+    return plan_from_rows(old_LP, new_LP, num_gpus, num_logical_experts, rows, chunk_R, ranks, bytes_per_expert)
