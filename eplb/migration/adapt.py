@@ -19,20 +19,19 @@ from eplb.errors import EplbError
 from eplb.migration.checks import check_load_and_maps
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.search import Budget, budgeted_search, span_priced
+from eplb.placement import gpu_loads
 from eplb.stats import group_span
 
 
 def max_load(load_LE: np.ndarray, phy2log_LP: np.ndarray, num_gpus: int) -> np.ndarray:
     """Busiest GPU's load per layer under even dispatch, [L] (slots < 0 hold nothing)."""
     load_LE = np.asarray(load_LE, dtype=np.float64)
-    L, P = phy2log_LP.shape
-    E = load_LE.shape[1]
+    L, E = load_LE.shape
     valid = phy2log_LP >= 0
-    # Replica counts by bincount (np.add.at is an order of magnitude slower; same integer counts).
-    r = np.bincount((np.arange(L)[:, None] * E + phy2log_LP)[valid], minlength=L * E).reshape(L, E).astype(np.float64)
-    e = np.maximum(phy2log_LP, 0)
-    w = np.where(valid, np.take_along_axis(load_LE / np.maximum(r, 1), e, axis=1), 0.0)
-    return w.reshape(L, num_gpus, P // num_gpus).sum(axis=2).max(axis=1)
+    r_LE = np.bincount((np.arange(L)[:, None] * E + phy2log_LP)[valid], minlength=L * E).reshape(L, E)
+    # Each replica's load divided out here, not as gpu_loads' even-split weights (x * (1/r)):
+    # the search compares these sums, and x / r is what its kernels compute.
+    return gpu_loads(phy2log_LP, load_LE / np.maximum(r_LE, 1), num_gpus, 1.0).max(axis=1)
 
 
 def _restore_layer(row: np.ndarray, load_E: np.ndarray, G: int, S: int, l: int) -> None:

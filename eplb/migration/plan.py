@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, readonly
 from eplb.migration.checks import check_count, check_maps
 from eplb.migration.moves import count_moves
 from eplb.placement import Placement
@@ -24,12 +24,6 @@ CHECKPOINT = -1
 
 _INT_FIELDS = ("round_M", "layer_M", "expert_M", "src_rank_M", "src_slot_M", "dst_rank_M", "dst_slot_M",
                "chunk_R", "rank_ids_G")
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.setflags(write=False)
-    return a
 
 
 def _round_index(k, num_rounds: int, what: str) -> int:
@@ -111,10 +105,10 @@ class MigrationPlan:
         if len(self.chunk_R) != (int(rnd[-1]) + 1 if M else 0):
             raise EplbError(f"chunk_R has {len(self.chunk_R)} entries for {int(rnd[-1]) + 1 if M else 0} rounds")
         for name in _INT_FIELDS:
-            object.__setattr__(self, name, _ro(np.asarray(getattr(self, name), dtype=np.int64)))
-        object.__setattr__(self, "staging_M", _ro(np.asarray(self.staging_M, dtype=bool)))
-        object.__setattr__(self, "old_LP", _ro(old.astype(np.int64)))
-        object.__setattr__(self, "new_LP", _ro(new.astype(np.int64)))
+            object.__setattr__(self, name, readonly(np.asarray(getattr(self, name), dtype=np.int64)))
+        object.__setattr__(self, "staging_M", readonly(np.asarray(self.staging_M, dtype=bool)))
+        object.__setattr__(self, "old_LP", readonly(old.astype(np.int64)))
+        object.__setattr__(self, "new_LP", readonly(new.astype(np.int64)))
         # Link limits: per round, each rank sends <= 1 and receives <= 1 over the network.
         net = self.network_mask
         for ranks in (self.src_rank_M[net], self.dst_rank_M[net]):
