@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, finite_number, is_whole
 from eplb.migration.checks import check_count, check_load_and_maps, check_nodes
 
 
@@ -42,18 +42,15 @@ class Budget:
     moves are counted, bytes are not)."""
 
     def __post_init__(self) -> None:
-        v = self.bytes_per_expert
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-            raise EplbError(f"bytes_per_expert must be a whole number >= 1 or None, got {v!r}")
-        for name in ("max_moves", "max_moves_per_gpu"):
+        # Stored as int / float (Budget(max_moves=2.0) holds 2), as the reports that echo them print.
+        for name, low in (("max_moves", 0), ("max_moves_per_gpu", 0), ("bytes_per_expert", 1)):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or int(v) != v or v < 0):
-                raise EplbError(f"{name} must be a whole number >= 0 or None, got {v!r}")
+            if v is not None:
+                if not is_whole(v) or v < low:
+                    raise EplbError(f"{name} must be a whole number >= {low} or None, got {v!r}")
+                object.__setattr__(self, name, int(v))
         for name in ("move_cost", "span_cost"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                    or not np.isfinite(v) or v < 0:
-                raise EplbError(f"{name} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, finite_number(name, getattr(self, name), 0))
 
     @property
     def limited(self) -> bool:

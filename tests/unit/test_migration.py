@@ -212,6 +212,25 @@ def test_budget_options_need_a_previous_placement(rng):
         plan(rng.random((2, 8)), num_gpus=2, previous=prev, budget=mg.Budget(max_moves=-1))
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_moves=float("inf")), r"max_moves must be a whole number >= 0 or None, got inf"),  # None is unlimited
+    (dict(max_moves_per_gpu=float("nan")), r"max_moves_per_gpu must be a whole number >= 0 or None, got nan"),
+    (dict(max_moves=2.5), r"max_moves must be a whole number >= 0 or None, got 2.5"),
+    (dict(bytes_per_expert=0), r"bytes_per_expert must be a whole number >= 1 or None, got 0"),
+    (dict(move_cost="0.1"), r"move_cost must be a finite number >= 0, got '0.1'"),
+    (dict(span_cost=float("inf")), r"span_cost must be a finite number >= 0, got inf"),
+])
+def test_budget_refuses_values_it_cannot_count_or_price(kw, message):
+    with pytest.raises(EplbError, match=message):
+        mg.Budget(**kw)
+
+
+def test_budget_holds_whole_numbers_as_int():
+    b = mg.Budget(max_moves=4.0, max_moves_per_gpu=np.int64(2), bytes_per_expert=np.int64(8), move_cost=np.float32(0.5))
+    assert (b.max_moves, b.max_moves_per_gpu, b.bytes_per_expert, b.move_cost) == (4, 2, 8, 0.5)
+    assert type(b.max_moves) is int and type(b.bytes_per_expert) is int and type(b.move_cost) is float
+
+
 # Schedules ------------------------------------------------------------------------------------
 
 def replay_and_check(m: mg.MigrationPlan, old, new, G):
