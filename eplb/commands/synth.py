@@ -17,8 +17,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.67)")
     p.add_argument("--id-trend", type=float, default=None,
                    help="median strength of the smooth popularity trend along expert ids (default 0.23)")
-    p.add_argument("--phase-share", type=float, default=None, help="logit variance specific to prefill/decode (default 0.18)")
-    p.add_argument("--drift-share", type=float, default=None, help="logit variance that drifts per window (default 0.05)")
+    p.add_argument("--phase-share", type=float, default=None,
+                   help="logit variance specific to prefill/decode (default 0.18)")
+    p.add_argument("--drift-share", type=float, default=None,
+                   help="logit variance that drifts per window (default 0.05)")
+    p.add_argument("--topic-shifts", type=int, default=None,
+                   help="abrupt topic shifts over the trace: at each, a cold expert of some layers turns hot "
+                        "(default 0)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any generator setting of eplb.synth.SynthSettings, e.g. --set num_experts=64 --set "
+                        "topic_hot=0.2,0.3 (repeatable; pairs as two comma-separated numbers)")
     p.add_argument("--keep-tokens", type=int, default=0,
                    help="also store this many tokens' expert choices per window (topk_ids; default 0)")
     p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,
@@ -27,18 +35,50 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _settings_from_set(items: list[str]) -> dict:
+    """--set KEY=VALUE for SynthSettings fields; the pair fields take two comma-separated numbers."""
+    from dataclasses import fields
+
+    from eplb.commands.plan import parse_settings
+    from eplb.errors import EplbError
+    from eplb.synth import SynthSettings
+
+    names = {f.name: f for f in fields(SynthSettings)}
+    out = {}
+    for key, value in parse_settings(items).items():
+        if key not in names:
+            raise EplbError(f"--set {key}: not a generator setting; the settings are {', '.join(names)}")
+        if names[key].type.startswith("tuple"):
+            try:
+                value = tuple(int(x) if names[key].type == "tuple[int, int]" else float(x)
+                              for x in str(value).split(","))
+            except ValueError:
+                raise EplbError(f"--set {key}={value}: expected two comma-separated numbers") from None
+        out[key] = value
+    return out
+
+
 def run(args) -> int:
     import numpy as np
 
     from eplb.errors import EplbError
     from eplb.progress import Progress
-    from eplb.synth import CONTIGUOUS_GPUS, SynthSettings, calibration_stats, generate, layer_correlation, phase_correlation
+    from eplb.synth import (
+        CONTIGUOUS_GPUS,
+        SynthSettings,
+        calibration_stats,
+        generate,
+        layer_correlation,
+        phase_correlation,
+    )
     from eplb.trace import load_trace
 
     check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
-    overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
+    overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens,
+                 **_settings_from_set(args.set)}
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
-                       ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
+                       ("phase_share", args.phase_share), ("drift_share", args.drift_share),
+                       ("topic_shifts", args.topic_shifts)):
         if value is not None:
             overrides[key] = value
     settings = SynthSettings(**overrides)
@@ -71,6 +111,13 @@ def run(args) -> int:
     if not args.quiet:
         print(f"wrote {args.output}: {trace.num_windows} windows x {trace.num_layers} layers x "
               f"{trace.num_logical_experts} experts, phases {''.join(p[0] for p in trace.meta['phases'])} (p/d)")
+        if trace.meta.get("topic_shifts"):
+            from eplb.synth import topic_shift_stats
+
+            st = topic_shift_stats(trace)
+            print(f"{len(set(d['window'] for d in st))} topic shifts, {len(st)} experts turned hot: share of a layer's "
+                  f"tokens before {np.median([d['before'] for d in st]):.4f}, after "
+                  f"{np.median([d['after'] for d in st]):.3f} (medians)")
 
         def f(v):
             return "" if v is None else float(v)
