@@ -93,8 +93,9 @@ def topic_trace() -> tuple[np.ndarray, str]:
 
     t = generate(SynthSettings(**TOPIC))
     st = topic_shift_stats(t)
-    return t.counts_TLE, (f"eplb synth, seed {TOPIC['seed']}: {t.num_windows} windows of {TOPIC['tokens_per_window']:,} "
-                          f"tokens, {len({d['window'] for d in st})} topic shifts turning {len(st)} (layer, expert) "
+    return t.counts_TLE, (f"eplb synth, seed {TOPIC['seed']}: {t.num_windows} windows of "
+                          f"{TOPIC['tokens_per_window']:,} tokens, {len({d['window'] for d in st})} topic shifts "
+                          f"turning {len(st)} (layer, expert) "
                           f"pairs hot: share of the layer's tokens before {np.median([d['before'] for d in st]):.4f}, "
                           f"after {np.median([d['after'] for d in st]):.3f} (medians)")
 
@@ -133,7 +134,8 @@ def run_trace(name: str, counts: np.ndarray, topo: Topology) -> dict:
         rows[label] = {"even": s["policy"]["even"], "resplit": s["policy"]["resplit"],
                        "moves": s["moves"], "moves_per_window": s["moves_per_window"],
                        "share": s["moves_per_window_share_of_slots"], "decisions": s["decisions"],
-                       "seconds": s["seconds"], "policy_seconds": s["policy_seconds"], "memory_bytes": s["memory_bytes"],
+                       "seconds": s["seconds"], "policy_seconds": s["policy_seconds"],
+                       "memory_bytes": s["memory_bytes"],
                        "served": s["served_windows"]}
         if policy == "adaptive":
             rows["hindsight"] = {"even": s["hindsight"]["even"], "resplit": s["hindsight"]["resplit"], "moves": None}

@@ -27,8 +27,9 @@ allow). Each figure names its rule; `Scoring` is the one value that says how win
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,8 @@ class ReplayResult:
         moves = int(self.moves_T.sum())
         out = {
             "policy_name": self.policy, "settings": self.settings, "rules": list(self.rules),
-            "num_gpus": self.topology.num_gpus, "num_slots": self.topology.num_slots, "num_nodes": self.topology.num_nodes,
+            "num_gpus": self.topology.num_gpus, "num_slots": self.topology.num_slots,
+            "num_nodes": self.topology.num_nodes,
             "num_layers": int(L), "warmup": self.warmup, "delay": self.delay, "served_windows": T,
             "decisions": int(self.decided_T.sum()), "moves": moves, "moves_per_window": moves / T,
             "moves_per_window_share_of_slots": moves / T / (L * P),
