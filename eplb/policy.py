@@ -94,9 +94,10 @@ class WindowMemory:
 class BucketedSum:
     """Sum of the newest `window` observations kept as at most `buckets` partial sums, [L, E].
 
-    Each bucket sums `width` = ceil(window / buckets) consecutive observations; the sum covers
-    the newest full buckets plus the one being filled, so it spans window - width + 1 to window
-    observations (exactly `window` when window <= buckets, where width is 1). Memory is
+    Each bucket sums `width` = ceil(window / buckets) consecutive observations and window // width
+    buckets are kept (the one being filled among them), so the sum spans between
+    window - 2 x width + 2 and window of the newest observations (exactly `window` when
+    window <= buckets, where width is 1). Memory is
     buckets x L x E x 8 bytes whatever the window (64 buckets at 58 x 256: 7.6 MB); a ring of
     every observation would grow with the window (1,000 observations: 119 MB).
     """
@@ -104,14 +105,14 @@ class BucketedSum:
     def __init__(self, window: int, num_layers: int, num_logical_experts: int, buckets: int = 64):
         self.window = _count("window (observations)", window)
         self.width = -(-self.window // _count("buckets", buckets))
-        self.num_buckets = -(-self.window // self.width)
+        self.num_buckets = self.window // self.width
         self._ring_BLE = np.zeros((self.num_buckets, num_layers, num_logical_experts))
         self.sum_LE = np.zeros((num_layers, num_logical_experts))
         self._seen = 0
 
     def add(self, counts_LE: np.ndarray) -> None:
         b = (self._seen // self.width) % self.num_buckets
-        if self._seen % self.width == 0 and self._seen >= self.window:
+        if self._seen % self.width == 0 and self._seen >= self.num_buckets * self.width:
             # A bucket is reused: its observations leave the window.
             self.sum_LE -= self._ring_BLE[b]
             self._ring_BLE[b] = 0.0
@@ -350,6 +351,8 @@ class WindowPolicy:
     def __init__(self, window: int | None = 8, planner: str = "greedy", move_cost: float = 0.001):
         from eplb.planning import get_planner
 
+        if isinstance(window, str) and window.lower() in ("all", "none"):
+            window = None
         self.window = None if window is None else _count("window (windows)", window)
         get_planner(planner)
         self.planner = planner

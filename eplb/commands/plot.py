@@ -13,6 +13,8 @@ EXAMPLES = {
     "replicas": "eplb plot replicas plan.json --trace traces/deepseek.npz -o replicas.svg",
     "backtest": "eplb backtest traces/deepseek.npz --gpus 32 -p greedy -p robust --interval 8 --history 8 "
                 "--json > bt.json && eplb plot backtest bt.json -o backtest.png",
+    "replay": "eplb replay traces/deepseek.npz --gpus 32 --redundant 32 -o replay.npz && "
+              "eplb plot replay replay.npz -o replay.png",
 }
 
 
@@ -20,7 +22,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from eplb.backtest import DISPATCH
     from eplb.planning import planner_names
 
-    p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest",
+    p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest, replay",
                     EXAMPLES["balance"])
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
 
@@ -59,6 +61,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--dispatch", default="even", choices=DISPATCH, metavar="POLICY",
                    help=f"which scored dispatch policy to draw ({', '.join(DISPATCH)}; default even)")
     k.add_argument("--window-label", help="x-axis label (default: which trace window is scored window 0)")
+
+    k = kind("replay", "busiest / mean GPU per served window of a replay, rebalancing moments, references")
+    k.add_argument("result", metavar="REPLAY", help="the .npz `eplb replay ... -o` wrote")
+    k.add_argument("--rule", help="dispatch rule to draw (default: the first the replay scored)")
     return p
 
 
@@ -77,7 +83,8 @@ def _load_backtest_json(path: str, dispatch: str):
     except IsADirectoryError:
         raise EplbError(f"{path!r} is a folder: give the JSON file `eplb backtest --json` wrote") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not a JSON file ({exc}); save `eplb backtest ... --json` output and plot that") from None
+        raise EplbError(f"{path}: not a JSON file ({exc}); save `eplb backtest ... --json` output and "
+                        f"plot that") from None
     return timeline_from_json(data, dispatch, source=path), data
 
 
@@ -178,6 +185,13 @@ def run(args) -> int:
                                      title=args.title)
         info["series"] = [s.name for s in series]
         info["imbalance_mean"] = {s.name: float(s.imbalance_T.mean()) for s in series}
+    elif args.kind == "replay":
+        from eplb.formats.replay import read_replay
+
+        arrays, meta = read_replay(args.result)
+        fig = plot.replay_timeline(arrays, meta, rule=args.rule, title=args.title)
+        info["rule"] = args.rule or meta["rules"][0]
+        info["applied"] = int(arrays["applied_T"].sum())
     else:  # argparse restricts KIND; reaching here is a bug
         raise AssertionError(args.kind)
     plot.save(fig, out)
