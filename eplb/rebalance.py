@@ -15,7 +15,10 @@ Usage (pure numpy; no torch):
 `observe` only accumulates (a few tens of microseconds at DeepSeek-V3 shape); every
 `interval` observations it also predicts the improvement a rebalance could bring (the
 current placement's busiest-GPU load against the lower bound, summed over layers) and says
-whether it is worth it. `rebalance` plans a migration-aware placement through `eplb.plan`
+whether it is worth it. With `policy=` (an eplb.policy name or object, e.g. "adaptive") the
+`interval` observations form one window handed to the policy instead, every window is due,
+and `rebalance` asks the policy, which may keep the placement (a result without moves).
+Without a policy, `rebalance` plans a migration-aware placement through `eplb.plan`
 (move budget / move cost), schedules the copies safely and adopts the new placement.
 All state is guarded by one lock; planning runs outside it, so `observe` is never blocked
 for long by a rebalance on another thread.
@@ -23,6 +26,7 @@ for long by a rebalance on another thread.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +37,7 @@ from eplb import stats
 from eplb.errors import EplbError, is_whole
 from eplb.migration import Budget, MigrationPlan, count_moves, migrate, schedule
 from eplb.placement import Placement
+from eplb.policy import BucketedSum, get_policy
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,9 +92,12 @@ class Rebalancer:
     """Observe router counts, decide when to rebalance, plan and schedule the migration.
 
     placement: what the engine serves now.
-    window: keep the newest `window` observations (sliding sum); alpha: exponential moving
-      average with this weight on each new observation; neither: sum of everything observed
-      since the last rebalance.
+    window: keep the newest `window` observations (sliding sum, in at most 64 bucket sums:
+      exact up to 64, bounded memory beyond, see eplb.policy.BucketedSum); alpha: exponential
+      moving average with this weight on each new observation; neither: sum of everything
+      observed. This load is what failed-rank plans (and, without a policy, every plan) use.
+    policy: an online policy (eplb.policy name or object) that decides rebalances from windows
+      of `interval` observations; None: the min_improvement rule below.
     interval: check every `interval` observations whether a rebalance is worth it.
     min_improvement: rebalance when the predicted cut in the summed busiest-GPU load
       (1 - lower bound / current) is at least this (0 = rebalance at every check).
@@ -109,7 +117,7 @@ class Rebalancer:
                  settings: dict | None = None, max_moves: int | None = None,
                  max_moves_per_gpu: int | None = None, move_cost: float = 0.001,
                  bytes_per_expert: int | None = None, layers_per_chunk: int | None = None,
-                 num_expert_groups: int | None = None, span_cost: float = 1.0):
+                 num_expert_groups: int | None = None, span_cost: float = 1.0, policy=None):
         from eplb.migration import _check_count
 
         if not isinstance(placement, Placement):
@@ -158,6 +166,11 @@ class Rebalancer:
         self.settings = dict(settings or {})
         self.bytes_per_expert = bytes_per_expert
         self.layers_per_chunk = layers_per_chunk
+        self.policy = None if policy is None else get_policy(policy)
+        # Windows closed by observe wait here for the policy, which sees them on the rebalancing
+        # thread (under its own lock), so observe never waits for a decision in progress.
+        self._closed: collections.deque = collections.deque(maxlen=64)
+        self._policy_lock = threading.Lock()
         self._lock = threading.Lock()
         self._version = 0
         self._load_LE = None
@@ -179,8 +192,9 @@ class Rebalancer:
         self.rank_ids = np.asarray(rank_ids, dtype=np.int64)
         self._flat_LP = placement.phy2log_LP + (np.arange(L) * E)[:, None]
         if getattr(self, "_load_LE", None) is None:
-            self._load_LE = np.zeros((L, E))
-            self._ring_WLE = np.zeros((self.window, L, E)) if self.window else None
+            self._sliding = BucketedSum(self.window, L, E) if self.window else None
+            self._load_LE = self._sliding.sum_LE if self._sliding is not None else np.zeros((L, E))
+            self._window_LE = np.zeros((L, E))
             self._seen = 0
         self._since_check = 0
         self._version += 1
@@ -235,18 +249,24 @@ class Rebalancer:
                 else:
                     self._load_LE *= 1.0 - self.alpha
                     self._load_LE += self.alpha * c
-            elif self._ring_WLE is not None:
-                slot = self._seen % self.window
-                self._load_LE += c - self._ring_WLE[slot]
-                self._ring_WLE[slot] = c
+            elif self._sliding is not None:
+                self._sliding.add(c)
             else:
                 self._load_LE += c
             self._seen += 1
             self.step += 1
             self._since_check += 1
+            if self.policy is not None:
+                self._window_LE += c
             if self._since_check < self.interval:
                 return False
             self._since_check = 0
+            if self.policy is not None:
+                self._closed.append((self._window_LE.copy(), pl))
+                self._window_LE[:] = 0.0
+                self.last_check = {"step": self.step, "due": True,
+                                   "reason": f"window closed for policy {self.policy.name}"}
+                return True
             return self._check_locked()
 
     def _check_locked(self) -> bool:
@@ -277,7 +297,8 @@ class Rebalancer:
         failed_ranks: engine ranks that are gone. The plan then uses the surviving ranks only
         (same slots per GPU), restores each expert from a surviving replica, and reports
         experts that lost every replica in `lost_experts` (their copies come from the
-        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with False, call `adopt(result)` once the engine has migrated.
+        checkpoint: source rank -1 in the migration). apply: adopt the new placement; with False, call
+        `adopt(result)` once the engine has migrated.
         """
         with self._lock:
             pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step
@@ -288,6 +309,8 @@ class Rebalancer:
         failed = self._failed_indices(failed_ranks, ranks)
         if failed.size:
             result = self._plan_failed(pl, ranks, load, failed, step)
+        elif self.policy is not None:
+            result = self._plan_policy(pl, ranks, load, step)
         else:
             result = self._plan(pl, ranks, load, step)
         object.__setattr__(result, "seconds", time.perf_counter() - t0)
@@ -370,6 +393,31 @@ class Rebalancer:
             info=info,
         )
 
+    def _plan_policy(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int) -> RebalanceResult:
+        """Hand the closed windows to the policy and ask it; no decision keeps the placement."""
+        t0 = time.perf_counter()
+        with self._policy_lock:
+            while True:
+                with self._lock:
+                    if not self._closed:
+                        break
+                    window_LE, served = self._closed.popleft()
+                self.policy.observe(window_LE, served)
+            decision = self.policy.decide(pl)
+        new_LP = pl.phy2log_LP if decision is None else decision.phy2log_LP
+        new = Placement(new_LP, pl.num_gpus, pl.num_logical_experts, pl.num_nodes, pl.layer_ids,
+                        planner=self.policy.name)
+        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        t1 = time.perf_counter()
+        mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
+                       layers_per_chunk=self.layers_per_chunk, rank_ids=ranks, bytes_per_expert=self.bytes_per_expert)
+        info = {"decision_seconds": t1 - t0, "schedule_seconds": time.perf_counter() - t1,
+                "moves": mig.moves, "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
+        msg = f"policy {self.policy.name}: " + ("keep (no change pays for its moves)" if decision is None
+                                                else decision.reason)
+        return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
+                               message=msg, info=info)
+
     def _plan_failed(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
                      step: int) -> RebalanceResult:
         from eplb.planning import plan
@@ -401,5 +449,6 @@ class Rebalancer:
         msg = (f"ranks {ranks[failed].tolist()} failed: planned on {Ga} surviving ranks (one node), "
                f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
         return RebalanceResult(
-            placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive], lost_experts=lost, step=step, message=msg, info=info,
+            placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive], lost_experts=lost,
+            step=step, message=msg, info=info,
         )
