@@ -151,9 +151,10 @@ def table(rows: dict) -> str:
                      f"{r['resplit']['median']:.3f} ({r['resplit']['p95']:.3f})", mv,
                      "-" if r["moves"] is None else f"{r['moves']:,}",
                      "-" if r["moves"] is None else r["decisions"],
-                     "-" if r["moves"] is None else f"{r['seconds']:.1f}"])
+                     "-" if r["moves"] is None else f"{r['seconds']:.1f}",
+                     "-" if r["moves"] is None else f"{r['policy_seconds']:.1f}"])
     return format_table(["policy", "even median (p95)", "re-split median (p95)", "moves / window (of slots)",
-                         "moves total", "decisions", "replay s"], body)
+                         "moves total", "decisions", "replay s", "policy s"], body)
 
 
 def targets(results: dict) -> list[str]:
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
         say("\n## Targets (issue 15)")
         for line in targets(results):
             say(f"- {line}")
+    say("\nreplay s: wall time of one replay (the adaptive row includes scoring the static and hindsight "
+        "references); policy s: time the policy spent observing and deciding")
     say(f"\nbenchmark wall time {time.perf_counter() - t0:.0f} s")
     if args.write_docs:
         out = ROOT / "docs" / "results" / "replay.md"
