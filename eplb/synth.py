@@ -212,15 +212,8 @@ def id_trend(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
     return strength_L[:, None] * shape_E[None, :]
 
 
-def token_shares(logit_E: np.ndarray, s: SynthSettings, seed) -> np.ndarray:
-    """Share of tokens that route to each expert (as one of their K), [E], on a fixed sample of
-    tokens: the same seed gives the same noise, so shares of two logits compare without noise."""
-    top_NK = route_tokens(logit_E, _CALIBRATION_TOKENS, s, np.random.default_rng(seed))
-    return np.bincount(top_NK.ravel(), minlength=s.num_experts) / _CALIBRATION_TOKENS
-
-
 _CALIBRATION_TOKENS = 2048
-"""Tokens routed to measure an expert's share while calibrating a topic shift."""
+"""Tokens routed to find the boost that gives a newly hot expert its share."""
 
 
 def topic_schedule(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
@@ -266,10 +259,6 @@ def shift_topic(s: SynthSettings, logit_LE: np.ndarray, before_LE: np.ndarray, r
         boosts.append({"window": int(window), "layer": int(l), "expert": e,
                        "share_before": float(share_E[e]), "target": target})
     return offset_LE, boosts
-
-
-_CALIBRATION_TOKENS = 2048
-"""Tokens routed to find the boost that gives a newly hot expert its share."""
 
 
 def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
