@@ -19,13 +19,15 @@ from eplb._version import __version__
 from eplb.errors import EplbError, PlanningError
 
 # Order shown in `eplb --help`; each name is a module in eplb/commands/.
-COMMANDS = ["plan", "stats", "inspect", "plot", "capacity", "synth", "backtest", "simulate", "calibrate"]
+COMMANDS = ["plan", "stats", "inspect", "plot", "capacity", "synth", "backtest", "replay", "simulate",
+            "calibrate"]
 
 EPILOG = """examples:
   eplb plan traces/deepseek.npz --gpus 16 -o plan.json
   eplb stats traces/deepseek.npz
   eplb inspect plan.json
   eplb plot balance traces/deepseek.npz --gpus 32 -o balance.png
+  eplb replay traces/deepseek.npz --gpus 32 --redundant 32 -o replay.npz
   eplb capacity --model deepseek-v3 --gpus 32 --gpu-memory h200 --context 8192 --concurrency 2048
   eplb simulate traces/deepseek.npz --plan plan.json --model deepseek-v3 --hardware h200
 run `eplb COMMAND --help` for a command's options and an example."""

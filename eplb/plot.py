@@ -503,3 +503,52 @@ def backtest_timeline(series: Any, *, window_label: str = "window", title: str |
         top.set_xlabel(window_label)
     (bottom or top).set_xlim(-0.5, T - 0.5)
     return _finish(fig, path)
+
+
+# 5. Replay timeline -------------------------------------------------------------------------------
+
+def replay_timeline(arrays: Mapping[str, np.ndarray], meta: Mapping, *, rule: str | None = None,
+                    title: str | None = None, path=None):
+    """Busiest / mean GPU per served window of a replay, with the moments of rebalancing.
+
+    arrays, meta: what `eplb.formats.replay.read_replay` returns. rule: the dispatch rule to
+    draw (default the first scored). Top: the policy's median over layers per window (band:
+    its p95 over layers), the static plan and hindsight as references, a triangle where a new
+    placement took effect; bottom: experts copied by each decision.
+    """
+    rules = list(meta["rules"])
+    rule = rules[0] if rule is None else rule
+    if rule not in rules:
+        raise EplbError(f"this replay scored the rules {', '.join(rules)}, not {rule!r}: pick one of those")
+    i = rules.index(rule)
+    x = arrays["window_T"]
+    fig = _figure(11, 5.6)
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(2.2, 1))
+    runs = [("policy", meta.get("policy_name", "policy")), ("static", "static plan"), ("hindsight", "hindsight")]
+    colours = dict(zip([r for r, _ in runs], (PALETTE[0], BASELINE_COLOUR, PALETTE[2])))
+    for key, label in runs:
+        imb_TL = arrays.get(f"{key}_imbalance_RTL")
+        if imb_TL is None:
+            continue
+        imb_TL = imb_TL[i]
+        med = np.median(imb_TL, axis=1)
+        top.plot(x, med, lw=1.4 if key == "policy" else 1.0, color=colours[key], ls="-" if key == "policy" else "--",
+                 label=f"{label} (median {np.median(imb_TL):.3f}, p95 {np.percentile(imb_TL, 95):.3f})")
+        if key == "policy":
+            top.fill_between(x, med, np.percentile(imb_TL, 95, axis=1), color=colours[key], alpha=0.15, lw=0)
+            at = arrays["applied_T"].astype(bool)
+            top.scatter(x[at], med[at], marker="v", s=30, color=colours[key], edgecolor="black", linewidth=0.4,
+                        zorder=3, label="new placement takes effect")
+    top.axhline(1.0, color="black", lw=0.5)
+    top.set_ylabel(f"busiest / mean GPU load\n(median over layers; {rule} dispatch)")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8, loc="best")
+    top.set_title(title or f"Replay: {meta.get('policy_name', 'policy')} policy, {meta.get('num_gpus')} GPUs, "
+                           f"{meta.get('num_slots')} slots (band: p95 over layers)")
+    moved = arrays["decided_T"].astype(bool)
+    bottom.bar(x[moved], arrays["moves_T"][moved], width=0.8, color=colours["policy"])
+    bottom.set_ylabel("experts copied\nper decision")
+    bottom.set_xlabel("window of the trace (served ones)")
+    bottom.grid(alpha=0.3, axis="y")
+    bottom.set_xlim(x[0] - 0.5, x[-1] + 0.5)
+    return _finish(fig, path)

@@ -1,7 +1,7 @@
 """Rebalancer: the hook a serving loop calls to keep its expert placement balanced.
 
 Legend: L = MoE layers, E = logical experts, G = GPUs (ranks), S = slots per GPU,
-P = G x S physical slots, W = observations kept in a sliding window.
+P = G x S physical slots.
 
 Usage (pure numpy; no torch):
 
@@ -15,7 +15,10 @@ Usage (pure numpy; no torch):
 `observe` only accumulates (a few tens of microseconds at DeepSeek-V3 shape); every
 `interval` observations it also predicts the improvement a rebalance could bring (the
 current placement's busiest-GPU load against the lower bound, summed over layers) and says
-whether it is worth it. `rebalance` plans a migration-aware placement through `eplb.plan`
+whether it is worth it. With `policy=` (an eplb.policy name or object, e.g. "adaptive") the
+`interval` observations form one window handed to the policy instead, every window is due,
+and `rebalance` asks the policy, which may keep the placement (a result without moves).
+Without a policy, `rebalance` plans a migration-aware placement through `eplb.plan`
 (move budget / move cost), schedules the copies safely and adopts the new placement.
 All state is guarded by one lock; planning runs outside it, so `observe` is never blocked
 for long by a rebalance on another thread.
@@ -23,6 +26,7 @@ for long by a rebalance on another thread.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -36,6 +40,7 @@ from eplb.migration import Budget, MigrationPlan, schedule, warm_up
 from eplb.placement import Placement
 from eplb.planner_api import get_planner
 from eplb.planning import plan
+from eplb.policy import BucketedSum, Policy, get_policy
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
 """The Rebalancer's budget when none is given: no move limit, each move must buy 0.1% of a
@@ -90,9 +95,14 @@ class Rebalancer:
     """Observe router counts, decide when to rebalance, plan and schedule the migration.
 
     placement: what the engine serves now.
-    window: keep the newest `window` observations (sliding sum); alpha: exponential moving
-      average with this weight on each new observation; neither: sum of everything observed
-      since the last rebalance.
+    window: keep the newest `window` observations (sliding sum, in at most 64 bucket sums:
+      exact up to 64, bounded memory beyond, see eplb.policy.BucketedSum); alpha: exponential
+      moving average with this weight on each new observation; neither: sum of everything
+      observed. This load is what failed-rank plans (and, without a policy, every plan) use.
+    policy: an online policy (eplb.policy name or object) that decides rebalances from windows
+      of `interval` observations; None: the min_improvement rule below. A policy plans on token
+      loads and prices its own moves (its `move_cost` setting): `objective` and the budget's
+      move limits then apply to failed-rank plans only (bytes_per_expert to every migration).
     interval: check every `interval` observations whether a rebalance is worth it.
     min_improvement: rebalance when the predicted cut in the summed busiest-GPU load
       (1 - lower bound / current) is at least this (0 = rebalance at every check).
@@ -113,7 +123,7 @@ class Rebalancer:
                  interval: int = 1000, min_improvement: float = 0.02, planner: str = "greedy",
                  settings: dict | None = None, budget: Budget | None = None,
                  layers_per_chunk: int | None = None, num_expert_groups: int | None = None,
-                 objective: str | TimeObjective = "tokens"):
+                 objective: str | TimeObjective = "tokens", policy: str | Policy | None = None):
         if not isinstance(placement, Placement) or placement.partial:
             what = "a partial Placement" if isinstance(placement, Placement) else type(placement).__name__
             raise EplbError(f"Rebalancer needs a Placement (the one the engine serves), got {what}")
@@ -145,6 +155,11 @@ class Rebalancer:
         import scipy.optimize  # noqa: F401
 
         warm_up()
+        self.policy = None if policy is None else get_policy(policy)
+        # Windows closed by observe wait here for the policy, which sees them on the rebalancing
+        # thread (under its own lock), so observe never waits for a decision in progress.
+        self._closed: collections.deque = collections.deque(maxlen=64)
+        self._policy_lock = threading.Lock()
         self._lock = threading.Lock()
         self._version = 0
         self._load_LE = None
@@ -166,8 +181,9 @@ class Rebalancer:
         self.rank_ids = np.asarray(rank_ids, dtype=np.int64)
         self._flat_LP = placement.phy2log_LP + (np.arange(L) * E)[:, None]
         if getattr(self, "_load_LE", None) is None:
-            self._load_LE = np.zeros((L, E))
-            self._ring_WLE = np.zeros((self.window, L, E)) if self.window else None
+            self._sliding = BucketedSum(self.window, L, E) if self.window else None
+            self._load_LE = self._sliding.sum_LE if self._sliding is not None else np.zeros((L, E))
+            self._window_LE = np.zeros((L, E))
             self._seen = 0
         self._since_check = 0
         self._version += 1
@@ -222,18 +238,24 @@ class Rebalancer:
                 else:
                     self._load_LE *= 1.0 - self.alpha
                     self._load_LE += self.alpha * c
-            elif self._ring_WLE is not None:
-                slot = self._seen % self.window
-                self._load_LE += c - self._ring_WLE[slot]
-                self._ring_WLE[slot] = c
+            elif self._sliding is not None:
+                self._sliding.add(c)
             else:
                 self._load_LE += c
             self._seen += 1
             self.step += 1
             self._since_check += 1
+            if self.policy is not None:
+                self._window_LE += c
             if self._since_check < self.interval:
                 return False
             self._since_check = 0
+            if self.policy is not None:
+                self._closed.append((self._window_LE.copy(), pl))
+                self._window_LE[:] = 0.0
+                self.last_check = {"step": self.step, "due": True,
+                                   "reason": f"window closed for policy {self.policy.name}"}
+                return True
             return self._check_locked()
 
     def _check_locked(self) -> bool:
@@ -274,7 +296,10 @@ class Rebalancer:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
-        result = self._plan(pl, ranks, load, failed, step)
+        if self.policy is not None and not failed.size:
+            result = self._plan_policy(pl, ranks, load, step)
+        else:
+            result = self._plan(pl, ranks, load, failed, step)
         result = replace(result, seconds=time.perf_counter() - t0)
         if apply:
             self.adopt(result, _expect_version=version)
@@ -371,3 +396,28 @@ class Rebalancer:
                        f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
         return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive],
                                lost_experts=lost, step=step, message=message, info=info)
+
+    def _plan_policy(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int) -> RebalanceResult:
+        """Hand the closed windows to the policy and ask it; no decision keeps the placement."""
+        t0 = time.perf_counter()
+        with self._policy_lock:
+            while True:
+                with self._lock:
+                    if not self._closed:
+                        break
+                    window_LE, served = self._closed.popleft()
+                self.policy.observe(window_LE, served)
+            decision = self.policy.decide(pl)
+        new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
+                                                  planner=self.policy.name, metrics={})
+        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        t1 = time.perf_counter()
+        mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
+                       layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
+                       bytes_per_expert=self.budget.bytes_per_expert)
+        info = {"decision_seconds": t1 - t0, "schedule_seconds": time.perf_counter() - t1,
+                "moves": mig.moves, "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
+        msg = f"policy {self.policy.name}: " + ("keep (no change pays for its moves)" if decision is None
+                                                else decision.reason)
+        return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
+                               message=msg, info=info)

@@ -91,6 +91,18 @@ class SynthSettings:
     """Per-token expert choices to keep per window (0 = counts only); stored as topk_ids."""
     seed: int = 0
     """Seed of numpy's default_rng: same settings and seed give the same trace."""
+    topic_shifts: int = 0
+    """Abrupt topic shifts over the trace (0 = none). At each, in a share `topic_layers` of the
+    layers, one expert that took under `topic_cold` of the layer's tokens before the shift
+    takes a share drawn from `topic_hot` after it, until the next shift (see `topic_offsets`)."""
+    topic_layers: float = 0.3
+    """Share of the MoE layers in which a topic shift makes a cold expert hot (at least one layer)."""
+    topic_hot: tuple[float, float] = (0.2, 0.3)
+    """Range of the share of a layer's tokens (routed to it as one of their K experts) that the
+    newly hot expert takes after a shift."""
+    topic_cold: float = 0.003
+    """The newly hot expert is drawn among the experts that took less than this share of the
+    layer's tokens before the shift (the coldest expert when none is that cold)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -138,6 +150,15 @@ class SynthSettings:
         need(0 <= self.keep_tokens <= self.tokens_per_window,
              f"keep_tokens ({self.keep_tokens}) must be in 0..tokens_per_window ({self.tokens_per_window})")
         need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        need(0 <= self.topic_shifts < self.num_windows,
+             f"topic_shifts ({self.topic_shifts}) must be in 0..num_windows-1 ({self.num_windows - 1})")
+        need(0 < self.topic_layers <= 1, f"topic_layers must be in (0, 1], got {self.topic_layers}")
+        need(len(self.topic_hot) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                              and 0 < x < 1 for x in self.topic_hot)
+             and self.topic_hot[0] <= self.topic_hot[1],
+             f"topic_hot must be (lowest, highest) shares in (0, 1), got {self.topic_hot!r}")
+        need(0 < self.topic_cold < self.topic_hot[0],
+             f"topic_cold ({self.topic_cold}) must be in (0, topic_hot[0] = {self.topic_hot[0]})")
 
     @property
     def num_moe_layers(self) -> int:
@@ -191,6 +212,55 @@ def id_trend(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
     return strength_L[:, None] * shape_E[None, :]
 
 
+_CALIBRATION_TOKENS = 2048
+"""Tokens routed to find the boost that gives a newly hot expert its share."""
+
+
+def topic_schedule(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
+    """Topic index of each window, [T]: one shift per segment of T / (topic_shifts + 1) windows,
+    jittered by up to a quarter segment (shifts that would coincide merge)."""
+    T, U = s.num_windows, s.topic_shifts + 1
+    seg = T / U
+    at = sorted({min(T - 1, max(1, int(round(u * seg + rng.uniform(-0.25, 0.25) * seg)))) for u in range(1, U)})
+    return np.searchsorted(np.asarray(at, dtype=np.int64), np.arange(T), side="right")
+
+
+def shift_topic(s: SynthSettings, logit_LE: np.ndarray, before_LE: np.ndarray, rng: np.random.Generator,
+                window: int) -> tuple[np.ndarray, list[dict]]:
+    """Logit offsets [L, E] of a new topic starting at `window`, and what each boost did.
+
+    Each layer is picked with probability `topic_layers` (at least one). In a picked layer one
+    expert whose share of the tokens in `before_LE` (the counts of the previous topic's windows)
+    is under `topic_cold` (else the coldest) gets the logit boost, found by bisection on a fixed
+    token sample routed with `logit_LE` (this window's logits, without the old topic's boosts),
+    that gives it a share of the tokens drawn from `topic_hot`.
+    """
+    L, E = logit_LE.shape
+    offset_LE = np.zeros((L, E))
+    tokens = max(before_LE[0].sum() / s.top_k, 1.0)
+    layers = np.flatnonzero(rng.random(L) < s.topic_layers)
+    if layers.size == 0:
+        layers = rng.integers(L, size=1)
+    boosts = []
+    for l in layers:
+        share_E = before_LE[l] / tokens
+        cold = np.flatnonzero(share_E < s.topic_cold)
+        e = int(rng.choice(cold)) if cold.size else int(np.argmin(share_E))
+        target = float(rng.uniform(*s.topic_hot))
+        seed = int(rng.integers(2**63))
+        lo, hi = 0.0, 40.0
+        for _ in range(20):  # bisection: the share grows with the boost
+            mid = 0.5 * (lo + hi)
+            boosted = logit_LE[l].copy()
+            boosted[e] += mid
+            top_NK = route_tokens(boosted, _CALIBRATION_TOKENS, s, np.random.default_rng(seed))
+            lo, hi = (mid, hi) if (top_NK == e).sum() < target * _CALIBRATION_TOKENS else (lo, mid)
+        offset_LE[l, e] = 0.5 * (lo + hi)
+        boosts.append({"window": int(window), "layer": int(l), "expert": e,
+                       "share_before": float(share_E[e]), "target": target})
+    return offset_LE, boosts
+
+
 def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     """A synthetic trace [T, L, E] for the given settings (deterministic in settings.seed)."""
     s = settings or SynthSettings()
@@ -206,6 +276,11 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     b, c = np.sqrt(s.phase_share), np.sqrt(s.drift_share)
     phase_T = phase_schedule(s, rng)
     trend_LE = id_trend(s, rng)
+    if s.topic_shifts:
+        # Their own generator: settings without shifts leave every other draw unchanged.
+        topic_rng = np.random.default_rng([s.seed, 0x70])
+        topic_T = topic_schedule(s, topic_rng)
+        topic_LE, shifts, topic_start = np.zeros((L, E)), [], 0
 
     # Step 2: windows: drift the logits, then route every token.
     counts_TLE = np.zeros((T, L, E), dtype=np.int64)
@@ -218,6 +293,12 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
             drift_LE = rho * drift_LE + np.sqrt(1.0 - rho * rho) * rng.standard_normal((L, E))
         mix_LE = a * z_LE + b * phase_PLE[phase_T[t]] + c * drift_LE
         logit_LE = sigma_L[:, None] * mix_LE + group_LE + trend_LE
+        if s.topic_shifts:
+            if t and topic_T[t] != topic_T[t - 1]:
+                topic_LE, boosts = shift_topic(s, logit_LE, counts_TLE[topic_start:t].sum(axis=0), topic_rng, t)
+                shifts += boosts
+                topic_start = t
+            logit_LE = logit_LE + topic_LE
         for l in range(L):
             top_NK = route_tokens(logit_LE[l], s.tokens_per_window, s, rng)
             counts_TLE[t, l] = np.bincount(top_NK.ravel(), minlength=E)
@@ -239,11 +320,45 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
                    f"prefill-decode correlation)"),
         "synthetic": True,
         "phases": [PHASES[p] for p in phase_T],
-        "synth_settings": json.loads(json.dumps(asdict(s))),
+        "synth_settings": json.loads(json.dumps(_recorded_settings(s))),
     }
+    if s.topic_shifts:
+        meta["topics"] = topic_T.tolist()
+        meta["topic_shifts"] = shifts
     layer_ids = np.arange(s.first_moe_layer, s.num_hidden_layers)
     token_window = np.repeat(np.arange(T, dtype=np.int32), keep) if keep else None
     return Trace(counts_TLE, layer_ids, meta, topk_NLK, token_window)
+
+
+def _recorded_settings(s: SynthSettings) -> dict:
+    """Settings for the trace's meta; without topic shifts the topic fields are left out, so a
+    trace made before they existed (traces/deepseek.npz) is remade byte for byte."""
+    d = asdict(s)
+    if not s.topic_shifts:
+        for f in ("topic_shifts", "topic_layers", "topic_hot", "topic_cold"):
+            d.pop(f)
+    return d
+
+
+def topic_shift_stats(trace: Trace) -> list[dict]:
+    """Measured share of each boosted expert in the windows before and after its shift.
+
+    For every boost recorded in meta "topic_shifts" (eplb synth traces with topic shifts):
+    {window, layer, expert, before, after}: the expert's share of the layer's tokens (count /
+    tokens of the window) over the topic just before and the topic starting at the shift."""
+    shifts, topics = trace.meta.get("topic_shifts"), trace.meta.get("topics")
+    if not shifts or not topics:
+        raise EplbError("trace meta has no topic shifts (make one with eplb synth --topic-shifts N)")
+    topic_T = np.asarray(topics)
+    tokens = trace.meta["tokens_per_window"]
+    out = []
+    for d in shifts:
+        u = topic_T[d["window"]]
+        c = trace.counts_TLE[:, d["layer"], d["expert"]]
+        out.append({**{k: d[k] for k in ("window", "layer", "expert")},
+                    "before": float(c[topic_T == u - 1].mean() / tokens),
+                    "after": float(c[topic_T == u].mean() / tokens)})
+    return out
 
 
 CONTIGUOUS_GPUS = (4, 8, 16, 32)

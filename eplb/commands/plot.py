@@ -1,4 +1,4 @@
-"""`eplb plot KIND`: figures (PNG, SVG or PDF by file extension) of traces, plans and backtests."""
+"""`eplb plot KIND`: figures (PNG, SVG or PDF by file extension) of traces, plans, backtests and replays."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from eplb import plot, stats
 from eplb.backtest import DISPATCH
 from eplb.commands.common import add_command, add_output_flags, print_json
 from eplb.errors import EplbError
-from eplb.formats import load_history, load_placement, load_trace, read_json_file
+from eplb.formats import load_history, load_placement, load_trace, read_json_file, read_replay
 from eplb.placement import contiguous_placement
 from eplb.planner_api import planner_names
 from eplb.planning import plan
@@ -24,11 +24,13 @@ EXAMPLES = {
     "replicas": "eplb plot replicas plan.json --trace traces/deepseek.npz -o replicas.svg",
     "backtest": "eplb backtest traces/deepseek.npz --gpus 32 -p greedy -p robust --interval 8 --history 8 "
                 "--json > bt.json && eplb plot backtest bt.json -o backtest.png",
+    "replay": "eplb replay traces/deepseek.npz --gpus 32 --redundant 32 -o replay.npz && "
+              "eplb plot replay replay.npz -o replay.png",
 }
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest",
+    p = add_command(sub, "plot", "draw figures: expert-load heatmap, GPU balance, replica map, backtest, replay",
                     EXAMPLES["balance"])
     kinds = p.add_subparsers(dest="kind", metavar="KIND", required=True)
 
@@ -67,6 +69,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("--dispatch", default="even", choices=DISPATCH, metavar="POLICY",
                    help=f"which scored dispatch policy to draw ({', '.join(DISPATCH)}; default even)")
     k.add_argument("--window-label", help="x-axis label (default: which trace window is scored window 0)")
+
+    k = kind("replay", "busiest / mean GPU per served window of a replay, rebalancing moments, references")
+    k.add_argument("result", metavar="REPLAY", help="the .npz `eplb replay ... -o` wrote")
+    k.add_argument("--rule", help="dispatch rule to draw (default: the first the replay scored)")
     return p
 
 
@@ -155,7 +161,13 @@ def _backtest(args):
                  "imbalance_mean": {s.name: float(s.imbalance_T.mean()) for s in series}}
 
 
-KINDS = {"heatmap": _heatmap, "balance": _balance, "replicas": _replicas, "backtest": _backtest}
+def _replay(args):
+    arrays, meta = read_replay(args.result)
+    fig = plot.replay_timeline(arrays, meta, rule=args.rule, title=args.title)
+    return fig, {"rule": args.rule or meta["rules"][0], "applied": int(arrays["applied_T"].sum())}
+
+
+KINDS = {"heatmap": _heatmap, "balance": _balance, "replicas": _replicas, "backtest": _backtest, "replay": _replay}
 """What each KIND computes before plot draws it: (figure, numbers for --json)."""
 
 

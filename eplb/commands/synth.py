@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 import numpy as np
 
 from eplb import synth
 from eplb.commands.common import add_command, add_output_flags, check_output_path, format_table, print_json
+from eplb.commands.plan import parse_settings
 from eplb.errors import EplbError
 from eplb.formats import load_trace, save_trace
 from eplb.progress import Progress
@@ -27,6 +29,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="logit variance specific to prefill/decode (default 0.18)")
     p.add_argument("--drift-share", type=float, default=None,
                    help="logit variance that drifts per window (default 0.05)")
+    p.add_argument("--topic-shifts", type=int, default=None,
+                   help="abrupt topic shifts over the trace: at each, a cold expert of some layers turns hot "
+                        "(default 0)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any generator setting of eplb.synth.SynthSettings, e.g. --set num_experts=64 --set "
+                        "topic_hot=0.2,0.3 (repeatable; pairs as two comma-separated numbers)")
     p.add_argument("--keep-tokens", type=int, default=0,
                    help="also store this many tokens' expert choices per window (topk_ids; default 0)")
     p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,
@@ -35,11 +43,30 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _settings_from_set(items: list[str]) -> dict:
+    """--set KEY=VALUE for SynthSettings fields; the pair fields take two comma-separated numbers."""
+    names = {f.name: f for f in fields(synth.SynthSettings)}
+    out = {}
+    for key, value in parse_settings(items).items():
+        if key not in names:
+            raise EplbError(f"--set {key}: not a generator setting; the settings are {', '.join(names)}")
+        if names[key].type.startswith("tuple"):
+            try:
+                value = tuple(int(x) if names[key].type == "tuple[int, int]" else float(x)
+                              for x in str(value).split(","))
+            except ValueError:
+                raise EplbError(f"--set {key}={value}: expected two comma-separated numbers") from None
+        out[key] = value
+    return out
+
+
 def run(args) -> int:
     check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
-    overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
+    overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens,
+                 **_settings_from_set(args.set)}
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
-                       ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
+                       ("phase_share", args.phase_share), ("drift_share", args.drift_share),
+                       ("topic_shifts", args.topic_shifts)):
         if value is not None:
             overrides[key] = value
     settings = synth.SynthSettings(**overrides)
@@ -72,6 +99,11 @@ def run(args) -> int:
     if not args.quiet:
         print(f"wrote {args.output}: {trace.num_windows} windows x {trace.num_layers} layers x "
               f"{trace.num_logical_experts} experts, phases {''.join(p[0] for p in trace.meta['phases'])} (p/d)")
+        if trace.meta.get("topic_shifts"):
+            st = synth.topic_shift_stats(trace)
+            print(f"{len(set(d['window'] for d in st))} topic shifts, {len(st)} experts turned hot: share of a layer's "
+                  f"tokens before {np.median([d['before'] for d in st]):.4f}, after "
+                  f"{np.median([d['after'] for d in st]):.3f} (medians)")
 
         def f(v):
             return "" if v is None else float(v)

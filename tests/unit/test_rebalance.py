@@ -304,3 +304,36 @@ def test_physical_observes_race_repeated_rebalances(rng):
     np.testing.assert_allclose(rb.load_LE.sum(axis=1), first + 900 * counts.sum(axis=1))
     for r in results:
         r.migration.check()
+
+
+def test_sliding_window_memory_is_bounded():
+    # Issue 12: window=1000 stored every observation (113 MB at 58 x 256); bucket sums do not.
+    pl = Placement(np.tile(np.arange(288) % 256, (58, 1)), 32, 256)
+    rb = Rebalancer(pl, window=1000, interval=10**6)
+    assert rb._sliding.nbytes <= 16 * 2**20
+    assert Rebalancer(pl, window=10**6, interval=10**6)._sliding.nbytes <= 16 * 2**20
+
+
+def test_policy_decides_from_windows_of_interval_observations(rng):
+    steady = skewed(rng, [0, 1]) * 4
+    start = plan(steady, num_gpus=G, num_redundant=8, planner="robust").placement
+    rb = Rebalancer(start, interval=4, policy="adaptive")
+    due = [rb.observe(rng.poisson(steady)) for _ in range(24)]
+    assert due == [False, False, False, True] * 6
+    first = rb.rebalance()
+    assert "policy adaptive" in first.message
+    for _ in range(24):
+        rb.observe(rng.poisson(steady))
+    again = rb.rebalance()                                   # same traffic: nothing left that pays
+    assert again.moves <= first.moves and again.moves <= 8
+    hot = steady.copy()
+    hot[:, [9, 23]] *= 30.0                                  # two cold experts turn hot
+    for _ in range(8):
+        rb.observe(rng.poisson(hot))
+    before = rb.placement
+    res = rb.rebalance()
+    assert res.moves > 0 and res.info["changed_layers"] >= 1
+    assert res.migration.old_LP.tolist() == before.phy2log_LP.tolist()
+    assert rb.placement.replica_count_LE[:, [9, 23]].sum() > before.replica_count_LE[:, [9, 23]].sum()
+    with pytest.raises(EplbError, match="unknown policy"):
+        Rebalancer(start, policy="nope")

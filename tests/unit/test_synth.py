@@ -17,6 +17,7 @@ from eplb.synth import (
     layer_correlation,
     phase_correlation,
     route_tokens,
+    topic_shift_stats,
 )
 
 SHIPPED = Path(__file__).resolve().parents[2] / "traces" / "deepseek.npz"
@@ -167,3 +168,62 @@ def test_cli_writes_a_loadable_trace(tmp_path, capsys):
     assert main(["synth", "-o", str(tmp_path / "no" / "s.npz"), "--windows", "1", "--tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert "cannot write the trace to" in err and "existing, writable folder" in err and "Traceback" not in err
+
+
+TOPIC = dict(num_windows=12, tokens_per_window=1024, num_hidden_layers=9, first_moe_layer=1, num_experts=64,
+             top_k=2, num_expert_groups=1, topk_groups=1, skew=1.0, phase_share=0.0, topic_shifts=2,
+             topic_layers=0.5, seed=3)
+
+
+def test_topic_shifts_turn_cold_experts_hot():
+    t = generate(SynthSettings(**TOPIC))
+    topics = t.meta["topics"]
+    assert topics[0] == 0 and topics[-1] == 2 and topics == sorted(topics)
+    st = topic_shift_stats(t)
+    assert st and {d["window"] for d in st} == {w for w in range(1, 12) if topics[w] != topics[w - 1]}
+    before = np.array([d["before"] for d in st])
+    after = np.array([d["after"] for d in st])
+    # calibrated as real topic shifts: an expert under 0.3% of the tokens takes 20-30% after
+    assert np.median(before) < 0.003
+    assert 0.17 <= np.median(after) <= 0.33
+    assert (after > 10 * np.maximum(before, 1e-3)).all()
+
+
+def test_topic_shifts_leave_the_rest_of_the_trace_unchanged():
+    with_shifts = generate(SynthSettings(**TOPIC))
+    without = generate(SynthSettings(**{**TOPIC, "topic_shifts": 0}))
+    first = with_shifts.meta["topics"].index(1)
+    # own generator: the windows before the first shift are the same draws
+    np.testing.assert_array_equal(with_shifts.counts_TLE[:first], without.counts_TLE[:first])
+    assert not np.array_equal(with_shifts.counts_TLE[first:], without.counts_TLE[first:])
+    # a trace without shifts records no topic settings (the shipped trace is remade byte for byte)
+    assert "topics" not in without.meta and "topic_shifts" not in without.meta["synth_settings"]
+    again = generate(SynthSettings(**TOPIC))
+    np.testing.assert_array_equal(with_shifts.counts_TLE, again.counts_TLE)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(topic_shifts=40), "topic_shifts"),
+    (dict(topic_layers=0.0), "topic_layers"),
+    (dict(topic_hot=(0.3, 0.2)), "topic_hot"),
+    (dict(topic_cold=0.5), "topic_cold"),
+])
+def test_bad_topic_settings(kw, message):
+    with pytest.raises(EplbError, match=message):
+        SynthSettings(**kw)
+
+
+def test_cli_topic_shifts_and_set(tmp_path, capsys):
+    out = tmp_path / "t.npz"
+    args = ["synth", "-o", str(out), "--windows", "6", "--tokens", "256", "--topic-shifts", "1",
+            "--set", "num_experts=32", "--set", "num_hidden_layers=5", "--set", "first_moe_layer=1",
+            "--set", "top_k=2", "--set", "num_expert_groups=1", "--set", "topk_groups=1",
+            "--set", "topic_hot=0.2,0.3", "--set", "skew=1.0"]
+    assert main(args) == 0
+    assert "topic shifts" in capsys.readouterr().out
+    t = load_trace(out)
+    assert t.meta["synth_settings"]["topic_hot"] == [0.2, 0.3] and t.num_logical_experts == 32
+    assert main(["synth", "-o", str(out), "--set", "nope=1"]) == 2
+    assert "not a generator setting" in capsys.readouterr().err
+    assert main(["synth", "-o", str(out), "--set", "topic_hot=0.2"]) == 2
+    assert "topic_hot" in capsys.readouterr().err

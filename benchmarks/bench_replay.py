@@ -1,0 +1,231 @@
+"""Closed-loop replay of drifting traffic: the online policies side by side on four traces.
+
+    python benchmarks/bench_replay.py                         # real data from ../shared when present
+    python benchmarks/bench_replay.py --write-docs            # also write docs/results/replay.md
+    python benchmarks/bench_replay.py --shared /path/to/traces --traces v2 topic
+
+Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
+
+Each trace is replayed in time order with `eplb.replay.replay`: the first half of its windows is
+history only (the placement served from then on is the robust plan of it), the second half is
+served, decisions take effect after one window of delay. Policies (eplb.policy): static (never
+rebalance), window N (plan on the sum of the newest N windows with greedy at every decision,
+migration-aware, move_cost 0.001: the Rebalancer's window=N rule), adaptive (the default), and
+hindsight (greedy planned on the served window itself). Scores: busiest / mean GPU over every
+(served window, layer), median and p95, under an even split and under per-batch re-split
+(`resplit` on the window's own counts); moves are experts copied, summed over layers, per
+served window (and as a share of the L x P physical slots).
+
+Traces:
+- v2: DeepSeek-V2-Lite per-token top-6 (../shared), prompts in numeric order, cut at prompt
+  boundaries into windows of >= 4,096 tokens (43 windows); 8 GPUs, 72 slots.
+- v3: the 8 SGLang DeepSeek-V3 workloads chained as phases (file order), 6 windows each,
+  every window a seeded multinomial draw of 4,096 tokens x 8 from the workload's counts; 32 GPUs,
+  288 slots.
+- deepseek: traces/deepseek.npz (synthetic, 32 windows); 32 GPUs, 288 slots.
+- topic: `eplb synth` with topic shifts (seed 1; 64 experts, top-2, 26 layers, 2,048 tokens a
+  window, 48 windows, 6 shifts, skew 1.0, one phase); 8 GPUs, 72 slots.
+Without ../shared, v2 and v3 are left out (said in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eplb.commands.common import format_table  # noqa: E402
+from eplb.formats import load_trace  # noqa: E402
+from eplb.replay import replay  # noqa: E402
+from eplb.synth import SynthSettings, generate, topic_shift_stats  # noqa: E402
+from eplb.topology import Topology  # noqa: E402
+
+SYNTH = ROOT / "traces" / "deepseek.npz"
+POLICIES = [("static", "static", {}), ("window 2", "window", {"window": 2}), ("window 8", "window", {"window": 8}),
+            ("window all", "window", {"window": None}), ("adaptive", "adaptive", {})]
+TOPIC = dict(num_windows=48, tokens_per_window=2048, num_hidden_layers=27, first_moe_layer=1, num_experts=64,
+             top_k=2, num_expert_groups=1, topk_groups=1, topic_shifts=6, skew=1.0, phase_share=0.0, seed=1)
+
+
+def v2_prompt_windows(path: Path, min_tokens: int = 4096) -> tuple[np.ndarray, str]:
+    """Counts [T, 26, 64]: prompts in numeric order, a window closes once it holds >= min_tokens."""
+    with np.load(path, allow_pickle=False) as z:
+        keys = sorted(z.files, key=lambda k: int(re.sub(r"\D", "", k) or 0))
+        prompts = [z[k] for k in keys]
+    L, E = prompts[0].shape[0], 64
+    windows, cur, n = [], [], 0
+    for a in prompts:
+        cur.append(a)
+        n += a.shape[1]
+        if n >= min_tokens:
+            ids_LN = np.concatenate(cur, axis=1).astype(np.int64).reshape(L, -1)
+            windows.append(np.bincount((np.arange(L)[:, None] * E + ids_LN).ravel(), minlength=L * E).reshape(L, E))
+            cur, n = [], 0
+    tokens = sum(a.shape[1] for a in prompts)
+    return np.stack(windows), (f"{path.name}: {len(keys)} prompts, {tokens:,} tokens, cut at prompt boundaries "
+                               f"into {len(windows)} windows of >= {min_tokens:,} tokens")
+
+
+def v3_phases(folder: Path, windows_per_phase: int = 6, tokens: int = 4096, seed: int = 0) -> tuple[np.ndarray, str]:
+    """Counts [8 x windows_per_phase, 58, 256]: each workload a phase of multinomial windows."""
+    files = sorted(folder.glob("*.json"))
+    rng = np.random.default_rng(seed)
+    out = []
+    for f in files:
+        total_LE = load_trace(f).total().astype(np.float64)
+        p_LE = total_LE / total_LE.sum(axis=1, keepdims=True)
+        for _ in range(windows_per_phase):
+            out.append(np.stack([rng.multinomial(tokens * 8, p) for p in p_LE]))
+    names = ", ".join(f.stem for f in files)
+    return np.stack(out), (f"{len(files)} SGLang workloads chained ({names}), {windows_per_phase} windows each of "
+                           f"{tokens:,} tokens x 8 drawn from the workload's counts (seed {seed})")
+
+
+def topic_trace() -> tuple[np.ndarray, str]:
+    t = generate(SynthSettings(**TOPIC))
+    st = topic_shift_stats(t)
+    return t.counts_TLE, (f"eplb synth, seed {TOPIC['seed']}: {t.num_windows} windows of "
+                          f"{TOPIC['tokens_per_window']:,} tokens, {len({d['window'] for d in st})} topic shifts "
+                          f"turning {len(st)} (layer, expert) "
+                          f"pairs hot: share of the layer's tokens before {np.median([d['before'] for d in st]):.4f}, "
+                          f"after {np.median([d['after'] for d in st]):.3f} (medians)")
+
+
+def load_traces(shared: Path, which: list[str]) -> list[tuple[str, np.ndarray, Topology, str]]:
+    out = []
+    v2 = shared / "deepseek_v2_lite_per_token" / "per_token_topk.npz"
+    v3 = shared / "deepseek_v3_sglang"
+    for name in which:
+        if name == "v2":
+            if not v2.is_file():
+                print(f"# v2 left out: {v2} not found")
+                continue
+            counts, how = v2_prompt_windows(v2)
+            out.append(("v2", counts, Topology(8, 9), how))
+        elif name == "v3":
+            if not (v3.is_dir() and sorted(v3.glob("*.json"))):
+                print(f"# v3 left out: {v3} not found")
+                continue
+            counts, how = v3_phases(v3)
+            out.append(("v3", counts, Topology(32, 9), how))
+        elif name == "deepseek":
+            out.append(("deepseek", load_trace(SYNTH).counts_TLE, Topology(32, 9), f"{SYNTH.name} (synthetic)"))
+        elif name == "topic":
+            counts, how = topic_trace()
+            out.append(("topic", counts, Topology(8, 9), how))
+    return out
+
+
+def run_trace(name: str, counts: np.ndarray, topo: Topology) -> dict:
+    rows = {}
+    for label, policy, settings in POLICIES:
+        refs = ("static", "hindsight") if policy == "adaptive" else ()
+        r = replay(counts, topology=topo, policy=policy, settings=settings, references=refs)
+        s = r.summary()
+        rows[label] = {"even": s["policy"]["even"], "resplit": s["policy"]["resplit"],
+                       "moves": s["moves"], "moves_per_window": s["moves_per_window"],
+                       "share": s["moves_per_window_share_of_slots"], "decisions": s["decisions"],
+                       "seconds": s["seconds"], "policy_seconds": s["policy_seconds"],
+                       "memory_bytes": s["memory_bytes"],
+                       "served": s["served_windows"]}
+        if policy == "adaptive":
+            rows["hindsight"] = {"even": s["hindsight"]["even"], "resplit": s["hindsight"]["resplit"], "moves": None}
+            assert abs(s["static"]["even"]["median"] - rows["static"]["even"]["median"]) < 1e-12
+    return rows
+
+
+def table(rows: dict) -> str:
+    body = []
+    for label, r in rows.items():
+        mv = "-" if r["moves"] is None else f"{r['moves_per_window']:,.0f} ({100 * r['share']:.1f}%)"
+        body.append([label, f"{r['even']['median']:.3f} ({r['even']['p95']:.3f})",
+                     f"{r['resplit']['median']:.3f} ({r['resplit']['p95']:.3f})", mv,
+                     "-" if r["moves"] is None else f"{r['moves']:,}",
+                     "-" if r["moves"] is None else r["decisions"],
+                     "-" if r["moves"] is None else f"{r['seconds']:.1f}",
+                     "-" if r["moves"] is None else f"{r['policy_seconds']:.1f}"])
+    return format_table(["policy", "even median (p95)", "re-split median (p95)", "moves / window (of slots)",
+                         "moves total", "decisions", "replay s", "policy s"], body)
+
+
+def targets(results: dict) -> list[str]:
+    """The issue's targets, each with its measured figure."""
+    lines = []
+    fixed = ("window 2", "window 8", "window all")
+    if "v2" in results:
+        a = results["v2"]["adaptive"]
+        lines.append(f"v2 even: median {a['even']['median']:.3f} (target <= 1.09), p95 {a['even']['p95']:.3f} "
+                     f"(<= 1.22); re-split: median {a['resplit']['median']:.3f} (<= 1.02), p95 "
+                     f"{a['resplit']['p95']:.3f} (<= 1.12)")
+    if "topic" in results:
+        r = results["topic"]
+        best = min(fixed, key=lambda k: r[k]["even"]["median"])
+        ratio = r["adaptive"]["even"]["median"] / r[best]["even"]["median"]
+        lines.append(f"topic even median: adaptive {r['adaptive']['even']['median']:.3f} vs best fixed window "
+                     f"({best}) {r[best]['even']['median']:.3f}: {100 * (ratio - 1):+.1f}% (target within +5%)")
+    for metric in ("even", "resplit"):
+        avg = {p: np.mean([results[t][p][metric]["median"] for t in results]) for p in (*fixed, "adaptive")}
+        lines.append(f"{metric} median averaged over {len(results)} traces: "
+                     + ", ".join(f"{p} {v:.4f}" for p, v in avg.items())
+                     + f" (target: adaptive below every fixed window: {all(avg['adaptive'] < avg[p] for p in fixed)})")
+    for t, r in results.items():
+        a, s = r["adaptive"], r["static"]
+        worse = {m: a[m]["median"] / s[m]["median"] - 1 for m in ("even", "resplit")}
+        lines.append(f"{t}: moves {a['moves_per_window']:,.1f} per window = {100 * a['share']:.2f}% of the slots "
+                     f"(target <= 5%), {a['moves']:,} in total; vs static: even {100 * worse['even']:+.2f}%, "
+                     f"re-split {100 * worse['resplit']:+.2f}% (target <= +1%)")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "traces",
+                    help="folder with the real traces (default ../shared/traces)")
+    ap.add_argument("--traces", nargs="+", default=["v2", "v3", "deepseek", "topic"],
+                    choices=["v2", "v3", "deepseek", "topic"])
+    ap.add_argument("--write-docs", action="store_true", help="write docs/results/replay.md")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    results, text = {}, []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        text.append(line)
+
+    say(f"# cores: {os.cpu_count()}; scores: busiest / mean GPU over every (served window, layer); first half "
+        f"history, second half served, delay 1 window")
+    for name, counts, topo, how in load_traces(args.shared, args.traces):
+        T, L, E = counts.shape
+        say(f"\n## {name}: {how}")
+        say(f"{T} windows x {L} layers x {E} experts; {topo.num_gpus} GPUs, {topo.num_slots} slots "
+            f"({L * topo.num_slots:,} over all layers); {T - T // 2} served")
+        results[name] = run_trace(name, counts, topo)
+        say("```\n" + table(results[name]) + "\n```")
+    if results:
+        say("\n## Targets (issue 15)")
+        for line in targets(results):
+            say(f"- {line}")
+    say("\nreplay s: wall time of one replay (the adaptive row includes scoring the static and hindsight "
+        "references); policy s: time the policy spent observing and deciding")
+    say(f"\nbenchmark wall time {time.perf_counter() - t0:.0f} s")
+    if args.write_docs:
+        out = ROOT / "docs" / "results" / "replay.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        head = ("# Replay of drifting traffic (benchmarks/bench_replay.py)\n\n"
+                "Written by `python benchmarks/bench_replay.py --write-docs` on a 2-core machine shared with "
+                "other jobs (seconds are upper bounds). See docs/replay.md for what the policies do.\n\n")
+        out.write_text(head + "\n".join(text) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

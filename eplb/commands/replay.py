@@ -1,0 +1,97 @@
+"""`eplb replay`: serve a trace window by window under an online policy, as an engine would."""
+
+from __future__ import annotations
+
+import argparse
+
+from eplb.commands.common import (
+    add_command,
+    add_output_flags,
+    check_output_path,
+    format_table,
+    positive_int,
+    print_json,
+)
+from eplb.commands.plan import parse_settings
+from eplb.formats import load_trace, write_replay
+from eplb.planning import size_topology
+from eplb.policy import POLICIES, get_policy
+from eplb.replay import Scoring, replay
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = add_command(sub, "replay", "replay a trace in time order: serve, observe, rebalance; score against "
+                                   "the static plan and hindsight",
+                    "eplb replay traces/deepseek.npz --gpus 32 --redundant 32 -o replay.npz && "
+                    "eplb plot replay replay.npz -o replay.png")
+    p.add_argument("trace", metavar="TRACE", help="trace file (windows in time order; per-token traces with "
+                                                   "--tokens-per-window)")
+    p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
+    size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
+    p.add_argument("--tokens-per-window", type=positive_int, metavar="K",
+                   help="cut the trace's per-token expert choices into windows of K tokens (default: its windows)")
+    p.add_argument("--warmup", type=positive_int, metavar="W",
+                   help="windows of history only before serving starts (default: half of them)")
+    p.add_argument("--policy", default="adaptive", choices=list(POLICIES),
+                   help=f"online policy ({', '.join(POLICIES)}; default adaptive)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="policy setting, e.g. --set move_cost=0.5 or --policy window --set window=all (repeatable)")
+    p.add_argument("--delay", type=int, default=1,
+                   help="windows a decision's migration takes before the new placement serves (default 1)")
+    p.add_argument("--bytes-per-expert", type=positive_int, help="size of one expert's weights, to count bytes moved")
+    p.add_argument("--rule", action="append", metavar="RULE",
+                   help="dispatch rule to score, repeatable (eplb.dispatch rules; default even and resplit)")
+    p.add_argument("-o", "--output", help="write the served windows' placements, shares, counts and metrics (.npz)")
+    add_output_flags(p)
+    return p
+
+
+def _settings(items: list[str]) -> dict:
+    out = parse_settings(items)
+    # "window=all" is the whole history (None in Python).
+    return {k: (None if isinstance(v, str) and v.lower() in ("all", "none") else v) for k, v in out.items()}
+
+
+def run(args) -> int:
+    if args.output:
+        check_output_path(args.output, "the replay")           # before the replay, which takes a while
+    settings = _settings(args.set)
+    get_policy(args.policy, settings)                           # a bad setting fails before the trace is read
+    trace = load_trace(args.trace)
+    topo = size_topology(trace.num_logical_experts, num_gpus=args.gpus, num_nodes=args.nodes,
+                         num_redundant=args.redundant, slots_per_gpu=args.slots_per_gpu)
+    scoring = Scoring(tuple(dict.fromkeys(args.rule))) if args.rule else Scoring()
+    result = replay(trace, topology=topo, policy=args.policy, settings=settings, warmup=args.warmup,
+                    tokens_per_window=args.tokens_per_window, delay=args.delay, scoring=scoring,
+                    bytes_per_expert=args.bytes_per_expert)
+    if args.output:
+        write_replay(result, args.output)
+    s = result.summary()
+    if args.json:
+        print_json(s)
+        return 0
+    if args.quiet:
+        return 0
+    print(f"replay of {args.trace}: {result.notes[0]}; {s['warmup']} warm-up window(s), {s['served_windows']} served; "
+          f"{s['num_gpus']} GPUs, {s['num_slots']} slots; policy {s['policy_name']}, delay {s['delay']}")
+    rows = []
+    for run_name in ("policy", "static", "hindsight"):
+        for rule in s["rules"]:
+            o = s[run_name][rule]
+            rows.append([s["policy_name"] if run_name == "policy" else run_name, rule, o["median"], o["p95"], o["max"],
+                         o["balancedness"]])
+    print(format_table(["run", "dispatch", "median", "p95", "max", "balancedness"], rows))
+    moved = (f"{s['moves']:,} moves ({s['moves_per_window']:,.1f} per served window, "
+             f"{100 * s['moves_per_window_share_of_slots']:.2f}% of the {s['num_slots'] * s['num_layers']:,} slots "
+             f"over all layers), {s['rounds']} migration rounds")
+    if s["bytes"] is not None:
+        moved += f", {s['bytes'] / 2**30:,.2f} GiB"
+    print(f"{s['decisions']} decision(s): {moved}; replay {s['seconds']:.1f} s (policy {s['policy_seconds']:.1f} s)")
+    print("median / p95 / max: busiest / mean GPU over every (served window, layer); static: the warm-up plan kept; "
+          "hindsight: greedy planned on each served window")
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,210 @@
+"""Closed-loop replay (eplb.replay), its file (eplb.formats.replay) and `eplb replay` / `eplb plot replay`."""
+
+import json
+
+import numpy as np
+import pytest
+
+from eplb import EplbError
+from eplb.cli import main
+from eplb.formats import save_trace
+from eplb.formats.replay import read_replay, write_replay
+from eplb.placement import Placement
+from eplb.replay import Scoring, cut_windows, replay
+from eplb.topology import Topology
+from eplb.trace import Trace, default_meta
+
+L, E, G, S = 3, 16, 4, 5
+TOPO = Topology(G, S)
+
+
+def drifting(seed=0, T=14, shift_at=9, tokens=3000):
+    """Counts [T, L, E]: one traffic mix, then two cold experts turn hot at `shift_at`."""
+    rng = np.random.default_rng(seed)
+    p = rng.gamma(3.0, 1.0, (L, E))
+    p[:, 0] *= 5.0
+    q = p.copy()
+    q[:, [9, 13]] *= 25.0
+    out = []
+    for t in range(T):
+        w = (q if t >= shift_at else p) / (q if t >= shift_at else p).sum(axis=1, keepdims=True)
+        out.append(np.stack([rng.multinomial(tokens, w[l]) for l in range(L)]))
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return drifting()
+
+
+@pytest.fixture(scope="module")
+def result(counts):
+    return replay(counts, topology=TOPO, warmup=6)
+
+
+def test_replay_scores_every_served_window_against_the_references(result, counts):
+    s = result.summary()
+    assert s["served_windows"] == 8 and result.window_T.tolist() == list(range(6, 14))
+    assert s["rules"] == ["even", "resplit"]
+    for run in ("policy", "static", "hindsight"):
+        for rule in s["rules"]:
+            o = s[run][rule]
+            assert 1.0 <= o["median"] <= o["p95"] <= o["max"] and 0 < o["balancedness"] <= 1
+    # hindsight plans on the served window itself: nothing served beats it by much
+    assert s["hindsight"]["even"]["median"] <= s["policy"]["even"]["median"] + 1e-9
+    # after the shift the policy follows the traffic; the static plan does not
+    assert s["policy"]["even"]["p95"] < s["static"]["even"]["p95"]
+    assert s["decisions"] >= 1 and s["moves"] == int(result.moves_T.sum()) > 0
+    assert len(s["per_window"]) == 8 and json.dumps(s)
+    np.testing.assert_array_equal(result.counts_TLE, counts[6:])
+
+
+def test_static_policy_is_the_static_reference(counts, result):
+    st = replay(counts, topology=TOPO, warmup=6, policy="static", references=())
+    np.testing.assert_array_equal(st.scores.imbalance_RTL, result.references["static"].imbalance_RTL)
+    assert st.summary()["moves"] == 0 and (st.phy2log_TLP == st.phy2log_TLP[0]).all()
+
+
+def test_a_decision_takes_effect_after_the_delay(counts):
+    for delay in (0, 1, 2):
+        r = replay(counts, topology=TOPO, warmup=6, delay=delay, references=())
+        decided = np.flatnonzero(r.decided_T)
+        applied = np.flatnonzero(r.applied_T)
+        assert decided.size >= 1
+        np.testing.assert_array_equal(applied, (decided + 1 + delay)[:applied.size])
+        for t in applied:
+            assert (r.phy2log_TLP[t] != r.phy2log_TLP[t - 1]).any()
+
+
+def test_replay_never_looks_ahead(counts):
+    """Change every window from k on: nothing decided or served before k may change."""
+    k = 10
+    other = counts.copy()
+    other[k:] = drifting(seed=7, T=counts.shape[0])[k:][:, :, ::-1]
+    for policy, settings in (("adaptive", {}), ("window", {"window": 2})):
+        a = replay(counts, topology=TOPO, warmup=6, policy=policy, settings=settings)
+        b = replay(other, topology=TOPO, warmup=6, policy=policy, settings=settings)
+        i = k - 6                                     # served index of window k
+        # the placement serving window k was decided from windows < k: the same
+        np.testing.assert_array_equal(a.phy2log_TLP[:i + 1], b.phy2log_TLP[:i + 1])
+        np.testing.assert_array_equal(a.decided_T[:i], b.decided_T[:i])
+        np.testing.assert_array_equal(a.moves_T[:i], b.moves_T[:i])
+        np.testing.assert_array_equal(a.scores.imbalance_RTL[:, :i], b.scores.imbalance_RTL[:, :i])
+        for ref in ("static", "hindsight"):
+            np.testing.assert_array_equal(a.references[ref].imbalance_RTL[:, :i],
+                                          b.references[ref].imbalance_RTL[:, :i])
+        assert not np.array_equal(a.scores.imbalance_RTL[:, i:], b.scores.imbalance_RTL[:, i:])
+
+
+def test_the_file_rescores_independently(result, tmp_path):
+    path = write_replay(result, tmp_path / "r.npz")
+    arrays, meta = read_replay(path)
+    assert meta["rules"] == ["even", "resplit"] and meta["weights_rule"] == "resplit"
+    from eplb import stats
+
+    for t in range(arrays["phy2log_TLP"].shape[0]):
+        pl = Placement(arrays["phy2log_TLP"][t], G, E)
+        c = arrays["counts_TLE"][t].astype(float)
+        resplit = stats.imbalance(pl.gpu_loads(c, arrays["weights_TLP"][t]))
+        even = stats.imbalance(pl.gpu_loads(c))
+        np.testing.assert_allclose(resplit, arrays["policy_imbalance_RTL"][1, t])
+        np.testing.assert_allclose(even, arrays["policy_imbalance_RTL"][0, t])
+
+
+def test_a_failed_write_keeps_the_old_file(result, tmp_path, monkeypatch):
+    path = tmp_path / "r.npz"
+    path.write_bytes(b"old")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez_compressed", boom)
+    with pytest.raises(OSError):
+        write_replay(result, path)
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["r.npz"]
+
+
+def test_read_replay_refuses_other_files(tmp_path):
+    np.savez(tmp_path / "x.npz", a=np.zeros(3))
+    with pytest.raises(EplbError, match="not an eplb replay file"):
+        read_replay(tmp_path / "x.npz")
+    with pytest.raises(EplbError, match="does not exist"):
+        read_replay(tmp_path / "none.npz")
+
+
+def test_scoring_takes_rules_and_an_objective(counts):
+    peak = Scoring(("even",), objective=lambda g_LG: g_LG.max(axis=1))
+    r = replay(counts, topology=TOPO, warmup=6, scoring=peak, references=("static",))
+    assert r.rules == ("even",) and r.scores.objective_RTL.shape == (1, 8, L)
+    mean_TL = counts[6:].sum(axis=2) / G
+    np.testing.assert_allclose(r.scores.objective_RTL[0] / mean_TL, r.scores.imbalance_RTL[0])
+    with pytest.raises(EplbError, match="unknown dispatch rule"):
+        Scoring(("nope",))
+    with pytest.raises(EplbError, match="repeat"):
+        Scoring(("even", "even"))
+
+
+def per_token_trace(tokens=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([np.stack([rng.choice(E, 2, replace=False) for _ in range(L)]) for _ in range(tokens)])
+    window = np.repeat(np.arange(2), tokens // 2).astype(np.int32)
+    counts = np.stack([np.stack([np.bincount(ids[window == w][:, l].ravel(), minlength=E) for l in range(L)])
+                       for w in range(2)])
+    return Trace(counts, np.arange(L), default_meta(L, E), ids, window)
+
+
+def test_per_token_traces_are_cut_into_windows_of_k_tokens():
+    tr = per_token_trace()
+    c, how = cut_windows(tr, 300)
+    assert c.shape == (3, L, E) and (c.sum(axis=2) == 600).all() and "100 left over" in how
+    ids = tr.topk_ids_NLK.astype(int)
+    np.testing.assert_array_equal(c[1, 2], np.bincount(ids[300:600, 2].ravel(), minlength=E))
+    with pytest.raises(EplbError, match="1200 tokens per window exceed the trace's 1000 tokens"):
+        cut_windows(tr, 1200)
+    with pytest.raises(EplbError, match="per-token"):
+        cut_windows(tr.windows(0), 10)
+
+
+def test_bad_replay_input(counts):
+    with pytest.raises(EplbError, match=r"14 window\(s\), not more than the warmup \(14\)"):
+        replay(counts, topology=TOPO, warmup=14)
+    with pytest.raises(EplbError, match="no setting 'speed'"):
+        replay(counts, topology=TOPO, settings={"speed": 1})
+    with pytest.raises(EplbError, match="delay"):
+        replay(counts, topology=TOPO, delay=-1)
+    with pytest.raises(EplbError, match="unknown reference"):
+        replay(counts, topology=TOPO, references=("oracle",))
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory, counts):
+    path = tmp_path_factory.mktemp("rp") / "t.npz"
+    save_trace(Trace(counts, np.arange(L), default_meta(L, E)), path)
+    return path
+
+
+def test_cli_replay_and_plot(trace_file, tmp_path, capsys):
+    out, fig = tmp_path / "r.npz", tmp_path / "r.png"
+    assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), "--warmup", "6",
+                 "--bytes-per-expert", "1000", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "adaptive" in text and "hindsight" in text and "moves" in text and "wrote" in text
+    assert main(["plot", "replay", str(out), "-o", str(fig), "--rule", "resplit"]) == 0
+    assert fig.stat().st_size > 10_000
+    capsys.readouterr()
+    assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), "--policy", "window",
+                 "--set", "window=all", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["policy_name"] == "window" and s["settings"] == {"window": None}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--warmup", "20"], "not more than the warmup (20)"),
+    (["--set", "speed=2"], "policy 'adaptive' has no setting 'speed'"),
+    (["--tokens-per-window", "5000"], "per-token expert choices"),
+    (["--rule", "nope"], "unknown dispatch rule 'nope'"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(trace_file, capsys, extra, message):
+    assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
