@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Protocol
 import numpy as np
 
 from eplb import stats
+from eplb.dispatch import get_rule
 from eplb.errors import EplbError, whole_number
 from eplb.placement import Placement
 from eplb.topology import Topology
@@ -44,6 +45,9 @@ class PlanRequest:
     """Expert groups of group-limited routing (DeepSeek-V3: 8), for node-aware planners."""
     previous: Placement | None = None
     """The placement now being served (migration-aware planners keep its replicas in place)."""
+    dispatch: Any = None
+    """The dispatch rule the engine will apply (eplb.dispatch.DispatchRule), or None: the plan's
+    own weights, an even split without them. Rule-aware planners plan for it."""
 
     @property
     def num_layers(self) -> int:
@@ -158,7 +162,12 @@ class PlanResult:
     before: stats.LoadReport
     """Contiguous placement (no EPLB) on the same GPUs."""
     after: stats.LoadReport
+    """The plan under its own dispatch weights (an even split without them)."""
     info: dict = field(default_factory=dict)
+    dispatch: str | None = None
+    """Name of the dispatch rule the plan was scored under (`served`), or None."""
+    served: stats.LoadReport | None = None
+    """The plan as the engine serves it: under `dispatch` (None without a rule)."""
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready summary (what `eplb plan --json` prints)."""
@@ -175,6 +184,8 @@ class PlanResult:
             "num_slots": self.placement.num_slots,
             "before": self.before.summary(),
             "after": self.after.summary(),
+            "dispatch": self.dispatch,
+            "served": None if self.served is None else self.served.summary(),
             "info": self.info,
         }
 
@@ -206,7 +217,7 @@ def plan(
     num_nodes: int = 1,
     num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
-    planner: str = "greedy",
+    planner: str | None = None,
     aggregate: str = "sum",
     window: int | None = None,
     alpha: float | None = None,
@@ -218,6 +229,7 @@ def plan(
     move_cost: float = 0.0,
     bytes_per_expert: int | None = None,
     span_cost: float | None = None,
+    dispatch: Any = None,
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -234,6 +246,10 @@ def plan(
     in moves (eplb.migration.Budget.span_cost, default 1), so that search keeps node locality.
     Whole-number arguments (num_gpus, num_nodes, num_redundant, slots_per_gpu, num_expert_groups) refuse 2.5 or
     "4" rather than truncate them; the migration options without `previous` are refused.
+    Dispatch: `dispatch` is the rule the engine applies (a name from eplb.dispatch.RULES or a rule,
+    e.g. `eplb.dispatch.engine_rule("sglang")`); the plan is then also scored under it
+    (`PlanResult.served`). `planner` None picks "rule-aware" for rules whose shares depend on
+    the layout (SGLang's), else "greedy".
     """
     num_gpus = whole_setting("num_gpus", num_gpus, 1)
     num_nodes = whole_setting("num_nodes", num_nodes, 1)
@@ -287,7 +303,10 @@ def plan(
                 f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
                 f"on a trace of the same model"
             )
-    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous)
+    rule = None if dispatch is None else get_rule(dispatch)
+    if planner is None:
+        planner = "rule-aware" if rule is not None and _layout_dependent(rule) else "greedy"
+    request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous, rule)
     impl = get_planner(planner, **(settings or {}))
     t0 = time.perf_counter()
     sol = impl.plan(request)
@@ -327,6 +346,12 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
         "balancedness": after.balancedness,
         "contiguous_imbalance_median": float(np.median(before.imbalance_L)),
     }
+    served = None
+    rule = request.dispatch
+    if rule is not None:
+        served = stats.evaluate(placement, request.load_LE, rule.bind(placement)(request.load_LE), lower_bound_L=lb)
+        metrics.update({"dispatch": rule.name, "served_imbalance_median": float(np.median(served.imbalance_L)),
+                        "served_imbalance_max": float(np.max(served.imbalance_L))})
     placement = Placement(placement.phy2log_LP, placement.num_gpus, placement.num_logical_experts,
                           placement.num_nodes, placement.layer_ids, placement.dispatch_weights_LP,
                           planner, metrics)
@@ -334,4 +359,12 @@ def finish(request: PlanRequest, sol: Solution, planner: str, seconds: float) ->
         placement=placement, planner=planner, status=sol.status,
         success=sol.status != "FALLBACK", message=sol.message, seconds=seconds,
         load_LE=request.load_LE, lower_bound_L=lb, before=before, after=after, info=dict(sol.info),
+        dispatch=None if rule is None else rule.name, served=served,
     )
+
+
+def _layout_dependent(rule) -> bool:
+    """True for rules whose shares depend on where replicas are (SGLang's), not only on counts."""
+    from eplb.sglang_dispatch import SglangDynamic, SglangStatic
+
+    return isinstance(rule, (SglangStatic, SglangDynamic))

@@ -5,3 +5,4 @@ from planners import deepseek  # noqa: F401
 from planners import ilp  # noqa: F401
 from planners import hierarchical  # noqa: F401
 from planners import robust  # noqa: F401
+from planners import rule_aware  # noqa: F401
