@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.commands.common import (add_command, add_output_flags, check_output_path, format_table, positive_int,
-                                  print_json)
+from eplb.commands.common import (
+    add_command,
+    add_output_flags,
+    check_output_path,
+    format_table,
+    positive_int,
+    print_json,
+)
 
 FORMATS = ("eplb", "sglang", "vllm", "trtllm")
 
@@ -25,8 +31,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                "as many as fit in memory next to the KV cache (capacity options)")
     # robust is the CLI default: it wins on held-out traffic (README, "Robust planning"); the
     # API's eplb.plan() keeps greedy as its default because serving loops call it per rebalance.
-    p.add_argument("--planner", "-p", default="robust", choices=planner_names(),
-                   help="algorithm (default robust: plans against every window of the history)")
+    # Under an engine rule whose shares depend on the layout (SGLang's), rule-aware is the default.
+    p.add_argument("--planner", "-p", default=None, choices=planner_names(),
+                   help="algorithm (default robust: plans against every window of the history; "
+                        "rule-aware with --engine sglang)")
+    from eplb.dispatch import ENGINES
+
+    p.add_argument("--engine", "-e", choices=list(ENGINES),
+                   help="engine that serves the plan: the report scores it under that engine's dispatch rule "
+                        "(docs/engines.md); default the engine of --format")
+    p.add_argument("--dispatch", metavar="MODE",
+                   help="the engine's dispatch mode (sglang: static (default) or dynamic; vllm, trtllm: even)")
     p.add_argument("--aggregate", default="sum", choices=["sum", "mean", "last", "window", "ema"],
                    help="how windows become the planning load (default sum)")
     p.add_argument("--window", type=positive_int, help="with --aggregate window: newest windows to sum")
@@ -41,10 +56,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     mig.add_argument("--previous", metavar="OLD.json",
                      help="placement now served (eplb JSON): keep its replicas in place, report moves")
     mig.add_argument("--max-moves", type=int, metavar="K", help="with --previous: copy at most K experts in total")
-    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K", help="with --previous: at most K copies onto any GPU")
+    mig.add_argument("--max-moves-per-gpu", type=int, metavar="K",
+                     help="with --previous: at most K copies onto any GPU")
     mig.add_argument("--move-cost", type=float, default=0.0, metavar="C",
                      help="with --previous: a copy must lower its layer's busiest GPU by C x mean GPU load")
-    mig.add_argument("--bytes-per-expert", type=int, metavar="B", help="size of one expert's weights, to report bytes moved")
+    mig.add_argument("--bytes-per-expert", type=int, metavar="B",
+                     help="size of one expert's weights, to report bytes moved")
     mig.add_argument("--span-cost", type=float, metavar="C",
                      help="with --previous, --nodes > 1 and expert groups: spreading a group onto one more "
                           "node costs C moves (default 1; 0 ignores node locality)")
@@ -90,7 +107,12 @@ def run(args) -> int:
     # Options that only act together with another one are refused alone, not ignored.
     if args.format is not None and args.output is None:
         raise EplbError(f"--format {args.format} sets the file format of --output: add -o FILE")
-    args.format = args.format or "eplb"
+    rule, engine = engine_of(args)
+    args.format = args.format or (engine if engine and args.output else "eplb")
+    if args.planner is None:
+        from eplb.planning import _layout_dependent
+
+        args.planner = "rule-aware" if rule is not None and _layout_dependent(rule) else "robust"
     if args.slots_per_gpu != "auto":
         given = [f"--{k.replace('_', '-')}" for k in ("model", "gpu_memory", "context", "concurrency", "expert_dtype")
                  if getattr(args, k) is not None]
@@ -105,6 +127,8 @@ def run(args) -> int:
     settings = parse_settings(args.set)
     if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):
         settings.setdefault("quiet", True)  # no progress bar when asked for silence
+    if rule is not None:
+        ilp_for_engine(args, settings, rule, engine)
     slots = None
     capacity = None
     if args.slots_per_gpu == "auto":
@@ -134,7 +158,7 @@ def run(args) -> int:
         planner=args.planner, aggregate=args.aggregate, window=args.window, alpha=args.alpha,
         num_expert_groups=args.expert_groups, settings=settings, previous=previous,
         max_moves=args.max_moves, max_moves_per_gpu=args.max_moves_per_gpu, move_cost=args.move_cost,
-        bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost,
+        bytes_per_expert=args.bytes_per_expert, span_cost=args.span_cost, dispatch=rule,
     )
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
@@ -178,13 +202,18 @@ def run(args) -> int:
         from eplb.stats import evaluate
 
         reports.append((f"previous ({args.previous})", evaluate(previous, result.load_LE)))
-    reports.append((f"{result.planner}", result.after))
+    own = " (plan's weights)" if pl.dispatch_weights_LP is not None else " (even split)"
+    reports.append((f"{result.planner}" + (own if result.served is not None else ""), result.after))
     per_window = list(window_bal.values()) if window_bal else [None] * len(reports)
+    if result.served is not None:
+        reports.append((f"{result.planner}, served by {engine} ({result.dispatch})", result.served))
+        per_window.append(None)
     for (name, rep), wb in zip(reports, per_window):
         imb, br = rep.imbalance_L, rep.bound_ratio_L
         rows.append([name, float(np.min(imb)), float(np.median(imb)), float(np.max(imb)),
                      float(np.median(br)), float(np.max(br)), rep.balancedness]
-                    + ([] if wb is None else [float(np.median(wb)), float(np.min(wb))]))
+                    + ([] if not window_bal else ["" if wb is None else float(np.median(wb)),
+                                                  "" if wb is None else float(np.min(wb))]))
     print(format_table(["placement", "max/mean min", "median", "max", "/bound median", "/bound max",
                         "balancedness"] + (["per window: median", "worst"] if window_bal else []), rows))
     if window_bal:
@@ -208,6 +237,43 @@ def run(args) -> int:
     if args.output:
         print(f"wrote {args.output} ({args.format})")
     return 0
+
+
+def engine_of(args):
+    """(rule, engine) from --engine / --dispatch / --format, or (None, None) for eplb's own runtime."""
+    from eplb.dispatch import ENGINES, engine_rule
+    from eplb.errors import EplbError
+
+    engine = args.engine
+    if engine is None and args.format in ENGINES:
+        engine = args.format  # an engine's file is served by that engine's rule
+    if engine is not None and args.format not in (None, "eplb", engine):
+        raise EplbError(f"--engine {engine} does not read --format {args.format} files: use --format {engine} "
+                        f"(or --format eplb)")
+    if args.dispatch is not None and engine is None:
+        raise EplbError(f"--dispatch {args.dispatch} is a mode of an engine: add --engine ({', '.join(ENGINES)})")
+    if engine is None:
+        return None, None
+    return engine_rule(engine, args.dispatch), engine
+
+
+def ilp_for_engine(args, settings: dict, rule, engine: str) -> None:
+    """ilp's default (weighted) plans need dispatch weights that no engine file carries: plan it
+    for the engine's even split, or refuse where no ilp model fits the engine's rule."""
+    from eplb.errors import EplbError
+
+    if args.planner != "ilp":
+        return
+    if rule.name != "even":
+        raise EplbError(f"--planner ilp models a weighted or an even split; {engine} applies {rule.name} "
+                        f"(shares of ranks / GPUs, docs/engines.md): use --planner rule-aware")
+    if settings.get("dispatch", "even") != "even":
+        raise EplbError(f"--set dispatch={settings['dispatch']} plans dispatch weights, but {engine} splits an "
+                        f"expert's tokens evenly and its file carries no weights: drop it (ilp then plans for "
+                        f"the even split) or write --format eplb for eplb's runtime")
+    if "dispatch" not in settings and not (args.quiet or args.json):
+        print(f"ilp plans for {engine}'s even split (--set dispatch=even): its file carries no dispatch weights")
+    settings["dispatch"] = "even"
 
 
 def write_placement(placement, path: str, fmt: str, meta: dict) -> None:
