@@ -32,10 +32,10 @@ def test_plugin_does_nothing_unless_enabled(monkeypatch, restore_policies):
 
 
 def test_vllm_loader_installs_the_policy(monkeypatch, restore_policies):
+    from importlib.metadata import entry_points
+
     import vllm.plugins
     from vllm.distributed.eplb.eplb_state import EPLB_POLICIES as state_table
-
-    from importlib.metadata import entry_points
 
     if "eplb" not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
         pytest.skip("eplb is not installed as a package (pip install -e .): no entry point to load")
