@@ -184,7 +184,7 @@ def _plan(cls, load_LE, num_replicas, num_groups, num_nodes, num_ranks, old_LP) 
     result = plan(load_LE, num_gpus=num_ranks, num_nodes=num_nodes, slots_per_gpu=num_replicas // num_ranks,
                   planner=cls.planner, settings=dict(cls.settings), num_expert_groups=groups,
                   previous=previous, dispatch="even", **budget)
-    return np.ascontiguousarray(result.placement.phy2log_LP, dtype=np.int64)
+    return np.array(result.placement.phy2log_LP, dtype=np.int64)  # writable: torch.from_numpy shares it
 
 
 @lru_cache(maxsize=4)
@@ -214,4 +214,4 @@ def _initial_map(path: str, load_shape: tuple, num_replicas: int, num_ranks: int
     if p.num_gpus != num_ranks:
         raise EplbError(f"{ENV_INITIAL}={path}: the map is for {p.num_gpus} GPUs, vLLM's EP group has {num_ranks} "
                         f"ranks: plan with --gpus {num_ranks}")
-    return np.ascontiguousarray(p.phy2log_LP, dtype=np.int64)
+    return np.array(p.phy2log_LP, dtype=np.int64)
