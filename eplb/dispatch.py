@@ -44,6 +44,7 @@ import numpy as np
 
 from eplb.errors import EplbError
 from eplb.placement import Placement
+from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 
 
 def _check_load(placement: Placement, load_LE) -> np.ndarray:
@@ -329,12 +330,39 @@ def _need_counts(rule, counts_LE):
     return counts_LE
 
 
-RULES: dict[str, type] = {"even": EvenSplit, "plan": PlanWeights, "resplit": Resplit, "optimal": OptimalSplit}
-"""Dispatch rules by name (engine rules are added beside these; `get_rule` reads this table)."""
+RULES: dict[str, type] = {"even": EvenSplit, "plan": PlanWeights, "resplit": Resplit, "optimal": OptimalSplit,
+                          "sglang-static": SglangStatic, "sglang-dynamic": SglangDynamic}
+"""Dispatch rules by name (`get_rule` reads this table; engine rules are in `ENGINES`)."""
+
+# Engines ----------------------------------------------------------------------------------------
+# What each engine does with a placement, read from its source (docs/engines.md says where):
+# - vLLM 0.33: each (token, expert) takes replica hash(token index) % replicas
+#   (`eplb_map_to_physical_and_record`): an even split.
+# - TensorRT-LLM: round-robin over the replicas in arrival order (`moeComputeRouteKernel`): even.
+# - SGLang 0.5.23: `--ep-dispatch-algorithm static` (its default with `--init-expert-location`
+#   and an all-to-all backend) or `dynamic`; see eplb.sglang_dispatch.
+ENGINES: dict[str, dict[str, Callable[[], DispatchRule]]] = {
+    "sglang": {"static": SglangStatic, "dynamic": SglangDynamic},
+    "vllm": {"even": EvenSplit},
+    "trtllm": {"even": EvenSplit},
+}
+"""engine -> dispatch mode -> rule; the first mode of each engine is its default."""
+
+
+def engine_rule(engine: str, mode: str | None = None) -> DispatchRule:
+    """The rule `engine` applies in dispatch `mode` (default: the engine's default mode)."""
+    if engine not in ENGINES:
+        raise EplbError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    modes = ENGINES[engine]
+    if mode is None:
+        mode = next(iter(modes))
+    if mode not in modes:
+        raise EplbError(f"engine {engine!r} has no dispatch mode {mode!r}: its modes are {', '.join(modes)}")
+    return modes[mode]()
 
 
 def get_rule(rule: str | DispatchRule) -> DispatchRule:
-    """A rule by name ("even", "plan", "resplit", "optimal", ...), or the rule itself."""
+    """A rule by name ("even", "plan", "resplit", "optimal", "sglang-static", ...), or the rule itself."""
     if isinstance(rule, str):
         if rule not in RULES:
             raise EplbError(f"unknown dispatch rule {rule!r}: choose one of {', '.join(sorted(RULES))}")

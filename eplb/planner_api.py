@@ -42,6 +42,7 @@ PLANNERS: dict[str, str] = {
     "hierarchical": "planners.hierarchical:HierarchicalPlanner",
     "ilp": "planners.ilp:IlpPlanner",
     "robust": "planners.robust:RobustPlanner",
+    "rule-aware": "planners.rule_aware:RuleAwarePlanner",
     "traffic": "planners.traffic:TrafficPlanner",
 }
 """Built-in planners: name -> "module:Class" (a test checks it against the CLI's --planner choices)."""

@@ -27,6 +27,7 @@ from eplb.errors import EplbError, whole_number
 from eplb.migration import Budget
 from eplb.placement import Placement, contiguous_placement
 from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
+from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from eplb.stats import Aggregation
 from eplb.topology import Topology
 from eplb.trace import Trace
@@ -36,7 +37,9 @@ from eplb.trace import Trace
 class PlanResult:
     """A plan plus how it was made; how good it is is scored on first access (and cached).
 
-    Scores use the planning load `load_LE` and the dispatch rule the engine will apply."""
+    Scores use the planning load `load_LE` and the dispatch rule the engine will apply; under
+    an engine's rule (anything but "plan", eplb's own runtime) `served` names that report and
+    `planned` is the plan under its own weights, the split the planner assumed."""
 
     solution: Solution
     """The planner's answer after the migration step: phy2log_LP, dispatch weights, status, message, info."""
@@ -82,14 +85,28 @@ class PlanResult:
         """Lower bound on the busiest GPU's load per layer, [L]."""
         return stats.lower_bound(self.load_LE, self.topology.num_gpus, self.topology.num_slots)
 
-    def _score(self, placement: Placement) -> stats.LoadReport:
-        weights_LP = self.dispatch.bind(placement)(self.load_LE)
+    def _score(self, placement: Placement, rule: DispatchRule | None = None) -> stats.LoadReport:
+        weights_LP = (rule or self.dispatch).bind(placement)(self.load_LE)
         return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
 
     @cached_property
     def after(self) -> stats.LoadReport:
         """The plan, scored on the planning load under the dispatch rule."""
         return self._score(self._plain)  # type: ignore[attr-defined]
+
+    @property
+    def served(self) -> stats.LoadReport | None:
+        """The plan as an engine serves it (`after`, under the engine's rule `dispatch`), or None
+        when the rule is "plan": eplb's runtime serves the plan's own weights, and `after` is that."""
+        return None if isinstance(self.dispatch, PlanWeights) else self.after
+
+    @cached_property
+    def planned(self) -> stats.LoadReport:
+        """The plan under its own dispatch weights (an even split without them): the split the
+        planner assumed, which an engine's rule may not apply (compare with `served`)."""
+        if isinstance(self.dispatch, PlanWeights):
+            return self.after
+        return self._score(self._plain, PlanWeights())  # type: ignore[attr-defined]
 
     @cached_property
     def before(self) -> stats.LoadReport:
@@ -109,6 +126,8 @@ class PlanResult:
             "contiguous_imbalance_median": float(np.median(self.before.imbalance_L)),
             **self.objective_metrics,
         }
+        if self.served is not None:  # the scores above are the engine's: say under which rule
+            metrics["dispatch"] = self.dispatch.name
         return replace(self._plain, metrics=metrics)  # type: ignore[attr-defined]
 
     @property
@@ -134,6 +153,8 @@ class PlanResult:
             "dispatch": self.dispatch.name,
             "before": self.before.summary(),
             "after": self.after.summary(),
+            "served": None if self.served is None else self.served.summary(),
+            "planned": self.planned.summary(),
             "info": self.info,
         }
 
@@ -237,7 +258,7 @@ def plan(
     num_nodes: int = 1,
     num_redundant: int | None = None,
     slots_per_gpu: int | None = None,
-    planner: str = "greedy",
+    planner: str | None = None,
     settings: Mapping | None = None,
     aggregate: str | Aggregation = "sum",
     num_expert_groups: int | None = None,
@@ -261,8 +282,10 @@ def plan(
     budgeted search from `previous` then competes with the relabelled plan). Moves (and bytes)
     are reported in info["migration"]. A budget without `previous` is refused.
     dispatch: the rule the engine will apply (eplb.dispatch.get_rule: a name or a DispatchRule;
-    default "plan", the plan's own weights, else an even split). Planners read it from the
-    request; the result's reports are scored under it.
+    default "plan", the plan's own weights, else an even split; an engine's rule is
+    eplb.dispatch.engine_rule("sglang"), ...). Planners read it from the request; the result's
+    reports are scored under it (`PlanResult.served`). `planner` None picks "rule-aware" for
+    rules whose shares depend on the layout (SGLang's), else "greedy".
     objective: "tokens" (balance token loads), or an eplb.cost.TimeObjective (balance modeled
     per-GPU time: planners, and the migration step, see each expert's expected seconds per step
     on one replica instead of its tokens); the result is still scored in tokens, and
@@ -295,6 +318,8 @@ def plan(
         # Planners balance whatever load they are given: hand them expected seconds per expert.
         request = replace(request, load_LE=objective.planning_load(load_LE, topo.num_gpus),
                           history_TLE=objective.planning_load(history_TLE, topo.num_gpus))
+    if planner is None:
+        planner = "rule-aware" if layout_dependent(rule) else "greedy"
     impl = get_planner(planner, **(settings or {}))
     t0 = time.perf_counter()
     sol = impl.plan(request)
@@ -308,3 +333,8 @@ def plan(
         sol = replace(sol, info={**sol.info, "objective": objective.describe(topo.num_gpus)})
     # Scored on the token load, whatever the planner balanced.
     return PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids, objective)
+
+
+def layout_dependent(rule: DispatchRule) -> bool:
+    """True for rules whose shares depend on where replicas are (SGLang's), not only on counts."""
+    return isinstance(rule, (SglangStatic, SglangDynamic))

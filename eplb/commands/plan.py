@@ -6,7 +6,7 @@ import argparse
 
 import numpy as np
 
-from eplb import planning
+from eplb import planning, stats
 from eplb.commands.capacity import add_arguments as add_capacity_arguments
 from eplb.commands.capacity import slots_from_args
 from eplb.commands.common import (
@@ -19,6 +19,7 @@ from eplb.commands.common import (
 )
 from eplb.commands.simulate import add_cost_arguments, batch_from_args, cost_from_args, modeled_table
 from eplb.cost import TimeObjective
+from eplb.dispatch import ENGINES, DispatchRule, engine_rule
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement
 from eplb.formats.export import FORMATS, write_placement
@@ -26,7 +27,7 @@ from eplb.migration import Budget
 from eplb.placement import contiguous_placement
 from eplb.planner_api import planner_names, planner_settings
 from eplb.simulate import simulate
-from eplb.stats import AGGREGATIONS, Aggregation, evaluate, window_balancedness
+from eplb.stats import AGGREGATIONS, Aggregation, window_balancedness
 
 MIGRATION_FLAGS = ("max_moves", "max_moves_per_gpu", "move_cost", "span_cost", "bytes_per_expert")
 """Options that become the plan's eplb.Budget (they act only with --previous)."""
@@ -45,8 +46,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                "as many as fit in memory next to the KV cache (capacity options)")
     # robust is the CLI default: it wins on held-out traffic (README, "Robust planning"); the
     # API's eplb.plan() keeps greedy as its default because serving loops call it per rebalance.
-    p.add_argument("--planner", "-p", default="robust", choices=planner_names(),
-                   help="algorithm (default robust: plans against every window of the history)")
+    # Under an engine rule whose shares depend on the layout (SGLang's), rule-aware is the default.
+    p.add_argument("--planner", "-p", default=None, choices=planner_names(),
+                   help="algorithm (default robust: plans against every window of the history; "
+                        "rule-aware with --engine sglang)")
+    p.add_argument("--engine", "-e", choices=list(ENGINES),
+                   help="engine that serves the plan: the report scores it under that engine's dispatch rule "
+                        "(docs/engines.md); default the engine of --format")
+    p.add_argument("--dispatch", metavar="MODE",
+                   help="the engine's dispatch mode (sglang: static (default) or dynamic; vllm, trtllm: even)")
     p.add_argument("--aggregate", default="sum", choices=AGGREGATIONS,
                    help="how windows become the planning load (default sum)")
     p.add_argument("--window", type=positive_int, help="with --aggregate window: newest windows to sum")
@@ -115,6 +123,38 @@ def _check_flags(args) -> None:
         check_output_path(args.output, "the placement")  # before planning, which may take minutes
 
 
+def engine_of(args) -> tuple[DispatchRule | None, str | None]:
+    """(rule, engine) from --engine / --dispatch / --format, or (None, None) for eplb's own runtime."""
+    engine = args.engine
+    if engine is None and args.format in ENGINES:
+        engine = args.format  # an engine's file is served by that engine's rule
+    if engine is not None and args.format not in (None, "eplb", engine):
+        raise EplbError(f"--engine {engine} does not read --format {args.format} files: use --format {engine} "
+                        f"(or --format eplb)")
+    if args.dispatch is not None and engine is None:
+        raise EplbError(f"--dispatch {args.dispatch} is a mode of an engine: add --engine ({', '.join(ENGINES)})")
+    if engine is None:
+        return None, None
+    return engine_rule(engine, args.dispatch), engine
+
+
+def ilp_for_engine(args, settings: dict, rule: DispatchRule, engine: str) -> None:
+    """ilp's default (weighted) plans need dispatch weights that no engine file carries: plan it
+    for the engine's even split, or refuse where no ilp model fits the engine's rule."""
+    if args.planner != "ilp":
+        return
+    if rule.name != "even":
+        raise EplbError(f"--planner ilp models a weighted or an even split; {engine} applies {rule.name} "
+                        f"(shares of ranks / GPUs, docs/engines.md): use --planner rule-aware")
+    if settings.get("dispatch", "even") != "even":
+        raise EplbError(f"--set dispatch={settings['dispatch']} plans dispatch weights, but {engine} splits an "
+                        f"expert's tokens evenly and its file carries no weights: drop it (ilp then plans for "
+                        f"the even split) or write --format eplb for eplb's runtime")
+    if "dispatch" not in settings and not (args.quiet or args.json):
+        print(f"ilp plans for {engine}'s even split (--set dispatch=even): its file carries no dispatch weights")
+    settings["dispatch"] = "even"
+
+
 def _budget(args, trace) -> Budget | None:
     """The migration flags as a Budget (None when none is given and there is no --previous)."""
     if args.previous and args.span_cost is not None and (
@@ -161,11 +201,15 @@ def _objective(args) -> str | TimeObjective:
     return TimeObjective(cost_from_args(args), batch_tokens=args.batch_tokens, phase=args.phase or "decode")
 
 
-def _modeled(args, placement, trace, objective) -> dict:
-    """Modeled step time of the plan and the contiguous placement on the planning trace."""
+def _modeled(args, placement, trace, objective, engine_rule_: DispatchRule | None) -> dict:
+    """Modeled step time of the plan and the contiguous placement on the planning trace, under
+    the engine's rule when one serves it (else the time dispatch for a time plan, or even)."""
     cost = objective.cost if objective != "tokens" else cost_from_args(args)
     B, phase = batch_from_args(args, placement.num_gpus)
-    rule = "time" if objective != "tokens" else "even"
+    if engine_rule_ is not None:
+        rule = engine_rule_.name
+    else:
+        rule = "time" if objective != "tokens" else "even"
     rep = simulate(cost, placement, trace, rule=rule, batch_tokens=B,
                    batches_per_window=max(1, 64 // trace.num_windows), seed=0)
     out = rep.summary()
@@ -176,7 +220,10 @@ def _modeled(args, placement, trace, objective) -> dict:
 def run(args) -> int:
     _check_flags(args)
     objective = _objective(args)
-    args.format = args.format or "eplb"
+    rule, engine = engine_of(args)
+    args.format = args.format or (engine if engine and args.output else "eplb")
+    if args.planner is None:
+        args.planner = "rule-aware" if rule is not None and planning.layout_dependent(rule) else "robust"
     trace = load_history(args.traces)
     if args.window is not None and args.window > trace.num_windows:
         raise EplbError(f"--window {args.window} asks for more windows than the trace holds ({trace.num_windows}): "
@@ -184,6 +231,8 @@ def run(args) -> int:
     settings = parse_settings(args.set)
     if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):
         settings.setdefault("quiet", True)  # no progress bar when asked for silence
+    if rule is not None:
+        ilp_for_engine(args, settings, rule, engine)
     budget = _budget(args, trace)
     previous = load_placement(args.previous) if args.previous else None
     slots, capacity = _slots(args, trace, previous)
@@ -191,7 +240,7 @@ def run(args) -> int:
         trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
         planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
         num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
-        objective=objective,
+        objective=objective, dispatch=rule,
     )
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
@@ -207,7 +256,7 @@ def run(args) -> int:
         scored = [("contiguous", contiguous_placement(pl.num_logical_experts, pl.topology, pl.layer_ids))]
         scored += [("previous", previous)] if previous is not None else []
         window_bal = {name: window_balancedness(p, trace.counts_TLE) for name, p in scored + [("plan", pl)]}
-    modeled = _modeled(args, result.placement, trace, objective) if args.hardware else None
+    modeled = _modeled(args, result.placement, trace, objective, rule) if args.hardware else None
     if args.json:
         migration = result.info.get("migration")
         out = result.summary()
@@ -220,11 +269,11 @@ def run(args) -> int:
         out["bytes_moved"] = migration["bytes"] if migration else None
         print_json(out)
     elif not args.quiet:
-        _print_report(args, trace, result, previous, capacity, window_bal, modeled)
+        _print_report(args, trace, result, previous, capacity, window_bal, modeled, engine)
     return 0
 
 
-def _print_report(args, trace, result, previous, capacity, window_bal, modeled) -> None:
+def _print_report(args, trace, result, previous, capacity, window_bal, modeled, engine) -> None:
     pl = result.placement
     print(f"{trace.num_layers} MoE layers x {trace.num_logical_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
@@ -235,15 +284,26 @@ def _print_report(args, trace, result, previous, capacity, window_bal, modeled) 
               f"({capacity.free_bytes_per_gpu / 2**30:.2f} GiB left per GPU; see `eplb capacity`)")
     rows = []
     reports = [("contiguous (no EPLB)", result.before)]
-    if previous is not None:
-        reports.append((f"previous ({args.previous})", evaluate(previous, result.load_LE)))
-    reports.append((f"{result.planner}", result.after))
+    if previous is not None:  # scored like the plan: under the rule that serves it
+        load_LE = result.load_LE
+        reports.append((f"previous ({args.previous})",
+                        stats.evaluate(previous, load_LE, result.dispatch.bind(previous)(load_LE))))
+    if result.served is None:
+        reports.append((f"{result.planner}", result.after))
+    else:
+        own = " (plan's weights)" if pl.dispatch_weights_LP is not None else " (even split)"
+        reports.append((f"{result.planner}{own}", result.planned))
+    # Per window (window_bal: contiguous, previous, plan) under each placement's own weights.
     per_window = list(window_bal.values()) if window_bal else [None] * len(reports)
+    if result.served is not None:
+        reports.append((f"{result.planner}, served by {engine} ({result.dispatch.name})", result.served))
+        per_window.append(None)
     for (name, rep), wb in zip(reports, per_window):
         imb, br = rep.imbalance_L, rep.bound_ratio_L
         rows.append([name, float(np.min(imb)), float(np.median(imb)), float(np.max(imb)),
                      float(np.median(br)), float(np.max(br)), rep.balancedness]
-                    + ([] if wb is None else [float(np.median(wb)), float(np.min(wb))]))
+                    + ([] if not window_bal else ["" if wb is None else float(np.median(wb)),
+                                                  "" if wb is None else float(np.min(wb))]))
     print(format_table(["placement", "max/mean min", "median", "max", "/bound median", "/bound max",
                         "balancedness"] + (["per window: median", "worst"] if window_bal else []), rows))
     if window_bal:

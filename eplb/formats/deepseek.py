@@ -4,9 +4,10 @@ Legend: L = MoE layers, E = logical experts, P = physical slots, X = replica col
 
 `deepseek-ai/EPLB`'s `rebalance_experts` returns, per MoE layer:
 - `phy2log` [L, P]: logical expert held by each physical slot;
-- `log2phy` [L, E, X]: the physical slots of each logical expert, padded with -1; DeepSeek's
-  file uses X = P - E + 1 (the most replicas one expert can have), SGLang's copy uses
-  X = max replica count; both are accepted on input;
+- `log2phy` [L, E, X]: the physical slots of each logical expert by replica rank (column k
+  holds the expert's replica of rank k), padded with -1 to X = the largest replica count
+  (DeepSeek's `maxlogcnt`; SGLang's copy does the same; vLLM pads to P - E + 1); any width
+  and column order is accepted on input;
 - `logcnt` [L, E]: replicas of each logical expert.
 The tuple carries no GPU count or layer ids, so `from_deepseek` asks for them.
 """
@@ -19,13 +20,49 @@ from eplb.errors import EplbError, whole_number
 from eplb.placement import Placement
 
 
-def to_deepseek(placement: Placement, *, pad_to: int | None = None, as_torch: bool = False):
+def replica_ranks(phy2log, log2phy) -> np.ndarray:
+    """Replica rank of every slot, int64 [L, P], read from a DeepSeek-style log2phy [L, E, X]
+    (slot log2phy[l, e, k] has rank k): what `to_deepseek` needs to give the columns back in
+    the same order."""
+    phy2log_LP = _as_numpy(phy2log, "phy2log")
+    l2p_LEX = _as_numpy(log2phy, "log2phy")
+    L, P = phy2log_LP.shape
+    rank_LP = np.full((L, P), -1, dtype=np.int64)
+    l_i, e_i, k_i = np.nonzero(l2p_LEX >= 0)
+    rank_LP[l_i, l2p_LEX[l_i, e_i, k_i]] = k_i
+    if (rank_LP < 0).any():
+        l, p = np.argwhere(rank_LP < 0)[0]
+        raise EplbError(f"log2phy lists no replica rank for slot {p} of layer index {l}")
+    return rank_LP
+
+
+def to_deepseek(placement: Placement, *, pad_to: int | None = None, replica_rank_LP=None,
+                as_torch: bool = False):
     """(phy2log [L, P], log2phy [L, E, X], logcnt [L, E]) as int64 numpy arrays (or torch tensors).
 
-    pad_to: replica columns X of log2phy; default the largest replica count. Pass
-    `P - E + 1` for the exact shape of DeepSeek's reference code.
+    log2phy's columns are replica ranks, as in DeepSeek's `rebalance_experts`: column k of
+    expert e holds the slot of its replica of rank k. replica_rank_LP [L, P] gives the ranks
+    (e.g. `replica_ranks(phy2log, log2phy)` of a DeepSeek result, for an exact round trip);
+    by default a replica's rank is its order among the expert's slots (lowest slot first),
+    the order vLLM's `compute_logical_maps` and SGLang's start-up path build.
+    pad_to: replica columns X of log2phy; default the largest replica count (DeepSeek's
+    width). Pass `P - E + 1` for vLLM's `logical_to_physical_map` width.
     """
     log2phy_LEX = placement.log2phy_LEX
+    if replica_rank_LP is not None:
+        rank_LP = _as_numpy(replica_rank_LP, "replica_rank_LP")
+        L, P = placement.phy2log_LP.shape
+        if rank_LP.shape != (L, P):
+            raise EplbError(f"replica_rank_LP must be [{L}, {P}] (one rank per slot), got shape {rank_LP.shape}")
+        cnt_LP = np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
+        # Ranks must number each expert's replicas 0..count-1 exactly once.
+        key_LP = placement.phy2log_LP * (int(cnt_LP.max()) + 1) + rank_LP
+        if (rank_LP < 0).any() or (rank_LP >= cnt_LP).any() or any(
+                len(np.unique(row)) != P for row in key_LP):
+            raise EplbError("replica_rank_LP must number the replicas of each expert 0..count-1, once each")
+        log2phy_LEX = np.full_like(log2phy_LEX, -1)
+        rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
+        log2phy_LEX[rows, placement.phy2log_LP, rank_LP] = np.broadcast_to(np.arange(P), (L, P))
     if pad_to is not None:
         pad_to = whole_number("pad_to (replica columns)", pad_to, 1)
         X = log2phy_LEX.shape[2]

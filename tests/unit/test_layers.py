@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "eplb.files": 1, "eplb.progress": 1, "eplb.topology": 1, "eplb.hardware": 1,
     "eplb.trace": 2, "eplb.placement": 2,
     "eplb.stats": 3, "eplb.capacity": 3, "eplb.synth": 3,
-    "eplb.dispatch": 4, "eplb.cost": 4, "eplb.time_dispatch": 4, "eplb.calibration": 4,
+    "eplb.dispatch": 4, "eplb.sglang_dispatch": 4, "eplb.cost": 4, "eplb.time_dispatch": 4, "eplb.calibration": 4,
     "eplb.planner_api": 5,
     "planners": 6, "eplb.migration": 6,
     "eplb.planning": 7,

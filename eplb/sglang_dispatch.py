@@ -1,0 +1,235 @@
+"""SGLang's dispatch rules (`--ep-dispatch-algorithm static | dynamic`), modelled for scoring.
+
+Legend: H = hidden layers SGLang holds a map for (dense ones included), L = MoE layers,
+E = logical experts, G = GPUs (EP ranks), N = nodes, S = slots per GPU, P = G x S slots.
+
+What SGLang 0.5.23 does (`sglang/srt/eplb/expert_location.py`), as implemented here:
+- Nearest replica of expert e for rank q: its only replica if it has one; else the first
+  (lowest slot) replica on GPU q; else, when q's node holds some but not all replicas, the
+  first replica on q's node; else none ("no nearest": q draws).
+- `static`: every rank q sends all its tokens of e to one slot. Ranks with a nearest replica
+  use it. The others (R, in rank order) get `fair_choices(candidates, len(R), rng)`:
+  each candidate quotient = len(R) // len(candidates) times, plus `rng.sample(candidates,
+  remainder)`, the whole list then `rng.shuffle`d; rank R[i] takes entry i. The rng is
+  `random.Random(42)`, run over (hidden layer, expert) in order.
+- Where the map comes from matters (`path`):
+  * "startup" (`--init-expert-location FILE`, `init_by_mapping` with the rank's moe_ep_rank,
+    and an all-to-all backend): each rank first collapses *its own copy* of every candidate
+    list to its nearest replica, then builds the map from those lists, keeping only its own
+    row. A rank therefore draws (consumes the rng) only for the experts it has no nearest
+    replica of, so the ranks' rng streams drift apart: the draws are not coordinated and a
+    replica's share is (ranks mapped to it) / G, not 1 / replicas.
+  * "rebalance" (`init_by_eplb`, SGLang's periodic rebalance): full candidate lists in
+    the algorithm's order and one rng stream that every rank replays identically, so the
+    draws are coordinated (each candidate gets len(R) // len(candidates) ranks, +1 for a
+    random `remainder` of them).
+- `dynamic`: every (token, expert) picks uniformly among the rank's candidate list. At
+  "startup" that list is collapsed to the nearest replica as above (so a rank holding the
+  expert keeps all its tokens local); after a "rebalance" it is the full list (even split).
+Rows of hidden layers that are not MoE layers hold SGLang's trivial map `p % E`, as eplb's
+`--init-expert-location` export writes them; they take part in the rng stream.
+
+Shares assume every rank holds the same share of each expert's tokens (data-parallel
+attention, balanced requests): slot p of expert e takes (ranks mapped to p) / G of them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from eplb.errors import EplbError
+from eplb.placement import Placement
+
+PATHS = ("startup", "rebalance")
+SEED = 42
+"""SGLang's seed for the fair draw (`compute_logical_to_rank_dispatch_physical_map`)."""
+
+
+def _check_path(path: str) -> str:
+    if path not in PATHS:
+        raise EplbError(f"unknown SGLang map path {path!r}: choose one of {', '.join(PATHS)} "
+                        f"(startup: --init-expert-location; rebalance: after SGLang's periodic rebalance)")
+    return path
+
+
+def hidden_rows(placement: Placement, num_hidden_layers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(phy2log_HP, moe_rows_L): SGLang's map over every hidden layer, and the MoE rows in it.
+
+    Rows that are not MoE layers get SGLang's trivial row `p % E` (what eplb's export writes).
+    """
+    ids = placement.layer_ids
+    H = int(ids.max()) + 1 if num_hidden_layers is None else int(num_hidden_layers)
+    if H <= int(ids.max()):
+        raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
+    P, E = placement.num_slots, placement.num_logical_experts
+    phy2log_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
+    phy2log_HP[ids] = placement.phy2log_LP
+    return phy2log_HP, ids
+
+
+@dataclass(frozen=True, eq=False)
+class _Candidates:
+    """Per (row, expert): slots in slot order, and every rank's nearest replica."""
+
+    slots_HEX: np.ndarray
+    """Slots of each expert in slot order, padded with -1, int64 [H, E, X]."""
+    count_HE: np.ndarray
+    """Replicas of each expert, int64 [H, E]."""
+    nearest_HEG: np.ndarray
+    """Nearest slot of expert e for rank g, or -1 when g draws, int64 [H, E, G]."""
+
+
+def _candidates(phy2log_HP: np.ndarray, num_gpus: int, num_nodes: int, prefer_same_node: bool) -> _Candidates:
+    H, P = phy2log_HP.shape
+    G, N = num_gpus, num_nodes
+    S = P // G
+    E = int(phy2log_HP.max()) + 1
+    count_HE = np.zeros((H, E), dtype=np.int64)
+    np.add.at(count_HE, (np.arange(H)[:, None], phy2log_HP), 1)
+    X = int(count_HE.max())
+    order_HP = np.argsort(phy2log_HP, axis=1, kind="stable")  # slots grouped by expert, slot order inside
+    sorted_HP = np.take_along_axis(phy2log_HP, order_HP, axis=1)
+    first_HE = np.cumsum(count_HE, axis=1) - count_HE
+    rank_HP = np.arange(P)[None, :] - np.take_along_axis(first_HE, sorted_HP, axis=1)
+    slots_HEX = np.full((H, E, X), -1, dtype=np.int64)
+    slots_HEX[np.arange(H)[:, None], sorted_HP, rank_HP] = order_HP
+    # First slot of each expert on each GPU and on each node (slot order = lowest slot).
+    big = P  # larger than any slot
+    valid = slots_HEX >= 0
+    gpu_HEX = np.where(valid, slots_HEX // S, -1)
+    node_HEX = np.where(valid, gpu_HEX // (G // N), -1)
+    first_gpu_HEG = np.full((H, E, G), big, dtype=np.int64)
+    first_node_HEN = np.full((H, E, N), big, dtype=np.int64)
+    on_node_HEN = np.zeros((H, E, N), dtype=np.int64)
+    h_i, e_i, x_i = np.nonzero(valid)
+    s = slots_HEX[h_i, e_i, x_i]
+    np.minimum.at(first_gpu_HEG, (h_i, e_i, gpu_HEX[h_i, e_i, x_i]), s)
+    np.minimum.at(first_node_HEN, (h_i, e_i, node_HEX[h_i, e_i, x_i]), s)
+    np.add.at(on_node_HEN, (h_i, e_i, node_HEX[h_i, e_i, x_i]), 1)
+    node_G = np.arange(G) // (G // N)
+    nearest_HEG = np.where(first_gpu_HEG < big, first_gpu_HEG, -1)
+    if prefer_same_node:
+        narrows_HEG = (on_node_HEN[:, :, node_G] > 0) & (on_node_HEN[:, :, node_G] < count_HE[:, :, None])
+        nearest_HEG = np.where((nearest_HEG < 0) & narrows_HEG, first_node_HEN[:, :, node_G], nearest_HEG)
+    nearest_HEG = np.where((count_HE == 1)[:, :, None], slots_HEX[:, :, :1], nearest_HEG)
+    return _Candidates(slots_HEX, count_HE, nearest_HEG)
+
+
+def _fair_choices(arr: list, k: int, rng: random.Random) -> list:
+    """k picks from arr, each entry k // len(arr) times plus a random remainder, shuffled."""
+    quotient, remainder = divmod(k, len(arr))
+    ans = arr * quotient + rng.sample(arr, k=remainder)
+    rng.shuffle(ans)
+    return ans
+
+
+def static_dispatch_maps(placement: Placement, *, path: str = "startup", seed: int = SEED,
+                         prefer_same_node: bool = True, num_hidden_layers: int | None = None) -> np.ndarray:
+    """The slot every rank sends each expert's tokens to under SGLang `static`, int64 [G, L, E].
+
+    Row g is what SGLang's `compute_logical_to_rank_dispatch_physical_map` leaves on rank g
+    (its `logical_to_rank_dispatch_physical_map`, MoE rows only).
+    """
+    _check_path(path)
+    phy2log_HP, moe_L = hidden_rows(placement, num_hidden_layers)
+    G = placement.num_gpus
+    c = _candidates(phy2log_HP, G, placement.num_nodes, prefer_same_node)
+    H, E, _ = c.nearest_HEG.shape
+    out_GHE = np.transpose(c.nearest_HEG, (2, 0, 1)).copy()
+    draws_HEG = c.nearest_HEG < 0  # only experts with >= 2 replicas ever draw
+    # Position of each drawing rank among the drawing ranks of its (row, expert).
+    pos_HEG = np.cumsum(draws_HEG, axis=2) - 1
+    k_HE = draws_HEG.sum(axis=2)
+    slots = c.slots_HEX.tolist()
+    counts = c.count_HE.tolist()
+    if path == "rebalance":
+        rng = random.Random(seed)
+        for h, e in zip(*np.nonzero(k_HE)):
+            full = slots[h][e][:counts[h][e]]
+            ans = _fair_choices(full, int(k_HE[h, e]), rng)
+            out_GHE[draws_HEG[h, e], h, e] = ans
+    else:
+        for g in range(G):
+            rng = random.Random(seed)
+            pos = pos_HEG[:, :, g]
+            for h, e in zip(*np.nonzero(draws_HEG[:, :, g])):
+                full = slots[h][e][:counts[h][e]]
+                out_GHE[g, h, e] = _fair_choices(full, int(k_HE[h, e]), rng)[pos[h, e]]
+    assert (out_GHE >= 0).all()
+    return out_GHE[:, moe_L]
+
+
+def _shares_from_maps(placement: Placement, map_GLE: np.ndarray) -> np.ndarray:
+    L, P = placement.phy2log_LP.shape
+    G = placement.num_gpus
+    count_LP = np.zeros((L, P))
+    np.add.at(count_LP, (np.broadcast_to(np.arange(L)[None, :, None], map_GLE.shape), map_GLE), 1.0)
+    return count_LP / G
+
+
+@dataclass(frozen=True)
+class SglangStatic:
+    """SGLang `--ep-dispatch-algorithm static`: one slot per (rank, expert), see the module text.
+
+    path: "startup" (the map from `--init-expert-location`, what an eplb export gets) or
+    "rebalance" (after SGLang's periodic rebalance). SGLang's default with
+    `--init-expert-location` or `--enable-eplb` and an all-to-all MoE backend.
+    """
+
+    path: str = "startup"
+    seed: int = SEED
+    prefer_same_node: bool = True
+    """False under elastic-EP scale-up (`ep_join_mode=scale`), where SGLang skips the node step."""
+    num_hidden_layers: int | None = None
+    """Rows of SGLang's map (default the largest MoE layer id + 1); rows that are not MoE layers are trivial."""
+    name = "sglang-static"
+    per_batch = False
+
+    def __post_init__(self) -> None:
+        _check_path(self.path)
+
+    def bind(self, placement: Placement):
+        maps = static_dispatch_maps(placement, path=self.path, seed=self.seed,
+                                    prefer_same_node=self.prefer_same_node,
+                                    num_hidden_layers=self.num_hidden_layers)
+        w_LP = _shares_from_maps(placement, maps)
+        return lambda counts_LE=None: w_LP
+
+
+@dataclass(frozen=True)
+class SglangDynamic:
+    """SGLang `--ep-dispatch-algorithm dynamic`: a uniform pick among the rank's candidate list.
+
+    path "startup": lists collapsed to each rank's nearest replica (a holder keeps its tokens);
+    "rebalance": full lists, an even split (also what SGLang does without an all-to-all backend).
+    """
+
+    path: str = "startup"
+    prefer_same_node: bool = True
+    num_hidden_layers: int | None = None
+    name = "sglang-dynamic"
+    per_batch = False
+
+    def __post_init__(self) -> None:
+        _check_path(self.path)
+
+    def bind(self, placement: Placement):
+        L, P = placement.phy2log_LP.shape
+        cnt_LP = np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
+        if self.path == "rebalance":
+            w_LP = 1.0 / cnt_LP
+            return lambda counts_LE=None: w_LP
+        phy2log_HP, moe_L = hidden_rows(placement, self.num_hidden_layers)
+        G = placement.num_gpus
+        c = _candidates(phy2log_HP[moe_L], G, placement.num_nodes, self.prefer_same_node)
+        w_LP = np.zeros((L, P))
+        l_i, e_i, g_i = np.nonzero(c.nearest_HEG >= 0)
+        np.add.at(w_LP, (l_i, c.nearest_HEG[l_i, e_i, g_i]), 1.0 / G)
+        # Ranks without a nearest replica spread over all of the expert's slots.
+        k_LE = (c.nearest_HEG < 0).sum(axis=2)
+        k_LP = np.take_along_axis(k_LE, placement.phy2log_LP, axis=1)
+        w_LP += k_LP / (G * cnt_LP)
+        return lambda counts_LE=None: w_LP

@@ -1,0 +1,333 @@
+"""Rule-aware planner: a placement planned for the dispatch rule the engine applies.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, N = nodes, S = slots per GPU,
+P = G x S slots, U = units (nodes when N > 1, else GPUs).
+
+Why: a placement fixes where replicas are; the engine's dispatch rule fixes what share of an
+expert's tokens each replica takes. Planners that assume an even split are scored on shares
+the engine does not apply: under SGLang's `static` dispatch (eplb.sglang_dispatch) a replica
+takes (ranks mapped to it) / G of its expert's tokens, and which ranks map to it depends on
+where its siblings are and on a seeded draw. This planner plans with the shares the rule
+will really give, for rules whose shares stay fixed once each replicated expert's *units*
+are fixed (`SCOPES`):
+- "free" (even split: vLLM, TensorRT-LLM, SGLang after a rebalance with `dynamic`): shares
+  are 1 / replicas whatever the GPUs, so this is `greedy` (one window) or `robust` (several).
+- "unit" (SGLang `static` and `dynamic`): with at most one replica of an expert per node,
+  a rank on a node with a replica sends its tokens there (or to its own copy), and only
+  ranks on nodes without one draw; which ranks draw, and so every draw, depends only on
+  which nodes hold which replicated experts. On one node the units are GPUs (every rank
+  without a copy draws, so the holders must be fixed before the draw).
+
+Step 1: replicate: replica counts minimising the heaviest replica (even split), at most U
+        replicas per expert (one per unit).
+Step 2: give each replicated expert's replicas distinct units, heaviest first to the
+        least-loaded units (expected shares 1 / replicas), for every layer.
+Step 3: bind the rule to that layout (any GPU inside each unit, single replicas anywhere)
+        to get the shares the engine will really serve: they hold for any packing below.
+Step 4: pack per layer, heaviest first, each replica onto the least-loaded GPU allowed to
+        it (its unit for replicated experts, any for the rest) with a free slot.
+Step 5: swap pairs of replicas between the busiest GPU and another to lower it, as long as
+        the swap keeps every replicated expert in its unit (`refine_rounds` rounds).
+The final placement is bound to the rule once more and its shares compared with the ones
+planned for (Solution.info["served_matches_plan"]).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eplb.dispatch import EvenSplit, PlanWeights
+from eplb.errors import EplbError, positive_number, whole_number
+from eplb.placement import Placement
+from eplb.planner_api import PlanRequest, Solution
+from eplb.sglang_dispatch import SglangDynamic, SglangStatic
+from eplb.stats import replica_counts_minmax
+from planners.greedy import plan_greedy
+from planners.robust import RobustPlanner, normalise_windows, robust_demand
+
+SCOPES: dict[type, str] = {EvenSplit: "free", PlanWeights: "free", SglangStatic: "unit", SglangDynamic: "unit"}
+"""Rule type -> how far its shares depend on the layout (see the module text)."""
+
+
+def scope_of(rule) -> str:
+    """"free" or "unit" for a rule this planner can plan for; EplbError naming the others."""
+    scope = SCOPES.get(type(rule))
+    if scope is None:
+        names = ", ".join(sorted({t.name for t in SCOPES}))
+        raise EplbError(f"the rule-aware planner plans for static rules ({names}), not {rule.name!r}: "
+                        f"per-batch rules re-split every batch, so plan with greedy for them")
+    return scope
+
+
+def _assign_units(demand_LE: np.ndarray, count_LE: np.ndarray, num_units: int, unit_slots: int) -> np.ndarray:
+    """Step 2: the units of every replicated expert's replicas, int [L, E, U] (1 = a replica there)."""
+    L, E = demand_LE.shape
+    U = num_units
+    units_LEU = np.zeros((L, E, U), dtype=np.int64)
+    for l in range(L):
+        per_E = demand_LE[l] / count_LE[l]
+        unit_load = np.zeros(U)
+        free = np.full(U, unit_slots)
+        for e in np.argsort(-per_E, kind="stable"):
+            r = int(count_LE[l, e])
+            if r < 2:
+                continue
+            # The r least-loaded units with a free slot; ties to the lower unit id.
+            units = np.lexsort((np.arange(U), np.where(free > 0, unit_load, np.inf)))[:r]
+            assert (free[units] > 0).all()
+            unit_load[units] += per_E[e]
+            free[units] -= 1
+            units_LEU[l, e, units] = 1
+    return units_LEU
+
+
+def _provisional(count_LE: np.ndarray, units_LEU: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
+    """Step 3's layout: replicated experts in their units, single replicas in the slots left."""
+    L, E, U = units_LEU.shape
+    per_unit = num_gpus * slots_per_gpu // U
+    phy2log_LP = np.full((L, num_gpus * slots_per_gpu), -1, dtype=np.int64)
+    for l in range(L):
+        for u in range(U):
+            experts = np.flatnonzero(units_LEU[l, :, u])
+            phy2log_LP[l, u * per_unit:u * per_unit + len(experts)] = experts
+        free = np.flatnonzero(phy2log_LP[l] < 0)
+        phy2log_LP[l, free] = np.flatnonzero(count_LE[l] == 1)
+    return phy2log_LP
+
+
+def _share_table(provisional_LP: np.ndarray, share_LP: np.ndarray, num_units: int, num_logical_experts: int):
+    """Share of (layer, expert, unit) from the bound layout, float [L, E, U] (1 where unused)."""
+    L, P = provisional_LP.shape
+    table_LEU = np.ones((L, num_logical_experts, num_units))
+    rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
+    unit_LP = np.broadcast_to(np.arange(P) // (P // num_units), (L, P))
+    table_LEU[rows, provisional_LP, unit_LP] = share_LP
+    return table_LEU
+
+
+def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int):
+    """Step 4: vector packing with unit constraints; returns (phy2log_LP, bound_LP).
+
+    Heaviest replica first (largest load over the windows), each onto the allowed GPU with a
+    free slot whose worst-window load after it is lowest. A unit keeps free slots for the
+    replicated experts still to come to it.
+    """
+    T, L, E = share_TLE.shape
+    U = units_LEU.shape[2]
+    G, S = num_gpus, slots_per_gpu
+    Q = G // U  # GPUs per unit
+    phy2log_LP = np.empty((L, G * S), dtype=np.int64)
+    bound_LP = np.zeros((L, G * S), dtype=bool)
+    for l in range(L):
+        single_E = np.flatnonzero(count_LE[l] == 1)
+        rep_e, rep_u = np.nonzero(units_LEU[l])
+        item_e = np.r_[rep_e, single_E]
+        item_u = np.r_[rep_u, np.full(len(single_E), -1)]
+        share_I = np.where(item_u >= 0, table_LEU[l, item_e, np.maximum(item_u, 0)], 1.0)
+        w_IT = share_TLE[:, l, item_e].T * share_I[:, None]
+        pending_U = np.bincount(rep_u, minlength=U)
+        load_GT = np.zeros((G, T))
+        fill_G = np.zeros(G, dtype=np.int64)
+        # Heaviest first; among equals the replicated ones, which have fewer GPUs to go to.
+        for i in np.lexsort((item_u < 0, -w_IT.sum(axis=1), -w_IT.max(axis=1))):
+            u = item_u[i]
+            if u >= 0:
+                ok = np.zeros(G, dtype=bool)
+                ok[u * Q:(u + 1) * Q] = True
+                pending_U[u] -= 1
+            else:
+                room_U = (S - fill_G).reshape(U, Q).sum(axis=1) - pending_U
+                ok = np.repeat(room_U > 0, Q)
+            ok &= fill_G < S
+            cost_G = (load_GT + w_IT[i]).max(axis=1) + 1e-12 * load_GT.sum(axis=1)
+            g = int(np.argmin(np.where(ok, cost_G, np.inf)))
+            assert ok[g], "packing ran out of slots"
+            slot = g * S + fill_G[g]
+            phy2log_LP[l, slot] = item_e[i]
+            bound_LP[l, slot] = u >= 0
+            fill_G[g] += 1
+            load_GT[g] += w_IT[i]
+    return phy2log_LP, bound_LP
+
+
+def slot_loads(phy2log_LP, share_TLE, table_LEU, num_units: int) -> np.ndarray:
+    """Load of every slot in every window under the planned shares, float [L, P, T]."""
+    L, P = phy2log_LP.shape
+    unit_P = np.arange(P) // (P // num_units)
+    share_LP = table_LEU[np.arange(L)[:, None], phy2log_LP, unit_P[None, :]]
+    w_LET = np.moveaxis(share_TLE, 0, 2)
+    return np.take_along_axis(w_LET, phy2log_LP[:, :, None], axis=1) * share_LP[:, :, None]
+
+
+def refine_bound(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, bound_LP: np.ndarray, num_gpus: int,
+                 gpus_per_unit: int, *, beta: float, max_rounds: int, top_gpus: int = 2) -> None:
+    """Step 5, in place on all three arrays: swaps that lower the smooth maximum of GPU loads.
+
+    Objective per layer: Z = sum over windows t and GPUs g of exp(beta (load_gt - m)), m the
+    layer's peak (loads in units of the mean GPU load), as in `planners.robust.refine_swaps`,
+    but on per-slot loads (shares differ between replicas) and with bound slots (bound_LP)
+    kept inside their unit of gpus_per_unit consecutive GPUs. A swap never puts two replicas
+    of one expert on one GPU.
+    """
+    L, P, T = slot_load_LPT.shape
+    G = num_gpus
+    S = P // G
+    gpu_of_P = np.arange(P) // S
+    unit_of_P = gpu_of_P // gpus_per_unit
+    E = int(phy2log_LP.max()) + 1
+    active = np.arange(L)
+    for _ in range(max_rounds):
+        if active.size == 0:
+            break
+        A = active.size
+        ar = np.arange(A)
+        phy_AP = phy2log_LP[active]
+        w_APT = slot_load_LPT[active]
+        bnd_AP = bound_LP[active]
+        load_AGT = w_APT.reshape(A, G, S, T).sum(axis=2)
+        peak_A = load_AGT.max(axis=(1, 2))
+        src_AK = np.argsort(-load_AGT.max(axis=2), axis=1, kind="stable")[:, :top_gpus]
+        K = src_AK.shape[1]
+        a_AQ = (src_AK[:, :, None] * S + np.arange(S)).reshape(A, K * S)   # Q = K x S candidate slots
+        wa_AQT = np.take_along_axis(w_APT, a_AQ[:, :, None], axis=1)
+        ea_AQ = np.take_along_axis(phy_AP, a_AQ, axis=1)
+        ba_AQ = np.take_along_axis(bnd_AP, a_AQ, axis=1)
+        gpu_a_AQ = a_AQ // S
+        m = peak_A[:, None, None]
+        ea_AQT = np.exp(beta * (np.take_along_axis(load_AGT, gpu_a_AQ[:, :, None], axis=1) - m))
+        eb_APT = np.exp(beta * (load_AGT[:, gpu_of_P] - m))
+        ua_AQT = np.exp(np.minimum(beta * wa_AQT, 600.0))
+        vb_APT = np.exp(np.minimum(beta * w_APT, 600.0))
+        # Change of Z for swapping a and b; the exponentials of the two loads factor apart.
+        gain_AQP = (ea_AQT.sum(axis=2)[:, :, None] + eb_APT.sum(axis=2)[:, None, :]
+                    - np.matmul(ea_AQT / ua_AQT, np.swapaxes(vb_APT, 1, 2))
+                    - np.matmul(ua_AQT, np.swapaxes(eb_APT / vb_APT, 1, 2)))
+        holds_AGE = np.zeros((A, G, E), dtype=bool)
+        holds_AGE[ar[:, None], gpu_of_P[None, :], phy_AP] = True
+        eb_on_a = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy_AP[:, None, :]]
+        ea_on_b = holds_AGE[ar[:, None, None], gpu_of_P[None, None, :], ea_AQ[:, :, None]]
+        same_unit = unit_of_P[None, None, :] == (gpu_a_AQ // gpus_per_unit)[:, :, None]
+        movable = (~ba_AQ[:, :, None] & ~bnd_AP[:, None, :]) | same_unit
+        bad = (gpu_of_P[None, None, :] == gpu_a_AQ[:, :, None]) | eb_on_a | ea_on_b | ~movable
+        gain_AQP = np.where(bad, -np.inf, gain_AQP)
+        flat = gain_AQP.reshape(A, -1).argmax(axis=1)
+        best = gain_AQP.reshape(A, -1)[ar, flat]
+        z_A = np.exp(beta * (load_AGT - m)).sum(axis=(1, 2))
+        improve = best > 1e-9 * z_A
+        if not improve.any():
+            break
+        q, b = np.divmod(flat[improve], P)
+        layers = active[improve]
+        a = a_AQ[ar[improve], q]
+        for arr in (phy2log_LP, slot_load_LPT, bound_LP):
+            tmp = arr[layers, a].copy()
+            arr[layers, a] = arr[layers, b]
+            arr[layers, b] = tmp
+        active = layers
+
+
+def _layout(share_TLE, count_LE, units_LEU, rule, G: int, N: int, S: int, layer_ids, beta: float,
+            refine_rounds: int):
+    """Steps 3-5 for one choice of counts and units: (phy2log_LP, table_LEU, score_L)."""
+    T, L, E = share_TLE.shape
+    U = units_LEU.shape[2]
+    provisional_LP = _provisional(count_LE, units_LEU, G, S)
+    share_LP = rule.bind(Placement(provisional_LP, G, E, N, layer_ids))(None)
+    table_LEU = _share_table(provisional_LP, share_LP, U, E)
+    phy2log_LP, bound_LP = _pack(share_TLE, count_LE, units_LEU, table_LEU, G, S)
+    slot_LPT = slot_loads(phy2log_LP, share_TLE, table_LEU, U)
+    if refine_rounds:
+        refine_bound(phy2log_LP, slot_LPT, bound_LP, G, G // U, beta=beta, max_rounds=refine_rounds)
+    score_L = slot_LPT.reshape(L, G, S, T).sum(axis=2).max(axis=(1, 2))
+    return phy2log_LP, table_LEU, score_L
+
+
+def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_per_gpu: int, rule, *,
+                  blends=(0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200,
+                  layer_ids=None) -> tuple[np.ndarray, dict]:
+    """The whole plan for `rule` against every window of history [T, L, E]: (phy2log_LP, info)."""
+    history_TLE = np.asarray(history_TLE, dtype=np.float64)
+    T, L, E = history_TLE.shape
+    G, N, S = num_gpus, num_nodes, slots_per_gpu
+    P = G * S
+    scope = scope_of(rule)
+    assert scope == "unit", scope
+    U = N if N > 1 else G
+    if P > U * E:
+        raise EplbError(f"{P} slots need more than one replica of an expert per unit ({U} units, {E} experts): "
+                        f"the rule-aware plan for {rule.name} keeps replicas of an expert on distinct "
+                        f"{'nodes' if U == N else 'GPUs'}")
+    share_TLE = normalise_windows(history_TLE, G)
+    blends = (0.0,) if T == 1 else tuple(blends)
+    tried = []
+    for blend in blends:
+        # Step 1: replicate (at most one replica per unit); Step 2: units.
+        demand_LE = robust_demand(share_TLE, blend)
+        count_LE = replica_counts_minmax(demand_LE, P, max_replicas=U)
+        units_LEU = _assign_units(demand_LE, count_LE, U, P // U)
+        tried.append((count_LE, units_LEU, _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids,
+                                                   beta, refine_rounds)))
+    best_L = np.argmin(np.stack([t[2][2] for t in tried]), axis=0)
+    phy2log_LP, table_LEU, score_L = tried[0][2]
+    if len(tried) > 1:
+        # Layers taken from different blends change the draws of the layers after them, so the
+        # mixed layout is bound and packed once more.
+        count_LE = np.stack([tried[b][0][l] for l, b in enumerate(best_L)])
+        units_LEU = np.stack([tried[b][1][l] for l, b in enumerate(best_L)])
+        phy2log_LP, table_LEU, score_L = _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids,
+                                                 beta, refine_rounds)
+    U = table_LEU.shape[2]
+    planned_LP = table_LEU[np.arange(L)[:, None], phy2log_LP, (np.arange(P) // (P // U))[None, :]]
+    served_LP = rule.bind(Placement(phy2log_LP, G, E, N, layer_ids))(None)
+    info = {"scope": scope, "units": U, "windows": int(T),
+            "served_matches_plan": bool(np.allclose(served_LP, planned_LP, atol=1e-12)),
+            "history_peak_median": float(np.median(score_L)), "history_peak_max": float(np.max(score_L)),
+            "blend_chosen": {str(b): int(np.sum(best_L == i)) for i, b in enumerate(blends)}}
+    return phy2log_LP, info
+
+
+class RuleAwarePlanner:
+    """Plans for the request's dispatch rule (`PlanRequest.dispatch`), against every window of
+    the history (one window: the planning load).
+
+    blends: demand blends for replica counts (0 = mean share over windows, 1 = max), best per layer.
+    beta: sharpness of the smooth maximum in the swap search (loads in mean GPU loads).
+    refine_rounds: rounds of swaps after packing (0 = off).
+    """
+
+    name = "rule-aware"
+
+    def __init__(self, blends: tuple | list | str = (0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200):
+        if isinstance(blends, str):
+            try:
+                blends = tuple(float(b) for b in blends.replace(";", ",").split(",") if b.strip())
+            except ValueError:
+                raise EplbError(f"blends must be numbers in [0, 1] separated by commas, got {blends!r}") from None
+        elif isinstance(blends, (int, float)):
+            blends = (float(blends),)
+        self.blends = tuple(float(b) for b in blends)
+        if not self.blends or any(not 0.0 <= b <= 1.0 for b in self.blends):
+            raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
+        # float() first: a setting given as text (--set beta=x) is "of the wrong type" (get_planner).
+        self.beta = positive_number("beta", float(beta))
+        self.refine_rounds = whole_number("refine_rounds", refine_rounds)
+
+    def plan(self, request: PlanRequest) -> Solution:
+        t = request.topology
+        rule = request.dispatch
+        history = request.history_TLE if request.history_TLE is not None else request.load_LE[None]
+        if scope_of(rule) == "free":
+            # Shares are 1 / replicas wherever the replicas are: greedy for one window, robust for more.
+            if len(history) == 1:
+                phy2log_LP = plan_greedy(request.load_LE, t.num_gpus, t.slots_per_gpu, min(self.refine_rounds, 64))
+                return Solution(phy2log_LP, message=f"planned for dispatch rule {rule.name} (greedy)",
+                                info={"scope": "free", "dispatch": rule.name})
+            sol = RobustPlanner(self.blends, beta=self.beta, refine_rounds=self.refine_rounds).plan(request)
+            return Solution(sol.phy2log_LP, message=f"planned for dispatch rule {rule.name} (robust: {sol.message})",
+                            info={**sol.info, "scope": "free", "dispatch": rule.name})
+        phy2log_LP, info = plan_for_rule(history, t.num_gpus, t.num_nodes, t.slots_per_gpu, rule,
+                                         blends=self.blends, beta=self.beta, refine_rounds=self.refine_rounds,
+                                         layer_ids=request.layer_ids)
+        info["dispatch"] = rule.name
+        return Solution(phy2log_LP, message=f"planned for dispatch rule {rule.name} against "
+                                            f"{info.get('windows', 1)} window(s)", info=info)
