@@ -24,10 +24,9 @@ from eplb import migration, stats
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, PlanWeights, get_rule
 from eplb.errors import EplbError, whole_number
-from eplb.migration import Budget
+from eplb.migration import Budget, layout_dependent
 from eplb.placement import Placement, contiguous_placement
 from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
-from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from eplb.stats import Aggregation
 from eplb.topology import Topology
 from eplb.trace import Trace
@@ -334,7 +333,3 @@ def plan(
     # Scored on the token load, whatever the planner balanced.
     return PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids, objective)
 
-
-def layout_dependent(rule: DispatchRule) -> bool:
-    """True for rules whose shares depend on where replicas are (SGLang's), not only on counts."""
-    return isinstance(rule, (SglangStatic, SglangDynamic))

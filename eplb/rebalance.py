@@ -35,8 +35,9 @@ import numpy as np
 
 from eplb import stats
 from eplb.cost import TimeObjective, check_objective
+from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, whole_number
-from eplb.migration import Budget, MigrationPlan, schedule, warm_up
+from eplb.migration import Budget, MigrationPlan, layout_dependent, schedule, warm_up
 from eplb.placement import Placement
 from eplb.planner_api import get_planner
 from eplb.planning import plan
@@ -117,13 +118,18 @@ class Rebalancer:
       node costs that many moves, which keeps a node-aware plan's locality.
     objective: "tokens", or an `eplb.cost.TimeObjective`, handed to `eplb.plan` (the decision
       to rebalance still compares token loads with their lower bound).
+    dispatch: the rule the engine splits tokens by (a name or an eplb.dispatch rule, default
+      "plan"): handed to `eplb.plan` (planning and the migration step judge plans under it,
+      and its default planner is then "rule-aware" for SGLang's rules); the current placement's
+      load in the decision and `before` / `after` are scored under it too.
     """
 
     def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
-                 interval: int = 1000, min_improvement: float = 0.02, planner: str = "greedy",
+                 interval: int = 1000, min_improvement: float = 0.02, planner: str | None = None,
                  settings: dict | None = None, budget: Budget | None = None,
                  layers_per_chunk: int | None = None, num_expert_groups: int | None = None,
-                 objective: str | TimeObjective = "tokens", policy: str | Policy | None = None):
+                 objective: str | TimeObjective = "tokens", policy: str | Policy | None = None,
+                 dispatch: str | DispatchRule | None = None):
         if not isinstance(placement, Placement) or placement.partial:
             what = "a partial Placement" if isinstance(placement, Placement) else type(placement).__name__
             raise EplbError(f"Rebalancer needs a Placement (the one the engine serves), got {what}")
@@ -145,6 +151,13 @@ class Rebalancer:
                                               or E % num_expert_groups):
             raise EplbError(f"num_expert_groups must divide the {E} experts, got {num_expert_groups!r}")
         self.num_expert_groups = None if num_expert_groups is None else int(num_expert_groups)
+        self.dispatch = get_rule("plan" if dispatch is None else dispatch)
+        if policy is not None and layout_dependent(self.dispatch):
+            raise EplbError(f"policy {getattr(policy, 'name', policy)!r} decides for an even split, but dispatch "
+                            f"{self.dispatch.name!r} splits by the layout: leave policy out (the rebalance "
+                            f"then plans and migrates under the rule)")
+        if planner is None:
+            planner = "rule-aware" if layout_dependent(self.dispatch) else "greedy"
         get_planner(planner, **(settings or {}))          # fail now on a bad name or setting
         self.objective = check_objective(objective)
         self.planner = planner
@@ -163,14 +176,15 @@ class Rebalancer:
         self._lock = threading.Lock()
         self._version = 0
         self._load_LE = None
-        self._adopt(placement, np.arange(placement.num_gpus))
+        self._adopt(placement, np.arange(placement.num_gpus), self.dispatch.bind(placement))
         self.step = 0
         self.last_check: dict = {}
 
     # State ------------------------------------------------------------------------------------
 
-    def _adopt(self, placement: Placement, rank_ids: np.ndarray) -> None:
-        """Switch to a new placement (lock held or during construction).
+    def _adopt(self, placement: Placement, rank_ids: np.ndarray, bound) -> None:
+        """Switch to a new placement, `bound` the dispatch rule bound to it (lock held or during
+        construction).
 
         The window holds logical loads, which do not depend on the placement, so it is kept
         (a rank failing right after a rebalance still plans on recent traffic); only the
@@ -178,6 +192,7 @@ class Rebalancer:
         """
         L, E = placement.num_layers, placement.num_logical_experts
         self.placement = placement
+        self._bound = bound
         self.rank_ids = np.asarray(rank_ids, dtype=np.int64)
         self._flat_LP = placement.phy2log_LP + (np.arange(L) * E)[:, None]
         if getattr(self, "_load_LE", None) is None:
@@ -264,7 +279,7 @@ class Rebalancer:
             self.last_check = {"step": self.step, "due": False, "reason": "no load observed"}
             return False
         pl = self.placement
-        cur_L = pl.gpu_loads(load).max(axis=1)
+        cur_L = pl.gpu_loads(load, self._bound(load)).max(axis=1)
         lb_L = stats.lower_bound(load, pl.num_gpus, pl.num_slots)
         gain = 1.0 - lb_L.sum() / cur_L.sum()
         due = gain >= self.min_improvement
@@ -290,16 +305,16 @@ class Rebalancer:
         False, call `adopt(result)` once the engine has migrated.
         """
         with self._lock:
-            pl, ranks, version, step = self.placement, self.rank_ids, self._version, self.step
+            pl, ranks, version, step, bound = self.placement, self.rank_ids, self._version, self.step, self._bound
             load = self._load_snapshot()
         if load.sum() <= 0:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
         if self.policy is not None and not failed.size:
-            result = self._plan_policy(pl, ranks, load, step)
+            result = self._plan_policy(pl, ranks, load, step, bound)
         else:
-            result = self._plan(pl, ranks, load, failed, step)
+            result = self._plan(pl, ranks, load, failed, step, bound)
         result = replace(result, seconds=time.perf_counter() - t0)
         if apply:
             self.adopt(result, _expect_version=version)
@@ -311,6 +326,7 @@ class Rebalancer:
         ranks = np.asarray(result.rank_ids)
         if not isinstance(new, Placement) or ranks.shape != (new.num_gpus,):
             raise EplbError("adopt needs a RebalanceResult: a Placement and one engine rank per GPU")
+        bound = self.dispatch.bind(new)  # outside the lock: binding SGLang's rule takes a while
         with self._lock:
             pl = self.placement
             # The window keeps logical loads of these layers and experts: a placement of another
@@ -333,7 +349,7 @@ class Rebalancer:
             if (pos < 0).any() or not np.array_equal(served, result.migration.old_LP):
                 raise EplbError("this result was planned from another placement than the one served now "
                                 "(another rebalance was adopted since): plan again")
-            self._adopt(new, ranks)
+            self._adopt(new, ranks, bound)
 
     def _failed_indices(self, failed_ranks, ranks: np.ndarray) -> np.ndarray:
         if failed_ranks is None or is_number(failed_ranks):
@@ -355,7 +371,7 @@ class Rebalancer:
         return np.flatnonzero(np.isin(ranks, failed))
 
     def _plan(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
-              step: int) -> RebalanceResult:
+              step: int, bound) -> RebalanceResult:
         """Plan through the front door from what the serving GPUs hold (all of them, or the
         survivors when ranks failed: their own slots, planned as one node), then schedule."""
         t0 = time.perf_counter()
@@ -368,7 +384,7 @@ class Rebalancer:
         served = pl.on_gpus(alive) if failed.size else pl
         res = plan(load, topology=served.topology, planner=self.planner, settings=self.settings,
                    num_expert_groups=self.num_expert_groups, previous=served, budget=self.budget,
-                   objective=self.objective)
+                   objective=self.objective, dispatch=self.dispatch)
         sol, after = res.solution, res.after
         # The plan's own report, not PlanResult.placement: that one scores the contiguous baseline too.
         metrics = {"imbalance_median": float(np.median(after.imbalance_L)),
@@ -378,7 +394,7 @@ class Rebalancer:
         new = replace(served, phy2log_LP=sol.phy2log_LP, dispatch_weights_LP=sol.dispatch_weights_LP,
                       planner=res.planner, metrics=metrics, partial=False)
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
-        before = stats.evaluate(pl, load, lower_bound_L=None if failed.size else res.lower_bound_L)
+        before = stats.evaluate(pl, load, bound(load), lower_bound_L=None if failed.size else res.lower_bound_L)
         t1 = time.perf_counter()
         mig = schedule(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, layers_per_chunk=self.layers_per_chunk,
                        rank_ids=ranks[alive], bytes_per_expert=self.budget.bytes_per_expert)
@@ -397,7 +413,8 @@ class Rebalancer:
         return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive],
                                lost_experts=lost, step=step, message=message, info=info)
 
-    def _plan_policy(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int) -> RebalanceResult:
+    def _plan_policy(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int,
+                     bound) -> RebalanceResult:
         """Hand the closed windows to the policy and ask it; no decision keeps the placement."""
         t0 = time.perf_counter()
         with self._policy_lock:
@@ -410,7 +427,8 @@ class Rebalancer:
             decision = self.policy.decide(pl)
         new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
                                                   planner=self.policy.name, metrics={})
-        before, after = stats.evaluate(pl, load), stats.evaluate(new, load)
+        before = stats.evaluate(pl, load, bound(load))
+        after = before if new is pl else stats.evaluate(new, load, self.dispatch.bind(new)(load))
         t1 = time.perf_counter()
         mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                        layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,

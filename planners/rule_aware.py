@@ -37,13 +37,14 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.dispatch import EvenSplit, PlanWeights
-from eplb.errors import EplbError, positive_number, whole_number
+from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.placement import Placement
 from eplb.planner_api import PlanRequest, Solution
 from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from eplb.stats import replica_counts_minmax
 from planners.greedy import plan_greedy
 from planners.robust import RobustPlanner, normalise_windows, robust_demand
+from planners.rule_previous import fit_gpus, held_by_gpu, match_units, moves_per_layer
 
 SCOPES: dict[type, str] = {EvenSplit: "free", PlanWeights: "free", SglangStatic: "unit", SglangDynamic: "unit"}
 """Rule type -> how far its shares depend on the layout (see the module text)."""
@@ -105,12 +106,15 @@ def _share_table(provisional_LP: np.ndarray, share_LP: np.ndarray, num_units: in
     return table_LEU
 
 
-def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int):
+def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
+          held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None):
     """Step 4: vector packing with unit constraints; returns (phy2log_LP, bound_LP).
 
     Heaviest replica first (largest load over the windows), each onto the allowed GPU with a
     free slot whose worst-window load after it is lowest. A unit keeps free slots for the
-    replicated experts still to come to it.
+    replicated experts still to come to it. With held_LGE (bool [L, G, E], what the served
+    placement holds) and cap_L, a replica goes to a GPU that holds its expert already when that
+    GPU's worst-window load after it stays within cap_L[l] (it is then not copied).
     """
     T, L, E = share_TLE.shape
     U = units_LEU.shape[2]
@@ -140,6 +144,10 @@ def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gp
                 ok = np.repeat(room_U > 0, Q)
             ok &= fill_G < S
             cost_G = (load_GT + w_IT[i]).max(axis=1) + 1e-12 * load_GT.sum(axis=1)
+            if held_LGE is not None:
+                kept = ok & held_LGE[l, :, item_e[i]] & (cost_G <= cap_L[l])
+                if kept.any():
+                    ok = kept
             g = int(np.argmin(np.where(ok, cost_G, np.inf)))
             assert ok[g], "packing ran out of slots"
             slot = g * S + fill_G[g]
@@ -226,26 +234,61 @@ def refine_bound(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, bound_LP: np
         active = layers
 
 
+def _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G: int, S: int, beta: float, refine_rounds: int,
+                  held_LGE=None, cap_L=None):
+    """Steps 4-5: (phy2log_LP, score_L), score_L the worst-window peak under the planned shares.
+
+    With held_LGE the packing keeps replicas in place under cap_L, and only layers whose peak
+    exceeds the cap are refined (a swap search would move replicas for a gain within the cap).
+    """
+    T, L, _ = share_TLE.shape
+    U = units_LEU.shape[2]
+    phy2log_LP, bound_LP = _pack(share_TLE, count_LE, units_LEU, table_LEU, G, S, held_LGE, cap_L)
+    slot_LPT = slot_loads(phy2log_LP, share_TLE, table_LEU, U)
+    score_L = slot_LPT.reshape(L, G, S, T).sum(axis=2).max(axis=(1, 2))
+    layers = np.arange(L) if cap_L is None else np.flatnonzero(score_L > cap_L)
+    if refine_rounds and layers.size:
+        phy, slot, bound = phy2log_LP[layers], slot_LPT[layers], bound_LP[layers]
+        refine_bound(phy, slot, bound, G, G // U, beta=beta, max_rounds=refine_rounds)
+        phy2log_LP[layers], slot_LPT[layers] = phy, slot
+        score_L = slot_LPT.reshape(L, G, S, T).sum(axis=2).max(axis=(1, 2))
+    return phy2log_LP, score_L
+
+
 def _layout(share_TLE, count_LE, units_LEU, rule, G: int, N: int, S: int, layer_ids, beta: float,
-            refine_rounds: int):
-    """Steps 3-5 for one choice of counts and units: (phy2log_LP, table_LEU, score_L)."""
+            refine_rounds: int, held_LGE=None, move_slack: float = 0.0):
+    """Steps 3-5 for one choice of counts and units: (phy2log_LP, table_LEU, score_L).
+
+    With held_LGE (bool [L, G, E], the served placement): also a packing that keeps replicas
+    where they are, taken in each layer whose peak stays within move_slack (in mean GPU
+    loads) of the plain packing's, then the GPUs of each unit renamed to keep the most.
+    """
     T, L, E = share_TLE.shape
     U = units_LEU.shape[2]
     provisional_LP = _provisional(count_LE, units_LEU, G, S)
     share_LP = rule.bind(Placement(provisional_LP, G, E, N, layer_ids))(None)
     table_LEU = _share_table(provisional_LP, share_LP, U, E)
-    phy2log_LP, bound_LP = _pack(share_TLE, count_LE, units_LEU, table_LEU, G, S)
-    slot_LPT = slot_loads(phy2log_LP, share_TLE, table_LEU, U)
-    if refine_rounds:
-        refine_bound(phy2log_LP, slot_LPT, bound_LP, G, G // U, beta=beta, max_rounds=refine_rounds)
-    score_L = slot_LPT.reshape(L, G, S, T).sum(axis=2).max(axis=(1, 2))
+    phy2log_LP, score_L = _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G, S, beta, refine_rounds)
+    if held_LGE is not None:
+        cap_L = score_L + move_slack
+        kept_LP, kept_L = _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G, S, beta, refine_rounds,
+                                        held_LGE, cap_L)
+        take_L = kept_L <= cap_L
+        phy2log_LP = fit_gpus(np.where(take_L[:, None], kept_LP, phy2log_LP), held_LGE, U)
+        score_L = np.where(take_L, kept_L, score_L)
     return phy2log_LP, table_LEU, score_L
 
 
 def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_per_gpu: int, rule, *,
                   blends=(0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200,
-                  layer_ids=None) -> tuple[np.ndarray, dict]:
-    """The whole plan for `rule` against every window of history [T, L, E]: (phy2log_LP, info)."""
+                  layer_ids=None, previous_LP: np.ndarray | None = None,
+                  move_slack: float = 0.002) -> tuple[np.ndarray, dict]:
+    """The whole plan for `rule` against every window of history [T, L, E]: (phy2log_LP, info).
+
+    previous_LP: the placement served now, int [L, P] (-1: empty slot), or None. With it the
+    plan keeps replicas in place where that costs the shares nothing (planners.rule_previous)
+    or at most move_slack of a layer's peak (in mean GPU loads).
+    """
     history_TLE = np.asarray(history_TLE, dtype=np.float64)
     T, L, E = history_TLE.shape
     G, N, S = num_gpus, num_nodes, slots_per_gpu
@@ -257,16 +300,19 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
         raise EplbError(f"{P} slots need more than one replica of an expert per unit ({U} units, {E} experts): "
                         f"the rule-aware plan for {rule.name} keeps replicas of an expert on distinct "
                         f"{'nodes' if U == N else 'GPUs'}")
+    held_LGE = None if previous_LP is None else held_by_gpu(np.asarray(previous_LP), G, E)
     share_TLE = normalise_windows(history_TLE, G)
     blends = (0.0,) if T == 1 else tuple(blends)
+    fit = dict(beta=beta, refine_rounds=refine_rounds, held_LGE=held_LGE, move_slack=move_slack)
     tried = []
     for blend in blends:
-        # Step 1: replicate (at most one replica per unit); Step 2: units.
+        # Step 1: replicate (at most one replica per unit); Step 2: units (renamed to the served ones).
         demand_LE = robust_demand(share_TLE, blend)
         count_LE = replica_counts_minmax(demand_LE, P, max_replicas=U)
         units_LEU = _assign_units(demand_LE, count_LE, U, P // U)
-        tried.append((count_LE, units_LEU, _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids,
-                                                   beta, refine_rounds)))
+        if held_LGE is not None:
+            units_LEU = match_units(units_LEU, held_LGE)
+        tried.append((count_LE, units_LEU, _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids, **fit)))
     best_L = np.argmin(np.stack([t[2][2] for t in tried]), axis=0)
     phy2log_LP, table_LEU, score_L = tried[0][2]
     if len(tried) > 1:
@@ -274,8 +320,7 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
         # mixed layout is bound and packed once more.
         count_LE = np.stack([tried[b][0][l] for l, b in enumerate(best_L)])
         units_LEU = np.stack([tried[b][1][l] for l, b in enumerate(best_L)])
-        phy2log_LP, table_LEU, score_L = _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids,
-                                                 beta, refine_rounds)
+        phy2log_LP, table_LEU, score_L = _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids, **fit)
     U = table_LEU.shape[2]
     planned_LP = table_LEU[np.arange(L)[:, None], phy2log_LP, (np.arange(P) // (P // U))[None, :]]
     served_LP = rule.bind(Placement(phy2log_LP, G, E, N, layer_ids))(None)
@@ -283,6 +328,9 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
             "served_matches_plan": bool(np.allclose(served_LP, planned_LP, atol=1e-12)),
             "history_peak_median": float(np.median(score_L)), "history_peak_max": float(np.max(score_L)),
             "blend_chosen": {str(b): int(np.sum(best_L == i)) for i, b in enumerate(blends)}}
+    if held_LGE is not None:
+        info["fitted_to_previous"] = {"moves": int(moves_per_layer(held_LGE, phy2log_LP).sum()),
+                                      "move_slack": move_slack}
     return phy2log_LP, info
 
 
@@ -293,11 +341,14 @@ class RuleAwarePlanner:
     blends: demand blends for replica counts (0 = mean share over windows, 1 = max), best per layer.
     beta: sharpness of the smooth maximum in the swap search (loads in mean GPU loads).
     refine_rounds: rounds of swaps after packing (0 = off).
+    move_slack: with a served placement (`PlanRequest.previous`), how much higher (in mean GPU
+      loads, 0.002 = 0.2%) a layer's planned peak may be to keep replicas where they are.
     """
 
     name = "rule-aware"
 
-    def __init__(self, blends: tuple | list | str = (0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200):
+    def __init__(self, blends: tuple | list | str = (0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200,
+                 move_slack: float = 0.002):
         if isinstance(blends, str):
             try:
                 blends = tuple(float(b) for b in blends.replace(";", ",").split(",") if b.strip())
@@ -311,6 +362,7 @@ class RuleAwarePlanner:
         # float() first: a setting given as text (--set beta=x) is "of the wrong type" (get_planner).
         self.beta = positive_number("beta", float(beta))
         self.refine_rounds = whole_number("refine_rounds", refine_rounds)
+        self.move_slack = finite_number("move_slack", float(move_slack), 0)
 
     def plan(self, request: PlanRequest) -> Solution:
         t = request.topology
@@ -327,7 +379,8 @@ class RuleAwarePlanner:
                             info={**sol.info, "scope": "free", "dispatch": rule.name})
         phy2log_LP, info = plan_for_rule(history, t.num_gpus, t.num_nodes, t.slots_per_gpu, rule,
                                          blends=self.blends, beta=self.beta, refine_rounds=self.refine_rounds,
-                                         layer_ids=request.layer_ids)
+                                         layer_ids=request.layer_ids, move_slack=self.move_slack,
+                                         previous_LP=None if request.previous is None else request.previous.phy2log_LP)
         info["dispatch"] = rule.name
         return Solution(phy2log_LP, message=f"planned for dispatch rule {rule.name} against "
                                             f"{info.get('windows', 1)} window(s)", info=info)

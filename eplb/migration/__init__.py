@@ -13,7 +13,9 @@ Three parts:
    applies the replica changes that lower each layer's busiest GPU most per move, until a
    `Budget` is spent or no change buys at least `move_cost`. `migrate` (`adapt`) combines
    relabelling and search; `restore_missing` gives experts lost with failed ranks a replica;
-   `adapt_solution` is the front door's migration step on a planner's Solution.
+   `adapt_solution` is the front door's migration step on a planner's Solution; under a rule
+   whose shares follow the layout (SGLang's) `migrate_for_rule` (`rule`) judges every
+   candidate by binding that rule, and `repair_swaps` buys only swaps that keep its shares.
 3. Scheduling (`schedule`, `plan`). `schedule` orders the copies into rounds in which every
    rank sends at most one and receives at most one expert, such that every logical expert
    keeps at least one complete replica serving tokens at every moment; the result is a
@@ -22,17 +24,20 @@ Three parts:
    one expert through a slot whose own expert has another complete replica.
 
 The hot loops are numba kernels (`kernels` says which, and `warm_up` loads them); the
-package imports only eplb.errors, eplb.placement and eplb.stats (and numpy, numba).
+package imports only eplb.errors, eplb.placement, eplb.stats and, for `rule`, eplb.sglang_dispatch
+(and numpy, numba).
 """
 
 from eplb.migration.adapt import adapt_solution, max_load, migrate, restore_missing
 from eplb.migration.kernels import warm_up
 from eplb.migration.moves import count_moves, holdings, keep_slots, relabel
 from eplb.migration.plan import CHECKPOINT, MigrationPlan
+from eplb.migration.rule import layout_dependent, migrate_for_rule, repair_swaps
 from eplb.migration.schedule import schedule
 from eplb.migration.search import Budget, budgeted_search
 
 __all__ = [
     "CHECKPOINT", "Budget", "MigrationPlan", "adapt_solution", "budgeted_search", "count_moves", "holdings",
-    "keep_slots", "max_load", "migrate", "relabel", "restore_missing", "schedule", "warm_up",
+    "keep_slots", "layout_dependent", "max_load", "migrate", "migrate_for_rule", "relabel", "repair_swaps",
+    "restore_missing", "schedule", "warm_up",
 ]

@@ -18,6 +18,7 @@ import numpy as np
 from eplb.errors import EplbError
 from eplb.migration.checks import check_load_and_maps
 from eplb.migration.moves import count_moves, keep_slots, relabel
+from eplb.migration.rule import layout_dependent, migrate_for_rule
 from eplb.migration.search import Budget, budgeted_search, span_priced
 from eplb.placement import gpu_loads
 from eplb.stats import group_span
@@ -149,8 +150,9 @@ def adapt_solution(request, sol, budget: Budget):
     planner's Solution, returned changed with `dataclasses.replace`. Relabels the planner's
     plan onto the previous placement (balance unchanged) or, when the budget cannot pay for
     that, replaces it by the budgeted search from the previous placement (status HEURISTIC,
-    message says so). Move counts (and bytes, from budget.bytes_per_expert) go to
-    info["migration"].
+    message says so). Under a rule whose shares follow the layout (request.dispatch, SGLang's)
+    the candidates are judged by binding that rule instead (`migrate_for_rule`). Move counts
+    (and bytes, from budget.bytes_per_expert) go to info["migration"].
     """
     prev, topo = request.previous, request.topology
     if prev.num_gpus != topo.num_gpus or prev.num_nodes != topo.num_nodes:
@@ -158,8 +160,15 @@ def adapt_solution(request, sol, budget: Budget):
                         f"this plan is for {topo.num_gpus} on {topo.num_nodes}: plan for the same GPUs")
     bytes_per_expert = budget.bytes_per_expert
     t0 = time.perf_counter()
-    phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.num_gpus, topo.num_nodes, budget,
-                              request.num_expert_groups)
+    if layout_dependent(request.dispatch):
+        # The rule's shares follow the layout: every candidate is judged by binding the rule (rule.py).
+        start = prev.phy2log_LP
+        if prev.partial or (start < 0).any():
+            start = restore_missing(request.load_LE, start, topo.num_gpus)
+        phy, perm, info = migrate_for_rule(request, np.asarray(sol.phy2log_LP, dtype=np.int64), budget, start)
+    else:
+        phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.num_gpus, topo.num_nodes,
+                                  budget, request.num_expert_groups)
     weights = None
     if perm is not None and sol.dispatch_weights_LP is not None:
         weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
@@ -176,11 +185,16 @@ def adapt_solution(request, sol, budget: Budget):
             f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_expert_groups,
                                                 request.num_logical_experts).mean())
             for k, m in (("before", prev.phy2log_LP), ("after", phy))})
-    if info["method"] == "relabel":
+    if perm is not None:  # the planner's plan, renamed or with its slots reordered
         return dataclasses.replace(sol, phy2log_LP=phy, dispatch_weights_LP=weights,
                                    info={**sol.info, "migration": info})
-    note = (f"move-budgeted search from the previous placement ({info['moves']} moves; the planner's "
-            f"own plan needed {info['moves_relabeled']} after relabelling), even dispatch")
+    how = {"previous": "the previous placement kept",
+           "repair": "share-keeping swaps on the previous placement",
+           "budgeted_search+repair": "move-budgeted search from the previous placement, then share-keeping swaps",
+           }.get(info["method"], "move-budgeted search from the previous placement")
+    split = f"judged under {info['dispatch']}" if "dispatch" in info else "even dispatch"
+    note = (f"{how} ({info['moves']} moves; the planner's own plan needed {info['moves_relabeled']} after "
+            f"relabelling), {split}")
     return dataclasses.replace(sol, phy2log_LP=phy, dispatch_weights_LP=None, status="HEURISTIC",
                                message=f"{sol.message}; {note}" if sol.message else note,
                                info={**sol.info, "migration": info})

@@ -1,0 +1,236 @@
+"""Migration under a dispatch rule whose shares depend on the layout (SGLang's `static`, `dynamic`).
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, N = nodes, S = slots per GPU,
+P = G x S slots, C = candidate placements.
+
+Why: relabelling a plan (renaming its nodes and GPUs) keeps an even split's balance, but not
+SGLang's: which ranks draw, and what they draw, follow the nodes and slot order of every
+replica (eplb.sglang_dispatch), so a renamed plan is served with other shares than it was
+packed for; and the budgeted search prices even splits. Here every candidate is a whole
+placement judged by binding the rule to it, which is exact:
+- "planned": the planner's plan, only its slots inside each GPU reordered to their old slots
+  (the rule sees GPUs, not slots inside one: the GPU loads are unchanged). The rule-aware
+  planner fits its plan to the served placement itself (planners.rule_previous).
+- "relabel": the plan with its nodes and GPUs renamed (`relabel`), which the rule may serve
+  better or worse.
+With a budget (`Budget.limited`) also:
+- "previous": the served placement kept (experts lost with failed ranks restored);
+- "budgeted_search": the even-split search from it (`budgeted_search`);
+- "repair": swaps on the served placement that leave every share of the rule as it is
+  (`repair_swaps`), so their gains are exact, bought within the budget.
+Each candidate that fits the budget costs the sum over layers of its busiest GPU's load
+under the rule plus the move price (`Budget.move_cost` x the layer's mean GPU load per move);
+the cheapest wins, fewer moves on a tie. "previous" always fits, so with a budget the result
+never serves a higher summed busiest-GPU load than keeping the served placement.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from eplb.migration.moves import count_moves, keep_slots, relabel
+from eplb.migration.search import Budget, budgeted_search, span_priced
+from eplb.placement import Placement, gpu_loads
+from eplb.sglang_dispatch import SglangDynamic, SglangStatic
+from eplb.stats import group_span
+
+LAYOUT_RULES = (SglangStatic, SglangDynamic)
+"""Rule types whose shares depend on where replicas are, not only on how many there are."""
+
+
+def layout_dependent(rule) -> bool:
+    """True for rules whose shares depend on where replicas are (SGLang's), not only on counts."""
+    return isinstance(rule, LAYOUT_RULES)
+
+
+def served_peaks(rule, phy2log_LP: np.ndarray, load_LE: np.ndarray, num_gpus: int, num_nodes: int,
+                 layer_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(busiest GPU's load per layer [L], the rule's shares [L, P]) of a full placement."""
+    pl = Placement(phy2log_LP, num_gpus, load_LE.shape[1], num_nodes, layer_ids)
+    w_LP = rule.bind(pl)(load_LE)
+    return gpu_loads(phy2log_LP, load_LE, num_gpus, w_LP).max(axis=1), w_LP
+
+
+def _movable(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarray:
+    """How far each slot's replica may move without changing any share, int8 [L, P].
+
+    2: anywhere (its expert's only replica: every rank sends it there whatever the GPU);
+    1: inside its node (N > 1, and every replica of its expert on another node: the ranks of
+    the node still reach it first, and the candidates keep their node order); 0: nowhere.
+    """
+    L, P = phy2log_LP.shape
+    E = int(phy2log_LP.max()) + 1
+    S = P // num_gpus
+    node_P = np.arange(P) // S // (num_gpus // num_nodes)
+    rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
+    count_LE = np.zeros((L, E), dtype=np.int64)
+    np.add.at(count_LE, (rows, phy2log_LP), 1)
+    per_node_LEN = np.zeros((L, E, num_nodes), dtype=np.int64)
+    np.add.at(per_node_LEN, (rows, phy2log_LP, np.broadcast_to(node_P, (L, P))), 1)
+    count_LP = np.take_along_axis(count_LE, phy2log_LP, axis=1)
+    spread_LE = per_node_LEN.max(axis=2) == 1
+    spread_LP = np.take_along_axis(spread_LE, phy2log_LP, axis=1)
+    return np.where(count_LP == 1, 2, np.where(spread_LP & (num_nodes > 1), 1, 0)).astype(np.int8)
+
+
+def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
+    """The swap between a slot of the busiest GPU and another slot that lowers that GPU most.
+
+    Returns (gain, moves, a, b) or None: gain = busiest load - max of the two GPUs' loads
+    after it (> 0), moves = change in copies against the served placement (old_GE).
+    """
+    g_G = np.bincount(gpu_P, weights=x_P, minlength=G)
+    top = int(np.argmax(g_G))
+    a = np.flatnonzero(gpu_P == top)
+    b = np.flatnonzero(gpu_P != top)
+    ea, eb = phy_P[a][:, None], phy_P[b][None, :]
+    ga, gb = top, gpu_P[b][None, :]
+    d = x_P[a][:, None] - x_P[b][None, :]
+    after = np.maximum(g_G[top] - d, g_G[gb] + d)
+    gain = g_G[top] - after
+    holds = np.zeros((G, int(phy_P.max()) + 1), dtype=bool)
+    holds[gpu_P, phy_P] = True
+    ok = (gain > 0) & ~holds[gb, ea] & ~holds[ga, eb]
+    same_node = node_P[a][:, None] == node_P[b][None, :]
+    ok &= (move_P[a][:, None] == 2) | ((move_P[a][:, None] == 1) & same_node)
+    ok &= (move_P[b][None, :] == 2) | ((move_P[b][None, :] == 1) & same_node)
+    if not ok.any():
+        return None
+    new = ~old_GE
+    moves = (new[gb, ea].astype(np.int64) + new[ga, eb]) - (new[ga, ea].astype(np.int64) + new[gb, eb])
+    # Swaps that copy nothing (moves <= 0) first, by gain; else the best gain per move.
+    free = ok & (moves <= 0)
+    score = np.where(free, gain, gain / np.maximum(moves, 1)) if free.any() else gain / np.maximum(moves, 1)
+    i, j = np.unravel_index(int(np.argmax(np.where(free if free.any() else ok, score, -np.inf))), ok.shape)
+    return float(gain[i, j]), int(moves[i, j]), int(a[i]), int(b[j])
+
+
+def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, old_LP: np.ndarray,
+                 num_gpus: int, num_nodes: int, budget: Budget, used_LG: np.ndarray | None = None) -> np.ndarray:
+    """Swaps of replicas that keep every share `w_LP` of the rule, lowering busiest GPUs within the budget.
+
+    start_LP: a full placement, w_LP: the rule's shares on it (bound once: the swaps keep
+    them, see `_movable`); old_LP: the served placement moves are counted against; used_LG:
+    moves start_LP already makes. Swaps are bought best gain per move first, over all layers,
+    while a swap's gain pays its price (Budget.move_cost x the layer's mean GPU load per move)
+    and the budget's move limits hold. Returns the new placement, int64 [L, P].
+    """
+    L, P = start_LP.shape
+    G, S, E = num_gpus, P // num_gpus, load_LE.shape[1]
+    phy_LP = np.array(start_LP, dtype=np.int64, copy=True)
+    x_LP = np.take_along_axis(load_LE, phy_LP, axis=1) * w_LP
+    move_LP = _movable(phy_LP, G, num_nodes)
+    gpu_P = np.arange(P) // S
+    node_P = gpu_P // (G // num_nodes)
+    old_LGE = np.zeros((L, G, E), dtype=bool)
+    l_i, p_i = np.nonzero(old_LP >= 0)
+    old_LGE[l_i, p_i // S, old_LP[l_i, p_i]] = True
+    in_G = np.zeros(G, dtype=np.int64) if used_LG is None else used_LG.sum(axis=0).astype(np.int64)
+    left = None if budget.max_moves is None else budget.max_moves - int(in_G.sum())
+    price_L = budget.move_cost * load_LE.sum(axis=1) / G
+    heap: list = []
+
+    def push(l: int) -> None:
+        best = _best_swap(phy_LP[l], x_LP[l], move_LP[l], old_LGE[l], gpu_P, node_P, G)
+        if best is not None and best[0] > price_L[l] * max(best[1], 0) + 1e-12 * x_LP[l].sum():
+            gain, moves = best[0], best[1]
+            heapq.heappush(heap, (-(gain / moves if moves > 0 else np.inf), l, best))
+
+    for l in range(L):
+        push(l)
+    while heap:
+        _, l, (gain, moves, a, b) = heapq.heappop(heap)
+        ga, gb = a // S, b // S
+        add_a = int(not old_LGE[l, ga, phy_LP[l, b]]) - int(not old_LGE[l, ga, phy_LP[l, a]])
+        add_b = int(not old_LGE[l, gb, phy_LP[l, a]]) - int(not old_LGE[l, gb, phy_LP[l, b]])
+        if left is not None and moves > left:
+            continue  # this layer's best swap is too dear now; cheaper ones of other layers may fit
+        if budget.max_moves_per_gpu is not None and (in_G[ga] + add_a > budget.max_moves_per_gpu
+                                                     or in_G[gb] + add_b > budget.max_moves_per_gpu):
+            continue
+        for arr in (phy_LP, x_LP, move_LP):
+            arr[l, a], arr[l, b] = arr[l, b], arr[l, a]
+        in_G[ga] += add_a
+        in_G[gb] += add_b
+        if left is not None:
+            left -= moves
+        push(l)
+    return phy_LP
+
+
+def _take(phy2log_LP: np.ndarray, perm_LP: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(phy2log_LP, perm_LP, axis=1)
+
+
+def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.ndarray):
+    """name -> (phy2log_LP, perm_LP into target_LP or None), and the served peaks of start_LP."""
+    topo, load_LE = request.topology, request.load_LE
+    G, N, E = topo.num_gpus, topo.num_nodes, request.num_logical_experts
+    old_LP = request.previous.phy2log_LP
+    perm_LP = keep_slots(old_LP, target_LP, G)
+    rel_LP = relabel(old_LP, target_LP, G, E, N)
+    out = {"planned": (_take(target_LP, perm_LP), perm_LP), "relabel": (_take(target_LP, rel_LP), rel_LP)}
+    if not budget.limited:
+        return out
+    out["previous"] = (start_LP, None)
+    # Even-split search, then swaps that keep the rule's shares, each from the served placement.
+    searched = budgeted_search(load_LE, start_LP, G, budget, num_nodes=N, num_expert_groups=request.num_expert_groups)
+    searched = _take(searched, keep_slots(old_LP, searched, G))
+    out["budgeted_search"] = (searched, None)
+    for name, phy in (("repair", start_LP), ("budgeted_search+repair", searched)):
+        _, w_LP = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
+        used_LG = count_moves(old_LP, phy, G, E)
+        out[name] = (repair_swaps(load_LE, phy, w_LP, old_LP, G, N, budget, used_LG), None)
+    return out
+
+
+def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: np.ndarray):
+    """The migration step under a layout-dependent rule: (phy2log_LP, perm_LP or None, info).
+
+    request: the PlanRequest (its dispatch rule, load, topology, previous); target_LP: the
+    planner's plan; start_LP: the served placement with every expert present (experts lost
+    with failed ranks restored). perm_LP maps each slot of the result to a slot of target_LP
+    when the result is the plan (its weights can follow), else None. info: the chosen method,
+    its moves and every candidate's served peak sum and moves (see the module text).
+    """
+    topo, load_LE = request.topology, np.asarray(request.load_LE, dtype=np.float64)
+    G, N, E = topo.num_gpus, topo.num_nodes, request.num_logical_experts
+    K = request.num_expert_groups
+    old_LP = request.previous.phy2log_LP
+    price_L = budget.move_cost * load_LE.sum(axis=1) / G
+    span = budget.limited and span_priced(N, K, budget)
+    if span:
+        pairs0_L = group_span(start_LP, G, N, K, E).sum(axis=1)
+    scored = {}
+    for name, (phy, perm) in _candidates(request, target_LP, budget, start_LP).items():
+        peak_L, _ = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
+        moves_LG = count_moves(old_LP, phy, G, E)
+        moves_L = moves_LG.sum(axis=1)
+        # The candidates built from the served placement keep to the budget by construction
+        # (counted from it once lost experts are restored, which is never optional).
+        fits = (perm is None or (budget.max_moves is None or moves_L.sum() <= budget.max_moves)
+                and (budget.max_moves_per_gpu is None or moves_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
+        cost = float((peak_L + price_L * moves_L).sum())
+        if span:  # the search's price of spreading groups over nodes, in moves
+            cost += float((price_L * budget.span_cost * (group_span(phy, G, N, K, E).sum(axis=1) - pairs0_L)).sum())
+        scored[name] = (phy, perm, peak_L, int(moves_L.sum()), fits, cost)
+    ok = [n for n, c in scored.items() if c[4]]
+    if "previous" in scored:
+        # Never serve more than the placement kept would: a span price (negative for a candidate
+        # that gathers groups) could otherwise buy balance back.
+        limit = scored["previous"][2].sum()
+        ok = [n for n in ok if scored[n][2].sum() <= limit * (1 + 1e-12)]
+    # The cheapest; among those within rounding of it, the fewest moves.
+    least = min(scored[n][5] for n in ok)
+    best = min((n for n in ok if scored[n][5] <= least + 1e-9 * abs(least)), key=lambda n: scored[n][3])
+    phy, perm = scored[best][0], scored[best][1]
+    info = {
+        "method": best, "dispatch": request.dispatch.name,
+        "moves_from_scratch": int(count_moves(old_LP, target_LP, G, E).sum()),
+        "moves_relabeled": scored["relabel"][3],
+        "candidates": {n: {"served_peak_sum": float(c[2].sum()), "moves": c[3], "fits": c[4], "cost": c[5]}
+                       for n, c in scored.items()},
+    }
+    return phy, perm, info
