@@ -152,12 +152,19 @@ def static_dispatch_maps(placement: Placement, *, path: str = "startup", seed: i
             ans = _fair_choices(full, int(k_HE[h, e]), rng)
             out_GHE[draws_HEG[h, e], h, e] = ans
     else:
+        # A rank's stream depends only on which (row, expert) it draws for: ranks that draw for
+        # the same ones (typically a node's) replay one stream, so it is drawn once per group.
+        groups: dict[bytes, list[int]] = {}
         for g in range(G):
+            groups.setdefault(np.packbits(draws_HEG[:, :, g]).tobytes(), []).append(g)
+        for members in groups.values():
             rng = random.Random(seed)
-            pos = pos_HEG[:, :, g]
-            for h, e in zip(*np.nonzero(draws_HEG[:, :, g])):
-                full = slots[h][e][:counts[h][e]]
-                out_GHE[g, h, e] = _fair_choices(full, int(k_HE[h, e]), rng)[pos[h, e]]
+            h_i, e_i = np.nonzero(draws_HEG[:, :, members[0]])
+            picks = np.array([_fair_choices(slots[h][e][:counts[h][e]], int(k_HE[h, e]), rng)
+                              for h, e in zip(h_i.tolist(), e_i.tolist())], dtype=object)
+            for g in members:
+                pos = pos_HEG[h_i, e_i, g]
+                out_GHE[g, h_i, e_i] = [p[i] for p, i in zip(picks, pos.tolist())]
     assert (out_GHE >= 0).all()
     return out_GHE[:, moe_L]
 

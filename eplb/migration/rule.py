@@ -108,18 +108,21 @@ def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
 
 
 def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, old_LP: np.ndarray,
-                 num_gpus: int, num_nodes: int, budget: Budget, used_LG: np.ndarray | None = None) -> np.ndarray:
+                 num_gpus: int, num_nodes: int, budget: Budget,
+                 used_LG: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Swaps of replicas that keep every share `w_LP` of the rule, lowering busiest GPUs within the budget.
 
     start_LP: a full placement, w_LP: the rule's shares on it (bound once: the swaps keep
     them, see `_movable`); old_LP: the served placement moves are counted against; used_LG:
     moves start_LP already makes. Swaps are bought best gain per move first, over all layers,
     while a swap's gain pays its price (Budget.move_cost x the layer's mean GPU load per move)
-    and the budget's move limits hold. Returns the new placement, int64 [L, P].
+    and the budget's move limits hold. Returns (the new placement, int64 [L, P], and its
+    shares, the same as binding the rule to it gives).
     """
     L, P = start_LP.shape
     G, S, E = num_gpus, P // num_gpus, load_LE.shape[1]
     phy_LP = np.array(start_LP, dtype=np.int64, copy=True)
+    w_LP = np.array(w_LP, dtype=np.float64, copy=True)
     x_LP = np.take_along_axis(load_LE, phy_LP, axis=1) * w_LP
     move_LP = _movable(phy_LP, G, num_nodes)
     gpu_P = np.arange(P) // S
@@ -150,14 +153,14 @@ def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, ol
         if budget.max_moves_per_gpu is not None and (in_G[ga] + add_a > budget.max_moves_per_gpu
                                                      or in_G[gb] + add_b > budget.max_moves_per_gpu):
             continue
-        for arr in (phy_LP, x_LP, move_LP):
+        for arr in (phy_LP, x_LP, w_LP, move_LP):
             arr[l, a], arr[l, b] = arr[l, b], arr[l, a]
         in_G[ga] += add_a
         in_G[gb] += add_b
         if left is not None:
             left -= moves
         push(l)
-    return phy_LP
+    return phy_LP, w_LP
 
 
 def _take(phy2log_LP: np.ndarray, perm_LP: np.ndarray) -> np.ndarray:
@@ -165,24 +168,24 @@ def _take(phy2log_LP: np.ndarray, perm_LP: np.ndarray) -> np.ndarray:
 
 
 def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.ndarray):
-    """name -> (phy2log_LP, perm_LP into target_LP or None), and the served peaks of start_LP."""
+    """name -> (phy2log_LP, perm_LP into target_LP or None, the rule's shares on it or None)."""
     topo, load_LE = request.topology, request.load_LE
     G, N, E = topo.num_gpus, topo.num_nodes, request.num_logical_experts
     old_LP = request.previous.phy2log_LP
     perm_LP = keep_slots(old_LP, target_LP, G)
     rel_LP = relabel(old_LP, target_LP, G, E, N)
-    out = {"planned": (_take(target_LP, perm_LP), perm_LP), "relabel": (_take(target_LP, rel_LP), rel_LP)}
+    out = {"planned": (_take(target_LP, perm_LP), perm_LP, None), "relabel": (_take(target_LP, rel_LP), rel_LP, None)}
     if not budget.limited:
         return out
-    out["previous"] = (start_LP, None)
     # Even-split search, then swaps that keep the rule's shares, each from the served placement.
     searched = budgeted_search(load_LE, start_LP, G, budget, num_nodes=N, num_expert_groups=request.num_expert_groups)
     searched = _take(searched, keep_slots(old_LP, searched, G))
-    out["budgeted_search"] = (searched, None)
-    for name, phy in (("repair", start_LP), ("budgeted_search+repair", searched)):
+    for name, phy in (("previous", start_LP), ("budgeted_search", searched)):
         _, w_LP = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
-        used_LG = count_moves(old_LP, phy, G, E)
-        out[name] = (repair_swaps(load_LE, phy, w_LP, old_LP, G, N, budget, used_LG), None)
+        out[name] = (phy, None, w_LP)
+        # The swaps keep the shares: the repaired placement's are known without binding again.
+        fixed_LP, fixed_w_LP = repair_swaps(load_LE, phy, w_LP, old_LP, G, N, budget, count_moves(old_LP, phy, G, E))
+        out["repair" if name == "previous" else f"{name}+repair"] = (fixed_LP, None, fixed_w_LP)
     return out
 
 
@@ -204,8 +207,13 @@ def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: n
     if span:
         pairs0_L = group_span(start_LP, G, N, K, E).sum(axis=1)
     scored = {}
-    for name, (phy, perm) in _candidates(request, target_LP, budget, start_LP).items():
-        peak_L, _ = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
+    for name, (phy, perm, w_LP) in _candidates(request, target_LP, budget, start_LP).items():
+        if w_LP is not None:
+            peak_L = gpu_loads(phy, load_LE, G, w_LP).max(axis=1)
+        elif name == "relabel" and np.array_equal(phy, scored["planned"][0]):
+            peak_L = scored["planned"][2]
+        else:
+            peak_L, _ = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
         moves_LG = count_moves(old_LP, phy, G, E)
         moves_L = moves_LG.sum(axis=1)
         # The candidates built from the served placement keep to the budget by construction
