@@ -27,7 +27,8 @@ from eplb.placement import Placement, contiguous_placement
 from eplb.time_dispatch import TimeDispatch
 from eplb.trace import Trace
 
-DISPATCH_CHOICES = ("even", "plan", "resplit", "optimal", "time")
+DISPATCH_CHOICES = (*RULES, "time")
+"""Rules `simulate` (and `eplb simulate --dispatch`) takes: every rule of eplb.dispatch.RULES, and "time"."""
 
 
 @dataclass(frozen=True, eq=False)

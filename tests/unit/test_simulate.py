@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.cli import main
+from eplb.cli import build_parser, main
 from eplb.cost import cost_model
+from eplb.dispatch import RULES
 from eplb.errors import EplbError
 from eplb.formats import load_placement, load_trace, save_placement
 from eplb.simulate import cut_batches, simulate
@@ -71,6 +73,16 @@ def test_cli_simulate_json(plan_file, capsys):
     assert out["batch_tokens"] == 32 and out["num_windows"] == 32 and out["dispatch"] == "even"
     assert out["ideal_moe_step_seconds"] <= out["moe_step_seconds"]
     assert out["all_to_all_bytes_per_token"]["inter_node"] == 0.0      # one node
+
+
+def test_cli_simulate_offers_every_dispatch_rule(plan_file, capsys):
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices["simulate"]._actions if "--dispatch" in a.option_strings)
+    assert sorted(action.choices) == sorted({*RULES, "time"})
+    rc = main(["simulate", str(SYNTH), "--plan", str(plan_file), "--model", "deepseek-v3", "--hardware", "h200",
+               "--batch-tokens", "32", "--batches", "1", "--dispatch", "sglang-static", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["dispatch"] == "sglang-static" and out["moe_step_seconds"] > 0
 
 
 def test_cli_simulate_text(plan_file, capsys):
