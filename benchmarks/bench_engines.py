@@ -1,7 +1,7 @@
 """Balance as eplb reports it and as each engine's dispatch rule serves it, per planner.
 
     python benchmarks/bench_engines.py [--traces ../shared/traces/deepseek_v3_sglang] [--gpus 32]
-        [--nodes 4] [--redundant 32] [--write-docs]
+        [--nodes 4] [--redundant 32] [--part planners|migration|all] [--write-docs]
 
 Legend: L = MoE layers, E = logical experts, G = GPUs, N = nodes, P = slots.
 
@@ -17,6 +17,8 @@ per layer, median and max over every (workload, layer), under
 - "vLLM / TensorRT-LLM": even split (hash or round-robin over replicas);
 - "SGLang static" and "SGLang dynamic": eplb.sglang_dispatch, the start-up path (the map an
   `--init-expert-location` export gets), checked against SGLang's own function in tests/engines.
+Part "migration" (benchmarks/bench_engines_migration.py, docs/results/engines-migration.md):
+planning from the placement served now under SGLang's rules.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import bench_engines_migration  # noqa: E402
+
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import EvenSplit, engine_rule  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
@@ -38,6 +42,7 @@ from eplb.planning import plan  # noqa: E402
 from eplb.stats import imbalance  # noqa: E402
 from eplb.trace import Trace  # noqa: E402
 
+DEFAULT_TRACES = str(ROOT.parent / "shared" / "traces" / "deepseek_v3_sglang")
 PLANNERS = [
     ("greedy", "greedy", {}),
     ("hierarchical", "hierarchical", {}),
@@ -107,21 +112,30 @@ def run(args) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default=str(ROOT.parent / "shared" / "traces" / "deepseek_v3_sglang"))
+    ap.add_argument("--traces", default=DEFAULT_TRACES)
     ap.add_argument("--gpus", type=int, default=32)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--redundant", type=int, default=32)
-    ap.add_argument("--write-docs", action="store_true", help="write docs/results/engines.md")
+    ap.add_argument("--part", choices=("planners", "migration", "all"), default="all",
+                    help="planners: balance per planner and rule; migration: planning from a served placement")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="write docs/results/engines.md (planners) and engines-migration.md (migration)")
     args = ap.parse_args(argv)
+    if args.part in ("migration", "all"):
+        cmd = "python benchmarks/bench_engines.py --part migration --write-docs" + (
+            "" if args.traces == DEFAULT_TRACES else f" --traces {args.traces}")
+        bench_engines_migration.main(args, workloads(Path(args.traces), ROOT / "traces" / "deepseek.npz"),
+                                     ROOT / "docs" / "results" / "engines-migration.md", cmd)
+    if args.part == "migration":
+        return 0
     table, setup = run(args)
     print(setup)
     print(table)
     if args.write_docs:
         out = ROOT / "docs" / "results" / "engines.md"
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = "python benchmarks/bench_engines.py --write-docs" + (
-            "" if args.traces == str(ROOT.parent / "shared" / "traces" / "deepseek_v3_sglang")
-            else f" --traces {args.traces}")
+        cmd = "python benchmarks/bench_engines.py --part planners --write-docs" + (
+            "" if args.traces == DEFAULT_TRACES else f" --traces {args.traces}")
         out.write_text(
             "# Engines: balance as planned and as served\n\n"
             f"Written by `{cmd}` ({setup}).\n\n"

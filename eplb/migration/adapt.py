@@ -188,10 +188,7 @@ def adapt_solution(request, sol, budget: Budget):
     if perm is not None:  # the planner's plan, renamed or with its slots reordered
         return dataclasses.replace(sol, phy2log_LP=phy, dispatch_weights_LP=weights,
                                    info={**sol.info, "migration": info})
-    how = {"previous": "the previous placement kept",
-           "repair": "share-keeping swaps on the previous placement",
-           "budgeted_search+repair": "move-budgeted search from the previous placement, then share-keeping swaps",
-           }.get(info["method"], "move-budgeted search from the previous placement")
+    how = info.get("note", "move-budgeted search from the previous placement")
     split = f"judged under {info['dispatch']}" if "dispatch" in info else "even dispatch"
     note = (f"{how} ({info['moves']} moves; the planner's own plan needed {info['moves_relabeled']} after "
             f"relabelling), {split}")

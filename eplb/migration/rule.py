@@ -17,16 +17,22 @@ With a budget (`Budget.limited`) also:
 - "previous": the served placement kept (experts lost with failed ranks restored);
 - "budgeted_search": the even-split search from it (`budgeted_search`);
 - "repair": swaps on the served placement that leave every share of the rule as it is
-  (`repair_swaps`), so their gains are exact, bought within the budget.
+  (`repair_swaps`), so their gains are exact, bought within the budget; and the same swaps
+  after the search ("budgeted_search+repair").
+With a budget no candidate may serve a layer worse than keeping the served placement: the
+layers where one does are put back as served and the candidate bound again (a layer put
+back changes the draws of the layers after it), until none is worse (`_no_layer_worse`).
 Each candidate that fits the budget costs the sum over layers of its busiest GPU's load
-under the rule plus the move price (`Budget.move_cost` x the layer's mean GPU load per move);
-the cheapest wins, fewer moves on a tie. "previous" always fits, so with a budget the result
-never serves a higher summed busiest-GPU load than keeping the served placement.
+under the rule plus the move price (`Budget.move_cost` x the layer's mean GPU load per move,
+and the span price of `Budget.span_cost`); the cheapest wins, fewer moves on a tie.
+"previous" is always a candidate, so with a budget the result never serves any layer worse
+than keeping the served placement does.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -167,26 +173,84 @@ def _take(phy2log_LP: np.ndarray, perm_LP: np.ndarray) -> np.ndarray:
     return np.take_along_axis(phy2log_LP, perm_LP, axis=1)
 
 
-def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.ndarray):
-    """name -> (phy2log_LP, perm_LP into target_LP or None, the rule's shares on it or None)."""
-    topo, load_LE = request.topology, request.load_LE
+@dataclass(frozen=True, eq=False)
+class _Candidate:
+    """One placement the migration step may return, bound to the rule."""
+
+    phy2log_LP: np.ndarray
+    perm_LP: np.ndarray | None
+    """Slot of the planner's plan behind each slot, when the candidate is that plan renamed, else None."""
+    peak_L: np.ndarray
+    """Busiest GPU's load per layer under the rule, [L]."""
+    w_LP: np.ndarray
+    """The rule's shares on phy2log_LP, [L, P]."""
+    within_budget: bool
+    """Built from the served placement within the budget (else its moves are checked)."""
+    kept_layers: int = 0
+    """Layers put back as served, where the candidate served them worse."""
+
+
+def _no_layer_worse(request, c: _Candidate, start_LP: np.ndarray, keep_L: np.ndarray, rounds: int = 8):
+    """c with every layer the rule serves worse than keeping the placement put back as served
+    (rebinding after each round: a layer put back changes the draws of the layers after it);
+    None when some layer is still worse after `rounds` rounds."""
+    topo = request.topology
+    phy, peak_L, w_LP, kept = c.phy2log_LP, c.peak_L, c.w_LP, np.zeros(len(keep_L), dtype=bool)
+    for _ in range(rounds):
+        worse = peak_L > keep_L * (1 + 1e-12)
+        if not worse.any():
+            perm = c.perm_LP if not kept.any() else None
+            return _Candidate(phy, perm, peak_L, w_LP, c.within_budget, int(kept.sum()))
+        kept |= worse
+        phy = np.where(kept[:, None], start_LP, phy)
+        peak_L, w_LP = served_peaks(request.dispatch, phy, request.load_LE, topo.num_gpus, topo.num_nodes,
+                                    request.layer_ids)
+    return None
+
+
+def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.ndarray) -> dict[str, _Candidate]:
+    """Every candidate of the module text, bound to the rule; with a budget, none serves a layer
+    worse than keeping the placement."""
+    topo, load_LE, rule = request.topology, request.load_LE, request.dispatch
     G, N, E = topo.num_gpus, topo.num_nodes, request.num_logical_experts
     old_LP = request.previous.phy2log_LP
+
+    def bound(phy, perm=None, within=False):
+        return _Candidate(phy, perm, *served_peaks(rule, phy, load_LE, G, N, request.layer_ids), within)
+
     perm_LP = keep_slots(old_LP, target_LP, G)
+    out = {"planned": bound(_take(target_LP, perm_LP), perm_LP)}
     rel_LP = relabel(old_LP, target_LP, G, E, N)
-    out = {"planned": (_take(target_LP, perm_LP), perm_LP, None), "relabel": (_take(target_LP, rel_LP), rel_LP, None)}
+    relabeled = _take(target_LP, rel_LP)
+    out["relabel"] = (_Candidate(relabeled, rel_LP, out["planned"].peak_L, out["planned"].w_LP, False)
+                      if np.array_equal(relabeled, out["planned"].phy2log_LP) else bound(relabeled, rel_LP))
     if not budget.limited:
         return out
-    # Even-split search, then swaps that keep the rule's shares, each from the served placement.
+    keep = out["previous"] = bound(start_LP, within=True)
     searched = budgeted_search(load_LE, start_LP, G, budget, num_nodes=N, num_expert_groups=request.num_expert_groups)
-    searched = _take(searched, keep_slots(old_LP, searched, G))
-    for name, phy in (("previous", start_LP), ("budgeted_search", searched)):
-        _, w_LP = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
-        out[name] = (phy, None, w_LP)
-        # The swaps keep the shares: the repaired placement's are known without binding again.
-        fixed_LP, fixed_w_LP = repair_swaps(load_LE, phy, w_LP, old_LP, G, N, budget, count_moves(old_LP, phy, G, E))
-        out["repair" if name == "previous" else f"{name}+repair"] = (fixed_LP, None, fixed_w_LP)
+    out["budgeted_search"] = bound(_take(searched, keep_slots(old_LP, searched, G)), within=True)
+    for name in ("planned", "relabel", "budgeted_search"):
+        c = _no_layer_worse(request, out.pop(name), start_LP, keep.peak_L)
+        if c is not None:
+            out[name] = c
+    # Swaps that keep the rule's shares (so the repaired shares are known without binding again)
+    # lower busiest GPUs only: from a candidate no layer of which is worse, none becomes worse.
+    for name, c in [("repair", keep)] + ([("budgeted_search+repair", out["budgeted_search"])]
+                                          if "budgeted_search" in out else []):
+        phy, w_LP = repair_swaps(load_LE, c.phy2log_LP, c.w_LP, old_LP, G, N, budget,
+                                 count_moves(old_LP, c.phy2log_LP, G, E))
+        out[name] = _Candidate(phy, None, gpu_loads(phy, load_LE, G, w_LP).max(axis=1), w_LP, True, c.kept_layers)
     return out
+
+
+NOTES = {
+    "previous": "the previous placement kept",
+    "repair": "share-keeping swaps on the previous placement",
+    "budgeted_search": "move-budgeted search from the previous placement",
+    "budgeted_search+repair": "move-budgeted search from the previous placement, then share-keeping swaps",
+    "planned": "the plan", "relabel": "the plan relabelled",
+}
+"""How each candidate was made, for the Solution's message."""
 
 
 def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: np.ndarray):
@@ -196,7 +260,7 @@ def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: n
     planner's plan; start_LP: the served placement with every expert present (experts lost
     with failed ranks restored). perm_LP maps each slot of the result to a slot of target_LP
     when the result is the plan (its weights can follow), else None. info: the chosen method,
-    its moves and every candidate's served peak sum and moves (see the module text).
+    its moves, a note saying how it was made, and every candidate's served peak sum and moves.
     """
     topo, load_LE = request.topology, np.asarray(request.load_LE, dtype=np.float64)
     G, N, E = topo.num_gpus, topo.num_nodes, request.num_logical_experts
@@ -207,38 +271,28 @@ def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: n
     if span:
         pairs0_L = group_span(start_LP, G, N, K, E).sum(axis=1)
     scored = {}
-    for name, (phy, perm, w_LP) in _candidates(request, target_LP, budget, start_LP).items():
-        if w_LP is not None:
-            peak_L = gpu_loads(phy, load_LE, G, w_LP).max(axis=1)
-        elif name == "relabel" and np.array_equal(phy, scored["planned"][0]):
-            peak_L = scored["planned"][2]
-        else:
-            peak_L, _ = served_peaks(request.dispatch, phy, load_LE, G, N, request.layer_ids)
-        moves_LG = count_moves(old_LP, phy, G, E)
+    for name, c in _candidates(request, target_LP, budget, start_LP).items():
+        moves_LG = count_moves(old_LP, c.phy2log_LP, G, E)
         moves_L = moves_LG.sum(axis=1)
-        # The candidates built from the served placement keep to the budget by construction
-        # (counted from it once lost experts are restored, which is never optional).
-        fits = (perm is None or (budget.max_moves is None or moves_L.sum() <= budget.max_moves)
-                and (budget.max_moves_per_gpu is None or moves_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
-        cost = float((peak_L + price_L * moves_L).sum())
+        fits = c.within_budget or ((budget.max_moves is None or moves_L.sum() <= budget.max_moves) and (
+            budget.max_moves_per_gpu is None or moves_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
+        cost = float((c.peak_L + price_L * moves_L).sum())
         if span:  # the search's price of spreading groups over nodes, in moves
-            cost += float((price_L * budget.span_cost * (group_span(phy, G, N, K, E).sum(axis=1) - pairs0_L)).sum())
-        scored[name] = (phy, perm, peak_L, int(moves_L.sum()), fits, cost)
-    ok = [n for n, c in scored.items() if c[4]]
-    if "previous" in scored:
-        # Never serve more than the placement kept would: a span price (negative for a candidate
-        # that gathers groups) could otherwise buy balance back.
-        limit = scored["previous"][2].sum()
-        ok = [n for n in ok if scored[n][2].sum() <= limit * (1 + 1e-12)]
+            cost += float((price_L * budget.span_cost * (group_span(c.phy2log_LP, G, N, K, E).sum(axis=1)
+                                                         - pairs0_L)).sum())
+        scored[name] = (c, int(moves_L.sum()), fits, cost)
+    ok = [n for n, v in scored.items() if v[2]]
     # The cheapest; among those within rounding of it, the fewest moves.
-    least = min(scored[n][5] for n in ok)
-    best = min((n for n in ok if scored[n][5] <= least + 1e-9 * abs(least)), key=lambda n: scored[n][3])
-    phy, perm = scored[best][0], scored[best][1]
+    least = min(scored[n][3] for n in ok)
+    best = min((n for n in ok if scored[n][3] <= least + 1e-9 * abs(least)), key=lambda n: scored[n][1])
+    c = scored[best][0]
+    note = NOTES[best] + (f", {c.kept_layers} layer(s) kept as served where it served them worse"
+                          if c.kept_layers else "")
     info = {
-        "method": best, "dispatch": request.dispatch.name,
+        "method": best, "dispatch": request.dispatch.name, "note": note, "kept_layers": c.kept_layers,
         "moves_from_scratch": int(count_moves(old_LP, target_LP, G, E).sum()),
-        "moves_relabeled": scored["relabel"][3],
-        "candidates": {n: {"served_peak_sum": float(c[2].sum()), "moves": c[3], "fits": c[4], "cost": c[5]}
-                       for n, c in scored.items()},
+        "moves_relabeled": int(count_moves(old_LP, _take(target_LP, relabel(old_LP, target_LP, G, E, N)), G, E).sum()),
+        "candidates": {n: {"served_peak_sum": float(v[0].peak_L.sum()), "moves": v[1], "fits": bool(v[2]),
+                           "cost": v[3]} for n, v in scored.items()},
     }
-    return phy, perm, info
+    return c.phy2log_LP, c.perm_LP, info

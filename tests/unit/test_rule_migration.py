@@ -74,14 +74,16 @@ def test_budget_never_serves_worse_than_keeping_the_placement(rng, budget):
     mig = r.info["migration"]
     kept = _served(previous, load, rule)
     got = _served(r.placement, load, rule)
-    assert got.sum() <= kept.sum() * (1 + 1e-12)
+    assert (got <= kept * (1 + 1e-12)).all()  # no layer served worse than keeping the placement
     assert got.sum() < kept.sum()  # the random placement leaves room: the budget buys something
     assert mig["moves"] == count_moves(previous.phy2log_LP, r.placement.phy2log_LP, 8, 32).sum()
     if budget.max_moves is not None:
         assert mig["moves"] <= budget.max_moves
     if budget.max_moves_per_gpu is not None:
         assert mig["moves_max_per_gpu"] <= budget.max_moves_per_gpu
-    assert set(mig["candidates"]) >= {"planned", "relabel", "previous", "budgeted_search", "repair"}
+    # Candidates that serve some layer worse even with those layers put back are left out.
+    assert {"previous", "repair"} <= set(mig["candidates"]) <= {
+        "planned", "relabel", "previous", "budgeted_search", "repair", "budgeted_search+repair"}
     assert mig["method"] in mig["candidates"] and mig["candidates"][mig["method"]]["fits"]
     if mig["method"] not in ("planned", "relabel"):
         assert r.status == "HEURISTIC" and f"judged under {rule.name}" in r.message
@@ -131,7 +133,7 @@ def test_rebalancer_plans_and_scores_under_the_rule(rng):
     rb2 = Rebalancer(res.placement, interval=1, min_improvement=0.0, dispatch=rule)
     rb2.observe(_loads(rng))
     res2 = rb2.rebalance()
-    assert res2.after.gpu_load_LG.max(axis=1).sum() <= res2.before.gpu_load_LG.max(axis=1).sum() * (1 + 1e-12)
+    assert (res2.after.gpu_load_LG.max(axis=1) <= res2.before.gpu_load_LG.max(axis=1) * (1 + 1e-12)).all()
     with pytest.raises(EplbError, match="decides for an even split"):
         Rebalancer(previous, dispatch=rule, policy="adaptive")
 
@@ -163,4 +165,4 @@ def test_sglang_plugin_rebalance_keeps_replicas_under_the_rule(rng, monkeypatch)
     budgeted = plugin.rebalance_experts(torch.from_numpy(counts_B), G * S, S, 8, N)[0].numpy()
     assert count_moves(first[moe], budgeted[moe], G, E).sum() <= 4
     p_first, p_budgeted = (Placement(m[moe], G, E, N, moe) for m in (first, budgeted))
-    assert _served(p_budgeted, load, rule).sum() <= _served(p_first, load, rule).sum() * (1 + 1e-12)
+    assert (_served(p_budgeted, load, rule) <= _served(p_first, load, rule) * (1 + 1e-12)).all()
