@@ -278,8 +278,11 @@ def plan(
     Migration (eplb.migration): with `previous`, the placement now served, the plan is relabelled
     to keep the most of its replicas in place; `budget` (an eplb.Budget: max_moves,
     max_moves_per_gpu, move_cost, span_cost, bytes_per_expert) bounds and prices the copies (a
-    budgeted search from `previous` then competes with the relabelled plan). Moves (and bytes)
-    are reported in info["migration"]. A budget without `previous` is refused.
+    budgeted search from `previous` then competes with the relabelled plan). Under a rule whose
+    shares follow the layout (SGLang's) every candidate is judged by binding that rule
+    (eplb.migration.rule; the rule-aware planner fits its plan to `previous` itself), and with a
+    budget no layer is served worse than keeping `previous`. Moves (and bytes) are reported in
+    info["migration"]. A budget without `previous` is refused.
     dispatch: the rule the engine will apply (eplb.dispatch.get_rule: a name or a DispatchRule;
     default "plan", the plan's own weights, else an even split; an engine's rule is
     eplb.dispatch.engine_rule("sglang"), ...). Planners read it from the request; the result's

@@ -82,10 +82,12 @@ def _movable(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarra
 
 
 def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
-    """The swap between a slot of the busiest GPU and another slot that lowers that GPU most.
+    """The swap between a slot of the busiest GPU and a slot of another GPU that lowers the
+    busiest GPU most per move, or None.
 
-    Returns (gain, moves, a, b) or None: gain = busiest load - max of the two GPUs' loads
-    after it (> 0), moves = change in copies against the served placement (old_GE).
+    Returns (gain, moves, a, b): gain = the busiest load - the larger of the two GPUs' loads
+    after it (> 0), moves = change in copies against the served placement (old_GE). Swaps
+    that copy nothing (moves <= 0) come first, by gain.
     """
     g_G = np.bincount(gpu_P, weights=x_P, minlength=G)
     top = int(np.argmax(g_G))
@@ -94,8 +96,7 @@ def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
     ea, eb = phy_P[a][:, None], phy_P[b][None, :]
     ga, gb = top, gpu_P[b][None, :]
     d = x_P[a][:, None] - x_P[b][None, :]
-    after = np.maximum(g_G[top] - d, g_G[gb] + d)
-    gain = g_G[top] - after
+    gain = g_G[top] - np.maximum(g_G[top] - d, g_G[gb] + d)
     holds = np.zeros((G, int(phy_P.max()) + 1), dtype=bool)
     holds[gpu_P, phy_P] = True
     ok = (gain > 0) & ~holds[gb, ea] & ~holds[ga, eb]
@@ -106,10 +107,9 @@ def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
         return None
     new = ~old_GE
     moves = (new[gb, ea].astype(np.int64) + new[ga, eb]) - (new[ga, ea].astype(np.int64) + new[gb, eb])
-    # Swaps that copy nothing (moves <= 0) first, by gain; else the best gain per move.
     free = ok & (moves <= 0)
-    score = np.where(free, gain, gain / np.maximum(moves, 1)) if free.any() else gain / np.maximum(moves, 1)
-    i, j = np.unravel_index(int(np.argmax(np.where(free if free.any() else ok, score, -np.inf))), ok.shape)
+    pick = free if free.any() else ok
+    i, j = np.unravel_index(int(np.argmax(np.where(pick, gain / np.maximum(moves, 1), -np.inf))), ok.shape)
     return float(gain[i, j]), int(moves[i, j]), int(a[i]), int(b[j])
 
 
@@ -122,14 +122,19 @@ def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, ol
     them, see `_movable`); old_LP: the served placement moves are counted against; used_LG:
     moves start_LP already makes. Swaps are bought best gain per move first, over all layers,
     while a swap's gain pays its price (Budget.move_cost x the layer's mean GPU load per move)
-    and the budget's move limits hold. Returns (the new placement, int64 [L, P], and its
-    shares, the same as binding the rule to it gives).
+    and the budget's move limits hold. A swap lowers the busiest GPU, not always the layer's
+    peak (another GPU may be as busy), so each layer then keeps the prefix of its swaps with
+    the lowest peak plus move price (the swaps of one layer change nothing in another: no
+    share moves). Returns (the new placement, int64 [L, P], and its shares, the same as
+    binding the rule to it gives).
     """
     L, P = start_LP.shape
     G, S, E = num_gpus, P // num_gpus, load_LE.shape[1]
     phy_LP = np.array(start_LP, dtype=np.int64, copy=True)
-    w_LP = np.array(w_LP, dtype=np.float64, copy=True)
+    w0_LP = np.asarray(w_LP, dtype=np.float64)
+    w_LP = w0_LP.copy()
     x_LP = np.take_along_axis(load_LE, phy_LP, axis=1) * w_LP
+    x0_LP = x_LP.copy()
     move_LP = _movable(phy_LP, G, num_nodes)
     gpu_P = np.arange(P) // S
     node_P = gpu_P // (G // num_nodes)
@@ -140,6 +145,7 @@ def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, ol
     left = None if budget.max_moves is None else budget.max_moves - int(in_G.sum())
     price_L = budget.move_cost * load_LE.sum(axis=1) / G
     heap: list = []
+    done: list[list] = [[] for _ in range(L)]  # per layer: (slot a, slot b, moves so far, peak after)
 
     def push(l: int) -> None:
         best = _best_swap(phy_LP[l], x_LP[l], move_LP[l], old_LGE[l], gpu_P, node_P, G)
@@ -165,7 +171,19 @@ def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, ol
         in_G[gb] += add_b
         if left is not None:
             left -= moves
+        done[l].append((a, b, (done[l][-1][2] if done[l] else 0) + moves,
+                        np.bincount(gpu_P, weights=x_LP[l], minlength=G).max()))
         push(l)
+    # Each layer's best prefix of its swaps, replayed from the start.
+    phy_LP[:] = start_LP
+    w_LP[:] = w0_LP
+    for l, swaps in enumerate(done):
+        if not swaps:
+            continue
+        cost = np.array([x0_LP[l].reshape(G, S).sum(axis=1).max()] + [s[3] + price_L[l] * s[2] for s in swaps])
+        for a, b, _, _ in swaps[:int(np.flatnonzero(cost <= cost.min() * (1 + 1e-12))[0])]:
+            for arr in (phy_LP, w_LP):
+                arr[l, a], arr[l, b] = arr[l, b], arr[l, a]
     return phy_LP, w_LP
 
 

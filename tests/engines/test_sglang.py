@@ -151,6 +151,44 @@ def test_sglang_loader_installs_eplb_algorithm(trace, server, hooks, monkeypatch
     assert gpu.max(axis=1).max() / gpu.mean(axis=1).min() < 1.1
 
 
+def test_periodic_rebalance_plans_from_the_served_map(trace, server, hooks, monkeypatch):
+    """SGLang's periodic rebalance (`init_by_eplb` while a map is served) keeps the served
+    replicas and the balance a plan from scratch gets under the rule it applies then."""
+    from eplb.migration import count_moves
+    from eplb.placement import Placement
+
+    monkeypatch.setenv(launcher.ENV_PLANNER, "rule-aware,refine_rounds=50")
+    monkeypatch.setenv(launcher.ENV_DISPATCH, "static")
+    launcher.register()
+    hooks.apply_hooks()
+    moe = trace.layer_ids
+
+    def counts(lo):
+        c = np.zeros((4, H, E), dtype=np.int64)
+        c[:, moe] = trace.counts_TLE[lo:lo + 4]
+        return torch.from_numpy(c)
+
+    monkeypatch.setattr(el, "get_global_expert_location_metadata", lambda: None)
+    served = el.ExpertLocationMetadata.init_by_eplb(None, counts(0))
+    scratch = el.ExpertLocationMetadata.init_by_eplb(None, counts(8))
+    monkeypatch.setattr(el, "get_global_expert_location_metadata", lambda: served)
+    again = el.ExpertLocationMetadata.init_by_eplb(None, counts(8))
+    old, new, fresh = (m.physical_to_logical_map.numpy()[moe] for m in (served, again, scratch))
+    assert count_moves(old, new, G, E).sum() < count_moves(old, fresh, G, E).sum()
+    rule = SglangStatic(path="rebalance")
+    load = trace.counts_TLE[8:12].sum(axis=0)
+
+    def busiest(phy):
+        p = Placement(phy, G, E, N, moe)
+        return p.gpu_loads(load, rule.bind(p)(None)).max(axis=1)
+
+    assert busiest(new).max() <= busiest(fresh).max() * 1.01
+    assert np.median(busiest(new)) <= np.median(busiest(fresh)) * 1.01
+    # The dispatch SGLang built for the new map is the one eplb judged it by (rank 0 here).
+    mine_GLE = static_dispatch_maps(Placement(new, G, E, N, moe), path="rebalance")
+    assert np.array_equal(again.logical_to_rank_dispatch_physical_map.numpy()[moe], mine_GLE[0])
+
+
 def test_startup_file_is_checked_inside_sglang(server, hooks, monkeypatch, tmp_path):
     monkeypatch.setenv(launcher.ENV_PLANNER, "rule-aware")
     launcher.register()
