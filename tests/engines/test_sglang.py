@@ -151,7 +151,7 @@ def test_sglang_loader_installs_eplb_algorithm(trace, server, hooks, monkeypatch
     assert gpu.max(axis=1).max() / gpu.mean(axis=1).min() < 1.1
 
 
-def test_periodic_rebalance_plans_from_the_served_map(trace, server, hooks, monkeypatch):
+def test_periodic_rebalance_plans_from_the_served_map(trace, server, hooks, monkeypatch, world_of_one):
     """SGLang's periodic rebalance (`init_by_eplb` while a map is served) keeps the served
     replicas and the balance a plan from scratch gets under the rule it applies then."""
     from eplb.migration import count_moves
