@@ -10,9 +10,8 @@ i + 1 is serving when traffic becomes workload i. Compared, all planned on workl
 served on it under the rule (in-sample: the question is what the migration step keeps):
 - from scratch: the rule-aware plan for i, no previous placement (the reference);
 - keep: the previous placement served as it is (0 moves);
-- even-split migration: the plan from scratch relabelled onto the previous placement as
-  `eplb.migration.migrate` does for an even split (what `plan(previous=...)` did under these
-  rules before it judged candidates under the rule);
+- even-split migration: the plan from scratch relabelled onto the previous placement by
+  `eplb.migration.migrate`, the migration step for even splits, here served under SGLang's rule;
 - `plan(..., previous=..., budget=...)` with no move limit, a move limit, and the
   Rebalancer's default price per move.
 Rules: SGLang static with the start-up map (`SglangStatic()`, what `dispatch="sglang-static"`
@@ -125,8 +124,8 @@ def main(args, data_source, docs_path, cmd: str) -> None:
             "one; every row is planned on this workload and served on it under the rule named above the table "
             "(eplb.sglang_dispatch). `from scratch`: the rule-aware plan with no previous placement; `keep`: the "
             "previous placement as it is; `even-split migration`: the plan from scratch relabelled onto the "
-            "previous placement (eplb.migration.migrate, what the migration step did under these rules before it "
-            "judged candidates under the rule); `from previous`: `eplb.plan(..., previous=..., budget=...)`. "
+            "previous placement by eplb.migration.migrate, the migration step for even splits, served under this "
+            "rule; `from previous`: `eplb.plan(..., previous=..., budget=...)`. "
             "Served: busiest / mean GPU per layer, median (max) over every workload and layer. Worst workload: "
             "the largest ratio over workloads of the row's median (max) over layers to the plan from scratch's, "
             "and of its summed busiest-GPU load over layers to keeping the previous placement. Moves: copies onto "
