@@ -32,12 +32,11 @@ from eplb.migration.adapt import adapt_solution, max_load, migrate, restore_miss
 from eplb.migration.kernels import warm_up
 from eplb.migration.moves import count_moves, holdings, keep_slots, relabel
 from eplb.migration.plan import CHECKPOINT, MigrationPlan
-from eplb.migration.rule import layout_dependent, migrate_for_rule, repair_swaps
+from eplb.migration.rule import layout_dependent
 from eplb.migration.schedule import schedule
 from eplb.migration.search import Budget, budgeted_search
 
 __all__ = [
     "CHECKPOINT", "Budget", "MigrationPlan", "adapt_solution", "budgeted_search", "count_moves", "holdings",
-    "keep_slots", "layout_dependent", "max_load", "migrate", "migrate_for_rule", "relabel", "repair_swaps",
-    "restore_missing", "schedule", "warm_up",
+    "keep_slots", "layout_dependent", "max_load", "migrate", "relabel", "restore_missing", "schedule", "warm_up",
 ]

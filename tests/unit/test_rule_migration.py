@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from eplb.errors import EplbError
-from eplb.migration import Budget, count_moves, layout_dependent, repair_swaps
+from eplb.migration import Budget, count_moves, layout_dependent
+from eplb.migration.rule import repair_swaps
 from eplb.placement import Placement
 from eplb.planning import plan
 from eplb.rebalance import Rebalancer
