@@ -117,20 +117,36 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
 def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, *,
                  beta: float, quantile: float, max_rounds: int, top_gpus: int = 2) -> np.ndarray:
     """Swap replicas between a busiest GPU and any other GPU while the smooth maximum of GPU
-    loads over the kept windows drops (in place; returns phy2log_LP).
+    loads over the kept windows drops (in place; returns phy2log_LP). Each replica carries
+    1 / count of its expert's share (an even split)."""
+    w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
+    slot_load_LPT = np.take_along_axis(w_LET, phy2log_LP[:, :, None], axis=1)
+    smooth_max_swaps(phy2log_LP, slot_load_LPT, num_gpus, beta=beta, quantile=quantile, max_rounds=max_rounds,
+                     top_gpus=top_gpus)
+    return phy2log_LP
+
+
+def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus: int, *, beta: float,
+                     max_rounds: int, quantile: float = 1.0, top_gpus: int = 2, num_units: int = 1,
+                     bound_LP: np.ndarray | None = None) -> None:
+    """Swap slots between a busiest GPU and any other GPU while the smooth maximum of GPU
+    loads over the kept windows drops; in place on phy2log_LP, slot_load_LPT (the load each
+    slot carries in each window, which travels with its replica) and bound_LP.
 
     Objective per layer: Z = sum over kept windows t and GPUs g of exp(beta (load_gt - m)),
     m the layer's current peak. A swap of slot a (GPU A) with slot b (GPU B) changes only A's
     and B's loads, so its exact change of Z is a sum over windows of four exponentials.
     Unlike the hard maximum, Z also rewards lowering the second-busiest (window, GPU) pair,
-    which keeps the search moving across ties between windows.
+    which keeps the search moving across ties between windows. A swap never puts two replicas
+    of one expert on one GPU; a bound slot (bound_LP) stays inside its unit of
+    num_gpus / num_units consecutive GPUs.
     """
-    T, L, E = share_TLE.shape
-    P = phy2log_LP.shape[1]
+    L, P, T = slot_load_LPT.shape
     G = num_gpus
     S = P // G
-    w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
+    E = int(phy2log_LP.max()) + 1
     gpu_of_P = np.arange(P) // S
+    unit_of_P = gpu_of_P // (G // num_units)
     active = np.arange(L)
     for _ in range(max_rounds):
         if active.size == 0:
@@ -138,7 +154,7 @@ def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.nda
         A = active.size
         ar = np.arange(A)
         phy2log_AP = phy2log_LP[active]
-        w_APT = np.take_along_axis(w_LET[active], phy2log_AP[:, :, None], axis=1)
+        w_APT = slot_load_LPT[active]
         load_AGT = w_APT.reshape(A, G, S, T).sum(axis=2)
         keep_AT = kept_windows(load_AGT, quantile)
         peak_A = np.where(keep_AT[:, None, :], load_AGT, -np.inf).max(axis=(1, 2))
@@ -172,6 +188,11 @@ def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.nda
         eb_on_a_AQP = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy2log_AP[:, None, :]]
         ea_on_b_AQP = holds_AGE[ar[:, None, None], gpu_of_P[None, None, :], ea_AQ[:, :, None]]
         bad = ((gpu_of_P[None, None, :] == gpu_a_AQ[:, :, None]) | eb_on_a_AQP | ea_on_b_AQP)
+        if bound_LP is not None:
+            bnd_AP = bound_LP[active]
+            ba_AQ = np.take_along_axis(bnd_AP, a_slot_AQ, axis=1)
+            same_unit = unit_of_P[None, None, :] == unit_of_P[a_slot_AQ][:, :, None]
+            bad |= ~((~ba_AQ[:, :, None] & ~bnd_AP[:, None, :]) | same_unit)
         gain_AQP = np.where(bad, -np.inf, gain_AQP)
         flat = gain_AQP.reshape(A, -1).argmax(axis=1)
         best = gain_AQP.reshape(A, -1)[ar, flat]
@@ -182,11 +203,11 @@ def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.nda
         q, b = np.divmod(flat[improve], P)
         layers = active[improve]
         a = a_slot_AQ[ar[improve], q]
-        ea = phy2log_LP[layers, a].copy()
-        phy2log_LP[layers, a] = phy2log_LP[layers, b]
-        phy2log_LP[layers, b] = ea
+        for arr in (phy2log_LP, slot_load_LPT) if bound_LP is None else (phy2log_LP, slot_load_LPT, bound_LP):
+            tmp = arr[layers, a].copy()
+            arr[layers, a] = arr[layers, b]
+            arr[layers, b] = tmp
         active = layers
-    return phy2log_LP
 
 
 class RobustPlanner:

@@ -43,7 +43,7 @@ from eplb.planner_api import PlanRequest, Solution
 from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from eplb.stats import replica_counts_minmax
 from planners.greedy import plan_greedy
-from planners.robust import RobustPlanner, normalise_windows, robust_demand
+from planners.robust import RobustPlanner, normalise_windows, robust_demand, smooth_max_swaps
 from planners.rule_previous import fit_gpus, held_by_gpu, match_units, moves_per_layer
 
 SCOPES: dict[type, str] = {EvenSplit: "free", PlanWeights: "free", SglangStatic: "unit", SglangDynamic: "unit"}
@@ -169,69 +169,11 @@ def slot_loads(phy2log_LP, share_TLE, table_LEU, num_units: int) -> np.ndarray:
 
 def refine_bound(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, bound_LP: np.ndarray, num_gpus: int,
                  gpus_per_unit: int, *, beta: float, max_rounds: int, top_gpus: int = 2) -> None:
-    """Step 5, in place on all three arrays: swaps that lower the smooth maximum of GPU loads.
-
-    Objective per layer: Z = sum over windows t and GPUs g of exp(beta (load_gt - m)), m the
-    layer's peak (loads in units of the mean GPU load), as in `planners.robust.refine_swaps`,
-    but on per-slot loads (shares differ between replicas) and with bound slots (bound_LP)
-    kept inside their unit of gpus_per_unit consecutive GPUs. A swap never puts two replicas
-    of one expert on one GPU.
-    """
-    L, P, T = slot_load_LPT.shape
-    G = num_gpus
-    S = P // G
-    gpu_of_P = np.arange(P) // S
-    unit_of_P = gpu_of_P // gpus_per_unit
-    E = int(phy2log_LP.max()) + 1
-    active = np.arange(L)
-    for _ in range(max_rounds):
-        if active.size == 0:
-            break
-        A = active.size
-        ar = np.arange(A)
-        phy_AP = phy2log_LP[active]
-        w_APT = slot_load_LPT[active]
-        bnd_AP = bound_LP[active]
-        load_AGT = w_APT.reshape(A, G, S, T).sum(axis=2)
-        peak_A = load_AGT.max(axis=(1, 2))
-        src_AK = np.argsort(-load_AGT.max(axis=2), axis=1, kind="stable")[:, :top_gpus]
-        K = src_AK.shape[1]
-        a_AQ = (src_AK[:, :, None] * S + np.arange(S)).reshape(A, K * S)   # Q = K x S candidate slots
-        wa_AQT = np.take_along_axis(w_APT, a_AQ[:, :, None], axis=1)
-        ea_AQ = np.take_along_axis(phy_AP, a_AQ, axis=1)
-        ba_AQ = np.take_along_axis(bnd_AP, a_AQ, axis=1)
-        gpu_a_AQ = a_AQ // S
-        m = peak_A[:, None, None]
-        ea_AQT = np.exp(beta * (np.take_along_axis(load_AGT, gpu_a_AQ[:, :, None], axis=1) - m))
-        eb_APT = np.exp(beta * (load_AGT[:, gpu_of_P] - m))
-        ua_AQT = np.exp(np.minimum(beta * wa_AQT, 600.0))
-        vb_APT = np.exp(np.minimum(beta * w_APT, 600.0))
-        # Change of Z for swapping a and b; the exponentials of the two loads factor apart.
-        gain_AQP = (ea_AQT.sum(axis=2)[:, :, None] + eb_APT.sum(axis=2)[:, None, :]
-                    - np.matmul(ea_AQT / ua_AQT, np.swapaxes(vb_APT, 1, 2))
-                    - np.matmul(ua_AQT, np.swapaxes(eb_APT / vb_APT, 1, 2)))
-        holds_AGE = np.zeros((A, G, E), dtype=bool)
-        holds_AGE[ar[:, None], gpu_of_P[None, :], phy_AP] = True
-        eb_on_a = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy_AP[:, None, :]]
-        ea_on_b = holds_AGE[ar[:, None, None], gpu_of_P[None, None, :], ea_AQ[:, :, None]]
-        same_unit = unit_of_P[None, None, :] == (gpu_a_AQ // gpus_per_unit)[:, :, None]
-        movable = (~ba_AQ[:, :, None] & ~bnd_AP[:, None, :]) | same_unit
-        bad = (gpu_of_P[None, None, :] == gpu_a_AQ[:, :, None]) | eb_on_a | ea_on_b | ~movable
-        gain_AQP = np.where(bad, -np.inf, gain_AQP)
-        flat = gain_AQP.reshape(A, -1).argmax(axis=1)
-        best = gain_AQP.reshape(A, -1)[ar, flat]
-        z_A = np.exp(beta * (load_AGT - m)).sum(axis=(1, 2))
-        improve = best > 1e-9 * z_A
-        if not improve.any():
-            break
-        q, b = np.divmod(flat[improve], P)
-        layers = active[improve]
-        a = a_AQ[ar[improve], q]
-        for arr in (phy2log_LP, slot_load_LPT, bound_LP):
-            tmp = arr[layers, a].copy()
-            arr[layers, a] = arr[layers, b]
-            arr[layers, b] = tmp
-        active = layers
+    """Step 5, in place on all three arrays: swaps that lower the smooth maximum of GPU loads
+    over all windows (`planners.robust.smooth_max_swaps`), on per-slot loads (shares differ
+    between replicas), with bound slots kept inside their unit of gpus_per_unit GPUs."""
+    smooth_max_swaps(phy2log_LP, slot_load_LPT, num_gpus, beta=beta, max_rounds=max_rounds, top_gpus=top_gpus,
+                     num_units=num_gpus // gpus_per_unit, bound_LP=bound_LP)
 
 
 def _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G: int, S: int, beta: float, refine_rounds: int,
