@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "eplb.planner_api": 5,
     "planners": 6, "eplb.migration": 6,
     "eplb.planning": 7,
-    "eplb.rebalance": 8, "eplb.policy": 8, "eplb.backtest": 8, "eplb.replay": 8, "eplb.simulate": 8,
+    "eplb.rebalance": 8, "eplb.policy": 8, "eplb._policy_kernel": 8, "eplb.backtest": 8, "eplb.replay": 8, "eplb.simulate": 8,
     "eplb.formats": 9, "eplb.plot": 9,
     "eplb.collect": 10, "eplb.runtime": 10,
     "eplb.integrations": 11,
