@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+_TIE = 1e-12      # choices closer than this (relative) are ties, broken by order: equal swaps and GPUs
 _EXP_CLIP = 600.0  # exp(600) is finite; only replicas above 12x the mean GPU load reach it at beta 50
 
 
@@ -157,7 +158,7 @@ def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap
                     d = _arrival(e, g, hold_EG, was_EG) - _departure(x, g, hold_EG, was_EG)
                     if moved + d > cap_total or in_G[g] + d > cap_G[g]:
                         continue
-                if peak_G[g] < best_v:
+                if best_p < 0 or peak_G[g] < best_v - _TIE * best_v:
                     best_v = peak_G[g]
                     best_p = p
             if best_p < 0:
@@ -190,9 +191,7 @@ def _shift(phy_P, cnt_E, share_EM, S, load_GM, x, e, sign):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _swaps(phy_P, cnt_E, share_EM, S, rounds, beta, partners, hold_EG, was_EG, in_G, moved, cap_total, cap_G,
-           load_GM, ready_E, w_EM, x_EM, ix_EM, e_GM, peak_G, esum_G, order_G, cand_C, gpu_C, base_C, gain_C, x_MC,
-           b_MC):
+def _swaps(phy_P, cnt_E, share_EM, S, rounds, how, caps, moved, load_GM, work):
     """At most `rounds` swaps between a replica on one of the two GPUs with the heaviest worst
     window and a replica on one of the `partners` GPUs with the lightest, each the swap that
     lowers the smooth maximum Z = sum over (GPU, window) of exp(beta (load - top)) the most,
@@ -203,6 +202,10 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, beta, partners, hold_EG, was_EG, i
     gain = sum_m eA + eB - (eA / x_ea) x_eb - x_ea (eB / x_eb). For one a the gains of all
     candidate b are accumulated window by window, each b's in the same order (vectorised over b).
     """
+    beta, partners, sources, floor = how
+    hold_EG, was_EG, in_G, cap_total, cap_G = caps
+    ready_E, w_EM, x_EM, ix_EM, e_GM, peak_G, esum_G, order_G, cand_C, gpu_C, slot_C, free_C, base_C, gain_C, x_MC, \
+        b_MC = work
     E, M = share_EM.shape
     G = load_GM.shape[0]
     capped = cap_total < np.inf
@@ -216,7 +219,7 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, beta, partners, hold_EG, was_EG, i
             top = max(top, load_GM[g, m])
     for g in range(G):
         _gpu_terms(g, load_GM, top, beta, e_GM, peak_G, esum_G)
-    n_src = min(2, G)
+    n_src = min(sources, G)
     for _ in range(rounds):
         z = 0.0
         for g in range(G):
@@ -230,8 +233,9 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, beta, partners, hold_EG, was_EG, i
                 b = B * S + sb
                 eb = phy_P[b]
                 _ready(eb, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
-                cand_C[nc] = b
+                cand_C[nc] = eb
                 gpu_C[nc] = B
+                slot_C[nc] = sb
                 base_C[nc] = esum_G[B]
                 for m in range(M):
                     x_MC[m, nc] = x_EM[eb, m]
@@ -242,6 +246,9 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, beta, partners, hold_EG, was_EG, i
         best_b = -1
         for i in range(n_src):
             A = order_G[i]
+            for k in range(nc):
+                # Candidates that can never swap with a replica of A: on A, or their expert is on A.
+                free_C[k] = gpu_C[k] != A and hold_EG[cand_C[k], A] == 0
             for sa in range(S):
                 a = A * S + sa
                 ea = phy_P[a]
@@ -255,20 +262,19 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, beta, partners, hold_EG, was_EG, i
                         gain_C[k] -= am * x_MC[m, k] + xm * b_MC[m, k]
                 for k in range(nc):
                     B = gpu_C[k]
-                    b = cand_C[k]
-                    eb = phy_P[b]
-                    if B == A or eb == ea or hold_EG[ea, B] > 0 or hold_EG[eb, A] > 0:
+                    eb = cand_C[k]
+                    if not free_C[k] or eb == ea or hold_EG[ea, B] > 0:
                         continue
                     if capped:
                         dA = _arrival(eb, A, hold_EG, was_EG) - _departure(ea, A, hold_EG, was_EG)
                         dB = _arrival(ea, B, hold_EG, was_EG) - _departure(eb, B, hold_EG, was_EG)
                         if moved + dA + dB > cap_total or in_G[A] + dA > cap_G[A] or in_G[B] + dB > cap_G[B]:
                             continue
-                    if gain_C[k] > best:
+                    if best_a < 0 or gain_C[k] > best + _TIE * abs(best):
                         best = gain_C[k]
                         best_a = a
-                        best_b = b
-        if best_a < 0 or not best > 1e-9 * z:
+                        best_b = B * S + slot_C[k]
+        if best_a < 0 or not best > floor * z:
             break
         a, b = best_a, best_b
         A, B = a // S, b // S
@@ -333,9 +339,10 @@ def _gpu_terms(g, load_GM, top, beta, e_GM, peak_G, esum_G):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, beta, partners, cap_total, cap_G, new_LP, cost_L2):
+def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, cap_total, cap_G, new_LP, cost_L2):
     """Repair every layer of old_LP against the windows of ring_MLE (see the module docstring).
 
+    how: (beta, partners, sources, floor) of the swaps (`_swaps`).
     Per layer and blend: target replica counts (`_targets`), fill the experts below target
     (`_fill`), then rounds_L[l] swaps (`_swaps`); the blend whose result has the lightest worst
     window is kept when it beats the old placement's by more than 1e-12. Moves (experts landing
@@ -349,25 +356,23 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, beta, partners, cap_t
     S = P // G
     share_EM = np.empty((E, M))
     load_GM = np.empty((G, M))
-    w_EM = np.empty((E, M))
-    x_EM = np.empty((E, M))
-    ix_EM = np.empty((E, M))
-    ready_E = np.zeros(E, dtype=np.bool_)
-    order_G = np.empty(G, dtype=np.int64)
-    e_GM = np.empty((G, M))
     peak_G = np.empty(G)
-    esum_G = np.empty(G)
-    cand_C = np.empty(P, dtype=np.int64)
-    gpu_C = np.empty(P, dtype=np.int64)
-    base_C = np.empty(P)
-    gain_C = np.empty(P)
-    x_MC = np.empty((M, P))
-    b_MC = np.empty((M, P))
+    C = min(how[1], G) * S                           # candidate slots of one swap round
+    # The swaps' scratch (see _swaps for the names), made once for all layers.
+    work = (np.zeros(E, dtype=np.bool_), np.empty((E, M)), np.empty((E, M)), np.empty((E, M)), np.empty((G, M)),
+            np.empty(G), np.empty(G), np.empty(G, dtype=np.int64), np.empty(C, dtype=np.int64),
+            np.empty(C, dtype=np.int64), np.empty(C, dtype=np.int64), np.empty(C, dtype=np.bool_), np.empty(C),
+            np.empty(C), np.empty((M, C)), np.empty((M, C)))
     cnt_E = np.empty(E, dtype=np.int64)
-    target_E = np.empty(E, dtype=np.int64)
+    B = blends_B.shape[0]
+    target_BE = np.empty((B, E), dtype=np.int64)
+    fill_BP = np.empty((B, P), dtype=np.int64)
+    moved_B = np.zeros(B, dtype=np.int64)
+    in_BG = np.zeros((B, G), dtype=np.int64)
+    worst_B = np.empty(B)
     key_E = np.empty(E)
     per_E = np.empty(E)
-    hold_EG = np.empty((E, G), dtype=np.int64)
+    hold_EG = np.empty((E, G), dtype=np.int16)      # small enough to stay in the L1 cache
     was_EG = np.zeros((E, G), dtype=np.bool_)
     in_G = np.empty(G, dtype=np.int64)
     phy_P = np.empty(P, dtype=np.int64)
@@ -383,21 +388,47 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, beta, partners, cap_t
         new_LP[l] = old_LP[l]
         cost_L2[l, 0] = old_cost
         cost_L2[l, 1] = old_cost
-        for k in range(blends_B.shape[0]):
-            phy_P[:] = old_LP[l]
+        # Step 1-2 for every blend; the swaps then start from the fills with the lightest worst
+        # window (`swap_fills` of them), each blend whose targets differ from an earlier one's.
+        nb = blends_B.shape[0]
+        for k in range(nb):
+            fill_BP[k] = old_LP[l]
+            cnt_E[:] = 0
+            hold_EG[:] = 0
+            for p in range(P):
+                cnt_E[fill_BP[k, p]] += 1
+                hold_EG[fill_BP[k, p], p // S] += 1
+            in_G[:] = 0
+            _targets(share_EM, blends_B[k], P, G, target_BE[k], key_E, per_E)
+            same = False
+            for j in range(k):
+                if (target_BE[j] == target_BE[k]).all():
+                    same = True
+            moved_B[k] = _fill(fill_BP[k], cnt_E, target_BE[k], share_EM, S, hold_EG, was_EG, in_G, 0, cap_total,
+                               cap_G, load_GM, peak_G)
+            in_BG[k] = in_G
+            _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
+            cost, worst_B[k] = _cost(load_GM)
+            if same:
+                worst_B[k] = np.inf
+        for _ in range(min(swap_fills, nb)):
+            k = -1                          # the lightest fill left, the first of (near) equals
+            for j in range(nb):
+                if worst_B[j] < np.inf and (k < 0 or worst_B[j] < worst_B[k] - _TIE * worst_B[k]):
+                    k = j
+            if k < 0:
+                break
+            worst_B[k] = np.inf
+            phy_P[:] = fill_BP[k]
             cnt_E[:] = 0
             hold_EG[:] = 0
             for p in range(P):
                 cnt_E[phy_P[p]] += 1
                 hold_EG[phy_P[p], p // S] += 1
-            in_G[:] = 0
-            _targets(share_EM, blends_B[k], P, G, target_E, key_E, per_E)
-            moved = _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, 0, cap_total, cap_G, load_GM,
-                          peak_G)
+            in_G[:] = in_BG[k]
             if rounds_L[l] > 0:
-                _swaps(phy_P, cnt_E, share_EM, S, rounds_L[l], beta, partners, hold_EG, was_EG, in_G, moved,
-                       cap_total, cap_G, load_GM, ready_E, w_EM, x_EM, ix_EM, e_GM, peak_G, esum_G, order_G,
-                       cand_C, gpu_C, base_C, gain_C, x_MC, b_MC)
+                _swaps(phy_P, cnt_E, share_EM, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
+                       moved_B[k], load_GM, work)
             _loads(phy_P, cnt_E, share_EM, S, load_GM)
             cost, worst = _cost(load_GM)
             if worst < best_worst - 1e-12:

@@ -175,9 +175,13 @@ class ChangeDetector:
 
 # Repair: a few changes to the placement in force ---------------------------------------------------
 
+_SOURCES = 2           # GPUs with the heaviest worst window a swap may unload
+_SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of it
+
+
 def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
-           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, max_moves: float = np.inf,
-           max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1,
+           max_moves: float = np.inf, max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The placement in force, changed a little to balance every window (compiled, per layer).
 
     Step 1: target replica counts, as the `robust` planner sets them (demand blending each
@@ -185,11 +189,13 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     Step 2: fill the experts below target from those above it, one move each: the new replica
             overwrites a slot of an expert with replicas to spare, on the GPU (without the
             needy expert) whose worst window is lightest.
-    Step 3: at most rounds_L[l] replica swaps in layer l between one of the two GPUs with the
-            heaviest worst window and one of the `partners` with the lightest, each lowering the
-            smooth maximum of GPU loads over all windows (sharpness `beta`) the most.
-    Per layer, the blend whose result has the lightest worst window is kept (the layer stays as
-    it was unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
+    Step 3: from the `swap_fills` fills with the lightest worst window (one by default: the swaps
+            cost most, and swapping from both fills bought nothing measurable), at most
+            rounds_L[l] replica swaps in layer l between one of the two GPUs with the heaviest
+            worst window and one of the `partners` with the lightest, each lowering the smooth
+            maximum of GPU loads over all windows (sharpness `beta`) the most.
+    Per layer, the result with the lightest worst window is kept (the layer stays as it was
+    unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
     onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`).
     Returns (phy2log_LP, cost_L2): the new map and the cost of the old and the new placement per
     layer, cost = half the mean and half the worst window of busiest / mean GPU.
@@ -201,8 +207,9 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     new_LP = np.empty_like(old)
     cost_L2 = np.empty((old.shape[0], 2))
     cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
-    _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G, float(beta),
-                          int(partners), float(max_moves), cap_G, new_LP, cost_L2)
+    _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G,
+                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(max_moves), cap_G,
+                          new_LP, cost_L2)
     return new_LP, cost_L2
 
 
