@@ -139,7 +139,7 @@ def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap
     E = cnt_E.shape[0]
     G, M = load_GM.shape
     P = phy_P.shape[0]
-    capped = cap_total < np.inf
+    capped = cap_total < np.inf or cap_G.min() < np.inf
     _loads(phy_P, cnt_E, share_EM, S, load_GM)
     for e in range(E):
         while cnt_E[e] < target_E[e]:
@@ -208,7 +208,7 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, how, caps, moved, load_GM, work):
         b_MC = work
     E, M = share_EM.shape
     G = load_GM.shape[0]
-    capped = cap_total < np.inf
+    capped = cap_total < np.inf or cap_G.min() < np.inf
     # Per-replica loads and their exponentials, made for an expert when a swap first looks at it.
     for e in range(E):
         ready_E[e] = False
