@@ -143,7 +143,7 @@ def _slots(args, trace, previous):
     return None, None
 
 
-def _objective(args) -> str | TimeObjective:
+def objective_from_args(args) -> str | TimeObjective:
     """"tokens", or the TimeObjective the cost options describe (refusing options that need others)."""
     cost_opts = [f"--{k.replace('_', '-')}" for k in ("phase", "batch_tokens") if getattr(args, k) is not None]
     cost_opts += ["--overlap"] if args.overlap else []
@@ -175,7 +175,7 @@ def _modeled(args, placement, trace, objective) -> dict:
 
 def run(args) -> int:
     _check_flags(args)
-    objective = _objective(args)
+    objective = objective_from_args(args)
     args.format = args.format or "eplb"
     trace = load_history(args.traces)
     if args.window is not None and args.window > trace.num_windows:
