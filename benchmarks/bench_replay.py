@@ -26,6 +26,15 @@ Traces:
 - topic: `eplb synth` with topic shifts (seed 1; 64 experts, top-2, 26 layers, 2,048 tokens a
   window, 48 windows, 6 shifts, skew 1.0, one phase); 8 GPUs, 72 slots.
 Without ../shared, v2 and v3 are left out (said in the output).
+
+Decision speed (issue 12's serving target, `--speed`, on by default): at DeepSeek-V3 shape
+(58 x 256, 32 GPUs / 288 slots) the adaptive policy's decision (observe the window just served,
+then decide) is timed at every served window of the v3 trace (deepseek.npz without ../shared),
+side by side with SGLang's from-scratch plan (its copy of DeepSeek's EPLB, sglang==0.5.23, as
+benchmarks/bench_greedy.py loads it) on the same windows' sum, interleaved so both see the same
+machine load: global (one node, the replay's topology) and hierarchical (4 nodes, 8 groups,
+SGLang's choice for a 4-node DeepSeek-V3). The Rebalancer's whole rebalance() (decision,
+scores, safe migration schedule) is timed on the same windows too.
 """
 
 from __future__ import annotations
@@ -142,6 +151,68 @@ def run_trace(name: str, counts: np.ndarray, topo: Topology) -> dict:
     return rows
 
 
+def decision_speed(shared: Path) -> list[str]:
+    """Median decision times at DeepSeek-V3 shape against SGLang's from-scratch plan (see the docstring)."""
+    from bench_greedy import load_reference
+
+    from eplb.migration import warm_up
+    from eplb.placement import Placement
+    from eplb.planning import plan
+    from eplb.policy import AdaptivePolicy
+    from eplb.policy import warm_up as warm_up_policy
+    from eplb.rebalance import Rebalancer
+
+    ref, note = load_reference()
+    traces = load_traces(shared, ["v3"]) or load_traces(shared, ["deepseek"])
+    name, counts, topo, _ = traces[0]
+    T = counts.shape[0]
+    counts = counts.astype(np.float64)
+    warm_up(), warm_up_policy()
+    start = Placement(plan(counts[:T // 2], topology=topo, planner="robust").solution.phy2log_LP, 32, 256)
+    pol = AdaptivePolicy()
+    for t in range(T // 2):
+        pol.observe(counts[t], start)
+    rb = Rebalancer(start, interval=1)              # every observation closes a window
+    for t in range(T // 2):
+        rb.policy.observe(counts[t], start)       # the same history as `pol`, given to the hook's policy
+    times: dict[str, list[float]] = {"decide": [], "rebalance": [], "sglang global": [], "sglang hierarchical": []}
+    if ref is not None:
+        import torch
+
+        torch.set_num_threads(1)        # its [58, 256] tensors are below torch's threading grain
+    cur = start
+    for t in range(T // 2, T):
+        t0 = time.perf_counter()
+        pol.observe(counts[t], cur)
+        d = pol.decide(cur)
+        times["decide"].append(time.perf_counter() - t0)
+        if d is not None:
+            cur = Placement(d.phy2log_LP, 32, 256)
+        rb.observe(counts[t])
+        t0 = time.perf_counter()
+        rb.rebalance()
+        times["rebalance"].append(time.perf_counter() - t0)
+        if ref is not None:
+            w = torch.tensor(counts[max(0, t - 15):t + 1].sum(axis=0))
+            for label, nodes, hier in (("sglang global", 1, False), ("sglang hierarchical", 4, True)):
+                t0 = time.perf_counter()
+                ref.rebalance_experts(w, topo.num_slots, 8, nodes, topo.num_gpus, hier)
+                times[label].append(time.perf_counter() - t0)
+    med = {k: float(np.median(v)) * 1e3 for k, v in times.items() if v}
+    lines = [f"decision speed on {name} ({T - T // 2} decisions, 58 x 256, 32 GPUs / 288 slots, adaptive policy "
+             f"with its 16-window memory); reference: {note}"]
+    rows = [[k, f"{v:.1f}", f"{min(times[k]) * 1e3:.1f}", f"{max(times[k]) * 1e3:.1f}"] for k, v in med.items()]
+    lines.append("```\n" + format_table(["what", "median ms", "min ms", "max ms"], rows) + "\n```")
+    for label in ("sglang global", "sglang hierarchical"):
+        if label in med:
+            lines.append(f"- adaptive decision / {label} plan: {med['decide'] / med[label]:.2f}x "
+                         f"(target <= 0.25x); whole rebalance() (with the migration schedule): "
+                         f"{med['rebalance'] / med[label]:.2f}x")
+    if ref is None:
+        lines.append("- no SGLang reference: install it (pip install --no-deps sglang==0.5.23) for the ratios")
+    return lines
+
+
 def table(rows: dict) -> str:
     body = []
     for label, r in rows.items():
@@ -192,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", nargs="+", default=["v2", "v3", "deepseek", "topic"],
                     choices=["v2", "v3", "deepseek", "topic"])
     ap.add_argument("--write-docs", action="store_true", help="write docs/results/replay.md")
+    ap.add_argument("--no-speed", dest="speed", action="store_false",
+                    help="skip the decision-speed part (DeepSeek-V3 shape against SGLang's plan)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     results, text = {}, []
@@ -213,6 +286,10 @@ def main(argv=None) -> int:
         say("\n## Targets (issue 15)")
         for line in targets(results):
             say(f"- {line}")
+    if args.speed:
+        say("\n## Decision speed (issue 12: the serving loop's rebalance decision)")
+        for line in decision_speed(args.shared):
+            say(line)
     say("\nreplay s: wall time of one replay (the adaptive row includes scoring the static and hindsight "
         "references); policy s: time the policy spent observing and deciding")
     say(f"\nbenchmark wall time {time.perf_counter() - t0:.0f} s")

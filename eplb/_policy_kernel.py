@@ -50,8 +50,9 @@ def _loads(phy_P, cnt_E, share_EM, S, load_GM):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _cost(load_GM):
-    """(half the mean, half the worst window of the busiest GPU; the worst window's busiest)."""
+def _cost(load_GM, worst_weight):
+    """(the mean and the worst window of the busiest GPU, weighted 1 - worst_weight and
+    worst_weight; the worst window's busiest)."""
     G, M = load_GM.shape
     total = 0.0
     worst = 0.0
@@ -61,7 +62,7 @@ def _cost(load_GM):
             top = max(top, load_GM[g, m])
         total += top
         worst = max(worst, top)
-    return 0.5 * total / M + 0.5 * worst, worst
+    return (1.0 - worst_weight) * total / M + worst_weight * worst, worst
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -339,7 +340,8 @@ def _gpu_terms(g, load_GM, top, beta, e_GM, peak_G, esum_G):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, cap_total, cap_G, new_LP, cost_L2):
+def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, worst_weight, cap_total, cap_G, new_LP,
+           cost_L2):
     """Repair every layer of old_LP against the windows of ring_MLE (see the module docstring).
 
     how: (beta, partners, sources, floor) of the swaps (`_swaps`).
@@ -384,7 +386,7 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, cap_
         for p in range(P):
             cnt_E[old_LP[l, p]] += 1
         _loads(old_LP[l], cnt_E, share_EM, S, load_GM)
-        old_cost, best_worst = _cost(load_GM)
+        old_cost, best_worst = _cost(load_GM, worst_weight)
         new_LP[l] = old_LP[l]
         cost_L2[l, 0] = old_cost
         cost_L2[l, 1] = old_cost
@@ -408,7 +410,7 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, cap_
                                cap_G, load_GM, peak_G)
             in_BG[k] = in_G
             _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
-            cost, worst_B[k] = _cost(load_GM)
+            cost, worst_B[k] = _cost(load_GM, worst_weight)
             if same:
                 worst_B[k] = np.inf
         for _ in range(min(swap_fills, nb)):
@@ -430,7 +432,7 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, cap_
                 _swaps(phy_P, cnt_E, share_EM, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
                        moved_B[k], load_GM, work)
             _loads(phy_P, cnt_E, share_EM, S, load_GM)
-            cost, worst = _cost(load_GM)
+            cost, worst = _cost(load_GM, worst_weight)
             if worst < best_worst - 1e-12:
                 best_worst = worst
                 new_LP[l] = phy_P

@@ -180,7 +180,7 @@ _SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of i
 
 
 def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
-           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1,
+           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1, worst_weight: float = 0.5,
            max_moves: float = np.inf, max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The placement in force, changed a little to balance every window (compiled, per layer).
 
@@ -198,7 +198,8 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
     onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`).
     Returns (phy2log_LP, cost_L2): the new map and the cost of the old and the new placement per
-    layer, cost = half the mean and half the worst window of busiest / mean GPU.
+    layer, cost = (1 - worst_weight) x the mean + worst_weight x the worst window of busiest /
+    mean GPU (the adaptive policy's decision uses half and half).
     """
     from eplb import _policy_kernel  # numba: imported on first use
 
@@ -208,7 +209,8 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     cost_L2 = np.empty((old.shape[0], 2))
     cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
     _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G,
-                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(max_moves), cap_G,
+                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
+                          float(max_moves), cap_G,
                           new_LP, cost_L2)
     return new_LP, cost_L2
 
