@@ -35,6 +35,12 @@ benchmarks/bench_greedy.py loads it) on the same windows' sum, interleaved so bo
 machine load: global (one node, the replay's topology) and hierarchical (4 nodes, 8 groups,
 SGLang's choice for a 4-node DeepSeek-V3). The Rebalancer's whole rebalance() (decision,
 scores, safe migration schedule) is timed on the same windows too.
+
+Time in the loop (issue 14, `--time`, on by default): v2 and v3 replayed again with the
+policies and hindsight planning for modeled time (`objective=TimeObjective`, H200, FP8
+experts, decode at 128 tokens per GPU per step) and every served window scored in modeled MoE
+seconds per step over 2 drawn step batches (independent expert choices), under the even split,
+the token re-split and the per-batch time dispatch, beside the token ratios.
 """
 
 from __future__ import annotations
@@ -213,6 +219,42 @@ def decision_speed(shared: Path) -> list[str]:
     return lines
 
 
+def time_in_the_loop(shared: Path) -> list[str]:
+    """Replays planned for and scored in modeled step time (see the module docstring)."""
+    from eplb.cost import TimeObjective, cost_model
+    from eplb.replay import Scoring
+
+    lines = []
+    models = {"v2": "deepseek-v2-lite", "v3": "deepseek-v3"}
+    for name, counts, topo, _ in load_traces(shared, ["v2", "v3"]):
+        obj = TimeObjective(cost_model(models[name], "h200"), phase="decode")
+        scoring = Scoring(time=obj, batches_per_window=2)
+        body = []
+        for label, policy, objective in (("static", "static", obj), ("adaptive", "adaptive", obj),
+                                         ("adaptive, tokens", "adaptive", "tokens")):
+            hind = policy == "adaptive" and objective != "tokens"
+            r = replay(counts, topology=topo, policy=policy, objective=objective, scoring=scoring,
+                       references=("hindsight",) if hind else ())
+            s = r.summary()
+            runs = [(label, s["policy"])] + ([("hindsight", s["hindsight"])] if hind else [])
+            rules = ("even", "resplit", "time")
+            for run_label, run in runs:
+                body.append([run_label] + [f"{run[rule]['median']:.3f}" for rule in rules]
+                            + [f"{1e3 * run[rule]['step_seconds']['median']:.3f}" for rule in rules]
+                            + ([f"{s['moves_per_window']:,.0f}"] if run_label.startswith("adaptive") else ["-"]))
+        t = s["time"]
+        lines.append(f"\n{name}: {t['model']} on {t['hardware']}, {t['phase']}, {t['batch_tokens']:,} tokens per step; "
+                     f"{t['how']}")
+        lines.append("```\n" + format_table(["run", "even x", "re-split x", "time x", "even ms", "re-split ms",
+                                              "time ms", "moves / window"], body) + "\n```")
+    if not lines:
+        lines.append("- left out: needs ../shared (v2, v3)")
+    lines.append("x: busiest / mean GPU in tokens, median over (served window, layer); ms: modeled MoE time per step, "
+                 "median over served windows (each the mean of its batches); every run but 'adaptive, tokens' "
+                 "(the default policy planning on tokens, from the robust token plan) planned for time")
+    return lines
+
+
 def table(rows: dict) -> str:
     body = []
     for label, r in rows.items():
@@ -265,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--write-docs", action="store_true", help="write docs/results/replay.md")
     ap.add_argument("--no-speed", dest="speed", action="store_false",
                     help="skip the decision-speed part (DeepSeek-V3 shape against SGLang's plan)")
+    ap.add_argument("--no-time", dest="time", action="store_false",
+                    help="skip the time-in-the-loop part (replays planned for and scored in modeled step time)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     results, text = {}, []
@@ -286,6 +330,10 @@ def main(argv=None) -> int:
         say("\n## Targets (issue 15)")
         for line in targets(results):
             say(f"- {line}")
+    if args.time:
+        say("\n## Time in the loop (issue 14: replays planned for and scored in modeled step time)")
+        for line in time_in_the_loop(args.shared):
+            say(line)
     if args.speed:
         say("\n## Decision speed (issue 12: the serving loop's rebalance decision)")
         for line in decision_speed(args.shared):

@@ -29,6 +29,7 @@ for long by a rebalance on another thread.
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -177,6 +178,9 @@ class Rebalancer:
         self.policy = None if policy is None else get_policy(policy, objective=self.objective)
         if self.policy is not None:
             self._check_policy_budget(placement)
+            params = inspect.signature(self.policy.decide).parameters if takes_budget(self.policy) else {}
+            self._decide_kw = {k: v for k, v in (("budget", self._policy_budget),
+                                                 ("num_expert_groups", self.num_expert_groups)) if k in params}
             if self.policy.name == "adaptive":
                 warm_up_policy()
         # Windows closed by observe wait here for the policy, which sees them on the rebalancing
@@ -452,10 +456,7 @@ class Rebalancer:
                         break
                     window_LE, served = self._closed.popleft()
                 self.policy.observe(window_LE, served)
-            if takes_budget(self.policy):
-                decision = self.policy.decide(pl, self._policy_budget, num_expert_groups=self.num_expert_groups)
-            else:
-                decision = self.policy.decide(pl)
+            decision = self.policy.decide(pl, **self._decide_kw)
         if decision is not None:
             self._check_caps(pl, decision.phy2log_LP)
         new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
