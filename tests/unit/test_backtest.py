@@ -207,3 +207,18 @@ def test_cli_backtest_in_modeled_time(tmp_path, capsys):
     assert "step ms" in out and "planned for modeled time" in out
     assert main([*base, "--model", "deepseek-v2-lite", "--hardware", "h200"]) == 2
     assert "add --objective time" in capsys.readouterr().err
+
+
+def test_leave_one_out_reports_modeled_time_with_a_time_objective():
+    from eplb.cost import TimeObjective, cost_model
+
+    rng = np.random.default_rng(6)
+    loads = [rng.poisson(80.0, (1, 2, 64)) for _ in range(3)]
+    obj = TimeObjective(cost_model("deepseek-v2-lite", "h200"), batch_tokens=32)
+    r = leave_one_out(loads, num_gpus=8, num_redundant=8, objective=obj, batches_per_window=1,
+                      dispatch=("even", "time"), quiet=True)
+    assert r.timed and r.dispatch == ("even", "time")
+    sec = r.column("step_seconds")
+    assert sec.shape == (3, 2) and (sec > 0).all()
+    # The time dispatch is no slower than the even split on the same batches (in the model).
+    assert (sec[:, 1] <= sec[:, 0] * (1 + 1e-9)).all()

@@ -261,6 +261,15 @@ def test_cli_replay_in_modeled_time(tmp_path, capsys):
                  "--batch-tokens", "64", "--batches", "2"]) == 0
     text = capsys.readouterr().out
     assert "step ms median" in text and "planned for modeled time" in text and "drawn per window" in text
+    # Time beside the token ratios: every run's row carries its ratios and its step ms.
+    lines = text.splitlines()
+    head = next(line for line in lines if line.startswith("run "))
+    assert head.split()[:6] == ["run", "dispatch", "median", "p95", "max", "balancedness"] and "step ms p95" in head
+    rows = [line.split() for line in lines if line.split()[:1] in (["adaptive"], ["static"], ["hindsight"])]
+    assert [r[1] for r in rows] == ["even", "resplit", "time"] * 3
+    for r in rows:
+        ratios, ms = [float(x) for x in r[2:5]], [float(x) for x in r[6:8]]
+        assert 1.0 <= ratios[0] <= ratios[1] <= ratios[2] and 0 < ms[0] <= ms[1]
     assert main([*base, "--model", "deepseek-v2-lite", "--hardware", "h200", "--batches", "1", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["objective"] == "tokens" and s["rules"] == ["even", "resplit", "time"]
@@ -271,3 +280,14 @@ def test_cli_replay_in_modeled_time(tmp_path, capsys):
         assert main([*base, *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("model, hardware, message", [
+    ("deepseek-v9", "h200", "unknown model 'deepseek-v9'"),
+    ("deepseek-v2-lite", "tpu-v9", "unknown hardware 'tpu-v9'"),
+])
+def test_cli_bad_time_names_are_exit_2_naming_the_value(trace_file, capsys, model, hardware, message):
+    assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), "--objective", "time",
+                 "--model", model, "--hardware", hardware]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
