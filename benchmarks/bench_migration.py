@@ -153,7 +153,7 @@ def part2(args):
     print(f"\n## Part 2: the Rebalancer over time ({source}; {G} GPUs, {E + R} slots)")
     start = plan(counts_TLE[0], num_gpus=G, num_redundant=R).placement
     rb = Rebalancer(start, window=args.history, interval=1, min_improvement=args.min_improvement,
-                    budget=mg.Budget(move_cost=args.move_cost))
+                    budget=mg.Budget(move_cost=args.move_cost), policy=None)
     static_phy = start.phy2log_LP
     replan_phy = start.phy2log_LP
     bal = {"static": [], "replan": [], "rebalancer": []}
@@ -235,7 +235,7 @@ def part3(args):
     import scipy.optimize  # noqa: F401  (one-time import, ~1 s, not a per-decision cost)
     import scipy.sparse.csgraph  # noqa: F401
 
-    rb = Rebalancer(start, window=8, interval=10**9, budget=mg.Budget(move_cost=0.001))
+    rb = Rebalancer(start, window=8, interval=10**9, budget=mg.Budget(move_cost=0.001), policy=None)
     rng = np.random.default_rng(0)
     step_LE = rng.poisson(c[1] / 8).astype(float)
     phys = start.slot_loads(step_LE)
@@ -250,7 +250,7 @@ def part3(args):
     t_check, t_plan, t_dec, t_sched, t_total, moves = [], [], [], [], [], []
     t_py, stall_rb, stall_py = [], [], []
     for t in range(1, min(T, 1 + args.decisions)):
-        rb = Rebalancer(start, window=8, interval=10**9, budget=mg.Budget(move_cost=0.001))
+        rb = Rebalancer(start, window=8, interval=10**9, budget=mg.Budget(move_cost=0.001), policy=None)
         rb.observe(c[max(0, t - 3):t + 1].sum(axis=0))
         t0 = time.perf_counter()
         rb.predicted_improvement()

@@ -26,6 +26,21 @@ Traces:
 - topic: `eplb synth` with topic shifts (seed 1; 64 experts, top-2, 26 layers, 2,048 tokens a
   window, 48 windows, 6 shifts, skew 1.0, one phase); 8 GPUs, 72 slots.
 Without ../shared, v2 and v3 are left out (said in the output).
+
+Decision speed (issue 12's serving target, `--speed`, on by default): at DeepSeek-V3 shape
+(58 x 256, 32 GPUs / 288 slots) the adaptive policy's decision (observe the window just served,
+then decide) is timed at every served window of the v3 trace (deepseek.npz without ../shared),
+side by side with SGLang's from-scratch plan (its copy of DeepSeek's EPLB, sglang==0.5.23, as
+benchmarks/bench_greedy.py loads it) on the same windows' sum, interleaved so both see the same
+machine load: global (one node, the replay's topology) and hierarchical (4 nodes, 8 groups,
+SGLang's choice for a 4-node DeepSeek-V3). The Rebalancer's whole rebalance() (decision,
+scores, safe migration schedule) is timed on the same windows too.
+
+Time in the loop (issue 14, `--time`, on by default): v2 and v3 replayed again with the
+policies and hindsight planning for modeled time (`objective=TimeObjective`, H200, FP8
+experts, decode at 128 tokens per GPU per step) and every served window scored in modeled MoE
+seconds per step over 2 drawn step batches (independent expert choices), under the even split,
+the token re-split and the per-batch time dispatch, beside the token ratios.
 """
 
 from __future__ import annotations
@@ -142,6 +157,106 @@ def run_trace(name: str, counts: np.ndarray, topo: Topology) -> dict:
     return rows
 
 
+def decision_speed(shared: Path) -> list[str]:
+    """Median decision times at DeepSeek-V3 shape against SGLang's from-scratch plan (see the docstring)."""
+    from bench_greedy import load_reference
+
+    from eplb.migration import warm_up
+    from eplb.placement import Placement
+    from eplb.planning import plan
+    from eplb.policy import AdaptivePolicy
+    from eplb.policy import warm_up as warm_up_policy
+    from eplb.rebalance import Rebalancer
+
+    ref, note = load_reference()
+    traces = load_traces(shared, ["v3"]) or load_traces(shared, ["deepseek"])
+    name, counts, topo, _ = traces[0]
+    T = counts.shape[0]
+    counts = counts.astype(np.float64)
+    warm_up(), warm_up_policy()
+    start = Placement(plan(counts[:T // 2], topology=topo, planner="robust").solution.phy2log_LP, 32, 256)
+    pol = AdaptivePolicy()
+    for t in range(T // 2):
+        pol.observe(counts[t], start)
+    rb = Rebalancer(start, interval=1)              # every observation closes a window
+    for t in range(T // 2):
+        rb.policy.observe(counts[t], start)       # the same history as `pol`, given to the hook's policy
+    times: dict[str, list[tuple[float, float]]] = {"decide": [], "rebalance": [], "sglang global": [],
+                                                   "sglang hierarchical": []}
+
+    def timed(key, fn):
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = fn()
+        times[key].append((time.perf_counter() - t0, time.process_time() - c0))
+        return out
+
+    if ref is not None:
+        import torch
+
+        torch.set_num_threads(1)        # its [58, 256] tensors are below torch's threading grain
+    cur = start
+    for t in range(T // 2, T):
+        d = timed("decide", lambda t=t, cur=cur: (pol.observe(counts[t], cur), pol.decide(cur))[1])
+        if d is not None:
+            cur = Placement(d.phy2log_LP, 32, 256)
+        rb.observe(counts[t])
+        timed("rebalance", rb.rebalance)
+        if ref is not None:
+            w = torch.tensor(counts[max(0, t - 15):t + 1].sum(axis=0))
+            for label, nodes, hier in (("sglang global", 1, False), ("sglang hierarchical", 4, True)):
+                timed(label, lambda w=w, nodes=nodes, hier=hier: ref.rebalance_experts(w, topo.num_slots, 8, nodes,
+                                                                                       topo.num_gpus, hier))
+    med = {k: np.median(np.array(v) * 1e3, axis=0) for k, v in times.items() if v}
+    lines = [f"decision speed on {name} ({T - T // 2} decisions, 58 x 256, 32 GPUs / 288 slots, adaptive policy "
+             f"with its 16-window memory); reference: {note}"]
+    rows = [[k, f"{v[0]:.1f}", f"{v[1]:.1f}", f"{min(x[0] for x in times[k]) * 1e3:.1f}"] for k, v in med.items()]
+    lines.append("```\n" + format_table(["what", "median wall ms", "median CPU ms", "min wall ms"], rows) + "\n```")
+    for label in ("sglang global", "sglang hierarchical"):
+        if label in med:
+            r, q = med["decide"] / med[label], med["rebalance"] / med[label]
+            lines.append(f"- adaptive decision / {label} plan: {r[0]:.2f}x wall, {r[1]:.2f}x CPU (target <= 0.25x); "
+                         f"whole rebalance() (with the migration schedule): {q[0]:.2f}x wall, {q[1]:.2f}x CPU")
+    if ref is None:
+        lines.append("- no SGLang reference: install it (pip install --no-deps sglang==0.5.23) for the ratios")
+    return lines
+
+
+def time_in_the_loop(shared: Path) -> list[str]:
+    """Replays planned for and scored in modeled step time (see the module docstring)."""
+    from eplb.cost import TimeObjective, cost_model
+    from eplb.replay import Scoring
+
+    lines = []
+    models = {"v2": "deepseek-v2-lite", "v3": "deepseek-v3"}
+    for name, counts, topo, _ in load_traces(shared, ["v2", "v3"]):
+        obj = TimeObjective(cost_model(models[name], "h200"), phase="decode")
+        scoring = Scoring(time=obj, batches_per_window=2)
+        body = []
+        for label, policy, objective in (("static", "static", obj), ("adaptive", "adaptive", obj),
+                                         ("adaptive, tokens", "adaptive", "tokens")):
+            hind = policy == "adaptive" and objective != "tokens"
+            r = replay(counts, topology=topo, policy=policy, objective=objective, scoring=scoring,
+                       references=("hindsight",) if hind else ())
+            s = r.summary()
+            runs = [(label, s["policy"])] + ([("hindsight", s["hindsight"])] if hind else [])
+            rules = ("even", "resplit", "time")
+            for run_label, run in runs:
+                body.append([run_label] + [f"{run[rule]['median']:.3f}" for rule in rules]
+                            + [f"{1e3 * run[rule]['step_seconds']['median']:.3f}" for rule in rules]
+                            + ([f"{s['moves_per_window']:,.0f}"] if run_label.startswith("adaptive") else ["-"]))
+        t = s["time"]
+        lines.append(f"\n{name}: {t['model']} on {t['hardware']}, {t['phase']}, {t['batch_tokens']:,} tokens per step; "
+                     f"{t['how']}")
+        lines.append("```\n" + format_table(["run", "even x", "re-split x", "time x", "even ms", "re-split ms",
+                                              "time ms", "moves / window"], body) + "\n```")
+    if not lines:
+        lines.append("- left out: needs ../shared (v2, v3)")
+    lines.append("x: busiest / mean GPU in tokens, median over (served window, layer); ms: modeled MoE time per step, "
+                 "median over served windows (each the mean of its batches); every run but 'adaptive, tokens' "
+                 "(the default policy planning on tokens, from the robust token plan) planned for time")
+    return lines
+
+
 def table(rows: dict) -> str:
     body = []
     for label, r in rows.items():
@@ -192,6 +307,10 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", nargs="+", default=["v2", "v3", "deepseek", "topic"],
                     choices=["v2", "v3", "deepseek", "topic"])
     ap.add_argument("--write-docs", action="store_true", help="write docs/results/replay.md")
+    ap.add_argument("--no-speed", dest="speed", action="store_false",
+                    help="skip the decision-speed part (DeepSeek-V3 shape against SGLang's plan)")
+    ap.add_argument("--no-time", dest="time", action="store_false",
+                    help="skip the time-in-the-loop part (replays planned for and scored in modeled step time)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     results, text = {}, []
@@ -213,6 +332,14 @@ def main(argv=None) -> int:
         say("\n## Targets (issue 15)")
         for line in targets(results):
             say(f"- {line}")
+    if args.time:
+        say("\n## Time in the loop (issue 14: replays planned for and scored in modeled step time)")
+        for line in time_in_the_loop(args.shared):
+            say(line)
+    if args.speed:
+        say("\n## Decision speed (issue 12: the serving loop's rebalance decision)")
+        for line in decision_speed(args.shared):
+            say(line)
     say("\nreplay s: wall time of one replay (the adaptive row includes scoring the static and hindsight "
         "references); policy s: time the policy spent observing and deciding")
     say(f"\nbenchmark wall time {time.perf_counter() - t0:.0f} s")

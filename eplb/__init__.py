@@ -13,14 +13,16 @@ from eplb.migration import Budget, MigrationPlan
 from eplb.placement import Placement
 from eplb.planner_api import PlanRequest, Solution, get_planner, planner_names, register
 from eplb.planning import PlanResult, plan
+from eplb.policy import get_policy
 from eplb.rebalance import Rebalancer, RebalanceResult
+from eplb.replay import ReplayResult, Scoring, replay
 from eplb.stats import LoadReport, evaluate, lower_bound
 from eplb.topology import Topology
 from eplb.trace import Trace
 
 __all__ = [
     "Budget", "EplbError", "MigrationPlan", "PlanningError", "Placement", "PlanRequest", "PlanResult",
-    "RebalanceResult", "Rebalancer", "Solution",
-    "Topology", "Trace", "LoadReport", "evaluate", "get_planner", "load_history", "load_placement", "load_trace",
-    "lower_bound", "plan", "planner_names", "register", "save_placement", "save_trace",
+    "RebalanceResult", "Rebalancer", "ReplayResult", "Scoring", "Solution",
+    "Topology", "Trace", "LoadReport", "evaluate", "get_planner", "get_policy", "load_history", "load_placement",
+    "load_trace", "lower_bound", "plan", "planner_names", "register", "replay", "save_placement", "save_trace",
 ]

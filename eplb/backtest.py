@@ -16,7 +16,13 @@ Scores, per dispatch policy (how an expert's tokens are split among its replicas
 - resplit: `eplb.dispatch.resplit` per window on the window's own counts (the fast rule a
            serving engine can run per batch);
 - optimal: `eplb.dispatch.optimal_weights` per window on its own counts (the "oracle"
-           re-split: the best any dispatch can do with this placement).
+           re-split: the best any dispatch can do with this placement);
+- time:    with a time objective only, the per-batch time dispatch
+           (`eplb.time_dispatch.TimeDispatch`), scored on the window's step batches.
+With `objective=` an `eplb.cost.TimeObjective`, every plan balances modeled time and each
+scored window is also cut into step batches of the objective's batch tokens (seeded draws
+from the window's counts: independent expert choices) and scored in modeled MoE seconds per
+step under each policy (`step_seconds`; optimal, an LP per batch, is not).
 For a window and policy: imbalance = busiest GPU / mean GPU (median over layers; `sum`
 variants weigh layers by load: sum over layers of busiest / sum of mean, i.e. 1 /
 balancedness); bound ratio = busiest GPU / lower bound of that window (no placement or split
@@ -41,25 +47,36 @@ from typing import Any
 import numpy as np
 
 from eplb import stats
+from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import Resplitter, optimal_weights
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, is_whole, whole_number
 from eplb.migration import count_moves, relabel
 from eplb.placement import Placement
 from eplb.planning import as_history, size_topology
 from eplb.planning import plan as make_plan
 from eplb.progress import progress
+from eplb.simulate import time_window, window_batches
 from eplb.stats import Aggregation
+from eplb.time_dispatch import TimeDispatch
 from eplb.topology import Topology
 
 DISPATCH = ("even", "plan", "resplit", "optimal")
-"""Dispatch policies a backtest can score (see the module docstring)."""
+"""Dispatch policies a backtest scores by default (see the module docstring); "time" joins
+them with a time objective."""
 
 
-def _check_dispatch(dispatch: Sequence[str]) -> tuple[str, ...]:
+def _check_dispatch(dispatch: Sequence[str] | None, objective) -> tuple[str, ...]:
+    timed = objective != "tokens"
+    if dispatch is None:
+        return DISPATCH + (("time",) if timed else ())
     dispatch = tuple(dispatch)
-    bad = [d for d in dispatch if d not in DISPATCH]
+    known = DISPATCH + ("time",)
+    bad = [d for d in dispatch if d not in known]
     if bad or not dispatch:
-        raise EplbError(f"unknown dispatch polic(ies) {bad or dispatch!r}: choose from {', '.join(DISPATCH)}")
+        raise EplbError(f"unknown dispatch polic(ies) {bad or dispatch!r}: choose from {', '.join(known)}")
+    if "time" in dispatch and not timed:
+        raise EplbError("dispatch 'time' splits step batches for modeled time: give objective=TimeObjective(...) "
+                        "(CLI: --objective time --model M --hardware H)")
     return dispatch
 
 
@@ -80,6 +97,9 @@ class WindowScores:
     forecast_gap_D: np.ndarray
     """Busiest GPU vs an oracle plan made on this window (same planner and policy), minus 1,
     median over layers, [D]; NaN when oracle plans were not made."""
+    step_seconds_D: np.ndarray | None = None
+    """Modeled MoE seconds per step (mean over the window's batches), [D], with a time
+    objective (NaN for optimal); None without one."""
 
     def __post_init__(self) -> None:
         shapes = {a.shape for a in (self.imbalance_D, self.imbalance_sum_D, self.bound_ratio_D, self.forecast_gap_D)}
@@ -132,6 +152,13 @@ class BacktestResult:
     """Names of the scored windows (leave-one-out: the held-out trace files)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What was done differently from the defaults (e.g. plan weights from the LP)."""
+    time: dict | None = None
+    """What plans balanced and windows were scored in, with a time objective (model, hardware,
+    phase, batch tokens); None for tokens."""
+
+    @property
+    def timed(self) -> bool:
+        return self.time is not None
 
     def __post_init__(self) -> None:
         if not self.windows:
@@ -142,7 +169,7 @@ class BacktestResult:
 
     def column(self, name: str) -> np.ndarray:
         """A per-window score stacked over windows, [W, D] (name: imbalance, imbalance_sum,
-        bound_ratio, forecast_gap)."""
+        bound_ratio, forecast_gap, step_seconds with a time objective)."""
         return np.stack([getattr(w, f"{name}_D") for w in self.windows])
 
     def summary(self) -> dict[str, Any]:
@@ -168,12 +195,14 @@ class BacktestResult:
             "plan_seconds_median": float(np.median([p.seconds for p in self.plans])),
             "statuses": sorted({p.status for p in self.plans}),
             "moves_median": float(np.median(moved)) if moved else None,
+            "time": self.time,
             "median": {
                 "imbalance": med(self.column("imbalance")),
                 "imbalance_sum": med(self.column("imbalance_sum")),
                 "bound_ratio": med(self.column("bound_ratio")),
                 "forecast_gap": med(self.column("forecast_gap")),
                 "optimisation_gap": med(gap),
+                **({"step_seconds": med(self.column("step_seconds"))} if self.timed else {}),
             },
             "per_plan": [
                 {"plan": p.index, "history": list(p.history), "rebalance_window": p.serves_from,
@@ -195,9 +224,11 @@ class BacktestResult:
 class _Scorer:
     """Loads per GPU of one placement under every dispatch policy (tables built once)."""
 
-    def __init__(self, placement: Placement, planning_load_LE: np.ndarray, dispatch: tuple[str, ...]):
+    def __init__(self, placement: Placement, planning_load_LE: np.ndarray, dispatch: tuple[str, ...],
+                 objective="tokens"):
         self.placement = placement
         self.dispatch = dispatch
+        self.objective = objective
         self.even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
         self.plan_LP = None
         self.resplitter = None
@@ -208,21 +239,36 @@ class _Scorer:
                 self.plan_LP = optimal_weights(placement, planning_load_LE)
         if "resplit" in dispatch:
             self.resplitter = Resplitter(placement)
+        self.timer = TimeDispatch(objective.cost).bind(placement) if "time" in dispatch else None
 
-    def peaks(self, load_LE: np.ndarray) -> np.ndarray:
-        """Busiest GPU per layer under each policy, [D, L]; also mean GPU load [L] via `mean`."""
-        out = []
+    def _shares(self, d: str, load_LE: np.ndarray) -> np.ndarray:
+        if d == "even":
+            return self.even_LP
+        if d == "plan":
+            return self.plan_LP
+        if d == "resplit":
+            return self.resplitter(load_LE)
+        if d == "time":
+            return self.timer(load_LE)
+        return optimal_weights(self.placement, load_LE)
+
+    def peaks(self, load_LE: np.ndarray, batches: list | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Busiest GPU per layer under each policy, [D, L], and with step batches the modeled
+        seconds per step under each policy, [D] (NaN for optimal). The time dispatch's token
+        loads are those it gave over the batches (it splits batches, not windows)."""
+        out, sec = [], []
         for d in self.dispatch:
-            if d == "even":
-                w = self.even_LP
-            elif d == "plan":
-                w = self.plan_LP
-            elif d == "resplit":
-                w = self.resplitter(load_LE)
-            else:
-                w = optimal_weights(self.placement, load_LE)
+            w = None if (d == "time" and batches) else self._shares(d, load_LE)
+            if batches:
+                if d == "optimal":
+                    sec.append(np.nan)
+                else:
+                    rule = (lambda c, d=d: self._shares(d, c)) if d != "time" else self.timer
+                    layer_L, batch_w = time_window(self.objective.cost, self.placement, rule, batches)
+                    sec.append(float(layer_L.sum()))
+                    w = batch_w if w is None else w
             out.append(self.placement.gpu_loads(load_LE, w).max(axis=1))
-        return np.stack(out)
+        return np.stack(out), (np.array(sec) if batches else None)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -233,23 +279,45 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 class _Runner:
     """Shared machinery of both backtest modes: plan, score, oracle plans."""
 
-    def __init__(self, planner: str, topology: Topology, *, dispatch: Sequence[str], settings: dict | None,
-                 num_expert_groups: int | None, aggregate: str | Aggregation, oracle: bool):
+    def __init__(self, planner: str, topology: Topology, *, dispatch: Sequence[str] | None, settings: dict | None,
+                 num_expert_groups: int | None, aggregate: str | Aggregation, oracle: bool, objective="tokens",
+                 batches_per_window: int = 8, seed: int = 0):
         self.planner = planner
         self.topology = topology
-        self.kw = dict(topology=topology, planner=planner, settings=settings, num_expert_groups=num_expert_groups)
-        self.dispatch = _check_dispatch(dispatch)
+        self.objective = check_objective(objective)
+        self.kw = dict(topology=topology, planner=planner, settings=settings, num_expert_groups=num_expert_groups,
+                       objective=self.objective)
+        self.dispatch = _check_dispatch(dispatch, self.objective)
         self.aggregate = aggregate
         self.oracle = oracle
+        self.batches_per_window = whole_number("batches per window", batches_per_window, 1)
+        self.seed = seed
         self.notes: list[str] = []
+        self.time = None
+        if self.objective != "tokens":
+            B = self.objective.tokens_for(topology.num_gpus)
+            self.time = {**self.objective.describe(topology.num_gpus), "batches_per_window": self.batches_per_window,
+                         "how": f"{self.batches_per_window} batches of {B:,} tokens drawn per window from its counts "
+                                f"(seed {seed}): independent expert choices assumed"}
+            if "optimal" in self.dispatch:
+                self.notes.append("optimal: not scored in modeled time (an LP per step batch)")
+
+    def batches(self, load_LE: np.ndarray, window: int) -> list | None:
+        """The window's step batches for modeled time (None for tokens)."""
+        if self.objective == "tokens":
+            return None
+        model = self.objective.cost.model
+        rng = np.random.default_rng([self.seed, window])
+        return window_batches(load_LE, model.top_k, self.objective.tokens_for(self.topology.num_gpus),
+                              self.batches_per_window, rng, window)
 
     def make(self, history_TLE: np.ndarray, index: int, span: tuple[int, int], previous: Placement | None = None):
         """Plan on the history; with `previous` (the placement being served) count the moves."""
         result = make_plan(history_TLE, aggregate=self.aggregate, **self.kw)
         placement = result.placement
-        scorer = _Scorer(placement, result.load_LE, self.dispatch)
+        scorer = _Scorer(placement, result.load_LE, self.dispatch, self.objective)
         lb_L = result.lower_bound_L
-        gap_D = np.median(_ratio(scorer.peaks(result.load_LE), lb_L[None]) - 1.0, axis=1)
+        gap_D = np.median(_ratio(scorer.peaks(result.load_LE)[0], lb_L[None]) - 1.0, axis=1)
         if "plan" in self.dispatch and placement.dispatch_weights_LP is None and index == 0:
             self.notes.append("plan weights: the planner gives none, so 'plan' uses the LP weights "
                               "(optimal_weights) fitted to each plan's aggregated history")
@@ -260,7 +328,8 @@ class _Runner:
 
     def score(self, scorer: _Scorer, load_LE: np.ndarray, window: int, plan_index: int) -> WindowScores:
         G = scorer.placement.num_gpus
-        peak_DL = scorer.peaks(load_LE)
+        batches = self.batches(load_LE, window)
+        peak_DL, step_D = scorer.peaks(load_LE, batches)
         mean_L = load_LE.sum(axis=1) / G
         lb_L = stats.lower_bound(load_LE, G, scorer.placement.num_slots)
         imb_D = np.median(_ratio(peak_DL, mean_L[None]), axis=1)
@@ -268,11 +337,11 @@ class _Runner:
         bound_D = np.median(_ratio(peak_DL, lb_L[None]), axis=1)
         if self.oracle:
             oracle = make_plan(load_LE, **self.kw)
-            oracle_DL = _Scorer(oracle.placement, load_LE, self.dispatch).peaks(load_LE)
+            oracle_DL = _Scorer(oracle.placement, load_LE, self.dispatch, self.objective).peaks(load_LE, batches)[0]
             fgap_D = np.median(_ratio(peak_DL, oracle_DL) - 1.0, axis=1)
         else:
             fgap_D = np.full(len(self.dispatch), np.nan)
-        return WindowScores(window, plan_index, imb_D, imb_sum_D, bound_D, fgap_D)
+        return WindowScores(window, plan_index, imb_D, imb_sum_D, bound_D, fgap_D, step_D)
 
 
 def backtest(
@@ -286,12 +355,14 @@ def backtest(
     planner: str = "greedy",
     interval: int = 1,
     history: int | None = None,
-    dispatch: Sequence[str] = DISPATCH,
+    dispatch: Sequence[str] | None = None,
     settings: dict | None = None,
     num_expert_groups: int | None = None,
     aggregate: str | Aggregation = "sum",
     oracle: bool = True,
     quiet: bool = False,
+    objective: str | TimeObjective = "tokens",
+    batches_per_window: int = 8,
 ) -> BacktestResult:
     """Replay windows in order: every `interval` windows, plan on the last `history` windows
     (all past ones if None) and score the next `interval` windows.
@@ -299,6 +370,9 @@ def backtest(
     counts_TLE: a Trace or counts [T, L, E] with T >= 2 (the first rebalance point needs at
     least one past window: it is at window `history`, or 1 when history is None).
     Where: `topology`, or the sizes num_gpus, num_nodes, num_redundant / slots_per_gpu (as `eplb.plan`).
+    dispatch: policies scored (default DISPATCH, and "time" with a time objective); objective:
+    "tokens" or an eplb.cost.TimeObjective (plans balance modeled time; windows are also scored
+    in modeled seconds per step over `batches_per_window` drawn step batches).
     """
     c_TLE, _, meta = as_history(counts_TLE)
     topo = size_topology(c_TLE.shape[2], topology, num_gpus=num_gpus, num_nodes=num_nodes,
@@ -321,7 +395,7 @@ def backtest(
             f"(use a trace with more windows, a shorter --history, or --leave-one-out over several files)"
         )
     run = _Runner(planner, topo, dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups,
-                  aggregate=aggregate, oracle=oracle)
+                  aggregate=aggregate, oracle=oracle, objective=objective, batches_per_window=batches_per_window)
     points = list(range(start, T, interval))
     plans, windows = [], []
     served = None
@@ -334,7 +408,8 @@ def backtest(
             windows.append(run.score(scorer, c_TLE[t], t, i))
     return BacktestResult(planner, "sequential", topo.num_gpus, topo.num_slots, interval,
                           None if history is None else int(history), run.dispatch, tuple(plans),
-                          tuple(windows), tuple(f"window {w.window}" for w in windows), tuple(run.notes))
+                          tuple(windows), tuple(f"window {w.window}" for w in windows), tuple(run.notes),
+                          run.time)
 
 
 def leave_one_out(
@@ -347,18 +422,21 @@ def leave_one_out(
     slots_per_gpu: int | None = None,
     planner: str = "greedy",
     labels: Sequence[str] | None = None,
-    dispatch: Sequence[str] = DISPATCH,
+    dispatch: Sequence[str] | None = None,
     settings: dict | None = None,
     num_expert_groups: int | None = None,
     aggregate: str | Aggregation = "sum",
     oracle: bool = True,
     quiet: bool = False,
+    objective: str | TimeObjective = "tokens",
+    batches_per_window: int = 8,
 ) -> BacktestResult:
     """Plan on all workloads but one (their windows stacked as history), score on each window
     of the one left out; once per workload.
 
     workloads: Traces or counts [T, L, E] (or [L, E]) of one model, at least two.
     Where: `topology`, or the sizes num_gpus, num_nodes, num_redundant / slots_per_gpu (as `eplb.plan`).
+    dispatch, objective, batches_per_window: as `backtest`.
     """
     loads = [as_history(w) for w in workloads]
     if len(loads) < 2:
@@ -375,7 +453,7 @@ def leave_one_out(
     topo = size_topology(loads[0][0].shape[2], topology, num_gpus=num_gpus, num_nodes=num_nodes,
                          num_redundant=num_redundant, slots_per_gpu=slots_per_gpu)
     run = _Runner(planner, topo, dispatch=dispatch, settings=settings, num_expert_groups=num_expert_groups,
-                  aggregate=aggregate, oracle=oracle)
+                  aggregate=aggregate, oracle=oracle, objective=objective, batches_per_window=batches_per_window)
     plans, windows, window_labels = [], [], []
     for i in progress(range(len(loads)), desc=f"leave-one-out {planner}", enabled=False if quiet else None):
         history_TLE = np.concatenate([a for j, (a, _, _) in enumerate(loads) if j != i])
@@ -386,7 +464,7 @@ def leave_one_out(
             windows.append(run.score(scorer, held[t], i, i))
             window_labels.append(labels[i] if held.shape[0] == 1 else f"{labels[i]}[{t}]")
     return BacktestResult(planner, "leave-one-out", topo.num_gpus, topo.num_slots, 1, None, run.dispatch,
-                          tuple(plans), tuple(windows), tuple(window_labels), tuple(run.notes))
+                          tuple(plans), tuple(windows), tuple(window_labels), tuple(run.notes), run.time)
 
 
 def _moves(old: Placement, new: Placement, num_nodes: int) -> int:

@@ -33,18 +33,21 @@ aware (`eplb.plan(previous=...)`, move_cost 0.001), at every decision. `StaticPo
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
+from eplb.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.migration import Budget, count_moves
+from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner
 from eplb.planning import plan
-from eplb.stats import replica_counts_minmax
-from planners.robust import normalise_windows, refine_swaps, robust_demand, window_gpu_loads
+from eplb.stats import group_span
+from planners.robust import normalise_windows
 
 # Load estimate --------------------------------------------------------------------------------
 
@@ -121,14 +124,23 @@ def normalise(windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
     return normalise_windows(windows_MLE, num_gpus)
 
 
-def window_imbalance(phy2log_LP: np.ndarray, share_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
+def window_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
     """Busiest / mean GPU of a placement on each window under an even split, [M, L].
 
-    share_MLE: windows from `normalise` (mean GPU load 1), so the busiest GPU's load is the ratio.
+    windows_MLE: loads per window (counts, planning loads or `normalise`d shares: each window
+    and layer is normalised so its mean GPU load is 1).
     """
-    M, L, E = share_MLE.shape
-    count_LE = _replica_counts(phy2log_LP, E)
-    return window_gpu_loads(phy2log_LP, share_MLE, count_LE, num_gpus).max(axis=1).T
+    from eplb import _policy_kernel  # numba: imported on first use
+
+    return _policy_kernel.window_busiest(_floats(windows_MLE), _ints(phy2log_LP), int(num_gpus))
+
+
+def _floats(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float64)
+
+
+def _ints(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _replica_counts(phy2log_LP: np.ndarray, num_logical_experts: int) -> np.ndarray:
@@ -163,60 +175,69 @@ class ChangeDetector:
 
 # Repair: a few changes to the placement in force ---------------------------------------------------
 
-def _fill_deficits(phy2log_LP: np.ndarray, target_LE: np.ndarray, share_MLE: np.ndarray,
-                   num_gpus: int) -> np.ndarray:
-    """Move replicas from experts above their target count to experts below it (one move each).
-
-    Each new replica overwrites a slot of an expert with replicas to spare, on a GPU that does
-    not hold the needy expert yet, choosing the GPU whose worst window is lightest.
-    """
-    phy = phy2log_LP.copy()
-    L, P = phy.shape
-    S = P // num_gpus
-    E = target_LE.shape[1]
-    gpu_P = np.arange(P) // S
-    for l in np.flatnonzero((target_LE > _replica_counts(phy, E)).any(axis=1)):
-        for e in np.flatnonzero(target_LE[l] > np.bincount(phy[l], minlength=E)):
-            for _ in range(int(target_LE[l, e] - np.bincount(phy[l], minlength=E)[e])):
-                count_E = np.bincount(phy[l], minlength=E)
-                holds_G = np.zeros(num_gpus, dtype=bool)
-                holds_G[gpu_P[phy[l] == e]] = True
-                ok_P = (count_E[phy[l]] > target_LE[l, phy[l]]) & (count_E[phy[l]] > 1) & ~holds_G[gpu_P]
-                if not ok_P.any():
-                    break
-                load_MG = (share_MLE[:, l, phy[l]] / count_E[phy[l]]).reshape(-1, num_gpus, S).sum(axis=2)
-                cand = np.flatnonzero(ok_P)
-                phy[l, cand[np.argmin(load_MG.max(axis=0)[gpu_P[cand]])]] = e
-    return phy
+_SOURCES = 2           # GPUs with the heaviest worst window a swap may unload
+_SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of it
 
 
-def robust_repair(phy2log_LP: np.ndarray, share_MLE: np.ndarray, num_gpus: int, *, swaps: int,
-                  beta: float = 50.0, blends=(0.0, 1.0)) -> np.ndarray:
-    """The placement in force, changed a little to balance every window of `share_MLE`.
+def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
+           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1, worst_weight: float = 0.5,
+           max_moves: float = np.inf, max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The placement in force, changed a little to balance every window (compiled, per layer).
 
     Step 1: target replica counts, as the `robust` planner sets them (demand blending each
-            expert's mean and worst share; each blend tried).
-    Step 2: fill the experts below target from those above it (`_fill_deficits`).
-    Step 3: at most `swaps` replica swaps per layer between a busiest GPU and another, each
-            lowering the smooth maximum of GPU loads over all windows (planners.robust).
-    Per layer, the blend whose result has the lowest worst-window busiest GPU is kept.
-    share_MLE: windows from `normalise`. Returns phy2log_LP (a new array).
+            expert's mean and worst share over the windows; each blend tried).
+    Step 2: fill the experts below target from those above it, one move each: the new replica
+            overwrites a slot of an expert with replicas to spare, on the GPU (without the
+            needy expert) whose worst window is lightest.
+    Step 3: from the `swap_fills` fills with the lightest worst window (one by default: the swaps
+            cost most, and swapping from both fills bought nothing measurable), at most
+            rounds_L[l] replica swaps in layer l between one of the two GPUs with the heaviest
+            worst window and one of the `partners` with the lightest, each lowering the smooth
+            maximum of GPU loads over all windows (sharpness `beta`) the most.
+    Per layer, the result with the lightest worst window is kept (the layer stays as it was
+    unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
+    onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`).
+    Returns (phy2log_LP, cost_L2): the new map and the cost of the old and the new placement per
+    layer, cost = (1 - worst_weight) x the mean + worst_weight x the worst window of busiest /
+    mean GPU (the adaptive policy's decision uses half and half).
     """
-    M, L, E = share_MLE.shape
-    P = phy2log_LP.shape[1]
-    best_LP = phy2log_LP.copy()
-    best_L = window_imbalance(best_LP, share_MLE, num_gpus).max(axis=0)
-    for blend in blends:
-        target_LE = replica_counts_minmax(robust_demand(share_MLE, blend), P, max_replicas=num_gpus)
-        phy = _fill_deficits(phy2log_LP, target_LE, share_MLE, num_gpus)
-        if swaps:
-            refine_swaps(phy, share_MLE, _replica_counts(phy, E), num_gpus, beta=beta, quantile=1.0,
-                         max_rounds=swaps)
-        score_L = window_imbalance(phy, share_MLE, num_gpus).max(axis=0)
-        better = score_L < best_L - 1e-12
-        best_LP[better] = phy[better]
-        best_L = np.where(better, score_L, best_L)
-    return best_LP
+    from eplb import _policy_kernel  # numba: imported on first use
+
+    old = _ints(phy2log_LP)
+    G = int(num_gpus)
+    new_LP = np.empty_like(old)
+    cost_L2 = np.empty((old.shape[0], 2))
+    cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
+    _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G,
+                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
+                          float(max_moves), cap_G,
+                          new_LP, cost_L2)
+    return new_LP, cost_L2
+
+
+def robust_repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, swaps: int,
+                  beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8) -> np.ndarray:
+    """`repair` with `swaps` rounds in every layer and no move cap; returns phy2log_LP (new)."""
+    rounds_L = np.full(np.shape(phy2log_LP)[0], int(swaps))
+    return repair(phy2log_LP, windows_MLE, num_gpus, rounds_L=rounds_L, beta=beta, blends=blends,
+                  partners=partners)[0]
+
+
+def warm_up() -> float:
+    """Load (or, after an install, compile) the adaptive policy's kernels now; returns seconds."""
+    t0 = time.perf_counter()
+    phy = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
+    win = np.array([[[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]]] * 4)
+    window_imbalance(phy, win, 2)
+    repair(phy, win, 2, rounds_L=np.array([2, 2]))
+    repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
+    return time.perf_counter() - t0
+
+
+def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,
+                num_logical_experts: int) -> np.ndarray:
+    """(expert group, node) pairs holding a replica, per layer, int [L] (Budget.span_cost prices them)."""
+    return group_span(phy2log_LP, num_gpus, num_nodes, num_expert_groups, num_logical_experts).sum(axis=1)
 
 
 # Decisions -------------------------------------------------------------------------------------
@@ -237,18 +258,28 @@ class Decision:
 
 
 class Policy(Protocol):
-    """An online rebalancing rule: windows in (after they were served), decisions out."""
+    """An online rebalancing rule: windows in (after they were served), decisions out.
+
+    `decide` honours the migration budget it is given (eplb.Budget: move caps, the price of a
+    move and of spreading an expert group onto another node); a policy whose `decide` takes no
+    `budget` can only be used without one.
+    """
 
     name: str
 
     def observe(self, counts_LE: np.ndarray, placement: Placement) -> None:
         """Record one served window's logical counts [L, E] and the placement that served it."""
 
-    def decide(self, placement: Placement) -> Decision | None:
-        """A new placement to migrate to from `placement`, or None to keep it."""
+    def decide(self, placement: Placement, budget: Budget | None = None, *,
+               num_expert_groups: int | None = None) -> Decision | None:
+        """A new placement to migrate to from `placement` within `budget`, or None to keep it."""
 
     @property
     def memory_bytes(self) -> int: ...
+
+
+NO_BUDGET = Budget()
+"""No move cap and no price per move beyond the policy's own."""
 
 
 class AdaptivePolicy:
@@ -256,15 +287,19 @@ class AdaptivePolicy:
 
     memory: windows kept and planned against; swaps / urgent_swaps: replica swaps per layer per
     decision (urgent: layers the change detector flagged); move_cost: predicted gain (busiest /
-    mean GPU, half mean and half worst window over the memory) each moved replica must buy;
-    detect: change-detector threshold in median absolute deviations (0 = off); detect_floor:
-    its smallest deviation; beta: sharpness of the smooth maximum the swaps lower.
+    mean GPU, half mean and half worst window over the memory) that moving all of a layer's P
+    slots must buy, so one move must buy move_cost / P; detect: change-detector threshold in
+    median absolute deviations (0 = off); detect_floor: its smallest deviation; beta: sharpness
+    of the smooth maximum the swaps lower; partners: GPUs (the lightest) a swap may reach.
+    objective: "tokens", or an eplb.cost.TimeObjective: windows are then planned as each
+    expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
 
     name = "adaptive"
 
     def __init__(self, memory: int = 16, swaps: int = 8, urgent_swaps: int = 16, move_cost: float = 0.3,
-                 detect: float = 8.0, detect_floor: float = 0.02, beta: float = 50.0):
+                 detect: float = 8.0, detect_floor: float = 0.02, beta: float = 50.0, partners: int = 8,
+                 objective: str | TimeObjective = "tokens"):
         self.memory = whole_number("memory (windows)", memory, 1)
         self.swaps = whole_number("swaps", swaps, 0)
         self.urgent_swaps = whole_number("urgent_swaps", urgent_swaps, 0)
@@ -272,70 +307,136 @@ class AdaptivePolicy:
         self.detector = ChangeDetector(finite_number("detect", detect, 0.0),
                                        finite_number("detect_floor", detect_floor, 0.0))
         self.beta = positive_number("beta", beta)
+        self.partners = whole_number("partners", partners, 1)
+        self.objective = check_objective(objective)
         self._mem: WindowMemory | None = None
+        self._load: WindowMemory | None = None      # planning loads (time objective), else None
+        self._load_gpus: np.ndarray | None = None   # GPUs each planning load was made for
         self._flag_L: np.ndarray | None = None
 
     @property
     def memory_bytes(self) -> int:
-        return 0 if self._mem is None else self._mem.nbytes
+        return sum(0 if m is None else m.nbytes for m in (self._mem, self._load))
+
+    def _windows(self, num_gpus: int) -> np.ndarray:
+        """The kept windows as planned on (raw, in ring order: every use sums or maximises over
+        windows), [M, L, E]; planning loads are made once per window and GPU count."""
+        n = len(self._mem)
+        if self._load is None:
+            return self._mem._ring_MLE[:n]
+        stale = np.flatnonzero(self._load_gpus[:n] != num_gpus)
+        for i in stale:
+            self._load._ring_MLE[i] = self.objective.planning_load(self._mem._ring_MLE[i], num_gpus)
+            self._load_gpus[i] = num_gpus
+        return self._load._ring_MLE[:n]
 
     def observe(self, counts_LE: np.ndarray, placement: Placement) -> None:
         L, E = counts_LE.shape
+        G = placement.num_gpus
         if self._mem is None:
             self._mem = WindowMemory(self.memory, L, E)
             self._flag_L = np.zeros(L, dtype=bool)
+            if self.objective != "tokens":
+                self._load = WindowMemory(self.memory, L, E)
+                self._load_gpus = np.zeros(self.memory, dtype=np.int64)
+        if self._load_gpus is not None:
+            self._load_gpus[self._mem.seen % self.memory] = 0          # its planning load is made below
         self._mem.push(counts_LE)
         if len(self._mem) >= 4 and self.detector.kappa > 0:
-            share = normalise(self._mem.windows(), placement.num_gpus)
+            busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G), G)
+            order = np.arange(self._mem.seen - len(self._mem), self._mem.seen) % self.memory
             # Flags last until the next decision: windows served while a migration is in
             # flight are not lost.
-            self._flag_L |= self.detector.flags(window_imbalance(placement.phy2log_LP, share, placement.num_gpus))
+            self._flag_L |= self.detector.flags(busiest_ML[order])
 
-    def decide(self, placement: Placement) -> Decision | None:
+    def decide(self, placement: Placement, budget: Budget | None = None, *,
+               num_expert_groups: int | None = None) -> Decision | None:
         if self._mem is None or len(self._mem) == 0:
             return None
-        G = placement.num_gpus
-        share = normalise(self._mem.windows(), G)
+        budget = NO_BUDGET if budget is None else budget
+        G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
+        windows = self._windows(G)
         old_LP = placement.phy2log_LP
         flag_L = self._flag_L.copy()
-        new_LP = robust_repair(old_LP, share, G, swaps=self.swaps, beta=self.beta)
-        if flag_L.any() and self.urgent_swaps != self.swaps:
-            urgent_LP = robust_repair(old_LP, share, G, swaps=self.urgent_swaps, beta=self.beta)
-            new_LP[flag_L] = urgent_LP[flag_L]
-        gain_L = _value(window_imbalance(old_LP, share, G)) - _value(window_imbalance(new_LP, share, G))
-        moves_L = count_moves(old_LP, new_LP, G, placement.num_logical_experts).sum(axis=1)
-        # A layer changes only where the predicted gain pays for every replica it moves: a
-        # share moves / P of the price of moving all of the layer's slots.
-        changed_L = (moves_L > 0) & (gain_L > self.move_cost * moves_L / placement.num_slots)
         self._flag_L[:] = False
-        if not changed_L.any():
+        rounds_L = np.where(flag_L, self.urgent_swaps, self.swaps)
+        kw = dict(beta=self.beta, partners=self.partners)
+        new_LP, cost_L2 = repair(old_LP, windows, G, rounds_L=rounds_L, **kw)
+        moves_LG = count_moves(old_LP, new_LP, G, E)
+        # A layer changes only where the predicted gain pays for every replica it moves: a
+        # share moves / P of the price of moving all of the layer's slots, plus the budget's.
+        price = self.move_cost / P + budget.move_cost
+        span = span_priced(placement.num_nodes, num_expert_groups, budget)
+
+        def price_L(rows_LP, moves_L, layers):
+            out = price * moves_L
+            if span:
+                args = (G, placement.num_nodes, num_expert_groups, E)
+                added = group_pairs(rows_LP, *args) - group_pairs(old_LP[layers], *args)
+                out = out + price * budget.span_cost * added
+            return out
+
+        layers = np.arange(len(old_LP))
+        gain_L = cost_L2[:, 0] - cost_L2[:, 1]
+        moves_L = moves_LG.sum(axis=1)
+        pays_L = (moves_L > 0) & (gain_L > price_L(new_LP, moves_L, layers))
+        if budget.max_moves is not None or budget.max_moves_per_gpu is not None:
+            pays_L, new_LP, gain_L = self._within_caps(placement, windows, budget, flag_L, pays_L, new_LP, gain_L,
+                                                       moves_LG, price_L, kw)
+        if not pays_L.any():
             return None
-        new_LP = np.where(changed_L[:, None], new_LP, old_LP)
-        why = f"{int(changed_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
-        return Decision(new_LP, changed_L, np.where(changed_L, gain_L, 0.0), flag_L, why)
+        new_LP = np.where(pays_L[:, None], new_LP, old_LP)
+        why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
+        return Decision(new_LP, pays_L, np.where(pays_L, gain_L, 0.0), flag_L, why)
 
-
-def _value(imbalance_ML: np.ndarray) -> np.ndarray:
-    """Cost of a placement on the memory, [L]: half the mean, half the worst window."""
-    return 0.5 * imbalance_ML.mean(axis=0) + 0.5 * imbalance_ML.max(axis=0)
+    def _within_caps(self, placement, windows, budget, flag_L, pays_L, new_LP, gain_L, moves_LG, price_L, kw):
+        """Keep the paying layers that fit Budget.max_moves / max_moves_per_gpu, best gain per
+        move first; a layer that does not fit whole is repaired again within what is left."""
+        G, E = placement.num_gpus, placement.num_logical_experts
+        old_LP = placement.phy2log_LP
+        left = np.inf if budget.max_moves is None else float(budget.max_moves)
+        left_G = np.full(G, np.inf if budget.max_moves_per_gpu is None else float(budget.max_moves_per_gpu))
+        moves_L = moves_LG.sum(axis=1)
+        keep_L = np.zeros_like(pays_L)
+        new_LP, gain_L = new_LP.copy(), gain_L.copy()
+        for l in sorted(np.flatnonzero(pays_L), key=lambda l: -gain_L[l] / moves_L[l]):
+            if left <= 0 or not (left_G > 0).any():
+                break
+            if moves_L[l] > left or (moves_LG[l] > left_G).any():
+                rows, cost = repair(old_LP[l:l + 1], windows[:, l:l + 1], G,
+                                    rounds_L=np.where(flag_L[l:l + 1], self.urgent_swaps, self.swaps),
+                                    max_moves=left, max_moves_G=left_G, **kw)
+                m_G = count_moves(old_LP[l:l + 1], rows, G, E)[0]
+                gain = cost[0, 0] - cost[0, 1]
+                if m_G.sum() == 0 or not gain > price_L(rows, m_G.sum(keepdims=True), [l])[0]:
+                    continue
+                assert m_G.sum() <= left and (m_G <= left_G).all(), "capped repair exceeded its caps"
+                new_LP[l], gain_L[l], moves_LG[l] = rows[0], gain, m_G
+            keep_L[l] = True
+            left -= moves_LG[l].sum()
+            left_G -= moves_LG[l]
+        return keep_L, new_LP, gain_L
 
 
 class WindowPolicy:
     """Plan on the sum of the newest `window` windows (None: every window seen) at each decision.
 
     planner: an eplb planner name; move_cost: the migration-aware plan's price per move
-    (eplb.migration.Budget), 0.001 as the Rebalancer's default.
+    (eplb.migration.Budget), 0.001 as the Rebalancer's default, added to a budget's own;
+    objective: "tokens" or an eplb.cost.TimeObjective, handed to `eplb.plan`.
     """
 
     name = "window"
 
-    def __init__(self, window: int | None = 8, planner: str = "greedy", move_cost: float = 0.001):
+    def __init__(self, window: int | None = 8, planner: str = "greedy", move_cost: float = 0.001,
+                 objective: str | TimeObjective = "tokens"):
         if isinstance(window, str) and window.lower() in ("all", "none"):
             window = None
         self.window = None if window is None else whole_number("window (windows)", window, 1)
         get_planner(planner)
         self.planner = planner
-        self.budget = Budget(move_cost=finite_number("move_cost", move_cost, 0.0))
+        self.move_cost = finite_number("move_cost", move_cost, 0.0)
+        self.objective = check_objective(objective)
         self._mem: WindowMemory | None = None
         self._total_LE: np.ndarray | None = None
 
@@ -351,13 +452,16 @@ class WindowPolicy:
             self._mem = WindowMemory(self.window, *counts_LE.shape)
         self._mem.push(counts_LE)
 
-    def decide(self, placement: Placement) -> Decision | None:
+    def decide(self, placement: Placement, budget: Budget | None = None, *,
+               num_expert_groups: int | None = None) -> Decision | None:
         load_LE = self._total_LE if self.window is None else (None if self._mem is None else self._mem.total())
         if load_LE is None or load_LE.sum() <= 0:
             return None
+        budget = NO_BUDGET if budget is None else budget
         # The planner's map only: PlanResult.placement would also score a contiguous baseline.
         res = plan(load_LE, topology=placement.topology, planner=self.planner, previous=placement,
-                   budget=self.budget)
+                   budget=replace(budget, move_cost=budget.move_cost + self.move_cost),
+                   num_expert_groups=num_expert_groups, objective=self.objective)
         new_LP = res.solution.phy2log_LP
         changed_L = (new_LP != placement.phy2log_LP).any(axis=1)
         if not changed_L.any():
@@ -376,23 +480,32 @@ class StaticPolicy:
     def observe(self, counts_LE: np.ndarray, placement: Placement) -> None:
         return None
 
-    def decide(self, placement: Placement) -> Decision | None:
+    def decide(self, placement: Placement, budget: Budget | None = None, *,
+               num_expert_groups: int | None = None) -> Decision | None:
         return None
 
 
 POLICIES: dict[str, type] = {"adaptive": AdaptivePolicy, "window": WindowPolicy, "static": StaticPolicy}
-"""Policies by name; "adaptive" is the default of `eplb replay` and `Rebalancer(policy=...)`."""
+"""Policies by name; "adaptive" is the default of `eplb replay` and the `Rebalancer`."""
+
+_NOT_SETTINGS = ("self", "objective")   # given whole (get_policy(objective=...)), not as --set text
 
 
 def policy_settings(name: str) -> list[str]:
-    """The settings a policy takes (its constructor's keywords)."""
+    """The settings a policy takes (its constructor's keywords, the objective aside)."""
     if name not in POLICIES:
         raise EplbError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
-    return [k for k in inspect.signature(POLICIES[name]).parameters if k != "self"]
+    return [k for k in inspect.signature(POLICIES[name]).parameters if k not in _NOT_SETTINGS]
 
 
-def get_policy(policy: str | Policy = "adaptive", settings: dict | None = None) -> Policy:
-    """A fresh policy by name with settings checked, or a policy object as it is (no settings)."""
+def get_policy(policy: str | Policy = "adaptive", settings: dict | None = None,
+               objective: str | TimeObjective = "tokens") -> Policy:
+    """A fresh policy by name with settings checked, or a policy object as it is (no settings).
+
+    objective: "tokens" or an eplb.cost.TimeObjective for the policies that plan (adaptive,
+    window); a policy object must have been built with it (its `objective` attribute).
+    """
+    objective = check_objective(objective)
     if not isinstance(policy, str):
         if settings:
             raise EplbError(f"settings {sorted(settings)} apply to a policy given by name, not to a "
@@ -401,10 +514,23 @@ def get_policy(policy: str | Policy = "adaptive", settings: dict | None = None) 
         if missing:
             raise EplbError(f"policy must be a name ({', '.join(POLICIES)}) or have observe() and decide(); "
                             f"{type(policy).__name__} lacks {', '.join(missing)}")
+        if objective != "tokens" and getattr(policy, "objective", "tokens") != objective:
+            raise EplbError(f"objective {objective.name!r} applies to a policy given by name; this "
+                            f"{type(policy).__name__} object was not built with it: build it with objective=...")
         return policy
     known = policy_settings(policy)
     unknown = sorted(set(settings or {}) - set(known))
     if unknown:
         raise EplbError(f"policy {policy!r} has no setting {', '.join(map(repr, unknown))}; "
                         f"its settings are {', '.join(known) or 'none'}")
-    return POLICIES[policy](**(settings or {}))
+    extra = {} if objective == "tokens" or "objective" not in inspect.signature(POLICIES[policy]).parameters \
+        else {"objective": objective}
+    return POLICIES[policy](**(settings or {}), **extra)
+
+
+def takes_budget(policy: Policy) -> bool:
+    """Does the policy's `decide` take a `budget` (the Rebalancer refuses limits it would ignore)?"""
+    try:
+        return "budget" in inspect.signature(policy.decide).parameters
+    except (TypeError, ValueError):
+        return False

@@ -5,21 +5,23 @@ P = G x S physical slots.
 
 Usage (pure numpy; no torch):
 
-    rb = Rebalancer(placement, interval=1000, min_improvement=0.02)
+    rb = Rebalancer(placement, interval=1000)  # the adaptive online policy (eplb.policy)
     for step in serving_loop:
         if rb.observe(counts_LE):              # or physical-slot counts [L, P]
             result = rb.rebalance()            # may run on a side thread
             engine.migrate(result.migration)   # rounds of copies, see eplb.migration
     rb.rebalance(failed_ranks=[5])             # a rank died: plan on the others
 
-`observe` only accumulates (a few tens of microseconds at DeepSeek-V3 shape); every
-`interval` observations it also predicts the improvement a rebalance could bring (the
-current placement's busiest-GPU load against the lower bound, summed over layers) and says
-whether it is worth it. With `policy=` (an eplb.policy name or object, e.g. "adaptive") the
-`interval` observations form one window handed to the policy instead, every window is due,
-and `rebalance` asks the policy, which may keep the placement (a result without moves).
-Without a policy, `rebalance` plans a migration-aware placement through `eplb.plan`
-(move budget / move cost), schedules the copies safely and adopts the new placement.
+`observe` only accumulates (a few tens of microseconds at DeepSeek-V3 shape). By default
+(`policy="adaptive"`, or any eplb.policy name or object) every `interval` observations form
+one window handed to the policy, every window is due, and `rebalance` asks the policy, which
+repairs the placement in force where the gain pays for the moves, within the budget, or keeps
+it (a result without moves). With `policy=None` the older rule applies: every `interval`
+observations the improvement a rebalance could bring (the current placement's busiest-GPU load
+against the lower bound, summed over layers) is checked against `min_improvement`, and
+`rebalance` plans a migration-aware placement through `eplb.plan` (move budget / move cost).
+Either way the copies are scheduled safely and the new placement adopted. A rebalance after
+failed ranks always plans through `eplb.plan` on the surviving ranks.
 All state is guarded by one lock; planning runs outside it, so `observe` is never blocked
 for long by a rebalance on another thread.
 """
@@ -27,6 +29,7 @@ for long by a rebalance on another thread.
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -37,15 +40,22 @@ from eplb import stats
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, whole_number
-from eplb.migration import Budget, MigrationPlan, layout_dependent, schedule, warm_up
+from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule, warm_up
+from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner
 from eplb.planning import plan
-from eplb.policy import BucketedSum, Policy, get_policy
+from eplb.policy import BucketedSum, Policy, get_policy, takes_budget
+from eplb.policy import warm_up as warm_up_policy
+from eplb.stats import group_span
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
-"""The Rebalancer's budget when none is given: no move limit, each move must buy 0.1% of a
-layer's mean GPU load (so a rebalance never copies experts for a negligible gain)."""
+"""The budget of `eplb.plan` when the Rebalancer is given none (failed ranks, policy=None): no
+move limit, each move must buy 0.1% of a layer's mean GPU load (so a rebalance never copies
+experts for a negligible gain). A policy given no budget prices its moves itself."""
+
+DEFAULT_MIN_IMPROVEMENT = 0.02
+"""policy=None's threshold when none is given."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,24 +109,31 @@ class Rebalancer:
     window: keep the newest `window` observations (sliding sum, in at most 64 bucket sums:
       exact up to 64, bounded memory beyond, see eplb.policy.BucketedSum); alpha: exponential
       moving average with this weight on each new observation; neither: sum of everything
-      observed. This load is what failed-rank plans (and, without a policy, every plan) use.
-    policy: an online policy (eplb.policy name or object) that decides rebalances from windows
-      of `interval` observations; None: the min_improvement rule below. A policy plans on token
-      loads and prices its own moves (its `move_cost` setting): `objective` and the budget's
-      move limits then apply to failed-rank plans only (bytes_per_expert to every migration).
-    interval: check every `interval` observations whether a rebalance is worth it.
-    min_improvement: rebalance when the predicted cut in the summed busiest-GPU load
-      (1 - lower bound / current) is at least this (0 = rebalance at every check).
-    planner, settings: the planner `eplb.plan` runs (from-scratch target).
+      observed. This load is what failed-rank plans (and, with policy=None, every plan) use.
+    policy: the online policy (eplb.policy name or object) that decides rebalances from windows
+      of `interval` observations; None: the min_improvement rule below. Default "auto": the
+      "adaptive" policy, or None when min_improvement is given or under a dispatch rule that
+      splits by the layout (SGLang static), whose plans the adaptive repair (which prices an
+      even split) cannot judge.
+    interval: observations per window (a policy), or between checks (policy=None).
+    min_improvement: policy=None only (refused with a policy, which decides by its own gain
+      and move price): rebalance when the predicted cut in the summed busiest-GPU load
+      (1 - lower bound / current) is at least this (0 = rebalance at every check; default 0.02).
+    planner, settings: the planner `eplb.plan` runs (from-scratch target) for failed ranks and
+      with policy=None.
     budget: migration budget per rebalance (eplb.Budget: max_moves, max_moves_per_gpu,
-      move_cost, span_cost, bytes_per_expert); default `DEFAULT_BUDGET`, move_cost=0.001: each
-      copied expert must buy at least 0.1% of a layer's mean GPU load. bytes_per_expert gives
-      the migration's byte counts.
+      move_cost, span_cost, bytes_per_expert). A policy decides within it: at most max_moves
+      (and max_moves_per_gpu onto any GPU), each move paying budget.move_cost on top of the
+      policy's own price, each (group, node) pair it adds priced span_cost moves. Plans through
+      `eplb.plan` use it too; when none is given they use `DEFAULT_BUDGET` (move_cost=0.001:
+      each copied expert must buy at least 0.1% of a layer's mean GPU load) and a policy its own
+      price alone. bytes_per_expert gives the migration's byte counts.
     layers_per_chunk: rounds of the migration only mix layers of one chunk.
     num_expert_groups: expert groups of the router (DeepSeek-V3: 8), for node-aware planners and, on
       placements over several nodes, for the budget's span_cost: spreading a group onto one more
       node costs that many moves, which keeps a node-aware plan's locality.
-    objective: "tokens", or an `eplb.cost.TimeObjective`, handed to `eplb.plan` (the decision
+    objective: "tokens", or an `eplb.cost.TimeObjective`: the policy plans each window as the
+      experts' expected seconds per step, and `eplb.plan` gets it too (policy=None's decision
       to rebalance still compares token loads with their lower bound).
     dispatch: the rule the engine splits tokens by (a name or an eplb.dispatch rule, default
       "plan"): handed to `eplb.plan` (planning and the migration step judge plans under it,
@@ -125,10 +142,10 @@ class Rebalancer:
     """
 
     def __init__(self, placement: Placement, *, window: int | None = None, alpha: float | None = None,
-                 interval: int = 1000, min_improvement: float = 0.02, planner: str | None = None,
+                 interval: int = 1000, min_improvement: float | None = None, planner: str | None = None,
                  settings: dict | None = None, budget: Budget | None = None,
                  layers_per_chunk: int | None = None, num_expert_groups: int | None = None,
-                 objective: str | TimeObjective = "tokens", policy: str | Policy | None = None,
+                 objective: str | TimeObjective = "tokens", policy: str | Policy | None = "auto",
                  dispatch: str | DispatchRule | None = None):
         if not isinstance(placement, Placement) or placement.partial:
             what = "a partial Placement" if isinstance(placement, Placement) else type(placement).__name__
@@ -138,7 +155,18 @@ class Rebalancer:
         self.window = None if window is None else whole_number("window (observations)", window, 1)
         self.alpha = None if alpha is None else fraction("alpha", alpha)
         self.interval = whole_number("interval (observations)", interval, 1)
-        self.min_improvement = fraction("min_improvement", min_improvement, low_open=False, high_open=True)
+        self.dispatch = get_rule("plan" if dispatch is None else dispatch)
+        if isinstance(policy, str) and policy == "auto":
+            # The adaptive repair prices replicas as an even split; under a rule that splits by
+            # the layout (SGLang static) the rebalance plans and migrates under the rule instead.
+            # A min_improvement asks for the rule of policy=None.
+            policy = None if layout_dependent(self.dispatch) or min_improvement is not None else "adaptive"
+        if policy is not None and min_improvement is not None:
+            raise EplbError(f"min_improvement ({min_improvement}) is the rule of policy=None; policy "
+                            f"{getattr(policy, 'name', policy)!r} decides by its predicted gain and move price: "
+                            f"drop min_improvement, or pass policy=None to use it")
+        self.min_improvement = fraction("min_improvement", DEFAULT_MIN_IMPROVEMENT if min_improvement is None
+                                        else min_improvement, low_open=False, high_open=True)
         # Used only once a rebalance has planned: checked now, not after the planning.
         self.layers_per_chunk = None if layers_per_chunk is None else whole_number("layers_per_chunk",
                                                                                    layers_per_chunk, 1)
@@ -146,12 +174,12 @@ class Rebalancer:
             raise EplbError(f"budget must be an eplb.Budget (max_moves, max_moves_per_gpu, move_cost, span_cost, "
                             f"bytes_per_expert), got {type(budget).__name__}")
         self.budget = DEFAULT_BUDGET if budget is None else budget
+        self._policy_budget = budget
         E = placement.num_logical_experts
         if num_expert_groups is not None and (not is_whole(num_expert_groups) or num_expert_groups < 1
                                               or E % num_expert_groups):
             raise EplbError(f"num_expert_groups must divide the {E} experts, got {num_expert_groups!r}")
         self.num_expert_groups = None if num_expert_groups is None else int(num_expert_groups)
-        self.dispatch = get_rule("plan" if dispatch is None else dispatch)
         if policy is not None and layout_dependent(self.dispatch):
             raise EplbError(f"policy {getattr(policy, 'name', policy)!r} decides for an even split, but dispatch "
                             f"{self.dispatch.name!r} splits by the layout: leave policy out (the rebalance "
@@ -168,7 +196,14 @@ class Rebalancer:
         import scipy.optimize  # noqa: F401
 
         warm_up()
-        self.policy = None if policy is None else get_policy(policy)
+        self.policy = None if policy is None else get_policy(policy, objective=self.objective)
+        if self.policy is not None:
+            self._check_policy_budget(placement)
+            params = inspect.signature(self.policy.decide).parameters if takes_budget(self.policy) else {}
+            self._decide_kw = {k: v for k, v in (("budget", self._policy_budget),
+                                                 ("num_expert_groups", self.num_expert_groups)) if k in params}
+            if self.policy.name == "adaptive":
+                warm_up_policy()
         # Windows closed by observe wait here for the policy, which sees them on the rebalancing
         # thread (under its own lock), so observe never waits for a decision in progress.
         self._closed: collections.deque = collections.deque(maxlen=64)
@@ -179,6 +214,17 @@ class Rebalancer:
         self._adopt(placement, np.arange(placement.num_gpus), self.dispatch.bind(placement))
         self.step = 0
         self.last_check: dict = {}
+
+    def _check_policy_budget(self, placement: Placement) -> None:
+        """Refuse a budget the policy object cannot honour (its decide takes none)."""
+        b = self._policy_budget
+        if b is None or takes_budget(self.policy):
+            return
+        span = span_priced(placement.num_nodes, self.num_expert_groups, b)
+        if b.limited or span:
+            raise EplbError(f"policy {type(self.policy).__name__} decides without a budget (its decide() takes no "
+                            f"budget), so {b} would be ignored: give decide a budget parameter, or drop the "
+                            f"budget's move limits")
 
     # State ------------------------------------------------------------------------------------
 
@@ -199,6 +245,7 @@ class Rebalancer:
             self._sliding = BucketedSum(self.window, L, E) if self.window else None
             self._load_LE = self._sliding.sum_LE if self._sliding is not None else np.zeros((L, E))
             self._window_LE = np.zeros((L, E))
+            self._window_obs = 0
             self._seen = 0
         self._since_check = 0
         self._version += 1
@@ -262,12 +309,14 @@ class Rebalancer:
             self._since_check += 1
             if self.policy is not None:
                 self._window_LE += c
+                self._window_obs += 1
             if self._since_check < self.interval:
                 return False
             self._since_check = 0
             if self.policy is not None:
                 self._closed.append((self._window_LE.copy(), pl))
                 self._window_LE[:] = 0.0
+                self._window_obs = 0
                 self.last_check = {"step": self.step, "due": True,
                                    "reason": f"window closed for policy {self.policy.name}"}
                 return True
@@ -415,27 +464,57 @@ class Rebalancer:
 
     def _plan_policy(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int,
                      bound) -> RebalanceResult:
-        """Hand the closed windows to the policy and ask it; no decision keeps the placement."""
+        """Hand the closed windows to the policy and ask it; no decision keeps the placement.
+
+        Without a closed window (rebalance called before `interval` observations), the window
+        being filled is closed now, so the policy sees what was observed."""
         t0 = time.perf_counter()
         with self._policy_lock:
+            with self._lock:
+                if not self._closed and self._window_obs:
+                    self._closed.append((self._window_LE.copy(), self.placement))
+                    self._window_LE[:] = 0.0
+                    self._window_obs = 0
             while True:
                 with self._lock:
                     if not self._closed:
                         break
                     window_LE, served = self._closed.popleft()
                 self.policy.observe(window_LE, served)
-            decision = self.policy.decide(pl)
+            decision = self.policy.decide(pl, **self._decide_kw)
+        if decision is not None:
+            self._check_caps(pl, decision.phy2log_LP)
         new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
                                                   planner=self.policy.name, metrics={})
         before = stats.evaluate(pl, load, bound(load))
         after = before if new is pl else stats.evaluate(new, load, self.dispatch.bind(new)(load))
+        new = replace(new, metrics={"imbalance_median": float(np.median(after.imbalance_L)),
+                                    "imbalance_max": float(np.max(after.imbalance_L)),
+                                    "bound_ratio_max": float(np.max(after.bound_ratio_L)),
+                                    "balancedness": after.balancedness})
         t1 = time.perf_counter()
         mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                        layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
                        bytes_per_expert=self.budget.bytes_per_expert)
         info = {"decision_seconds": t1 - t0, "schedule_seconds": time.perf_counter() - t1,
                 "moves": mig.moves, "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
+        if pl.num_nodes > 1 and self.num_expert_groups:
+            for k, m in (("before", pl), ("after", new)):
+                info[f"group_span_{k}"] = float(group_span(m.phy2log_LP, pl.num_gpus, pl.num_nodes,
+                                                           self.num_expert_groups, pl.num_logical_experts).mean())
         msg = f"policy {self.policy.name}: " + ("keep (no change pays for its moves)" if decision is None
                                                 else decision.reason)
         return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
                                message=msg, info=info)
+
+    def _check_caps(self, pl: Placement, new_LP: np.ndarray) -> None:
+        """A policy's decision must keep the budget's move caps (a policy object could ignore them)."""
+        b = self._policy_budget
+        if b is None or (b.max_moves is None and b.max_moves_per_gpu is None):
+            return
+        moves_G = count_moves(pl.phy2log_LP, new_LP, pl.num_gpus, pl.num_logical_experts).sum(axis=0)
+        if (b.max_moves is not None and moves_G.sum() > b.max_moves) or \
+                (b.max_moves_per_gpu is not None and moves_G.max() > b.max_moves_per_gpu):
+            raise EplbError(f"policy {self.policy.name!r} decided {int(moves_G.sum())} moves (at most "
+                            f"{int(moves_G.max())} onto one GPU) against max_moves={b.max_moves}, "
+                            f"max_moves_per_gpu={b.max_moves_per_gpu}: its decide() must honour the budget")

@@ -92,6 +92,47 @@ def cut_batches(trace: Trace, top_k: int, batch_tokens: int | None = None, batch
                  f"independent expert choices assumed for counts and all-to-all bytes")
 
 
+def window_batches(counts_LE: np.ndarray, top_k: int, batch_tokens: int, batches: int, rng: np.random.Generator,
+                   window: int = 0, topk_NLK: np.ndarray | None = None) -> list[Batch]:
+    """Up to `batches` step batches of `batch_tokens` tokens from one window.
+
+    With the window's per-token choices (topk_NLK [N, L, K]): runs of consecutive tokens, spread
+    evenly over the window (the whole window as one batch when it holds fewer tokens). Else
+    draws of B x K rows per layer from the window's expert frequencies (independent choices).
+    """
+    if topk_NLK is not None:
+        N = len(topk_NLK)
+        B = min(batch_tokens, N)
+        starts = np.linspace(0, N - B, num=min(N // B, batches)).astype(int)
+        E = counts_LE.shape[1]
+        return [Batch(_bincount(topk_NLK[a:a + B].astype(np.int64), E), B, window, topk_NLK[a:a + B].astype(np.int64))
+                for a in starts]
+    total_L1 = counts_LE.sum(axis=1, keepdims=True)
+    share_LE = np.where(total_L1 > 0, counts_LE / np.where(total_L1 > 0, total_L1, 1.0), 1.0 / counts_LE.shape[1])
+    return [Batch(rng.multinomial(batch_tokens * top_k, share_LE).astype(np.float64), batch_tokens, window)
+            for _ in range(batches)]
+
+
+def time_window(cost: CostModel, placement: Placement, bound, batches: list[Batch]) -> tuple[np.ndarray, np.ndarray]:
+    """Modeled seconds per layer [L] (mean over the batches) of a placement under a bound rule,
+    and the shares [L, P] its replicas took of their experts' rows over all the batches."""
+    L, P = placement.phy2log_LP.shape
+    layer_L = np.zeros(L)
+    rows_LP = np.zeros((L, P))
+    counts_LE = np.zeros((L, placement.num_logical_experts))
+    for b in batches:
+        r_LP = slot_rows(placement, b.counts_LE, bound(b.counts_LE))
+        pairs = None if b.topk_BLK is None else assign_pairs(placement, b.topk_BLK, r_LP)
+        layer_L += step_cost(cost, placement, r_LP, b.tokens, pairs).layer_s_L
+        # slot_rows counts a second copy on one GPU with the first: the shares follow the rows.
+        rows_LP += r_LP
+        counts_LE += b.counts_LE
+    count_LP = np.take_along_axis(counts_LE, placement.phy2log_LP, axis=1)
+    even_LP = placement.replica_weights()
+    shares_LP = np.where(count_LP > 0, rows_LP / np.where(count_LP > 0, count_LP, 1.0), even_LP)
+    return layer_L / max(len(batches), 1), shares_LP
+
+
 def _bincount(topk_BLK: np.ndarray, E: int) -> np.ndarray:
     B, L, K = topk_BLK.shape
     flat = (np.arange(L)[None, :, None] * E + topk_BLK).ravel()

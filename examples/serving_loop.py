@@ -5,16 +5,19 @@ Run (from the repository root):
     python examples/serving_loop.py                       # traces/deepseek.npz, 32 GPUs
     python examples/serving_loop.py --trace my.npz --gpus 16 --steps-per-window 8 --fail-rank 5
     python examples/serving_loop.py --nodes 4             # node-aware: hierarchical start, span_cost
+    python examples/serving_loop.py --policy none         # the older rule: a threshold, then a fresh plan
 
 Legend: T = trace windows, L = MoE layers, E = logical experts, P = physical slots.
 
 Each trace window is replayed as `--steps-per-window` serving steps (the window's counts
 split at random over the steps). Every step, the engine reports its per-slot token counts
-(physical [L, P], what an engine's dispatcher sees) to `Rebalancer.observe`. When a rebalance
-is due, it is planned on a side thread, as a server would, while the loop keeps serving
-and observing; the placement switches when the plan is ready. Optionally a rank fails
-halfway. With --nodes > 1 the server starts from a node-aware (hierarchical) plan and the
-Rebalancer is told the expert groups, so its search keeps groups on few nodes (span_cost).
+(physical [L, P], what an engine's dispatcher sees) to `Rebalancer.observe`. Every
+`--interval` observations close a window for the Rebalancer's online policy (the default,
+`adaptive`: it repairs the placement where the gain pays for the moves, or keeps it); the
+decision runs on a side thread, as a server would, while the loop keeps serving and
+observing; the placement switches when it is ready. Optionally a rank fails halfway. With
+--nodes > 1 the server starts from a node-aware (hierarchical) plan and the Rebalancer is told
+the expert groups, so its changes keep groups on few nodes (span_cost).
 Without the trace file, seeded random loads of DeepSeek-V3 shape are used.
 """
 
@@ -60,7 +63,11 @@ def finish(worker: threading.Thread, pending: dict, step: int) -> None:
     worker.join()
     res = pending.pop("result")
     s = res.migration.summary()
-    print(f"step {step:5d}: rebalanced (planned in {pending.pop('wall') * 1e3:.0f} ms on the side thread): "
+    wall = pending.pop("wall")
+    if res.moves == 0:
+        print(f"step {step:5d}: kept the placement (decided in {wall * 1e3:.0f} ms): {res.message}")
+        return None
+    print(f"step {step:5d}: rebalanced (planned in {wall * 1e3:.0f} ms on the side thread): "
           f"busiest/mean GPU {np.median(res.before.imbalance_L):.3f} -> {np.median(res.after.imbalance_L):.3f} "
           f"(median layer), {s['moves']} copies in {s['rounds']} rounds "
           f"({s['bytes'] / 2**30:.1f} GiB, {s['staging_copies']} staging)"
@@ -78,8 +85,10 @@ def main(argv=None) -> int:
                     help="with --nodes > 1: moves a group's spread onto one more node costs (0: node-blind)")
     ap.add_argument("--redundant", type=int, default=32)
     ap.add_argument("--steps-per-window", type=int, default=10)
-    ap.add_argument("--interval", type=int, default=40, help="observations between checks")
-    ap.add_argument("--min-improvement", type=float, default=0.03)
+    ap.add_argument("--interval", type=int, default=40, help="observations per policy window (or between checks)")
+    ap.add_argument("--policy", default="adaptive", choices=["adaptive", "window", "none"],
+                    help="the Rebalancer's online policy (none: the min-improvement rule)")
+    ap.add_argument("--min-improvement", type=float, default=0.03, help="with --policy none: the threshold")
     ap.add_argument("--max-moves", type=int, default=600, help="copies per rebalance")
     ap.add_argument("--fail-rank", type=int, default=None, help="this rank fails halfway through")
     ap.add_argument("--step-ms", type=float, default=20.0,
@@ -93,15 +102,19 @@ def main(argv=None) -> int:
     # The server starts with a plan made on the first window only (stale soon after).
     start = plan(counts_TLE[0], num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant,
                  num_expert_groups=groups, planner="hierarchical" if args.nodes > 1 else "greedy").placement
-    budget = Budget(max_moves=args.max_moves, move_cost=0.001, span_cost=args.span_cost,
+    policy = None if args.policy == "none" else args.policy
+    budget = Budget(max_moves=args.max_moves, move_cost=0.001 if policy is None else 0.0, span_cost=args.span_cost,
                     bytes_per_expert=BYTES_PER_EXPERT)
-    rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval,
-                    min_improvement=args.min_improvement, budget=budget, num_expert_groups=groups)
+    rule = dict(min_improvement=args.min_improvement) if policy is None else {}
+    rb = Rebalancer(start, window=4 * args.steps_per_window, interval=args.interval, budget=budget,
+                    num_expert_groups=groups, policy=policy, **rule)
     where = os.path.relpath(source) if os.path.exists(source) else source
     print(f"trace: {where}: {T} windows x {L} layers x {E} experts; {args.gpus} GPUs on {args.nodes} node(s), "
           f"{start.num_slots} slots, {groups} expert groups; {args.steps_per_window} steps per window")
-    print(f"rebalancer: sliding window {4 * args.steps_per_window} steps, check every {args.interval}, "
-          f"rebalance if predicted gain >= {args.min_improvement:.0%}, <= {args.max_moves} copies each")
+    how = (f"policy {args.policy}, a window every {args.interval} steps" if policy else
+           f"check every {args.interval} steps, rebalance if predicted gain >= {args.min_improvement:.0%}")
+    print(f"rebalancer: {how}, <= {args.max_moves} copies each; failed ranks plan on the sliding window of "
+          f"{4 * args.steps_per_window} steps")
 
     pending: dict = {}
     worker: threading.Thread | None = None
@@ -131,7 +144,8 @@ def main(argv=None) -> int:
             time.sleep(args.step_ms / 1e3)           # the model's forward pass would run here
             if due and worker is None:
                 chk = rb.last_check
-                print(f"step {step:5d}: check says rebalance (predicted gain {chk['predicted_improvement']:.1%})")
+                print(f"step {step:5d}: " + (f"check says rebalance (predicted gain {chk['predicted_improvement']:.1%})"
+                                             if policy is None else chk["reason"]))
                 worker = threading.Thread(target=plan_in_background)
                 worker.start()
             if worker is not None and not worker.is_alive():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 from eplb.backtest import DISPATCH, backtest, leave_one_out
+from eplb.capacity import DTYPE_BITS, PRESETS
 from eplb.commands.common import add_command, add_output_flags, format_table, positive_int, print_json
-from eplb.commands.plan import parse_settings
+from eplb.commands.plan import objective_from_args, parse_settings
+from eplb.commands.simulate import add_cost_arguments
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_trace
 from eplb.planner_api import planner_names
@@ -33,8 +35,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="past windows each plan looks at (default: all past windows)")
     p.add_argument("--leave-one-out", action="store_true",
                    help="plan on all trace files but one, score on the one left out, for each file")
-    p.add_argument("--dispatch", action="append", choices=DISPATCH, metavar="POLICY",
-                   help=f"dispatch policies to score, repeatable ({', '.join(DISPATCH)}; default all)")
+    p.add_argument("--dispatch", action="append", choices=(*DISPATCH, "time"), metavar="POLICY",
+                   help=f"dispatch policies to score, repeatable ({', '.join(DISPATCH)}, and time with "
+                        f"--objective time; default all)")
     p.add_argument("--aggregate", default="sum", choices=AGGREGATIONS,
                    help="how history windows become the planning load (default sum; 'window' sums the "
                         "newest --history windows, which is what sum over --history does)")
@@ -42,6 +45,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="skip the oracle plans made on each scored window (no forecast gap; faster)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set quantile=0.9 (repeatable; applies to every planner)")
+    p.add_argument("--objective", choices=("tokens", "time"), default="tokens",
+                   help="plans balance token loads (default) or modeled per-GPU time (needs --model and "
+                        "--hardware); with time every window is also scored in modeled step time")
+    p.add_argument("--model", "-m", help=f"model preset for the cost model: {', '.join(PRESETS)}")
+    p.add_argument("--expert-dtype", default=None, choices=list(DTYPE_BITS),
+                   help="dtype of the experts' weights and GEMMs (default fp8)")
+    add_cost_arguments(p, model_flag=False)
+    p.add_argument("--batches", type=positive_int, default=8,
+                   help="step batches per window scored in modeled time (default 8)")
     add_output_flags(p)
     return p
 
@@ -61,10 +73,14 @@ def run(args) -> int:
                             "--history N (sequential mode), or use --aggregate sum")
         aggregate = "sum"
     planners = args.planner or ["greedy"]
-    dispatch = tuple(dict.fromkeys(args.dispatch)) if args.dispatch else DISPATCH
+    objective = objective_from_args(args)
+    if args.hardware is not None and objective == "tokens":
+        raise EplbError("--hardware scores backtests in modeled time for plans made for it: add --objective time")
+    dispatch = tuple(dict.fromkeys(args.dispatch)) if args.dispatch else None
     common = dict(num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant,
                   slots_per_gpu=args.slots_per_gpu, dispatch=dispatch, settings=parse_settings(args.set),
-                  aggregate=aggregate, oracle=not args.no_oracle, quiet=args.quiet or args.json)
+                  aggregate=aggregate, oracle=not args.no_oracle, quiet=args.quiet or args.json,
+                  objective=objective, batches_per_window=args.batches)
     results = []
     if args.leave_one_out:
         workloads = [load_trace(p) for p in args.traces]
@@ -89,10 +105,14 @@ def run(args) -> int:
         s = r.summary()["median"]
         for d in r.dispatch:
             fg = s["forecast_gap"][d]
-            rows.append([r.planner, d, s["imbalance"][d], s["imbalance_sum"][d], s["bound_ratio"][d],
-                         "n/a" if fg is None else f"{100 * fg:.2f}%", f"{100 * s['optimisation_gap'][d]:.2f}%"])
+            row = [r.planner, d, s["imbalance"][d], s["imbalance_sum"][d], s["bound_ratio"][d],
+                   "n/a" if fg is None else f"{100 * fg:.2f}%", f"{100 * s['optimisation_gap'][d]:.2f}%"]
+            if r.timed:
+                sec = s["step_seconds"][d]
+                row.append("n/a" if sec is None else f"{1e3 * sec:.3f}")
+            rows.append(row)
     print(format_table(["planner", "dispatch", "max/mean", "sum max/mean", "max/bound", "forecast gap",
-                        "optimisation gap"], rows))
+                        "optimisation gap"] + (["step ms"] if first.timed else []), rows))
     for r in results:
         secs = [p.seconds for p in r.plans]
         print(f"{r.planner}: {len(r.plans)} plan(s), median {1e3 * sorted(secs)[len(secs) // 2]:.1f} ms per plan")
@@ -100,4 +120,8 @@ def run(args) -> int:
             print(f"  note: {note}")
     print("max/mean: busiest/mean GPU (median over layers); forecast gap: vs a plan made on the scored "
           "window itself; optimisation gap: plan vs lower bound on its own planning load")
+    if first.timed:
+        t = first.time
+        print(f"planned for modeled time; step ms: modeled MoE time per step ({t['model']} on {t['hardware']}, "
+              f"{t['phase']}, {t['batch_tokens']:,} tokens per step), median over windows; batches: {t['how']}")
     return 0

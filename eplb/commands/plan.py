@@ -183,7 +183,7 @@ def _slots(args, trace, previous):
     return None, None
 
 
-def _objective(args) -> str | TimeObjective:
+def objective_from_args(args) -> str | TimeObjective:
     """"tokens", or the TimeObjective the cost options describe (refusing options that need others)."""
     cost_opts = [f"--{k.replace('_', '-')}" for k in ("phase", "batch_tokens") if getattr(args, k) is not None]
     cost_opts += ["--overlap"] if args.overlap else []
@@ -219,7 +219,7 @@ def _modeled(args, placement, trace, objective, engine_rule_: DispatchRule | Non
 
 def run(args) -> int:
     _check_flags(args)
-    objective = _objective(args)
+    objective = objective_from_args(args)
     rule, engine = engine_of(args)
     args.format = args.format or (engine if engine and args.output else "eplb")
     if args.planner is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from eplb.capacity import DTYPE_BITS, PRESETS
 from eplb.commands.common import (
     add_command,
     add_output_flags,
@@ -12,7 +13,9 @@ from eplb.commands.common import (
     positive_int,
     print_json,
 )
-from eplb.commands.plan import parse_settings
+from eplb.commands.plan import objective_from_args, parse_settings
+from eplb.commands.simulate import add_cost_arguments, cost_from_args
+from eplb.cost import TimeObjective
 from eplb.formats import load_trace, write_replay
 from eplb.planning import size_topology
 from eplb.policy import POLICIES, get_policy
@@ -45,6 +48,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rule", action="append", metavar="RULE",
                    help="dispatch rule to score, repeatable (eplb.dispatch rules; default even and resplit)")
     p.add_argument("-o", "--output", help="write the served windows' placements, shares, counts and metrics (.npz)")
+    p.add_argument("--objective", choices=("tokens", "time"), default="tokens",
+                   help="what the initial plan, the policy and hindsight balance: token loads (default) or modeled "
+                        "per-GPU time (needs --model and --hardware); with --hardware every window is also scored "
+                        "in modeled step time, the per-batch time dispatch included")
+    p.add_argument("--model", "-m", help=f"model preset for the cost model: {', '.join(PRESETS)}")
+    p.add_argument("--expert-dtype", default=None, choices=list(DTYPE_BITS),
+                   help="dtype of the experts' weights and GEMMs (default fp8)")
+    add_cost_arguments(p, model_flag=False)
+    p.add_argument("--batches", type=positive_int, default=8,
+                   help="step batches per window scored in modeled time (default 8)")
     add_output_flags(p)
     return p
 
@@ -60,13 +73,19 @@ def run(args) -> int:
         check_output_path(args.output, "the replay")           # before the replay, which takes a while
     settings = _settings(args.set)
     get_policy(args.policy, settings)                           # a bad setting fails before the trace is read
+    objective = objective_from_args(args)
+    timed = None
+    if args.hardware is not None:
+        timed = objective if objective != "tokens" else TimeObjective(cost_from_args(args), args.batch_tokens,
+                                                                      args.phase or "decode")
     trace = load_trace(args.trace)
     topo = size_topology(trace.num_logical_experts, num_gpus=args.gpus, num_nodes=args.nodes,
                          num_redundant=args.redundant, slots_per_gpu=args.slots_per_gpu)
-    scoring = Scoring(tuple(dict.fromkeys(args.rule))) if args.rule else Scoring()
+    rules = tuple(dict.fromkeys(args.rule)) if args.rule else ("even", "resplit")
+    scoring = Scoring(rules, time=timed, batches_per_window=args.batches)
     result = replay(trace, topology=topo, policy=args.policy, settings=settings, warmup=args.warmup,
                     tokens_per_window=args.tokens_per_window, delay=args.delay, scoring=scoring,
-                    bytes_per_expert=args.bytes_per_expert)
+                    bytes_per_expert=args.bytes_per_expert, objective=objective)
     if args.output:
         write_replay(result, args.output)
     s = result.summary()
@@ -81,9 +100,13 @@ def run(args) -> int:
     for run_name in ("policy", "static", "hindsight"):
         for rule in s["rules"]:
             o = s[run_name][rule]
-            rows.append([s["policy_name"] if run_name == "policy" else run_name, rule, o["median"], o["p95"], o["max"],
-                         o["balancedness"]])
-    print(format_table(["run", "dispatch", "median", "p95", "max", "balancedness"], rows))
+            row = [s["policy_name"] if run_name == "policy" else run_name, rule, o["median"], o["p95"], o["max"],
+                   o["balancedness"]]
+            if "step_seconds" in o:
+                row += [f"{1e3 * o['step_seconds']['median']:.3f}", f"{1e3 * o['step_seconds']['p95']:.3f}"]
+            rows.append(row)
+    head = ["run", "dispatch", "median", "p95", "max", "balancedness"]
+    print(format_table(head + (["step ms median", "step ms p95"] if s["time"] else []), rows))
     moved = (f"{s['moves']:,} moves ({s['moves_per_window']:,.1f} per served window, "
              f"{100 * s['moves_per_window_share_of_slots']:.2f}% of the {s['num_slots'] * s['num_layers']:,} slots "
              f"over all layers), {s['rounds']} migration rounds")
@@ -91,7 +114,12 @@ def run(args) -> int:
         moved += f", {s['bytes'] / 2**30:,.2f} GiB"
     print(f"{s['decisions']} decision(s): {moved}; replay {s['seconds']:.1f} s (policy {s['policy_seconds']:.1f} s)")
     print("median / p95 / max: busiest / mean GPU over every (served window, layer); static: the warm-up plan kept; "
-          "hindsight: greedy planned on each served window")
+          "hindsight: greedy planned on each served window" + (" (all planned for modeled time)"
+                                                                if s["objective"] == "time" else ""))
+    if s["time"]:
+        t = s["time"]
+        print(f"step ms: modeled MoE time per step ({t['model']} on {t['hardware']}, {t['phase']}, "
+              f"{t['batch_tokens']:,} tokens per step), median / p95 over served windows; batches: {t['how']}")
     if args.output:
         print(f"wrote {args.output}")
     return 0

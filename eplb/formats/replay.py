@@ -5,14 +5,17 @@ R = dispatch rules scored.
 
 Arrays (for the served windows only, in order):
 - `phy2log_TLP` int64 [T, L, P]: the placement in force while window t was served
-- `weights_TLP` float64 [T, L, P]: the shares of the rule named in meta `weights_rule` (the
-  per-batch re-split when scored) used for window t
+- `weights_TLP` float64 [T, L, P]: the shares of the rule named in meta `weights_rule` used
+  for window t (the per-batch re-split when scored; with modeled time, the time dispatch's
+  shares of each expert's rows over the window's batches)
 - `counts_TLE` int64 [T, L, E]: the window's logical counts
 - `window_T`, `decided_T`, `applied_T`, `moves_T`, `rounds_T` (and `bytes_T` given bytes per
   expert): the window's index in the cut trace, whether a decision followed it, whether a new
   placement took effect at it, and that decision's moves and migration rounds
 - `{run}_imbalance_RTL` [R, T, L] and `{run}_balancedness_RT` [R, T] for run = policy, static,
-  hindsight (the references scored), in the order of meta `rules`
+  hindsight (the references scored), in the order of meta `rules`; with modeled time scored,
+  `{run}_seconds_RTL` [R, T, L] too: MoE seconds per step and layer, the mean over the
+  window's batches (meta `time` says how they were made)
 - `meta`: JSON text, the replay's summary (settings, overall figures) without the per-window list
 So anyone can re-score a run: `Placement(phy2log_TLP[t], G, E)` with `counts_TLE[t]` and the
 shares give the GPU loads of window t.
@@ -77,7 +80,7 @@ def read_replay(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     want = {"weights_TLP": (T, L, P), "window_T": (T,), "decided_T": (T,), "applied_T": (T,), "moves_T": (T,),
             "rounds_T": (T,), "counts_TLE": (T, L, arrays["counts_TLE"].shape[-1])}
     for k in arrays:
-        if k.endswith("_imbalance_RTL") or k.endswith("_objective_RTL"):
+        if k.endswith("_imbalance_RTL") or k.endswith("_seconds_RTL"):
             want[k] = (R, T, L)
         elif k.endswith("_balancedness_RT"):
             want[k] = (R, T)

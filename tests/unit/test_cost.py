@@ -210,7 +210,7 @@ def test_rebalancer_hands_the_objective_to_plan():
     load = np.floor(rng.pareto(1.2, (2, 256)) * 100) + 1
     obj = TimeObjective(cost_model("deepseek-v3", "h200"), batch_tokens=64)
     start = eplb.plan(load, num_gpus=8, num_redundant=8).placement
-    rb = eplb.Rebalancer(start, interval=1, min_improvement=0.0, objective=obj)
+    rb = eplb.Rebalancer(start, interval=1, min_improvement=0.0, objective=obj, policy=None)
     rb.observe(load[::-1].copy())
     res = rb.rebalance()
     assert res.placement.metrics.get("objective") == "time"

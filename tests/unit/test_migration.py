@@ -421,7 +421,7 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
     kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, num_expert_groups=K)
     blind, aware = (plan(load, budget=mg.Budget(move_cost=0.001, span_cost=c), **kw).placement for c in (0.0, 4.0))
     assert span(aware) < span(blind)
-    rb = Rebalancer(prev, num_expert_groups=K, budget=mg.Budget(span_cost=4.0, move_cost=0.001))
+    rb = Rebalancer(prev, num_expert_groups=K, budget=mg.Budget(span_cost=4.0, move_cost=0.001), policy=None)
     rb.observe(load)
     assert span(rb.rebalance().placement) == pytest.approx(span(aware))
     with pytest.raises(EplbError, match="span_cost"):

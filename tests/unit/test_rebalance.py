@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from eplb import Budget, EplbError, Placement, plan, stats
+from eplb.migration import count_moves
 from eplb.rebalance import Rebalancer
 
 L, E, G = 3, 32, 4
@@ -57,11 +58,11 @@ def test_window_and_ema(rng, start):
 
 def test_decision_rule_checks_every_interval_against_threshold(rng, start):
     shifted = skewed(rng, [7, 20])                  # new hot experts: worth rebalancing
-    rb = Rebalancer(start, interval=5, min_improvement=0.05)
+    rb = Rebalancer(start, interval=5, min_improvement=0.05, policy=None)
     due = [rb.observe(shifted) for _ in range(10)]
     assert due == [False] * 4 + [True] + [False] * 4 + [True]
     assert rb.last_check["predicted_improvement"] >= 0.05
-    lazy = Rebalancer(start, interval=5, min_improvement=0.99)
+    lazy = Rebalancer(start, interval=5, min_improvement=0.99, policy=None)
     assert not any(lazy.observe(shifted) for _ in range(10))
     assert lazy.last_check["due"] is False
 
@@ -337,3 +338,121 @@ def test_policy_decides_from_windows_of_interval_observations(rng):
     assert rb.placement.replica_count_LE[:, [9, 23]].sum() > before.replica_count_LE[:, [9, 23]].sum()
     with pytest.raises(EplbError, match="unknown policy"):
         Rebalancer(start, policy="nope")
+
+
+def _policy_case(rng, hot=(9, 23)):
+    """A robust plan for steady traffic, then windows where cold experts turn hot."""
+    steady = skewed(rng, [0, 1]) * 4
+    start = plan(steady, num_gpus=G, num_redundant=8, planner="robust").placement
+    shifted = steady.copy()
+    shifted[:, list(hot)] *= 30.0
+    return start, steady, shifted
+
+
+def test_the_adaptive_policy_is_the_default(rng):
+    start, steady, shifted = _policy_case(rng)
+    rb = Rebalancer(start, interval=2)
+    assert rb.policy is not None and rb.policy.name == "adaptive"
+    for _ in range(6):
+        rb.observe(rng.poisson(shifted))
+    res = rb.rebalance()
+    assert "policy adaptive" in res.message and res.moves > 0
+    assert res.after.balancedness > res.before.balancedness
+    assert set(res.placement.metrics) == {"imbalance_median", "imbalance_max", "bound_ratio_max", "balancedness"}
+    res.migration.check()
+    with pytest.raises(EplbError, match="min_improvement .* policy=None"):
+        Rebalancer(start, policy="adaptive", min_improvement=0.05)
+    assert Rebalancer(start, policy=None).min_improvement == 0.02
+    # The default asks for the min_improvement rule when one is given, and under a rule that
+    # splits by the layout, which the adaptive repair cannot price.
+    assert Rebalancer(start, min_improvement=0.05).policy is None
+    assert Rebalancer(start, dispatch="sglang-static").policy is None
+
+
+def test_rebalance_hands_the_window_being_filled_when_none_closed(rng):
+    start, steady, shifted = _policy_case(rng)
+    rb = Rebalancer(start, interval=10**6)
+    rb.observe(shifted)
+    res = rb.rebalance()
+    assert res.moves > 0                                      # the one observation reached the policy
+    assert rb.rebalance().moves <= res.moves                  # nothing new: at most a little more
+
+
+@pytest.mark.parametrize("budget", [Budget(max_moves=3), Budget(max_moves_per_gpu=1),
+                                    Budget(max_moves=5, max_moves_per_gpu=2)])
+def test_the_policy_keeps_the_budgets_move_caps(rng, budget):
+    start, steady, shifted = _policy_case(rng, hot=(9, 23, 17, 30))
+    free = Rebalancer(start, interval=1)
+    free.observe(shifted)
+    uncapped = free.rebalance(apply=False)
+    rb = Rebalancer(start, interval=1, budget=budget)
+    rb.observe(shifted)
+    res = rb.rebalance()
+    moves_G = count_moves(start.phy2log_LP, res.placement.phy2log_LP, G, E).sum(axis=0)
+    assert 0 < moves_G.sum() < uncapped.moves
+    assert budget.max_moves is None or moves_G.sum() <= budget.max_moves
+    assert budget.max_moves_per_gpu is None or moves_G.max() <= budget.max_moves_per_gpu
+    assert res.after.balancedness > res.before.balancedness  # the moves it may make still help
+
+
+def test_the_policy_pays_the_budgets_move_cost(rng):
+    start, steady, shifted = _policy_case(rng)
+    moves = []
+    for cost in (0.0, 0.01, 10.0):
+        rb = Rebalancer(start, interval=1, budget=Budget(move_cost=cost))
+        rb.observe(shifted)
+        moves.append(rb.rebalance().moves)
+    assert moves[0] >= moves[1] and moves[2] == 0 < moves[0]
+
+
+def test_the_policy_prices_spreading_groups_over_nodes():
+    from eplb.stats import group_span
+
+    rng = np.random.default_rng(9)
+    a, b = rng.gamma(0.4, 100.0, (2, 4, 64))
+    prev = plan(a, num_gpus=8, num_nodes=2, num_redundant=8, planner="hierarchical", num_expert_groups=8).placement
+    span = {}
+    for cost in (0.0, 20.0):
+        rb = Rebalancer(prev, interval=1, num_expert_groups=8, budget=Budget(span_cost=cost))
+        rb.observe(b)
+        span[cost] = group_span(rb.rebalance().placement.phy2log_LP, 8, 2, 8, 64).sum()
+    assert span[20.0] < span[0.0]
+
+
+def test_the_policy_plans_for_the_time_objective():
+    from eplb.cost import TimeObjective, cost_model
+
+    r = np.random.default_rng(3)
+    load = np.floor(r.pareto(1.2, (2, 256)) * 100) + 1
+    obj = TimeObjective(cost_model("deepseek-v3", "h200"), batch_tokens=64)
+    start = plan(load, num_gpus=8, num_redundant=8).placement
+    rb = Rebalancer(start, interval=1, objective=obj)
+    assert rb.policy.objective is obj
+    rb.observe(load[::-1].copy())
+    res = rb.rebalance()
+    assert res.moves > 0
+    # The policy planned on expected seconds, not tokens: its windows are planning loads.
+    np.testing.assert_allclose(rb.policy._windows(8)[0], obj.planning_load(load[::-1], 8))
+
+
+def test_policy_objects_that_cannot_honour_a_budget_are_refused(rng):
+    start, steady, shifted = _policy_case(rng)
+
+    class Keep:
+        name = "keep"
+
+        def observe(self, counts_LE, placement):
+            pass
+
+        def decide(self, placement):
+            return None
+
+    keep = Rebalancer(start, policy=Keep(), interval=1)
+    keep.observe(shifted)
+    assert keep.rebalance().moves == 0 and np.array_equal(keep.placement.phy2log_LP, start.phy2log_LP)
+    with pytest.raises(EplbError, match="decides without a budget"):
+        Rebalancer(start, policy=Keep(), budget=Budget(max_moves=4))
+    with pytest.raises(EplbError, match="objective 'time' applies to a policy given by name"):
+        from eplb.cost import TimeObjective, cost_model
+
+        Rebalancer(start, policy=Keep(), objective=TimeObjective(cost_model("deepseek-v3", "h200")))

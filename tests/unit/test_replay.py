@@ -132,16 +132,58 @@ def test_read_replay_refuses_other_files(tmp_path):
         read_replay(tmp_path / "none.npz")
 
 
-def test_scoring_takes_rules_and_an_objective(counts):
-    peak = Scoring(("even",), objective=lambda g_LG: g_LG.max(axis=1))
-    r = replay(counts, topology=TOPO, warmup=6, scoring=peak, references=("static",))
-    assert r.rules == ("even",) and r.scores.objective_RTL.shape == (1, 8, L)
-    mean_TL = counts[6:].sum(axis=2) / G
-    np.testing.assert_allclose(r.scores.objective_RTL[0] / mean_TL, r.scores.imbalance_RTL[0])
+def test_scoring_takes_rules(counts):
+    r = replay(counts, topology=TOPO, warmup=6, scoring=Scoring(("even",)), references=("static",))
+    assert r.rules == ("even",) and r.scores.seconds_RTL is None and r.weights_rule == "even"
     with pytest.raises(EplbError, match="unknown dispatch rule"):
         Scoring(("nope",))
     with pytest.raises(EplbError, match="repeat"):
         Scoring(("even", "even"))
+    with pytest.raises(EplbError, match="needs|give Scoring\\(time="):
+        Scoring(("time",))
+    with pytest.raises(EplbError, match="TimeObjective"):
+        Scoring(time=lambda g: g)
+
+
+def v2_shape(seed=0, T=10, tokens=2048):
+    """Counts [T, 3, 64] in DeepSeek-V2-Lite's shape (64 experts, top-6): one mix, then a shift."""
+    rng = np.random.default_rng(seed)
+    p = rng.gamma(1.0, 1.0, (3, 64))
+    q = p.copy()
+    q[:, [5, 40]] *= 20.0
+    return np.stack([np.stack([rng.multinomial(tokens * 6, (w / w.sum(axis=1, keepdims=True))[l]) for l in range(3)])
+                     for w in [p] * 6 + [q] * (T - 6)])
+
+
+def test_replay_scores_modeled_step_time_with_the_time_dispatch():
+    from eplb.cost import TimeObjective, cost_model, slot_rows, step_cost
+    from eplb.simulate import window_batches
+
+    counts = v2_shape()
+    obj = TimeObjective(cost_model("deepseek-v2-lite", "h200"), batch_tokens=64)
+    topo = Topology(8, 9)
+    r = replay(counts, topology=topo, warmup=5, objective=obj, scoring=Scoring(time=obj, batches_per_window=3))
+    assert r.rules == ("even", "resplit", "time") and r.weights_rule == "time" and r.objective == "time"
+    assert r.scores.seconds_RTL.shape == (3, 5, 3) and (r.scores.seconds_RTL > 0).all()
+    s = r.summary()
+    for run in ("policy", "static", "hindsight"):
+        t = s[run]["time"]["step_seconds"]
+        assert 0 < t["median"] <= t["p95"] and s[run]["even"]["step_seconds"]["median"] > 0
+    # The time dispatch is never slower than the even split, layer by layer (in the model).
+    assert (r.scores.seconds_RTL[2] <= r.scores.seconds_RTL[0] * (1 + 1e-9)).all()
+    assert s["time"]["batch_tokens"] == 64 and "drawn" in s["time"]["how"]
+    # Re-scored independently: window 0's even-split seconds from its batches, as replay draws them.
+    batches = window_batches(counts[5].astype(float), 6, 64, 3, np.random.default_rng([0, 5]), 5)
+    pl = Placement(r.phy2log_TLP[0], 8, 64)
+    even = np.mean([step_cost(obj.cost, pl, slot_rows(pl, b.counts_LE), 64).layer_s_L for b in batches], axis=0)
+    np.testing.assert_allclose(r.scores.seconds_RTL[0, 0], even)
+    # weights_TLP holds the time dispatch's shares: per expert they sum to 1.
+    w = r.weights_TLP[0]
+    sums = np.zeros((3, 64))
+    np.add.at(sums, (np.arange(3)[:, None], r.phy2log_TLP[0]), w)
+    np.testing.assert_allclose(sums, 1.0)
+    with pytest.raises(EplbError, match="experts but DeepSeek-V3"):
+        replay(counts, topology=topo, warmup=5, scoring=Scoring(time=TimeObjective(cost_model("deepseek-v3", "h200"))))
 
 
 def per_token_trace(tokens=1000, seed=0):
@@ -206,5 +248,46 @@ def test_cli_replay_and_plot(trace_file, tmp_path, capsys):
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(trace_file, capsys, extra, message):
     assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_replay_in_modeled_time(tmp_path, capsys):
+    counts = v2_shape(T=8)
+    path = tmp_path / "v2.npz"
+    save_trace(Trace(counts, np.arange(1, 4), default_meta(27, 64, top_k=6)), path)
+    base = ["replay", str(path), "--gpus", "8", "--slots-per-gpu", "9", "--warmup", "5"]
+    assert main([*base, "--objective", "time", "--model", "deepseek-v2-lite", "--hardware", "h200",
+                 "--batch-tokens", "64", "--batches", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "step ms median" in text and "planned for modeled time" in text and "drawn per window" in text
+    # Time beside the token ratios: every run's row carries its ratios and its step ms.
+    lines = text.splitlines()
+    head = next(line for line in lines if line.startswith("run "))
+    assert head.split()[:6] == ["run", "dispatch", "median", "p95", "max", "balancedness"] and "step ms p95" in head
+    rows = [line.split() for line in lines if line.split()[:1] in (["adaptive"], ["static"], ["hindsight"])]
+    assert [r[1] for r in rows] == ["even", "resplit", "time"] * 3
+    for r in rows:
+        ratios, ms = [float(x) for x in r[2:5]], [float(x) for x in r[6:8]]
+        assert 1.0 <= ratios[0] <= ratios[1] <= ratios[2] and 0 < ms[0] <= ms[1]
+    assert main([*base, "--model", "deepseek-v2-lite", "--hardware", "h200", "--batches", "1", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["objective"] == "tokens" and s["rules"] == ["even", "resplit", "time"]
+    assert s["policy"]["time"]["step_seconds"]["median"] > 0
+    for extra, message in ((["--objective", "time"], "give --model M and --hardware H"),
+                           (["--hardware", "h200"], "--hardware needs --model"),
+                           (["--rule", "time"], "give Scoring(time=")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("model, hardware, message", [
+    ("deepseek-v9", "h200", "unknown model 'deepseek-v9'"),
+    ("deepseek-v2-lite", "tpu-v9", "unknown hardware 'tpu-v9'"),
+])
+def test_cli_bad_time_names_are_exit_2_naming_the_value(trace_file, capsys, model, hardware, message):
+    assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), "--objective", "time",
+                 "--model", model, "--hardware", hardware]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
