@@ -95,4 +95,4 @@ def results_page(name: str, title: str, enabled: bool, argv=None, *, notes: str 
     with contextlib.redirect_stdout(tee):
         yield
     out = write_page(name, title, tee.buffer_.getvalue(), argv, notes=notes, started=started)
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
