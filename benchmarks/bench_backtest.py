@@ -29,6 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
+
 from eplb.backtest import backtest, leave_one_out  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
@@ -81,7 +83,14 @@ def main(argv=None) -> int:
     ap.add_argument("--v2-gpus", type=int, default=8)
     ap.add_argument("--v2-window", type=int, default=4096, help="tokens per V2-Lite window")
     ap.add_argument("--skip-v2", action="store_true")
+    add_write_docs(ap, "backtest")
     args = ap.parse_args(argv)
+    with results_page("backtest", "Backtests: held-out traffic", args.write_docs, argv):
+        return run(args)
+
+
+def run(args) -> int:
+    """The benchmark itself: print its tables (main() adds the results page)."""
     dispatch = ("even", "resplit") if args.quick else ("even", "resplit", "optimal")
     planners = list(args.planners) + (["ilp"] if args.with_ilp else [])
     settings = {"ilp": {"time_limit": args.with_ilp, "quiet": True}} if args.with_ilp else {}

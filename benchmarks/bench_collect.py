@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
 
 from eplb.collect import RouterCollector  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
@@ -90,7 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny matmuls: 1 is fastest)")
+    add_write_docs(ap, "collect")
     args = ap.parse_args(argv)
+    with results_page("collect", "Collector overhead", args.write_docs, argv):
+        return run(args)
+
+
+def run(args) -> int:
+    """The benchmark itself: print its tables (main() adds the results page)."""
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "

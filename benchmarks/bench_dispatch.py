@@ -31,6 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
+
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import Resplitter, optimal_weights  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
@@ -71,7 +73,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--batches", type=int, default=20)
     ap.add_argument("--no-ilp", action="store_true")
+    add_write_docs(ap, "dispatch")
     args = ap.parse_args(argv)
+    with results_page("dispatch", "Dispatch: per-batch resplit vs the exact LP weights", args.write_docs, argv):
+        return run(args)
+
+
+def run(args) -> int:
+    """The benchmark itself: print its tables (main() adds the results page)."""
     loads = workloads(args.traces, args.fallback)
     G = args.gpus
     planners = ["greedy", "deepseek"] + ([] if args.no_ilp else ["ilp"])

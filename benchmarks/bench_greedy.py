@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
 from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 from eplb import stats  # noqa: E402
@@ -77,7 +78,14 @@ def main(argv=None) -> int:
     ap.add_argument("--redundant", type=int, default=32)
     ap.add_argument("--expert-groups", "--groups", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=21, help="timing repeats for fast planners")
+    add_write_docs(ap, "greedy")
     args = ap.parse_args(argv)
+    with results_page("greedy", "Planners: greedy vs DeepSeek's EPLB (as SGLang ships it)", args.write_docs, argv):
+        return run(args)
+
+
+def run(args) -> int:
+    """The benchmark itself: print its tables (main() adds the results page)."""
 
     ref, ref_note = load_reference()
     print(f"reference: {ref_note}")

@@ -30,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
 from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 from eplb import stats  # noqa: E402
@@ -58,7 +59,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-even", action="store_true")
     ap.add_argument("--no-parallel", action="store_true")
     ap.add_argument("--parallel-layers", type=int, default=6)
+    add_write_docs(ap, "ilp")
     args = ap.parse_args(argv)
+    with results_page("ilp", "Exact planning: ilp (CP-SAT) vs greedy", args.write_docs, argv):
+        return run(args)
+
+
+def run(args) -> int:
+    """The benchmark itself: print its tables (main() adds the results page)."""
     G = args.gpus
     num_redundant = G if args.redundant is None else args.redundant
     extra = {} if args.time_limit is None else {"time_limit": args.time_limit}

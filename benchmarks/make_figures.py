@@ -1,4 +1,4 @@
-"""Regenerate the README figures (PNG, small) from the shipped trace and, if present, real traces.
+"""Regenerate the README and docs/cli.md figures (PNG, small) from the shipped trace and, if present, real traces.
 
     python benchmarks/make_figures.py                      # -> benchmarks/figures/*.png
     python benchmarks/make_figures.py --real ../shared/traces --out benchmarks/figures

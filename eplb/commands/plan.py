@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
     size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant), or 'auto': "
                                                "as many as fit in memory next to the KV cache (capacity options)")
-    # robust is the CLI default: it wins on held-out traffic (README, "Robust planning"); the
+    # robust is the CLI default: it wins on held-out traffic (docs/backtests.md); the
     # API's eplb.plan() keeps greedy as its default because serving loops call it per rebalance.
     # Under an engine rule whose shares depend on the layout (SGLang's), rule-aware is the default.
     p.add_argument("--planner", "-p", default=None, choices=planner_names(),
