@@ -111,13 +111,13 @@ def number_array(name: str, v) -> np.ndarray:
     """
     if not isinstance(v, np.ndarray):
         if _holds_bool(v):
-            raise EplbError(f"{name} holds true/false where numbers belong")
+            raise EplbError(f"{name} must be numbers, not true/false")
         try:
             v = np.asarray(v)
         except (ValueError, TypeError, OverflowError) as exc:
             raise EplbError(f"{name} must be a rectangular array of numbers ({str(exc).splitlines()[0]})") from None
     if v.dtype.kind == "b":
-        raise EplbError(f"{name} holds true/false where numbers belong")
+        raise EplbError(f"{name} must be numbers, not true/false")
     if v.dtype.kind not in "iuf":
         got = ("ragged lists or values that are not numbers (text, null, integers beyond 64 bits)"
                if v.dtype.kind == "O" else f"dtype {v.dtype}")

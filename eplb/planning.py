@@ -22,13 +22,13 @@ import numpy as np
 
 from eplb import migration, stats
 from eplb.dispatch import DispatchRule, PlanWeights, get_rule
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, number_array, whole_number
 from eplb.migration import Budget
 from eplb.placement import Placement, contiguous_placement
 from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
 from eplb.stats import Aggregation
 from eplb.topology import Topology
-from eplb.trace import Trace
+from eplb.trace import MAX_COUNT, Trace
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,11 +131,10 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
     """Normalise a Trace, [L, E] or [T, L, E] array into (history_TLE, layer_ids, meta)."""
     if isinstance(loads_or_trace, Trace):
         return loads_or_trace.counts_TLE.astype(np.float64), loads_or_trace.layer_ids, loads_or_trace.meta
-    try:
-        a = np.asarray(loads_or_trace, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise EplbError(f"loads must be a rectangular array of numbers [layers, experts] or "
-                        f"[windows, layers, experts], or a Trace ({exc})") from None
+    try:  # number_array: asarray(dtype=float64) would read True as 1 and drop imaginary parts
+        a = number_array("loads", loads_or_trace).astype(np.float64)
+    except EplbError as exc:
+        raise EplbError(f"{exc}: give [layers, experts] or [windows, layers, experts] numbers, or a Trace") from None
     if a.ndim == 2:
         a = a[None]
     if a.ndim != 3:
@@ -144,6 +143,11 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
         raise EplbError("loads must be finite and non-negative")
     if 0 in a.shape:
         raise EplbError(f"loads must not be empty, got shape {a.shape}")
+    with np.errstate(over="ignore"):
+        total = float(a.sum())
+    if not total <= MAX_COUNT:  # 1e308 loads sum to inf: every score would be NaN
+        raise EplbError(f"loads sum to {total:g}, more than 2**62 ({MAX_COUNT:.3g}): scale them down "
+                        f"(balance does not depend on the unit)")
     return a, None, {}
 
 
