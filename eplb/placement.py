@@ -282,6 +282,26 @@ class Placement:
             raise EplbError(f"{source}: {exc}") from None
 
 
+def check_same_layers(placement: Placement, layer_ids, *, placement_name: str = "the placement",
+                      trace_name: str = "the trace") -> None:
+    """Refuse a placement made for other MoE layers than `layer_ids` [L] (a trace's): the same
+    shape is not enough, rows of another model's layers would be scored or migrated silently."""
+    ids = np.asarray(layer_ids)
+    if placement.layer_ids.shape == ids.shape and np.array_equal(placement.layer_ids, ids):
+        return
+    raise EplbError(f"{placement_name} is for MoE layer ids {_ids_text(placement.layer_ids)} but {trace_name} holds "
+                    f"layer ids {_ids_text(ids)}: use a placement and a trace of the same model")
+
+
+def _ids_text(ids) -> str:
+    a = [int(x) for x in np.asarray(ids).reshape(-1)]
+    if not a:
+        return "(none)"
+    if len(a) > 2 and a == list(range(a[0], a[-1] + 1)):
+        return f"{a[0]}..{a[-1]}"
+    return ", ".join(map(str, a[:4])) + (", ..." if len(a) > 4 else "")
+
+
 def gpu_loads(phy2log_LP: np.ndarray, load_LE, num_gpus: int, weights_LP=None) -> np.ndarray:
     """Tokens each GPU serves, float64 [..., L, G]: the one definition every score builds on.
 
@@ -313,14 +333,18 @@ def contiguous_map(num_logical_experts: int, topology: Topology, num_layers: int
     Expert e sits on GPU e // (E / G): experts are split over GPUs in id order, as evenly as
     possible. A GPU's spare slots repeat its own experts, which splits their tokens inside the
     GPU and so leaves every GPU's load exactly as without redundancy: what a server does with
-    no load balancing.
+    no load balancing. With fewer experts than GPUs (E < G), slot p holds expert p % E, the
+    map SGLang starts from (every expert replicated round-robin, none balanced).
     """
     G, S = topology.num_gpus, topology.slots_per_gpu
     if num_logical_experts > G * S:
         raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_logical_experts} experts")
     if num_logical_experts < G:
-        raise EplbError(f"contiguous placement needs at least one expert per GPU: "
-                        f"{num_logical_experts} experts < {G} GPUs")
+        # No split in id order gives every GPU an expert: the engines' own default then, slot p
+        # holds expert p % E (SGLang's trivial map), distinct on a GPU while S <= E.
+        if S > num_logical_experts:
+            raise EplbError(f"{S} slots per GPU exceed the {num_logical_experts} experts")
+        return np.tile(np.arange(G * S, dtype=np.int64) % num_logical_experts, (num_layers, 1))
     row = np.empty(G * S, dtype=np.int64)
     for g, experts in enumerate(np.array_split(np.arange(num_logical_experts), G)):
         row[g * S:(g + 1) * S] = np.resize(experts, S)  # spare slots cycle the GPU's own experts

@@ -24,7 +24,7 @@ from eplb import migration, stats
 from eplb.dispatch import DispatchRule, PlanWeights, get_rule
 from eplb.errors import EplbError, number_array, whole_number
 from eplb.migration import Budget
-from eplb.placement import Placement, contiguous_placement
+from eplb.placement import Placement, check_same_layers, contiguous_placement
 from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
 from eplb.stats import Aggregation
 from eplb.topology import Topology
@@ -156,8 +156,9 @@ def size_topology(num_logical_experts: int, topology: Topology | None = None, *,
     """The Topology a plan of E logical experts runs on: `topology` itself, or one sized from
     num_gpus, num_nodes and num_redundant / slots_per_gpu (Topology.for_experts); either, not both.
 
-    Refused: more GPUs than experts, more slots per GPU than experts (a GPU never needs two
-    copies of one expert), fewer slots than experts. Checked before any planner allocates [L, P].
+    Refused only what cannot be filled: more slots per GPU than experts (a GPU would need two
+    copies of one expert), fewer slots than experts. More GPUs than experts is planned (each
+    expert then has several replicas). Checked before any planner allocates [L, P].
     """
     E = num_logical_experts
     if topology is not None:
@@ -183,21 +184,18 @@ def size_topology(num_logical_experts: int, topology: Topology | None = None, *,
         slots_per_gpu = None if slots_per_gpu is None else whole_number("slots_per_gpu", slots_per_gpu, 0)
         topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
                                     slots_per_gpu=slots_per_gpu)
-    if topo.num_gpus > E:
-        raise EplbError(
-            f"more GPUs ({topo.num_gpus}) than logical experts ({E}): expert parallelism over more ranks "
-            f"than experts leaves ranks without an expert of their own; use at most {E} GPUs"
-        )
+    # More GPUs than experts is fine (Mixtral's 8 experts on 16 GPUs x 2 slots): every GPU can
+    # be filled with distinct experts exactly when S <= E and P >= E (slot p holding p % E does it).
     if topo.slots_per_gpu > E:
         raise EplbError(
             f"{topo.slots_per_gpu} slots per GPU ({topo.num_slots} in total) exceed the {E} logical "
-            f"experts: a GPU never needs two copies of one expert; use at most {E} slots per GPU "
-            f"(num_redundant <= {topo.num_gpus * E - E})"
+            f"experts: a GPU cannot fill them without two copies of one expert, which serve nothing a "
+            f"single copy does not; use at most {E} slots per GPU (num_redundant <= {topo.num_gpus * E - E})"
         )
     return topo
 
 
-def _check_migration(previous, budget, L: int, E: int, topo: Topology) -> None:
+def _check_migration(previous, budget, L: int, E: int, topo: Topology, layer_ids) -> None:
     """previous (the served Placement, of this plan's shape) and budget (needs previous)."""
     if budget is not None and not isinstance(budget, Budget):
         raise EplbError(f"budget must be an eplb.Budget (max_moves, max_moves_per_gpu, move_cost, span_cost, "
@@ -220,6 +218,8 @@ def _check_migration(previous, budget, L: int, E: int, topo: Topology) -> None:
             f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
             f"on a trace of the same model"
         )
+    if layer_ids is not None:  # loads from a Trace name their layers: the served plan must be for them
+        check_same_layers(previous, layer_ids, placement_name="previous placement", trace_name="the loads")
 
 
 def plan(
@@ -272,7 +272,7 @@ def plan(
                         f"dividing {E}")
     topo = size_topology(E, topology, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
                          slots_per_gpu=slots_per_gpu)
-    _check_migration(previous, budget, L, E, topo)
+    _check_migration(previous, budget, L, E, topo, layer_ids)
     if num_expert_groups is None and meta.get("num_expert_groups"):
         num_expert_groups = int(meta["num_expert_groups"])
     request = PlanRequest(load_LE, topo, history_TLE, layer_ids, num_expert_groups, previous, rule)

@@ -36,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
+    # Before generating, which takes a minute at full size.
+    check_output_path(args.output, "the trace", inputs=[("--compare", t) for t in args.compare or []])
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
                        ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
@@ -45,11 +46,7 @@ def run(args) -> int:
     settings = synth.SynthSettings(**overrides)
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = synth.generate(settings, progress=lambda done, total: bar.update())
-    try:
-        save_trace(trace, args.output)
-    except OSError as exc:
-        raise EplbError(f"cannot write the trace to {args.output!r} ({exc.strerror}); "
-                        f"give -o a path in an existing, writable folder") from None
+    save_trace(trace, args.output)
 
     try:
         corr = synth.phase_correlation(trace)
