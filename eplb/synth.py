@@ -226,8 +226,11 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
         if progress is not None:
             progress(t + 1, T)
 
+    deepseek = (s.num_hidden_layers, s.first_moe_layer, E, s.top_k, Q, s.topk_groups) == (61, 3, 256, 8, 8, 4)
     meta = {
-        "model": "DeepSeek-V3 (synthetic shape)",
+        # Another shape is not DeepSeek-V3's, whatever the generator was calibrated on.
+        "model": "DeepSeek-V3 (synthetic shape)" if deepseek else
+                 f"synthetic MoE ({E} experts, top-{s.top_k}, {Q} expert group{'s' if Q > 1 else ''})",
         "num_hidden_layers": s.num_hidden_layers,
         "num_experts": E,
         "top_k": s.top_k,

@@ -252,9 +252,15 @@ def run(args) -> int:
 
 def _print_report(args, trace, result, previous, capacity, window_bal) -> None:
     pl = result.placement
+    redundant = pl.num_slots - pl.num_logical_experts
+    why = ""
+    if args.redundant is None and args.slots_per_gpu is None and previous is None and redundant > pl.num_gpus:
+        # The default sizing rounds E up to a multiple of G before adding one slot per GPU: say so.
+        why = (f": one per GPU plus {redundant - pl.num_gpus} that round {pl.num_logical_experts} experts up to a "
+               f"multiple of {pl.num_gpus} GPUs")
     print(f"{trace.num_layers} MoE layers x {trace.num_logical_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
-          f"({pl.num_slots - pl.num_logical_experts} redundant, {pl.slots_per_gpu} per GPU)")
+          f"({redundant} redundant{why}; {pl.slots_per_gpu} per GPU)")
     if capacity:
         print(f"slots per GPU auto: {capacity.slots_per_gpu} fit on {capacity.deployment.gpu_memory / 2**30:.1f} GiB "
               f"next to {capacity.concurrency:,} sequences x {capacity.deployment.context:,} tokens "

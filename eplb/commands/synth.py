@@ -7,7 +7,14 @@ import argparse
 import numpy as np
 
 from eplb import synth
-from eplb.commands.common import add_command, add_output_flags, check_output_path, format_table, print_json
+from eplb.commands.common import (
+    add_command,
+    add_output_flags,
+    check_output_path,
+    format_table,
+    positive_int,
+    print_json,
+)
 from eplb.errors import EplbError
 from eplb.formats import load_trace, save_trace
 from eplb.progress import Progress
@@ -27,6 +34,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="logit variance specific to prefill/decode (default 0.18)")
     p.add_argument("--drift-share", type=float, default=None,
                    help="logit variance that drifts per window (default 0.05)")
+    shape = p.add_argument_group("model shape (default DeepSeek-V3: 61 hidden layers, MoE from layer 3, 256 experts, "
+                                 "top-8, 8 groups, 4 per token)")
+    shape.add_argument("--experts", type=positive_int, help="routed experts per MoE layer")
+    shape.add_argument("--top-k", type=positive_int, help="experts each token is routed to")
+    shape.add_argument("--expert-groups", type=positive_int,
+                       help="expert groups of group-limited routing (1 = none, as in Mixtral or OLMoE)")
+    shape.add_argument("--topk-groups", type=positive_int,
+                       help="groups each token may use (default: 4, or all groups when fewer)")
+    shape.add_argument("--hidden-layers", type=positive_int, help="hidden layers of the model (dense and MoE)")
+    shape.add_argument("--first-moe-layer", type=int, help="hidden-layer index of the first MoE layer")
     p.add_argument("--keep-tokens", type=int, default=0,
                    help="also store this many tokens' expert choices per window (topk_ids; default 0)")
     p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,
@@ -39,10 +56,19 @@ def run(args) -> int:
     # Before generating, which takes a minute at full size.
     check_output_path(args.output, "the trace", inputs=[("--compare", t) for t in args.compare or []])
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
+    topk_groups = args.topk_groups
+    if topk_groups is None and args.expert_groups is not None:
+        topk_groups = min(4, args.expert_groups)
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
-                       ("phase_share", args.phase_share), ("drift_share", args.drift_share)):
+                       ("phase_share", args.phase_share), ("drift_share", args.drift_share),
+                       ("num_experts", args.experts), ("top_k", args.top_k), ("num_expert_groups", args.expert_groups),
+                       ("topk_groups", topk_groups), ("num_hidden_layers", args.hidden_layers),
+                       ("first_moe_layer", args.first_moe_layer)):
         if value is not None:
             overrides[key] = value
+    if args.experts is not None and args.expert_groups is None and overrides.get("num_expert_groups") is None \
+            and args.experts % synth.SynthSettings.num_expert_groups:
+        overrides.update(num_expert_groups=1, topk_groups=1)  # DeepSeek's 8 groups do not divide these experts
     settings = synth.SynthSettings(**overrides)
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = synth.generate(settings, progress=lambda done, total: bar.update())
