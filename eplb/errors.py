@@ -26,6 +26,13 @@ class PlanningError(RuntimeError):
     """A planner could not produce a placement for valid input (CLI exit code 1)."""
 
 
+def reason(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): what a
+    one-line error quotes from a library that failed."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def is_number(v) -> bool:
     """A real number (int, float or their numpy kinds): not True, "2" or None."""
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
@@ -115,7 +122,7 @@ def number_array(name: str, v) -> np.ndarray:
         try:
             v = np.asarray(v)
         except (ValueError, TypeError, OverflowError) as exc:
-            raise EplbError(f"{name} must be a rectangular array of numbers ({str(exc).splitlines()[0]})") from None
+            raise EplbError(f"{name} must be a rectangular array of numbers ({reason(exc)})") from None
     if v.dtype.kind == "b":
         raise EplbError(f"{name} must be numbers, not true/false")
     if v.dtype.kind not in "iuf":

@@ -28,13 +28,14 @@ import re
 import secrets
 import stat
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
 
 MAX_INPUT_ENV = "EPLB_MAX_INPUT_BYTES"
 DEFAULT_MAX_INPUT_BYTES = 2**30
@@ -163,6 +164,11 @@ def read_json(path: str | Path, what: str) -> Any:
 
 # .npy / .npz headers ---------------------------------------------------------------------------
 
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, OSError, EOFError, RuntimeError,
+              NotImplementedError, ValueError, OverflowError)
+"""What zipfile and zlib raise on damaged, encrypted or oddly compressed archives."""
+
+
 class NpyHeader(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -183,8 +189,8 @@ def read_npy_header(f: IO[bytes], source: str) -> NpyHeader:
             shape, fortran, dtype = fmt.read_array_header_2_0(f)
         else:
             raise ValueError(f"unsupported .npy version {version}")
-    except (ValueError, OSError, EOFError, SyntaxError) as exc:
-        raise EplbError(f"{source}: not a readable .npy array header ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # numpy parses the header text with ast and tokenize: anything can come out
+        raise EplbError(f"{source}: not a readable .npy array header ({reason(exc)})") from None
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise EplbError(f"{source}: holds Python objects (dtype {dtype}), which cannot be read without pickle; "
@@ -229,10 +235,10 @@ def check_npz(path: str | Path) -> dict[str, NpyHeader]:
                     header = read_npy_header(f, f"{p} [{name}]")
                 _npy_checked(header, info.file_size - header.offset, p, repr(name))
                 out[name] = header
-    except zipfile.BadZipFile as exc:
-        raise EplbError(f"{p}: a corrupt zip archive ({exc})") from None
-    except (OSError, EOFError, RuntimeError, NotImplementedError) as exc:  # encrypted / unknown compression
-        raise EplbError(f"{p}: cannot read the zip archive ({exc})") from None
+    except EplbError:
+        raise
+    except ZIP_ERRORS as exc:
+        raise EplbError(f"{p}: a corrupt or unreadable zip archive ({reason(exc)})") from None
     return out
 
 
@@ -243,8 +249,8 @@ def check_archive(path: str | Path, what: str) -> list[str]:
     try:
         with zipfile.ZipFile(p) as z:
             infos = z.infolist()
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise EplbError(f"{p}: starts like a zip archive but is corrupt ({exc})") from None
+    except ZIP_ERRORS as exc:
+        raise EplbError(f"{p}: starts like a zip archive but is corrupt ({reason(exc)})") from None
     total = sum(i.file_size for i in infos)
     check_input_size(p, total, f"{what} ({format_size(total)} uncompressed)")
     return [i.filename for i in infos]

@@ -188,6 +188,8 @@ class Rebalancer:
         counts: logical [L, E], or physical-slot [L, P] (mapped back through the current
         placement). When E == P the shape does not say which: pass `physical`.
         """
+        if physical is not None and not isinstance(physical, (bool, np.bool_)):
+            raise EplbError(f"physical must be True, False or None, got {physical!r}")
         c = self._checked_counts(counts)
         with self._lock:
             pl = self.placement

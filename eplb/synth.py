@@ -40,6 +40,7 @@ import numpy as np
 
 from eplb import stats
 from eplb.errors import EplbError
+from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.placement import contiguous_map, gpu_loads
 from eplb.topology import Topology
 from eplb.trace import Trace
@@ -138,6 +139,18 @@ class SynthSettings:
         need(0 <= self.keep_tokens <= self.tokens_per_window,
              f"keep_tokens ({self.keep_tokens}) must be in 0..tokens_per_window ({self.tokens_per_window})")
         need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        # Sizes typed on a command line are bounded like files: the trace must fit the input
+        # limit it would be read back under, and so must routing one window (float32 [N, E] x ~3).
+        limit = max_input_bytes()
+        L, T, N, E = self.num_moe_layers, self.num_windows, self.tokens_per_window, self.num_experts
+        trace_bytes = 8 * T * L * E + 2 * T * self.keep_tokens * L * self.top_k
+        need(trace_bytes <= limit, f"a trace of {T} windows x {L} layers x {E} experts would take "
+                                   f"{format_size(trace_bytes)}, more than the input limit of {format_size(limit)} "
+                                   f"({MAX_INPUT_ENV}) it is read back under: fewer windows, or raise the limit")
+        route_bytes = 12 * N * E
+        need(route_bytes <= limit, f"routing {N} tokens per window over {E} experts would take "
+                                   f"{format_size(route_bytes)}, more than the input limit of {format_size(limit)} "
+                                   f"({MAX_INPUT_ENV}): fewer tokens per window, or raise the limit")
 
     @property
     def num_moe_layers(self) -> int:

@@ -10,6 +10,7 @@ from eplb.commands.common import (
     add_command,
     add_output_flags,
     check_output_path,
+    check_suffix,
     format_table,
     json_text,
     positive_int,
@@ -61,6 +62,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     if args.output is not None:  # before the backtest, which plans many times
         check_output_path(args.output, "the backtest results", inputs=[("TRACE", t) for t in args.traces])
+        check_suffix(args.output, (".json",), "JSON")
     if args.leave_one_out:
         # Each fold plans on all other workloads: there is no replay order to step through.
         given = [f"--{k} {v}" for k, v in (("interval", args.interval), ("history", args.history)) if v is not None]

@@ -68,6 +68,18 @@ def layer_id_list(text: str) -> list[int]:
     return ids
 
 
+KNOWN_SUFFIXES = (".json", ".npz", ".npy", ".pt", ".pth", ".yaml", ".yml", ".png", ".svg", ".pdf", ".safetensors")
+"""File name endings that say what a file holds: an output of another kind under one is refused."""
+
+
+def check_suffix(path: str, allowed: tuple[str, ...], what: str, flag: str = "-o") -> None:
+    """Refuse an output name whose ending says another kind of file (trace.npy for an .npz)."""
+    ext = Path(path).suffix.lower()
+    if ext in KNOWN_SUFFIXES and ext not in allowed:
+        raise EplbError(f"{flag} {path} ends in {ext}, but this writes {what}: name it "
+                        f"{' or '.join('*' + a for a in allowed)}")
+
+
 def add_command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
     """A subcommand parser whose help ends with a worked example."""
     return sub.add_parser(

@@ -11,6 +11,7 @@ from eplb.commands.common import (
     add_command,
     add_output_flags,
     check_output_path,
+    check_suffix,
     format_table,
     positive_int,
     print_json,
@@ -55,6 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     # Before generating, which takes a minute at full size.
     check_output_path(args.output, "the trace", inputs=[("--compare", t) for t in args.compare or []])
+    check_suffix(args.output, (".npz",), "an eplb trace (.npz)")
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
     topk_groups = args.topk_groups
     if topk_groups is None and args.expert_groups is not None:

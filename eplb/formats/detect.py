@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
 from eplb.files import check_archive, check_npy, input_file, parse_json, read_bytes
 from eplb.formats.native import read_npz
 from eplb.formats.sglang import read_json, read_pt
@@ -38,7 +38,7 @@ def _read_npy(path: Path) -> Trace:
     try:
         a = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
-        raise EplbError(f"{path}: not a readable .npy array ({str(exc).splitlines()[0]})") from None
+        raise EplbError(f"{path}: not a readable .npy array ({reason(exc)})") from None
     if a.ndim == 2:
         a = a[None]
     # A bare array says nothing of the model: layer ids 0..L-1 are assumed, and the hidden-layer

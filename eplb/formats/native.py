@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.files import atomic_output, check_npz, parse_json, read_json, write_text
+from eplb.errors import EplbError, reason
+from eplb.files import ZIP_ERRORS, atomic_output, check_npz, parse_json, read_json, write_text
 from eplb.placement import Placement
 from eplb.trace import Trace
 
@@ -59,8 +59,8 @@ def read_npz(path: str | Path) -> Trace:
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise EplbError(f"{path}: not a readable .npz file ({str(exc).splitlines()[0]})") from None
+    except ZIP_ERRORS as exc:
+        raise EplbError(f"{path}: not a readable .npz file ({reason(exc)})") from None
     missing = [k for k in TRACE_ARRAYS if k not in arrays]
     if missing:
         raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")
@@ -125,7 +125,7 @@ def _engine_format(path: Path) -> str | None:
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
-        except (zipfile.BadZipFile, OSError, EOFError):
+        except ZIP_ERRORS:
             return "zip"
         if "counts.npy" in names:
             return "npz"

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, number_array, whole_array
+from eplb.errors import EplbError, number_array, reason, whole_array
 from eplb.files import check_input_size, write_text
 from eplb.formats.native import read_json_file
 from eplb.placement import Placement
@@ -71,7 +71,7 @@ def read_pt(path: Path) -> Trace:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or corrupt files
         raise EplbError(f"{path}: cannot load as a weights-only torch file "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+                        f"({type(exc).__name__}: {reason(exc)})") from None
     if not isinstance(obj, dict) or "logical_count" not in obj:
         raise EplbError(f"{path}: torch file holds no 'logical_count' (not an SGLang expert-distribution dump)")
     lc = obj["logical_count"]

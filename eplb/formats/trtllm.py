@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole, whole_number
+from eplb.errors import EplbError, is_whole, reason, whole_number
 from eplb.files import (
     check_input_size,
     format_size,
@@ -68,7 +68,7 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     try:
         d = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        raise EplbError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise EplbError(f"{path}: not valid YAML ({reason(exc)})") from None
     except RecursionError:
         raise EplbError(f"{path}: YAML nested too deeply to parse") from None
     if not isinstance(d, dict) or "initial_global_assignments" not in d:
@@ -79,8 +79,8 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     def whole(x):  # int() would read layer 3.7 as 3 and expert 2.5 as 2
         if isinstance(x, str) and x.strip().isdigit():  # a quoted key, "3": still layer 3
             return int(x)
-        if not is_whole(x):
-            raise ValueError(f"{x!r} is not a whole number")
+        if not is_whole(x) or abs(x) > 2**62:
+            raise ValueError(f"{x!r} is not a whole number (up to 2**62)")
         return int(x)
 
     try:
@@ -133,7 +133,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
             shape = tuple(whole_number("dimension", s) for s in info["shape"])
         except (KeyError, TypeError, ValueError):  # EplbError is a ValueError: the entry is named below
             raise EplbError(f"{path}: tensor {key!r} has an unsupported or malformed header entry "
-                            f"{str(info)[:200]}") from None
+                            f"{repr(info)[:200]}") from None
         if not 0 <= start <= stop <= len(data) or (stop - start) != dtype.itemsize * math.prod(shape):
             raise EplbError(f"{path}: tensor {key!r} has data offsets that do not fit its shape {shape}")
         out[key] = np.frombuffer(data[start:stop], dtype=dtype).reshape(shape).copy()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, whole_array, whole_number
 from eplb.files import check_archive, check_input_size, input_file, write_bytes
 from eplb.formats.deepseek import from_deepseek, to_deepseek
 from eplb.placement import Placement
@@ -84,11 +84,14 @@ def read_vllm(path: str | Path, *, num_gpus: int | None = None, num_nodes: int |
             raise EplbError(f"{path}: {key} must be one number, got shape {tuple(obj[key].shape)}")
         return whole_number(f"{path}: {key}", int(obj[key]), 1)
 
+    for key, ndim in zip(KEYS, (2, 3, 2)):
+        if obj[key].dim() != ndim:
+            raise EplbError(f"{path}: {key} must be {ndim}-D, got shape {tuple(obj[key].shape)}")
     ids = layer_ids if layer_ids is not None else obj.get("layer_ids")
+    ids = None if ids is None else whole_array("layer_ids", ids.numpy() if hasattr(ids, "numpy") else ids)
     try:
         return from_deepseek(obj[KEYS[0]], obj[KEYS[1]], obj[KEYS[2]],
                              num_gpus=scalar("num_gpus", num_gpus), num_nodes=scalar("num_nodes", num_nodes),
-                             num_logical_experts=int(obj[KEYS[2]].shape[-1]),
-                             layer_ids=None if ids is None else np.asarray(ids, dtype=np.int64), planner="vllm")
+                             num_logical_experts=int(obj[KEYS[2]].shape[-1]), layer_ids=ids, planner="vllm")
     except EplbError as exc:
         raise EplbError(f"{path}: {exc}") from None
