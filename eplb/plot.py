@@ -40,12 +40,18 @@ def _figure(width: float, height: float):
     return fig
 
 
-def save(fig, path: str | Path) -> Path:
-    """Write a figure; the extension picks the format (PNG, SVG or PDF)."""
+def check_figure_path(path: str | Path) -> Path:
+    """`path` if its extension names a figure format (PNG, SVG or PDF); checked before drawing."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise EplbError(f"cannot write a figure to {str(path)!r}: use a file name ending in "
                         f"{', '.join(FORMATS)}")
+    return path
+
+
+def save(fig, path: str | Path) -> Path:
+    """Write a figure; the extension picks the format (PNG, SVG or PDF)."""
+    path = check_figure_path(path)
     # Agg canvas explicitly: works with no display and whatever backend the user configured.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

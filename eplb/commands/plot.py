@@ -166,7 +166,8 @@ def _inputs(args) -> list[tuple[str, str]]:
 
 def run(args) -> int:
     out = args.output
-    check_output_path(out, "the figure", inputs=_inputs(args))  # before the planning some kinds do
+    check_output_path(out, "the figure", inputs=_inputs(args))  # both before the planning some kinds do
+    plot.check_figure_path(out)
     fig, numbers = KINDS[args.kind](args)
     plot.save(fig, out)
     info = {"kind": args.kind, "output": out, **numbers, "bytes": os.path.getsize(out)}
