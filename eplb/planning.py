@@ -23,6 +23,7 @@ import numpy as np
 from eplb import migration, stats
 from eplb.dispatch import DispatchRule, PlanWeights, get_rule
 from eplb.errors import EplbError, number_array, whole_number
+from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.migration import Budget
 from eplb.placement import Placement, check_same_layers, contiguous_placement
 from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
@@ -152,13 +153,15 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
 
 
 def size_topology(num_logical_experts: int, topology: Topology | None = None, *, num_gpus=None, num_nodes=1,
-                  num_redundant=None, slots_per_gpu=None) -> Topology:
+                  num_redundant=None, slots_per_gpu=None, num_layers: int | None = None) -> Topology:
     """The Topology a plan of E logical experts runs on: `topology` itself, or one sized from
     num_gpus, num_nodes and num_redundant / slots_per_gpu (Topology.for_experts); either, not both.
 
     Refused only what cannot be filled: more slots per GPU than experts (a GPU would need two
     copies of one expert), fewer slots than experts. More GPUs than experts is planned (each
-    expert then has several replicas). Checked before any planner allocates [L, P].
+    expert then has several replicas). With `num_layers`, an [L, P] map larger than the input
+    limit (eplb.files; 10**11 GPUs typed by mistake) is refused too. Checked before any planner
+    allocates [L, P].
     """
     E = num_logical_experts
     if topology is not None:
@@ -192,6 +195,12 @@ def size_topology(num_logical_experts: int, topology: Topology | None = None, *,
             f"experts: a GPU cannot fill them without two copies of one expert, which serve nothing a "
             f"single copy does not; use at most {E} slots per GPU (num_redundant <= {topo.num_gpus * E - E})"
         )
+    if num_layers is not None:
+        need, limit = 8 * num_layers * topo.num_slots, max_input_bytes()
+        if need > limit:
+            raise EplbError(f"{topo.num_gpus} GPUs x {topo.slots_per_gpu} slots: a map of {num_layers} layers x "
+                            f"{topo.num_slots} slots would take {format_size(need)}, more than the input limit of "
+                            f"{format_size(limit)} ({MAX_INPUT_ENV}): fewer GPUs, or raise the limit")
     return topo
 
 
@@ -271,7 +280,7 @@ def plan(
                         f"routing uses equal contiguous groups, so give num_expert_groups (--expert-groups) "
                         f"dividing {E}")
     topo = size_topology(E, topology, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
-                         slots_per_gpu=slots_per_gpu)
+                         slots_per_gpu=slots_per_gpu, num_layers=L)
     _check_migration(previous, budget, L, E, topo, layer_ids)
     if num_expert_groups is None and meta.get("num_expert_groups"):
         num_expert_groups = int(meta["num_expert_groups"])

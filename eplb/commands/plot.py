@@ -14,9 +14,8 @@ from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement, load_trace, read_json_file
 from eplb.placement import check_same_layers, contiguous_placement
 from eplb.planner_api import planner_names
-from eplb.planning import plan
+from eplb.planning import plan, size_topology
 from eplb.progress import progress
-from eplb.topology import Topology
 
 EXAMPLES = {
     "heatmap": "eplb plot heatmap traces/deepseek.npz -o heatmap.png",
@@ -112,8 +111,8 @@ def _balance(args):
     if num_gpus is None:
         raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
     planners = args.planner or ([] if files else ["greedy"])
-    topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
-                                num_redundant=args.redundant)
+    topo = size_topology(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
+                         num_redundant=args.redundant, num_layers=trace.num_layers)
     placements = {"contiguous": contiguous_placement(trace.num_logical_experts, topo, trace.layer_ids)}
     for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
         placements[name] = plan(trace, topology=topo, planner=name).placement

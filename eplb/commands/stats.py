@@ -8,10 +8,9 @@ import numpy as np
 
 from eplb import stats
 from eplb.commands.common import REDUNDANT_HELP, add_command, add_output_flags, format_table, positive_int, print_json
-from eplb.errors import EplbError
 from eplb.formats import load_history
 from eplb.placement import contiguous_placement
-from eplb.topology import Topology
+from eplb.planning import size_topology
 
 DEFAULT_GPUS = 32
 """GPUs of the GPU-level figures when --gpus is not given (fewer for a model with fewer experts)."""
@@ -36,10 +35,8 @@ def run(args) -> int:
     L, E = load.shape
     # The default fits any trace: a model of 8 experts is not shown on 32 GPUs it could not fill.
     num_gpus = args.gpus if args.gpus is not None else min(DEFAULT_GPUS, E)
-    topo = Topology.for_experts(E, num_gpus=num_gpus, num_redundant=args.redundant)
-    if topo.slots_per_gpu > E:  # as in eplb.plan: refused before [L, P] arrays and a P-step bound
-        raise EplbError(f"--gpus {num_gpus} with {topo.num_slots} slots gives {topo.slots_per_gpu} per GPU, more than "
-                        f"the {E} logical experts: use --redundant <= {topo.num_gpus * E - E}")
+    # As in eplb.plan: what cannot be filled, or would not fit in memory, is refused before [L, P] arrays.
+    topo = size_topology(E, num_gpus=num_gpus, num_redundant=args.redundant, num_layers=L)
     base = contiguous_placement(E, topo, trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.num_gpus

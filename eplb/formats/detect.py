@@ -29,6 +29,8 @@ def _read_npy(path: Path) -> Trace:
     if len(header.shape) not in (2, 3):
         raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], "
                         f"got shape {header.shape}")
+    if 0 in header.shape:  # checked before arange(L) below: shape (10**9, 0) holds nothing but asks a lot
+        raise EplbError(f"{path}: the array has shape {header.shape}, which holds no counts")
     if header.shape[-1] == 1:
         # [N, L, 1] is what top-1 expert ids of N tokens look like; as counts it is one expert.
         raise EplbError(f"{path}: shape {header.shape} has one expert per layer, which is nothing to balance; "

@@ -94,6 +94,7 @@ def sglang_map(placement, num_hidden_layers: int | None = None) -> np.ndarray:
     if H <= int(ids.max()):
         raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
     P, E = placement.num_slots, placement.num_logical_experts
+    check_input_size(f"num_hidden_layers {H}", 8 * H * P, f"the SGLang map of {H} rows x {P} slots")
     out_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
     out_HP[ids] = placement.phy2log_LP
     return out_HP

@@ -66,9 +66,9 @@ def read_vllm(path: str | Path, *, num_gpus: int | None = None, num_nodes: int |
         have = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise EplbError(f"{path}: a vLLM placement needs tensors {', '.join(KEYS)}; found {have}")
     for key in (*KEYS, "layer_ids", "num_gpus", "num_nodes"):
-        t = obj.get(key)
-        if t is None:
+        if key not in obj:
             continue
+        t = obj[key]
         if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool or t.is_floating_point():
             got = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise EplbError(f"{path}: {key} must be an integer tensor, got {got}")
