@@ -222,11 +222,6 @@ def run(args) -> int:
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
         raise EplbError(f"{which} holds no tokens (every count is zero): there is no load to balance; "
                         f"check the collector, or plan on windows with traffic")
-    if args.output:
-        write_placement(result.placement, args.output, args.format, num_hidden_layers=hidden)
-    if not args.quiet and not args.json:
-        for note in notes:
-            print(f"eplb plan: note: {note}", file=sys.stderr)
     window_bal = None
     if trace.num_windows > 1:
         # Each window alone (robust plans for these; the summed-load columns hide them).
@@ -234,6 +229,11 @@ def run(args) -> int:
         scored = [("contiguous", contiguous_placement(pl.num_logical_experts, pl.topology, pl.layer_ids))]
         scored += [("previous", previous)] if previous is not None else []
         window_bal = {name: window_balancedness(p, trace.counts_TLE) for name, p in scored + [("plan", pl)]}
+    if args.output:  # after everything that can fail: a failed run leaves -o as it was
+        write_placement(result.placement, args.output, args.format, num_hidden_layers=hidden)
+    if not args.quiet and not args.json:
+        for note in notes:
+            print(f"eplb plan: note: {note}", file=sys.stderr)
     if args.json:
         migration = result.info.get("migration")
         out = result.summary()

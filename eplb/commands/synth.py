@@ -57,6 +57,8 @@ def run(args) -> int:
     # Before generating, which takes a minute at full size.
     check_output_path(args.output, "the trace", inputs=[("--compare", t) for t in args.compare or []])
     check_suffix(args.output, (".npz",), "an eplb trace (.npz)")
+    # Read before the trace is written: a bad --compare file must fail the run before -o changes.
+    reals = {str(p): load_trace(p) for p in args.compare or []}
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens}
     topk_groups = args.topk_groups
     if topk_groups is None and args.expert_groups is not None:
@@ -74,15 +76,12 @@ def run(args) -> int:
     settings = synth.SynthSettings(**overrides)
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = synth.generate(settings, progress=lambda done, total: bar.update())
-    save_trace(trace, args.output)
-
     try:
         corr = synth.phase_correlation(trace)
     except EplbError:  # a short trace may hold one phase only: nothing to correlate
         corr = None
     rows = {"synthetic": {**synth.calibration_stats(trace.total()), "prefill_decode_corr": corr}}
-    if args.compare:
-        reals = {str(p): load_trace(p) for p in args.compare}
+    if reals:
         for p, t in reals.items():
             rows[p] = {**synth.calibration_stats(t.total()), "prefill_decode_corr": None}
         pre = [t.total() for p, t in reals.items() if "prefill" in p]
@@ -91,6 +90,7 @@ def run(args) -> int:
         corr = [synth.layer_correlation(a, b) for a in pre for b in dec]
         if corr:
             rows["real prefill x decode"] = {"prefill_decode_corr": float(np.median(corr))}
+    save_trace(trace, args.output)  # last: nothing after it can fail the run once -o has changed
     if args.json:
         print_json({"output": args.output, "settings": trace.meta["synth_settings"], "stats": rows})
         return 0

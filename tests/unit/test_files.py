@@ -386,3 +386,13 @@ def test_a_torch_view_claiming_a_huge_shape_is_sized_before_it_is_copied(tmp_pat
                 "logical_replica_count": huge[0]}, tmp_path / "plan.pt")
     with pytest.raises(EplbError, match="would take"):
         read_placement(tmp_path / "plan.pt", "vllm", num_gpus=4)
+
+
+def test_a_run_that_fails_after_its_work_leaves_the_output_alone(tmp_path):
+    """`eplb synth -o out.npz --compare bad.json` wrote the trace, then failed on the bad file."""
+    out = tmp_path / "out.npz"
+    out.write_bytes(b"previous trace")
+    (tmp_path / "bad.json").write_text('{"not": "a trace"}')
+    argv = ["synth", "-o", str(out), "--windows", "1", "--tokens", "16", "--compare", str(tmp_path / "bad.json")]
+    assert "no 'logical_count' key" in one_line_error(*run_cli(argv)[::2], "synth")
+    assert out.read_bytes() == b"previous trace" and leftovers(tmp_path) == []
