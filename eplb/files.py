@@ -285,7 +285,7 @@ def _open_temp(dir_fd: int, name: str) -> tuple[int, str | None]:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
                 raise
     for _ in range(100):
-        temp = f".{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        temp = f".{name[:200]}.{secrets.token_hex(4)}{TEMP_SUFFIX}"  # within NAME_MAX (255)
         try:
             return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, dir_fd=dir_fd), temp
         except FileExistsError:
@@ -296,7 +296,7 @@ def _open_temp(dir_fd: int, name: str) -> tuple[int, str | None]:
 def _link_temp(fd: int, dir_fd: int, name: str) -> str:
     """Give the unnamed file `fd` a temporary name in the folder (the rename needs one)."""
     for _ in range(100):
-        temp = f".{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        temp = f".{name[:200]}.{secrets.token_hex(4)}{TEMP_SUFFIX}"  # within NAME_MAX (255)
         try:
             os.link(f"/proc/self/fd/{fd}", temp, dst_dir_fd=dir_fd, follow_symlinks=True)
             return temp

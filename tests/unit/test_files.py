@@ -96,6 +96,12 @@ def test_write_follows_a_symlink_and_writes_devices_in_place(tmp_path):
     assert Path("/dev/null").is_char_device()
 
 
+def test_a_name_at_the_length_limit_still_gets_a_temporary_file(tmp_path):
+    p = tmp_path / ("p" * 250 + ".json")
+    write_text(p, "{}")
+    assert p.read_text() == "{}" and leftovers(tmp_path) == []
+
+
 def test_a_failure_in_the_writer_keeps_the_old_file(tmp_path):
     p = tmp_path / "plan.json"
     p.write_bytes(b"good plan")
