@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from eplb.errors import EplbError, is_whole, number_array, readonly, whole_array, whole_number
+from eplb.files import MAX_INPUT_ENV, max_input_bytes
 from eplb.topology import Topology
 
 FORMAT_NAME = "eplb.placement"
@@ -73,6 +74,12 @@ class Placement:
             raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
         if not isinstance(self.partial, (bool, np.bool_)):
             raise EplbError(f"partial must be true or false, got {self.partial!r}")
+        # Before the [L, E] count below: E comes from a file too (10**12 would allocate terabytes).
+        if E > P and not self.partial:
+            raise EplbError(f"num_logical_experts ({E}) exceeds the {P} physical slots: every expert needs a slot")
+        if 8 * L * E > max_input_bytes():
+            raise EplbError(f"num_logical_experts ({E}) x {L} layers is more than the input limit allows "
+                            f"({MAX_INPUT_ENV})")
         count_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), minlength=L * E).reshape(L, E)
         if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]

@@ -126,4 +126,7 @@ def load_history(paths) -> Trace:
                         f"purpose, build one eplb.Trace and say so in its meta)")
     meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
     meta["synthetic"] = all(synthetic)
-    return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)
+    try:
+        return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)
+    except EplbError as exc:  # each file was valid alone; together, e.g., their counts sum past 2**62
+        raise EplbError(f"history of {', '.join(str(p) for p in paths)}: {exc}") from None

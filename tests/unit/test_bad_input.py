@@ -249,3 +249,22 @@ def test_mixtral_on_more_gpus_than_experts(tmp_path):
         eplb.plan(load, num_gpus=3, slots_per_gpu=2)
     t = trace_file(tmp_path / "m.npz", E=8)
     assert run_cli(["plan", t, "--gpus", "16", "--slots-per-gpu", "2", "-q"])[0] == 0
+
+
+def test_a_huge_expert_count_in_a_file_is_refused_before_it_is_allocated(tmp_path):
+    """The fuzz suite's find: "num_logical_experts": 5e9 in a placement file made an [L, E] count of 40 GB."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3]], "num_gpus": 2,
+                                "num_logical_experts": 5 * 10**9}))
+    assert "num_logical_experts (5000000000) exceeds the 4 physical slots" in refused(["inspect", path])
+    (tmp_path / "loc.json").write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 2**40]]}))
+    with pytest.raises(EplbError, match="exceeds the 4 physical slots"):
+        eplb.formats.export.read_placement(tmp_path / "loc.json", "sglang", num_gpus=2)
+
+
+def test_a_history_whose_sum_overflows_names_its_files(tmp_path):
+    counts = np.full((1, 2, 8), MAX_COUNT // 16, dtype=np.int64)  # each file sums to 2**62 exactly
+    for name in ("a", "b"):
+        save_trace(Trace(counts, np.arange(2), default_meta(2, 8)), tmp_path / f"{name}.npz")
+    with pytest.raises(EplbError, match=r"history of .*a\.npz, .*b\.npz: counts sum to"):
+        load_history([tmp_path / "a.npz", tmp_path / "b.npz"])
