@@ -74,7 +74,7 @@ def max_input_bytes() -> int:
         return DEFAULT_MAX_INPUT_BYTES
     try:
         limit = parse_size(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # "lots", or 1e400 (an infinite float)
         limit = 0
     if limit < 1:
         raise EplbError(f"{MAX_INPUT_ENV}={text!r} is not a size: give bytes (2000000000) or a number with "
@@ -112,10 +112,17 @@ def read_bytes(path: str | Path, what: str, *, text: bool = False) -> bytes:
     """The bytes of a file, after checking its size against the input limit (text counts
     TEXT_EXPANSION times its size)."""
     p = input_file(path, what)
-    size = p.stat().st_size
-    check_input_size(p, size * (TEXT_EXPANSION if text else 1),
-                     f"parsing {format_size(size)} of text" if text else f"{format_size(size)} of data")
-    return p.read_bytes()
+    scale = TEXT_EXPANSION if text else 1
+
+    def check(size: int) -> None:
+        check_input_size(p, size * scale, f"parsing {format_size(size)} of text" if text else
+                         f"{format_size(size)} of data")
+
+    check(p.stat().st_size)
+    with open(p, "rb") as f:  # at most one byte past the limit: a file may grow after stat()
+        data = f.read(max_input_bytes() // scale + 1)
+    check(len(data))
+    return data
 
 
 # JSON ------------------------------------------------------------------------------------------

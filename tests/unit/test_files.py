@@ -346,10 +346,11 @@ def test_the_limit_can_be_raised(monkeypatch, text, limit):
     assert max_input_bytes() == limit
 
 
-def test_a_bad_limit_is_named(monkeypatch, tmp_path):
-    monkeypatch.setenv(MAX_INPUT_ENV, "lots")
+@pytest.mark.parametrize("text", ["lots", "1e400", "-5GB", "0"])
+def test_a_bad_limit_is_named(monkeypatch, tmp_path, text):
+    monkeypatch.setenv(MAX_INPUT_ENV, text)
     save_trace(small_trace(), tmp_path / "t.npz")
-    with pytest.raises(EplbError, match=f"{MAX_INPUT_ENV}='lots' is not a size"):
+    with pytest.raises(EplbError, match=f"{MAX_INPUT_ENV}='{text}' is not a size"):
         load_trace(tmp_path / "t.npz")
 
 
