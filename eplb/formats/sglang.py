@@ -18,6 +18,7 @@ every hidden layer (`num_hidden_layers` rows); dense layers get the trivial row
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,9 @@ def read_pt(path: Path) -> Trace:
     import torch  # only this importer needs torch
 
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a damaged file's pickle protocol warning is noise: it is refused
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or corrupt files
         raise EplbError(f"{path}: cannot load as a weights-only torch file "
                         f"({type(exc).__name__}: {reason(exc)})") from None

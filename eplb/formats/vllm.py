@@ -17,6 +17,7 @@ vLLM has no command-line option that loads this file: it is for code that sets t
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +60,9 @@ def read_vllm(path: str | Path, *, num_gpus: int | None = None, num_nodes: int |
     path = input_file(path, "vLLM placement file")
     check_archive(path, "the torch file")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a damaged file's pickle protocol warning is noise: it is refused
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or corrupt files
         raise EplbError(f"{path}: cannot load as a weights-only torch file ({type(exc).__name__})") from None
     if not isinstance(obj, dict) or any(k not in obj for k in KEYS):

@@ -8,6 +8,8 @@ any other exception fails the test with its traceback.
 
 from __future__ import annotations
 
+import warnings
+
 from hypothesis import event, settings
 
 from eplb.errors import EplbError
@@ -26,12 +28,19 @@ def check_message(msg: str, names=()) -> None:
 
 
 def outcome(call, names=()):
-    """Run call(); 'ok' with its result, or 'refused' after checking the EplbError message."""
-    try:
-        result = call()
-    except EplbError as exc:
-        check_message(str(exc), names)
-        event("refused")
-        return "refused", exc
-    event("ok")
-    return "ok", result
+    """Run call(); 'ok' with its result, or 'refused' after checking the EplbError message.
+    Either way no warning may be raised (a CLI user would see it as lines of noise)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result = call()
+        except EplbError as exc:
+            check_message(str(exc), names)
+            kind, result = "refused", exc
+        else:
+            kind = "ok"
+    noisy = [f"{w.category.__name__}: {w.message}" for w in caught
+             if issubclass(w.category, (RuntimeWarning, UserWarning))]
+    assert not noisy, noisy
+    event(kind)
+    return kind, result
