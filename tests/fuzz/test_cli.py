@@ -105,6 +105,8 @@ GOOD = {  # values that make a run get past argparse (drawn 6 times as often as 
     "set": ["time_limit=0.2", "quantile=0.9", "refine_rounds=2", "blend=0.5"],
     "model": ["deepseek-v3", "qwen3-235b-a22b"], "gpu_memory": ["h200", "80GiB"], "layer_ids": ["1-3", "2,4,6"],
 }
+NEEDED = {"capacity": {"model", "gpu_memory", "context"}, "plot balance": {"gpus"}}
+"""Options that are optional to argparse but that a run of the command needs."""
 OUTPUT = {"plan": [O("json")], "synth": [O("npz")], "backtest": [O("json")], "plot": [O("png"), O("svg")]}
 BAD = {
     "set": ["bogus=1", "x", "quiet=true", "quantile=2"], "model": ["gpt-5", ""],
@@ -134,9 +136,9 @@ def command_lines(draw, command: str) -> list[str]:
         n = 1 if a.nargs is None else draw(st.sampled_from([1, 1, 1, 2] + ([0] if a.nargs == "*" else [])))
         argv += [draw(_value(a, command)) for _ in range(n)]
     options = [a for a in p._actions if a.option_strings and a.dest != "help"]
-    # Required options (and capacity's model) are given, but dropped 1 time in 20.
-    required = [a for a in options if (a.required or (command == "capacity" and a.dest == "model"))
-                and draw(st.integers(0, 19))]
+    # Required options (and those a command needs in practice) are given, but dropped 1 time in 20.
+    needed = NEEDED.get(command, set())
+    required = [a for a in options if (a.required or a.dest in needed) and draw(st.integers(0, 19))]
     chosen = draw(st.lists(st.sampled_from(options), max_size=3, unique_by=lambda a: a.dest))
     for a in required + [a for a in chosen if a not in required]:
         flag = draw(st.sampled_from(a.option_strings))
