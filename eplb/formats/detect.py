@@ -91,19 +91,28 @@ def load_trace(path: str | Path) -> Trace:
     )
 
 
+def _ids(layer_ids) -> str:
+    """Layer ids for a message: all of them when few, else the first and last three."""
+    ids = [int(i) for i in layer_ids]
+    if len(ids) <= 8:
+        return f"{ids} ({len(ids)} layers)"
+    return f"[{', '.join(map(str, ids[:3]))}, ..., {', '.join(map(str, ids[-3:]))}] ({len(ids)} layers)"
+
+
 def load_history(paths) -> Trace:
     """Read several trace files of one model and stack their windows in the given order."""
-    traces = [load_trace(p) for p in paths]
-    if not traces:
+    paths = list(paths)
+    if not paths:
         raise EplbError("no trace files given")
+    traces = [load_trace(p) for p in paths]
     first = traces[0]
     for p, t in zip(paths[1:], traces[1:]):
-        if t.num_logical_experts != first.num_logical_experts or not np.array_equal(t.layer_ids, first.layer_ids):
-            raise EplbError(
-                f"{p}: {t.num_layers} layers x {t.num_logical_experts} experts "
-                f"(layer ids {t.layer_ids[:3].tolist()}...) "
-                f"does not match {paths[0]}: {first.num_layers} x {first.num_logical_experts}"
-            )
+        if t.num_logical_experts != first.num_logical_experts:
+            raise EplbError(f"{p}: {t.num_logical_experts} logical experts but {paths[0]} has "
+                            f"{first.num_logical_experts}: traces of one model are needed")
+        if not np.array_equal(t.layer_ids, first.layer_ids):
+            raise EplbError(f"{p}: MoE layer ids {_ids(t.layer_ids)} but {paths[0]} has {_ids(first.layer_ids)}: "
+                            f"the windows of one history must record the same layers")
         # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
         for key in ("num_expert_groups", "top_k"):
             a, b = first.meta.get(key), t.meta.get(key)

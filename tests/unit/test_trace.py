@@ -189,8 +189,17 @@ def test_history_must_match(tmp_path, rng):
         save_trace(t, tmp_path / f"{name}.npz")
     h = load_history([tmp_path / "a.npz", tmp_path / "b.npz"])
     assert h.num_windows == 3 and h.meta["synthetic"] is True
-    with pytest.raises(EplbError, match="does not match"):
+    # Same shape, other layers: the message names both files' layer ids, not a shape that agrees.
+    with pytest.raises(EplbError, match=r"c\.npz: MoE layer ids \[1, 2, 5\] \(3 layers\) but .*a\.npz has \[1, 3, 5\]"):
         load_history([tmp_path / "a.npz", tmp_path / "c.npz"])
+    save_trace(Trace(rng.integers(0, 5, (1, 3, 16)), np.array([1, 3, 5]), meta(num_experts=16)),
+               tmp_path / "wide.npz")
+    with pytest.raises(EplbError, match=r"wide\.npz: 16 logical experts but .*a\.npz has 8"):
+        load_history([tmp_path / "a.npz", tmp_path / "wide.npz"])
+    # Any iterable of paths, not only a list; none at all is named before any file is read.
+    assert load_history(iter([tmp_path / "a.npz", tmp_path / "b.npz"])).num_windows == 3
+    with pytest.raises(EplbError, match="no trace files given"):
+        load_history([])
     # A synthetic and a recorded trace are not one history: `synthetic` could describe neither.
     with pytest.raises(EplbError, match=r"synthetic trace\(s\) .*a.npz and recorded trace\(s\) .*real.npz"):
         load_history([tmp_path / "a.npz", tmp_path / "real.npz"])
