@@ -420,8 +420,6 @@ def plan_capacity(model: ModelShape, deployment: Deployment, *, redundant_per_gp
     dense = dense_all if dep.attention == "dp" else -(-dense_all // G)
     usable = int(dep.gpu_memory * dep.memory_utilization)
     if model.is_moe:
-        if G > E:
-            raise EplbError(f"more GPUs ({G}) than experts ({E}) of {model.name}: every GPU needs an expert")
         per_expert = bytes_per_expert(model, expert_dtype)
         per_slot = per_expert * model.num_moe_layers
         base = -(-E // G)

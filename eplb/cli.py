@@ -65,21 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except EplbError as exc:
-        print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+        print(f"eplb {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # before OSError, its base class: `eplb ... | head` is not an error of ours
         _silence_stdout()
         return 0
     except OSError as exc:  # a path that cannot be read or written (missing folder, permissions)
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"eplb {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print(f"eplb {args.command}: error: {one_line(exc.strerror or exc)}{one_line(where)}", file=sys.stderr)
         return 2
     except PlanningError as exc:
-        print(f"eplb {args.command}: failed: {exc}", file=sys.stderr)
+        print(f"eplb {args.command}: failed: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"eplb {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def one_line(message) -> str:
+    """A message as one line: a file name or a library's text may hold line breaks."""
+    return str(message).replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _silence_stdout() -> None:

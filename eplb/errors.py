@@ -26,6 +26,13 @@ class PlanningError(RuntimeError):
     """A planner could not produce a placement for valid input (CLI exit code 1)."""
 
 
+def reason(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): what a
+    one-line error quotes from a library that failed."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def is_number(v) -> bool:
     """A real number (int, float or their numpy kinds): not True, "2" or None."""
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
@@ -85,3 +92,54 @@ def readonly(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     a.setflags(write=False)
     return a
+
+
+def _holds_bool(v) -> bool:
+    """True if nested lists / tuples `v` hold True or False anywhere (numpy would read them as 1, 0)."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (bool, np.bool_)):
+            return True
+        if isinstance(x, (list, tuple)):
+            kinds = set(map(type, x))
+            if bool in kinds or np.bool_ in kinds:
+                return True
+            if list in kinds or tuple in kinds:
+                stack.extend(y for y in x if isinstance(y, (list, tuple)))
+    return False
+
+
+def number_array(name: str, v) -> np.ndarray:
+    """v (an array, or nested lists of numbers as JSON gives them) as a numeric ndarray, unchanged.
+
+    Ragged lists, strings, null and true/false are refused by name: np.asarray would read
+    [1, true] as [1, 1] and "2" as text, and fail on ragged lists with a bare ValueError.
+    """
+    if not isinstance(v, np.ndarray):
+        if _holds_bool(v):
+            raise EplbError(f"{name} must be numbers, not true/false")
+        try:
+            v = np.asarray(v)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise EplbError(f"{name} must be a rectangular array of numbers ({reason(exc)})") from None
+    if v.dtype.kind == "b":
+        raise EplbError(f"{name} must be numbers, not true/false")
+    if v.dtype.kind not in "iuf":
+        got = ("ragged lists or values that are not numbers (text, null, integers beyond 64 bits)"
+               if v.dtype.kind == "O" else f"dtype {v.dtype}")
+        raise EplbError(f"{name} must be a rectangular array of numbers, got {got}")
+    return v
+
+
+def whole_array(name: str, v) -> np.ndarray:
+    """v as an int64 ndarray if it holds whole numbers only (ids, counts): 2.7, NaN, inf and
+    values beyond +-2**62 are refused by name (astype(int64) would truncate or wrap them)."""
+    a = number_array(name, v)
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (a != np.rint(a)) | (np.abs(a) > 2.0**62)
+        if bad.any():
+            raise EplbError(f"{name} must be whole numbers (integers), got {a[bad].flat[0].item()!r}")
+    elif a.dtype.kind == "u" and a.size and a.max() > 2**62:
+        raise EplbError(f"{name} must be whole numbers up to 2**62, got {a.max()}")
+    return a.astype(np.int64)

@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, readonly, whole_number
+from eplb.errors import EplbError, is_whole, number_array, readonly, whole_array, whole_number
+from eplb.files import MAX_INPUT_ENV, max_input_bytes
 from eplb.topology import Topology
 
+FORMAT_NAME = "eplb.placement"
 FORMAT_VERSION = 1
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +74,12 @@ class Placement:
             raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
         if not isinstance(self.partial, (bool, np.bool_)):
             raise EplbError(f"partial must be true or false, got {self.partial!r}")
+        # Before the [L, E] count below: E comes from a file too (10**12 would allocate terabytes).
+        if E > P and not self.partial:
+            raise EplbError(f"num_logical_experts ({E}) exceeds the {P} physical slots: every expert needs a slot")
+        if 8 * L * E > max_input_bytes():
+            raise EplbError(f"num_logical_experts ({E}) x {L} layers is more than the input limit allows "
+                            f"({MAX_INPUT_ENV})")
         count_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), minlength=L * E).reshape(L, E)
         if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]
@@ -220,7 +227,7 @@ class Placement:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "format": "eplb.placement",
+            "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "physical_to_logical_map": self.phy2log_LP.tolist(),
             "layer_ids": self.layer_ids.tolist(),
@@ -240,44 +247,66 @@ class Placement:
     def from_dict(cls, d: dict[str, Any], *, source: str = "placement") -> Placement:
         if not isinstance(d, dict):
             raise EplbError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        # A file of another kind or a newer layout is refused, not read by guesswork.
+        fmt, version = d.get("format", FORMAT_NAME), d.get("version", FORMAT_VERSION)
+        if fmt != FORMAT_NAME:
+            raise EplbError(f"{source}: format is {fmt!r}, not {FORMAT_NAME!r}: not an eplb placement file")
+        if not is_whole(version) or not 1 <= version <= FORMAT_VERSION:
+            raise EplbError(f"{source}: placement format version {version!r} is not one this eplb reads "
+                            f"(1..{FORMAT_VERSION}): write it again with this version, or upgrade eplb")
         missing = [k for k in ("physical_to_logical_map", "num_gpus", "num_logical_experts") if k not in d]
         if missing:
             raise EplbError(f"{source}: missing key(s) {', '.join(missing)} (not an eplb placement file?)")
-        try:
-            phy = np.asarray(d["physical_to_logical_map"])
-            if phy.dtype == object or not np.issubdtype(phy.dtype, np.number):
-                raise ValueError("ragged or non-numeric")
-            if phy.size and not np.all(phy == np.round(phy)):
-                raise ValueError("non-integer ids")
-            phy = phy.astype(np.int64)
-        except (ValueError, TypeError) as exc:
-            raise EplbError(f"{source}: physical_to_logical_map must be a rectangular list of integer lists "
-                            f"({exc})") from None
-        for key in ("num_gpus", "num_logical_experts", "num_nodes"):
-            whole_number(f"{source}: {key}", d.get(key, 1), None)  # int(4.7) would read a damaged file as 4 GPUs
-        weights = d.get("dispatch_weights")
+        # whole_array, not asarray(dtype=int64): that reads expert 2.7 or layer 3.5 as 2 or 3.
+        phy = whole_array(f"{source}: physical_to_logical_map", d["physical_to_logical_map"])
+        sizes = {key: whole_number(f"{source}: {key}", d.get(key, 1), None)  # int(4.7) would read 4 GPUs
+                 for key in ("num_gpus", "num_logical_experts", "num_nodes")}
         layer_ids = d.get("layer_ids")
-        if layer_ids is not None:  # asarray(dtype=int64) would read layer 3.5 as 3
-            ids = np.asarray(layer_ids)
-            if ids.dtype.kind not in "iuf" or (ids.dtype.kind == "f" and not np.array_equal(ids, np.rint(ids))):
-                raise EplbError(f"{source}: layer_ids must be whole numbers, got {layer_ids!r}")
-            layer_ids = ids.astype(np.int64)
+        if layer_ids is not None:
+            layer_ids = whole_array(f"{source}: layer_ids", layer_ids)
+        weights = d.get("dispatch_weights")
+        if weights is not None:
+            weights = number_array(f"{source}: dispatch_weights", weights).astype(np.float64)
+        metrics = d.get("metrics")
+        if metrics is not None and not isinstance(metrics, dict):
+            raise EplbError(f"{source}: metrics must be a JSON object {{name: value}}, got {type(metrics).__name__}")
+        planner = d.get("planner", "")
+        if not isinstance(planner, str):
+            raise EplbError(f"{source}: planner must be a name (a string), got {planner!r}")
         try:
             return cls(
                 phy2log_LP=phy,
-                num_gpus=int(d["num_gpus"]),
-                num_logical_experts=int(d["num_logical_experts"]),
-                num_nodes=int(d.get("num_nodes", 1)),
+                num_gpus=sizes["num_gpus"],
+                num_logical_experts=sizes["num_logical_experts"],
+                num_nodes=sizes["num_nodes"],
                 layer_ids=layer_ids,
-                dispatch_weights_LP=None if weights is None else np.asarray(weights, dtype=np.float64),
-                planner=str(d.get("planner", "")),
-                metrics=dict(d.get("metrics") or {}),
+                dispatch_weights_LP=weights,
+                planner=planner,
+                metrics=dict(metrics or {}),
                 partial=d.get("partial", False),
             )
         except EplbError as exc:
             raise EplbError(f"{source}: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise EplbError(f"{source}: malformed placement ({exc})") from None
+
+
+def check_same_layers(placement: Placement, layer_ids, *, placement_name: str = "the placement",
+                      trace_name: str = "the trace") -> None:
+    """Refuse a placement made for other MoE layers than `layer_ids` [L] (a trace's): the same
+    shape is not enough, rows of another model's layers would be scored or migrated silently."""
+    ids = np.asarray(layer_ids)
+    if placement.layer_ids.shape == ids.shape and np.array_equal(placement.layer_ids, ids):
+        return
+    raise EplbError(f"{placement_name} is for MoE layer ids {_ids_text(placement.layer_ids)} but {trace_name} holds "
+                    f"layer ids {_ids_text(ids)}: use a placement and a trace of the same model")
+
+
+def _ids_text(ids) -> str:
+    a = [int(x) for x in np.asarray(ids).reshape(-1)]
+    if not a:
+        return "(none)"
+    if len(a) > 2 and a == list(range(a[0], a[-1] + 1)):
+        return f"{a[0]}..{a[-1]}"
+    return ", ".join(map(str, a[:4])) + (", ..." if len(a) > 4 else "")
 
 
 def gpu_loads(phy2log_LP: np.ndarray, load_LE, num_gpus: int, weights_LP=None) -> np.ndarray:
@@ -311,14 +340,18 @@ def contiguous_map(num_logical_experts: int, topology: Topology, num_layers: int
     Expert e sits on GPU e // (E / G): experts are split over GPUs in id order, as evenly as
     possible. A GPU's spare slots repeat its own experts, which splits their tokens inside the
     GPU and so leaves every GPU's load exactly as without redundancy: what a server does with
-    no load balancing.
+    no load balancing. With fewer experts than GPUs (E < G), slot p holds expert p % E, the
+    map SGLang starts from (every expert replicated round-robin, none balanced).
     """
     G, S = topology.num_gpus, topology.slots_per_gpu
     if num_logical_experts > G * S:
         raise EplbError(f"{G} GPUs x {S} slots cannot hold {num_logical_experts} experts")
     if num_logical_experts < G:
-        raise EplbError(f"contiguous placement needs at least one expert per GPU: "
-                        f"{num_logical_experts} experts < {G} GPUs")
+        # No split in id order gives every GPU an expert: the engines' own default then, slot p
+        # holds expert p % E (SGLang's trivial map), distinct on a GPU while S <= E.
+        if S > num_logical_experts:
+            raise EplbError(f"{S} slots per GPU exceed the {num_logical_experts} experts")
+        return np.tile(np.arange(G * S, dtype=np.int64) % num_logical_experts, (num_layers, 1))
     row = np.empty(G * S, dtype=np.int64)
     for g, experts in enumerate(np.array_split(np.arange(num_logical_experts), G)):
         row[g * S:(g + 1) * S] = np.resize(experts, S)  # spare slots cycle the GPU's own experts

@@ -23,13 +23,14 @@ import numpy as np
 from eplb import migration, stats
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, PlanWeights, get_rule
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, number_array, whole_number
+from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.migration import Budget, layout_dependent
-from eplb.placement import Placement, contiguous_placement
+from eplb.placement import Placement, check_same_layers, contiguous_placement
 from eplb.planner_api import STATUSES, PlanRequest, Solution, get_planner
 from eplb.stats import Aggregation
 from eplb.topology import Topology
-from eplb.trace import Trace
+from eplb.trace import MAX_COUNT, Trace
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,11 +163,10 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
     """Normalise a Trace, [L, E] or [T, L, E] array into (history_TLE, layer_ids, meta)."""
     if isinstance(loads_or_trace, Trace):
         return loads_or_trace.counts_TLE.astype(np.float64), loads_or_trace.layer_ids, loads_or_trace.meta
-    try:
-        a = np.asarray(loads_or_trace, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise EplbError(f"loads must be a rectangular array of numbers [layers, experts] or "
-                        f"[windows, layers, experts], or a Trace ({exc})") from None
+    try:  # number_array: asarray(dtype=float64) would read True as 1 and drop imaginary parts
+        a = number_array("loads", loads_or_trace).astype(np.float64)
+    except EplbError as exc:
+        raise EplbError(f"{exc}: give [layers, experts] or [windows, layers, experts] numbers, or a Trace") from None
     if a.ndim == 2:
         a = a[None]
     if a.ndim != 3:
@@ -175,16 +175,24 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
         raise EplbError("loads must be finite and non-negative")
     if 0 in a.shape:
         raise EplbError(f"loads must not be empty, got shape {a.shape}")
+    with np.errstate(over="ignore"):
+        total = float(a.sum())
+    if not total <= MAX_COUNT:  # 1e308 loads sum to inf: every score would be NaN
+        raise EplbError(f"loads sum to {total:g}, more than 2**62 ({MAX_COUNT:.3g}): scale them down "
+                        f"(balance does not depend on the unit)")
     return a, None, {}
 
 
 def size_topology(num_logical_experts: int, topology: Topology | None = None, *, num_gpus=None, num_nodes=1,
-                  num_redundant=None, slots_per_gpu=None) -> Topology:
+                  num_redundant=None, slots_per_gpu=None, num_layers: int | None = None) -> Topology:
     """The Topology a plan of E logical experts runs on: `topology` itself, or one sized from
     num_gpus, num_nodes and num_redundant / slots_per_gpu (Topology.for_experts); either, not both.
 
-    Refused: more GPUs than experts, more slots per GPU than experts (a GPU never needs two
-    copies of one expert), fewer slots than experts. Checked before any planner allocates [L, P].
+    Refused only what cannot be filled: more slots per GPU than experts (a GPU would need two
+    copies of one expert), fewer slots than experts. More GPUs than experts is planned (each
+    expert then has several replicas). With `num_layers`, an [L, P] map larger than the input
+    limit (eplb.files; 10**11 GPUs typed by mistake) is refused too. Checked before any planner
+    allocates [L, P].
     """
     E = num_logical_experts
     if topology is not None:
@@ -210,21 +218,24 @@ def size_topology(num_logical_experts: int, topology: Topology | None = None, *,
         slots_per_gpu = None if slots_per_gpu is None else whole_number("slots_per_gpu", slots_per_gpu, 0)
         topo = Topology.for_experts(E, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
                                     slots_per_gpu=slots_per_gpu)
-    if topo.num_gpus > E:
-        raise EplbError(
-            f"more GPUs ({topo.num_gpus}) than logical experts ({E}): expert parallelism over more ranks "
-            f"than experts leaves ranks without an expert of their own; use at most {E} GPUs"
-        )
+    # More GPUs than experts is fine (Mixtral's 8 experts on 16 GPUs x 2 slots): every GPU can
+    # be filled with distinct experts exactly when S <= E and P >= E (slot p holding p % E does it).
     if topo.slots_per_gpu > E:
         raise EplbError(
             f"{topo.slots_per_gpu} slots per GPU ({topo.num_slots} in total) exceed the {E} logical "
-            f"experts: a GPU never needs two copies of one expert; use at most {E} slots per GPU "
-            f"(num_redundant <= {topo.num_gpus * E - E})"
+            f"experts: a GPU cannot fill them without two copies of one expert, which serve nothing a "
+            f"single copy does not; use at most {E} slots per GPU (num_redundant <= {topo.num_gpus * E - E})"
         )
+    if num_layers is not None:
+        need, limit = 8 * num_layers * topo.num_slots, max_input_bytes()
+        if need > limit:
+            raise EplbError(f"{topo.num_gpus} GPUs x {topo.slots_per_gpu} slots: a map of {num_layers} layers x "
+                            f"{topo.num_slots} slots would take {format_size(need)}, more than the input limit of "
+                            f"{format_size(limit)} ({MAX_INPUT_ENV}): fewer GPUs, or raise the limit")
     return topo
 
 
-def _check_migration(previous, budget, L: int, E: int, topo: Topology) -> None:
+def _check_migration(previous, budget, L: int, E: int, topo: Topology, layer_ids) -> None:
     """previous (the served Placement, of this plan's shape) and budget (needs previous)."""
     if budget is not None and not isinstance(budget, Budget):
         raise EplbError(f"budget must be an eplb.Budget (max_moves, max_moves_per_gpu, move_cost, span_cost, "
@@ -247,6 +258,8 @@ def _check_migration(previous, budget, L: int, E: int, topo: Topology) -> None:
             f"plan for the same slots (num_gpus={previous.num_gpus}, slots_per_gpu={previous.slots_per_gpu}) "
             f"on a trace of the same model"
         )
+    if layer_ids is not None:  # loads from a Trace name their layers: the served plan must be for them
+        check_same_layers(previous, layer_ids, placement_name="previous placement", trace_name="the loads")
 
 
 def plan(
@@ -309,8 +322,8 @@ def plan(
                         f"routing uses equal contiguous groups, so give num_expert_groups (--expert-groups) "
                         f"dividing {E}")
     topo = size_topology(E, topology, num_gpus=num_gpus, num_nodes=num_nodes, num_redundant=num_redundant,
-                         slots_per_gpu=slots_per_gpu)
-    _check_migration(previous, budget, L, E, topo)
+                         slots_per_gpu=slots_per_gpu, num_layers=L)
+    _check_migration(previous, budget, L, E, topo, layer_ids)
     if num_expert_groups is None and meta.get("num_expert_groups"):
         num_expert_groups = int(meta["num_expert_groups"])
     topk_ids_NLK = loads.topk_ids_NLK if isinstance(loads, Trace) else None

@@ -12,6 +12,7 @@ placements, backtest results); the commands compute it.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ import numpy as np
 
 from eplb import stats
 from eplb.backtest import BacktestResult
-from eplb.errors import EplbError
+from eplb.errors import EplbError, is_number, is_whole, number_array, whole_array
+from eplb.files import write_bytes
 
 FORMATS = (".png", ".svg", ".pdf")
 DPI = 110
@@ -38,19 +40,27 @@ def _figure(width: float, height: float):
     return fig
 
 
-def save(fig, path: str | Path) -> Path:
-    """Write a figure; the extension picks the format (PNG, SVG or PDF)."""
+def check_figure_path(path: str | Path) -> Path:
+    """`path` if its extension names a figure format (PNG, SVG or PDF); checked before drawing."""
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise EplbError(f"cannot write a figure to {str(path)!r}: use a file name ending in "
                         f"{', '.join(FORMATS)}")
-    if path.parent and not path.parent.exists():
-        raise EplbError(f"cannot write {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    return path
+
+
+def save(fig, path: str | Path) -> Path:
+    """Write a figure; the extension picks the format (PNG, SVG or PDF)."""
+    path = check_figure_path(path)
     # Agg canvas explicitly: works with no display and whatever backend the user configured.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=DPI, metadata={"Software": "eplb"} if path.suffix.lower() == ".png" else None)
+    # Drawn in memory, then written atomically: a failed write never leaves half a figure.
+    buf = io.BytesIO()
+    ext = path.suffix.lower()
+    fig.savefig(buf, format=ext[1:], dpi=DPI, metadata={"Software": "eplb"} if ext == ".png" else None)
+    write_bytes(path, buf.getvalue(), what="the figure")
     return path
 
 
@@ -297,19 +307,22 @@ class TimelineSeries:
     counted (the first plan of a backtest replaces whatever was served before)."""
 
     def __post_init__(self) -> None:
-        imb = np.asarray(self.imbalance_T, dtype=np.float64)
+        imb = number_array(f"{self.name}: imbalance_T", self.imbalance_T).astype(np.float64)
         if imb.ndim != 1 or imb.size == 0:
             raise EplbError(f"{self.name}: imbalance_T must be a non-empty 1-D array, got shape {imb.shape}")
         if not np.all(np.isfinite(imb)):
             raise EplbError(f"{self.name}: imbalance_T holds NaN or infinite values")
-        at = np.asarray(self.rebalance_at, dtype=np.int64).reshape(-1)
+        at = whole_array(f"{self.name}: rebalance_at (window indices)", self.rebalance_at).reshape(-1)
         if at.size and (at.min() < 0 or at.max() >= imb.size or np.any(np.diff(at) < 0)):
             raise EplbError(f"{self.name}: rebalance_at must be sorted window indices in 0..{imb.size - 1}, "
                             f"got {at.tolist()}")
         mv = None
         if self.moves is not None:
-            mv = np.array([np.nan if m is None else m for m in np.asarray(self.moves, dtype=object).reshape(-1)],
-                          dtype=np.float64)
+            raw = self.moves.tolist() if isinstance(self.moves, np.ndarray) else self.moves
+            if not isinstance(raw, (list, tuple)) or not all(m is None or is_number(m) for m in raw):
+                raise EplbError(f"{self.name}: moves must be a list of numbers (null = not counted), one per "
+                                f"rebalance, got {str(raw)[:100]}")
+            mv = np.array([np.nan if m is None else m for m in raw], dtype=np.float64)
             if mv.shape != at.shape:
                 raise EplbError(f"{self.name}: {mv.size} move counts for {at.size} rebalances: give one per rebalance")
             if np.any(mv[~np.isnan(mv)] < 0) or np.any(np.isinf(mv)):
@@ -356,13 +369,21 @@ def timeline_from_backtest(results: Any, dispatch: str = "even") -> list[Timelin
                                 f"policy (eplb plot backtest --dispatch)")
             imb.append(scores[dispatch])
             plan_W.append(w["plan"])
+        if not all(is_whole(p) for p in plan_W):
+            raise EplbError(f"backtest result {s['planner']!r}: per_window 'plan' entries must be plan indices "
+                            f"(whole numbers), got {[p for p in plan_W if not is_whole(p)][:3]}")
+        per_plan = s.get("per_plan", [])
+        if not isinstance(per_plan, list) or not all(isinstance(p, Mapping) and is_whole(p.get("plan"))
+                                                     for p in per_plan):
+            raise EplbError(f"backtest result {s['planner']!r}: per_plan must be a list of objects with a 'plan' "
+                            f"index, as `eplb backtest --json` writes")
         # A plan starts serving at the first scored window that names it.
         first: dict = {}
         for i, p in enumerate(plan_W):
-            first.setdefault(p, i)
-        moves_of = {p["plan"]: p.get("moves") for p in s.get("per_plan", [])}
+            first.setdefault(int(p), i)
+        moves_of = {int(p["plan"]): p.get("moves") for p in per_plan}
         moves = [moves_of.get(p) for p in first]
-        out.append(TimelineSeries(name, np.asarray(imb, dtype=np.float64), np.fromiter(first.values(), np.int64),
+        out.append(TimelineSeries(name, imb, np.fromiter(first.values(), np.int64),
                                   moves if any(m is not None for m in moves) else None))
     return out
 
@@ -426,8 +447,11 @@ def timeline_from_json(data: Any, dispatch: str = "even", source: str = "backtes
             if extra:
                 raise EplbError(f"{source}: series {i} has unknown key(s) {sorted(extra)}: allowed are name, "
                                 f"imbalance, rebalance_at, moves")
-            out.append(TimelineSeries(str(item["name"]), item["imbalance"], item.get("rebalance_at", []),
-                                      item.get("moves")))
+            try:
+                out.append(TimelineSeries(str(item["name"]), item["imbalance"], item.get("rebalance_at", []),
+                                          item.get("moves")))
+            except EplbError as exc:
+                raise EplbError(f"{source}: series {i}: {exc}") from None
         return out
     keys = sorted(data) if isinstance(data, Mapping) else type(data).__name__
     raise EplbError(f"{source}: expected the output of `eplb backtest --json` (an object with a 'results' list) "

@@ -39,7 +39,7 @@ import numpy as np
 from eplb import stats
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
-from eplb.errors import EplbError, fraction, is_number, is_whole, whole_number
+from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
 from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule, warm_up
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
@@ -48,6 +48,7 @@ from eplb.planning import plan
 from eplb.policy import BucketedSum, Policy, get_policy, takes_budget
 from eplb.policy import warm_up as warm_up_policy
 from eplb.stats import group_span
+from eplb.trace import MAX_COUNT
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
 """The budget of `eplb.plan` when the Rebalancer is given none (failed ranks, policy=None): no
@@ -270,13 +271,9 @@ class Rebalancer:
         counts: logical [L, E], or physical-slot [L, P] (mapped back through the current
         placement). When E == P the shape does not say which: pass `physical`.
         """
-        try:
-            c = np.asarray(counts, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise EplbError(f"counts must be an array of numbers, got {type(counts).__name__}: {exc}") from None
-        # Checked before the window changes: one NaN would stay in a sliding sum for good.
-        if not np.isfinite(c).all() or (c < 0).any():
-            raise EplbError("counts must be finite and >= 0 (tokens routed to each expert or slot)")
+        if physical is not None and not isinstance(physical, (bool, np.bool_)):
+            raise EplbError(f"physical must be True, False or None, got {physical!r}")
+        c = self._checked_counts(counts)
         with self._lock:
             pl = self.placement
             L, E, P = pl.num_layers, pl.num_logical_experts, pl.num_slots
@@ -321,6 +318,31 @@ class Rebalancer:
                                    "reason": f"window closed for policy {self.policy.name}"}
                 return True
             return self._check_locked()
+
+    def _checked_counts(self, counts) -> np.ndarray:
+        """One observation as float64, refused (state unchanged) unless it is real token counts.
+
+        Checked before the window changes: one NaN or 1e308 would stay in a sliding sum for
+        good. An observation may hold at most 2**62 / window token-slots, so no window of them
+        exceeds 2**62, the bound plan() puts on loads (complex, bool and text are refused too:
+        numpy would drop the imaginary part or read True as 1)."""
+        if hasattr(counts, "detach") and hasattr(counts, "cpu"):  # a torch tensor, without importing torch
+            counts = counts.detach().cpu().numpy()
+        try:
+            c = number_array("counts", counts).astype(np.float64)
+        except EplbError as exc:
+            raise EplbError(f"{exc} (tokens routed to each expert or slot); the window is unchanged") from None
+        if not np.isfinite(c).all() or (c < 0).any():
+            raise EplbError("counts must be finite and >= 0 (tokens routed to each expert or slot); "
+                            "the window is unchanged")
+        most = MAX_COUNT // (self.window or 1)
+        with np.errstate(over="ignore"):
+            total = float(c.sum())
+        if total > most:
+            raise EplbError(f"counts sum to {total:g} token-slots in one observation, more than "
+                            f"{'2**62' if most == MAX_COUNT else f'2**62 / window = {most:g}'}: not one step's "
+                            f"router counts; the window is unchanged")
+        return c
 
     def _check_locked(self) -> bool:
         load = self._load_LE

@@ -40,6 +40,7 @@ import numpy as np
 
 from eplb import stats
 from eplb.errors import EplbError
+from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.placement import contiguous_map, gpu_loads
 from eplb.topology import Topology
 from eplb.trace import Trace
@@ -159,6 +160,18 @@ class SynthSettings:
              f"topic_hot must be (lowest, highest) shares in (0, 1), got {self.topic_hot!r}")
         need(0 < self.topic_cold < self.topic_hot[0],
              f"topic_cold ({self.topic_cold}) must be in (0, topic_hot[0] = {self.topic_hot[0]})")
+        # Sizes typed on a command line are bounded like files: the trace must fit the input
+        # limit it would be read back under, and so must routing one window (float32 [N, E] x ~3).
+        limit = max_input_bytes()
+        L, T, N, E = self.num_moe_layers, self.num_windows, self.tokens_per_window, self.num_experts
+        trace_bytes = 8 * T * L * E + 2 * T * self.keep_tokens * L * self.top_k
+        need(trace_bytes <= limit, f"a trace of {T} windows x {L} layers x {E} experts would take "
+                                   f"{format_size(trace_bytes)}, more than the input limit of {format_size(limit)} "
+                                   f"({MAX_INPUT_ENV}) it is read back under: fewer windows, or raise the limit")
+        route_bytes = 12 * N * E
+        need(route_bytes <= limit, f"routing {N} tokens per window over {E} experts would take "
+                                   f"{format_size(route_bytes)}, more than the input limit of {format_size(limit)} "
+                                   f"({MAX_INPUT_ENV}): fewer tokens per window, or raise the limit")
 
     @property
     def num_moe_layers(self) -> int:
@@ -307,8 +320,11 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
         if progress is not None:
             progress(t + 1, T)
 
+    deepseek = (s.num_hidden_layers, s.first_moe_layer, E, s.top_k, Q, s.topk_groups) == (61, 3, 256, 8, 8, 4)
     meta = {
-        "model": "DeepSeek-V3 (synthetic shape)",
+        # Another shape is not DeepSeek-V3's, whatever the generator was calibrated on.
+        "model": "DeepSeek-V3 (synthetic shape)" if deepseek else
+                 f"synthetic MoE ({E} experts, top-{s.top_k}, {Q} expert group{'s' if Q > 1 else ''})",
         "num_hidden_layers": s.num_hidden_layers,
         "num_experts": E,
         "top_k": s.top_k,

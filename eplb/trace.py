@@ -24,7 +24,8 @@ REQUIRED_META = (
 WHOLE_META = ("num_hidden_layers", "num_experts", "top_k", "num_expert_groups", "tokens_per_window")
 """Meta fields that are whole numbers >= 1 when known (None when not)."""
 MAX_COUNT = 2**62
-"""Largest token count accepted: beyond it int64 sums over windows could wrap."""
+"""Largest token count accepted, and the largest sum of a trace's counts: every total over
+windows, layers or experts then fits int64 (which wraps silently past 2**63)."""
 
 
 def default_meta(num_layers_total: int, num_logical_experts: int, **overrides: Any) -> dict[str, Any]:
@@ -71,6 +72,10 @@ class Trace:
             raise EplbError(f"counts must be integers, got dtype {c.dtype}")
         if c.size and float(c.max()) > MAX_COUNT:  # uint64 or float values past int64 would wrap on conversion
             raise EplbError(f"counts hold {c.max():g}, too large for a token count (at most 2**62)")
+        total = float(c.sum(dtype=np.float64)) if c.size else 0.0
+        if total > MAX_COUNT:  # then every sum of them (per layer, over windows) fits int64 exactly
+            raise EplbError(f"counts sum to {total:g} over all windows, layers and experts, more than 2**62: "
+                            f"their int64 sums (totals over windows) would overflow; token counts are far smaller")
         if c.size and c.min() < 0:
             t, l, e = np.argwhere(c < 0)[0]
             raise EplbError(f"counts must be >= 0, got {c[t, l, e]} at window {t}, layer {l}, expert {e}")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from eplb import plan
 from eplb.commands.common import positive_int
 from eplb.errors import EplbError
+from eplb.files import write_text
 from eplb.formats import load_trace
 from eplb.placement import Placement, contiguous_map
 from eplb.runtime.apply import apply_placement, plan_migration
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     if rank == 0:
         show(report)
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            write_text(args.json, json.dumps(report, indent=2) + "\n", what="the report")
             print(f"report written to {args.json}")
     dist.destroy_process_group()
     return 0

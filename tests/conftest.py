@@ -2,9 +2,19 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
+
+# Hypothesis profiles. "ci" (the default) is derandomised, so a CI run is reproducible, and keeps
+# Hypothesis' 100 examples per test; the fuzz suite (tests/fuzz) scales its own counts by
+# max_examples / 100. For long local runs: `pytest tests/fuzz --hypothesis-profile=long`
+# (30x the examples, fresh random inputs each run; add --hypothesis-show-statistics for counts).
+_COMMON = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=100, derandomize=True, **_COMMON)
+settings.register_profile("long", max_examples=3000, derandomize=False, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

@@ -6,10 +6,21 @@ import argparse
 
 from eplb.backtest import DISPATCH, backtest, leave_one_out
 from eplb.capacity import DTYPE_BITS, PRESETS
-from eplb.commands.common import add_command, add_output_flags, format_table, positive_int, print_json
+from eplb.commands.common import (
+    REDUNDANT_HELP,
+    add_command,
+    add_output_flags,
+    check_output_path,
+    check_suffix,
+    format_table,
+    json_text,
+    positive_int,
+    print_json,
+)
 from eplb.commands.plan import objective_from_args, parse_settings
 from eplb.commands.simulate import add_cost_arguments
 from eplb.errors import EplbError
+from eplb.files import write_text
 from eplb.formats import load_history, load_trace
 from eplb.planner_api import planner_names
 from eplb.stats import AGGREGATIONS
@@ -25,7 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
     p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
+    size.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
     size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
     p.add_argument("--planner", "-p", action="append", choices=planner_names(), metavar="NAME",
                    help=f"planner to test, repeatable ({', '.join(planner_names())}; default greedy)")
@@ -54,11 +65,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_cost_arguments(p, model_flag=False)
     p.add_argument("--batches", type=positive_int, default=8,
                    help="step batches per window scored in modeled time (default 8)")
+    p.add_argument("--output", "-o", metavar="FILE",
+                   help="also write the results as JSON (what --json prints) to FILE, for `eplb plot backtest`")
     add_output_flags(p)
     return p
 
 
 def run(args) -> int:
+    if args.output is not None:  # before the backtest, which plans many times
+        check_output_path(args.output, "the backtest results",
+                          inputs=[("TRACE", t) for t in args.traces] + [("--hardware", args.hardware)])
+        check_suffix(args.output, (".json",), "JSON")
     if args.leave_one_out:
         # Each fold plans on all other workloads: there is no replay order to step through.
         given = [f"--{k} {v}" for k, v in (("interval", args.interval), ("history", args.history)) if v is not None]
@@ -90,6 +107,8 @@ def run(args) -> int:
         trace = load_history(args.traces)
         for name in planners:
             results.append(backtest(trace, planner=name, interval=args.interval or 1, history=args.history, **common))
+    if args.output is not None:
+        write_text(args.output, json_text({"results": [r.summary() for r in results]}), what="the backtest results")
     if args.json:
         print_json({"results": [r.summary() for r in results]})
         return 0

@@ -13,6 +13,11 @@ from typing import Any
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.files import same_file
+
+REDUNDANT_HELP = ("redundant slots in total (default: ceil(E / G) + 1 slots per GPU, i.e. one redundant slot per "
+                  "GPU plus what rounds the E experts up to a multiple of the G GPUs)")
+"""--redundant's help wherever the default sizing applies (eplb.Topology.for_experts)."""
 
 
 def positive_int(text: str) -> int:
@@ -26,10 +31,16 @@ def positive_int(text: str) -> int:
     return v
 
 
-def check_output_path(path: str, what: str, flag: str = "-o") -> None:
-    """Refuse an output path that cannot be written, before the (maybe long) work that fills it."""
+def check_output_path(path: str, what: str, flag: str = "-o", inputs: Iterable[tuple[str, str]] = ()) -> None:
+    """Refuse an output path that cannot be written, or that names one of the `inputs`
+    ((flag or "TRACE", path) pairs), before the (maybe long) work that fills it."""
     if not path:
         raise EplbError(f"{flag} is empty: give a file name for {what}")
+    for name, given in inputs:
+        if given and same_file(path, given):
+            # The input would be replaced by the output (a trace by a plan): refused before any work.
+            raise EplbError(f"{flag} {path} names the input {name} {given}: writing {what} there would replace it; "
+                            f"give {flag} another file name")
     p = Path(path)
     if p.is_dir():
         raise EplbError(f"cannot write {what} to {path!r}: it is a folder; give {flag} a file name inside it")
@@ -40,6 +51,33 @@ def check_output_path(path: str, what: str, flag: str = "-o") -> None:
     if not os.access(parent, os.W_OK):
         raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r} is not writable (Permission "
                         f"denied); give {flag} a path in an existing, writable folder")
+
+
+def layer_id_list(text: str) -> list[int]:
+    """argparse type: hidden-layer ids as '3-60', '3..60', '1,3,5' or '0,3-5' (sorted, distinct)."""
+    ids: list[int] = []
+    try:
+        for part in text.replace("..", "-").split(","):
+            lo, sep, hi = part.strip().partition("-")
+            a = int(lo)
+            ids.extend(range(a, int(hi) + 1) if sep else [a])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected hidden-layer ids like 3-60 or 1,3,5, got {text!r}") from None
+    if not ids or min(ids) < 0 or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise argparse.ArgumentTypeError(f"layer ids must be increasing and >= 0, got {text!r}")
+    return ids
+
+
+KNOWN_SUFFIXES = (".json", ".npz", ".npy", ".pt", ".pth", ".yaml", ".yml", ".png", ".svg", ".pdf", ".safetensors")
+"""File name endings that say what a file holds: an output of another kind under one is refused."""
+
+
+def check_suffix(path: str, allowed: tuple[str, ...], what: str, flag: str = "-o") -> None:
+    """Refuse an output name whose ending says another kind of file (trace.npy for an .npz)."""
+    ext = Path(path).suffix.lower()
+    if ext in KNOWN_SUFFIXES and ext not in allowed:
+        raise EplbError(f"{flag} {path} ends in {ext}, but this writes {what}: name it "
+                        f"{' or '.join('*' + a for a in allowed)}")
 
 
 def add_command(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
@@ -65,9 +103,13 @@ def _default(o: Any):
     raise TypeError(f"not JSON-serialisable: {type(o).__name__}")
 
 
+def json_text(obj: Any) -> str:
+    """obj as the indented JSON text `--json` prints (numpy numbers and arrays converted)."""
+    return json.dumps(obj, default=_default, indent=2) + "\n"
+
+
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, default=_default, indent=2)
-    sys.stdout.write("\n")
+    sys.stdout.write(json_text(obj))
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

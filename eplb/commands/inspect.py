@@ -10,6 +10,7 @@ from eplb import stats
 from eplb.commands.common import add_command, add_output_flags, format_table, print_json
 from eplb.errors import EplbError
 from eplb.formats import load_placement, load_trace
+from eplb.placement import check_same_layers
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -36,9 +37,8 @@ def run(args) -> int:
         if trace.num_layers != pl.num_layers or trace.num_logical_experts != pl.num_logical_experts:
             raise EplbError(f"trace {args.trace} is {trace.num_layers} layers x {trace.num_logical_experts} experts, "
                             f"the placement {pl.num_layers} x {pl.num_logical_experts}")
-        if not np.array_equal(trace.layer_ids, pl.layer_ids):
-            raise EplbError(f"trace {args.trace} has MoE layer ids {trace.layer_ids[:3].tolist()}..., the placement "
-                            f"{pl.layer_ids[:3].tolist()}...: score a placement on a trace of the same model")
+        check_same_layers(pl, trace.layer_ids, placement_name=f"placement {args.placement}",
+                          trace_name=f"trace {args.trace}")
         info["scored_on"] = args.trace
         info["score"] = stats.evaluate(pl, trace.total()).summary()
     if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -10,10 +11,12 @@ from eplb import planning, stats
 from eplb.commands.capacity import add_arguments as add_capacity_arguments
 from eplb.commands.capacity import slots_from_args
 from eplb.commands.common import (
+    REDUNDANT_HELP,
     add_command,
     add_output_flags,
     check_output_path,
     format_table,
+    layer_id_list,
     positive_int,
     print_json,
 )
@@ -22,12 +25,13 @@ from eplb.cost import TimeObjective
 from eplb.dispatch import ENGINES, DispatchRule, engine_rule
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement
-from eplb.formats.export import FORMATS, write_placement
+from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
 from eplb.placement import contiguous_placement
 from eplb.planner_api import planner_names, planner_settings
 from eplb.simulate import simulate
 from eplb.stats import AGGREGATIONS, Aggregation, window_balancedness
+from eplb.trace import Trace
 
 MIGRATION_FLAGS = ("max_moves", "max_moves_per_gpu", "move_cost", "span_cost", "bytes_per_expert")
 """Options that become the plan's eplb.Budget (they act only with --previous)."""
@@ -41,7 +45,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
     p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
+    size.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
     size.add_argument("--slots-per-gpu", help="physical slots per GPU (instead of --redundant), or 'auto': "
                                                "as many as fit in memory next to the KV cache (capacity options)")
     # robust is the CLI default: it wins on held-out traffic (docs/backtests.md); the
@@ -65,6 +69,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--format", "-f", choices=FORMATS,
                    help="file format of --output: eplb JSON, SGLang --init-expert-location JSON, "
                         "vLLM .pt tensors, TensorRT-LLM load_balancer YAML (default eplb)")
+    p.add_argument("--layer-ids", type=layer_id_list, metavar="IDS",
+                   help="hidden-layer index of each MoE layer of the trace, e.g. 3-60 or 1,3,5 (a .npy trace "
+                        "records none, so 0..L-1 is assumed; give them for a model with dense layers)")
+    p.add_argument("--num-hidden-layers", type=positive_int, metavar="H",
+                   help="with --format sglang: rows of the map, the model's hidden layers (default: the "
+                        "trace's, or the largest MoE layer id + 1)")
     mig = p.add_argument_group("migration (see eplb.migration)")
     mig.add_argument("--previous", metavar="OLD.json",
                      help="placement now served (eplb JSON): keep its replicas in place, report moves")
@@ -113,14 +123,27 @@ def _check_flags(args) -> None:
     """Options that only act together with another one are refused alone, not ignored."""
     if args.format is not None and args.output is None:
         raise EplbError(f"--format {args.format} sets the file format of --output: add -o FILE")
+    # --engine names the file format of -o when --format does not (engine_of applies it later).
+    fmt = args.format or (args.engine if args.engine and args.output else "eplb")
+    if args.num_hidden_layers is not None and fmt != "sglang":
+        raise EplbError(f"--num-hidden-layers {args.num_hidden_layers} sets the rows of an SGLang map: add "
+                        f"--format sglang -o FILE, or drop it")
+    if args.output is not None:
+        others = formats_for_name(args.output, fmt)
+        if others:  # JSON named plan.yaml, or a vLLM zip named x.json
+            default = "" if args.format else " (the default)"
+            raise EplbError(f"-o {args.output} ends in a name for {' or '.join(others)} files, but --format is "
+                            f"{fmt}{default}: add --format {others[0]}, or name the file "
+                            f"{' or '.join('*' + e for e in EXTENSIONS[fmt])}")
     if args.slots_per_gpu != "auto":
         # --model and --expert-dtype also describe the experts to the cost model (with --hardware).
         sizing = ("gpu_memory", "context", "concurrency") + (() if args.hardware else ("model", "expert_dtype"))
         given = [f"--{k.replace('_', '-')}" for k in sizing if getattr(args, k) is not None]
         if given:
             raise EplbError(f"{', '.join(given)} size the slots only with --slots-per-gpu auto: add it, or drop them")
-    if args.output is not None:
-        check_output_path(args.output, "the placement")  # before planning, which may take minutes
+    if args.output is not None:  # before planning, which may take minutes
+        inputs = [("TRACE", t) for t in args.traces] + [("--previous", args.previous), ("--hardware", args.hardware)]
+        check_output_path(args.output, "the placement", inputs=inputs)
 
 
 def engine_of(args) -> tuple[DispatchRule | None, str | None]:
@@ -217,6 +240,48 @@ def _modeled(args, placement, trace, objective, engine_rule_: DispatchRule | Non
     return out
 
 
+def _layers(args, trace: Trace) -> tuple[Trace, int | None, list[str]]:
+    """(the trace with --layer-ids applied, the SGLang row count, notes on what was assumed)."""
+    notes = []
+    if args.layer_ids is not None:
+        ids = np.array(args.layer_ids, dtype=np.int64)
+        if ids.size != trace.num_layers:
+            raise EplbError(f"--layer-ids gives {ids.size} layer ids, but the trace has {trace.num_layers} MoE layers")
+        if not trace.meta.get("layer_ids_assumed") and not np.array_equal(ids, trace.layer_ids):
+            raise EplbError(f"--layer-ids disagrees with the layer ids {args.traces[0]} records "
+                            f"({trace.layer_ids[0]}..{trace.layer_ids[-1]}): drop --layer-ids")
+        meta = {k: v for k, v in trace.meta.items() if k != "layer_ids_assumed"}
+        if meta["num_hidden_layers"] is not None and meta["num_hidden_layers"] <= ids.max():
+            raise EplbError(f"--layer-ids reach {ids.max()}, but the trace records num_hidden_layers = "
+                            f"{meta['num_hidden_layers']}")
+        trace = Trace(trace.counts_TLE, ids, meta)
+    hidden = trace.meta.get("num_hidden_layers")
+    if args.num_hidden_layers is not None:
+        if hidden is not None and hidden != args.num_hidden_layers:
+            raise EplbError(f"--num-hidden-layers {args.num_hidden_layers}, but the trace records num_hidden_layers "
+                            f"= {hidden}: drop --num-hidden-layers")
+        if args.num_hidden_layers <= trace.layer_ids.max():
+            raise EplbError(f"--num-hidden-layers {args.num_hidden_layers} must exceed the largest MoE layer id "
+                            f"({trace.layer_ids.max()}); the SGLang map has a row per hidden layer")
+        hidden = args.num_hidden_layers
+    if args.output and trace.meta.get("layer_ids_assumed"):
+        L = trace.num_layers
+        rows = f", and the SGLang map gets {hidden or L} rows" if args.format == "sglang" else ""
+        notes.append(f"{args.traces[0]} records no layer ids: its {L} MoE layers were taken as hidden layers "
+                     f"0..{L - 1}{rows}; for a model with dense layers give --layer-ids (e.g. 3-60)"
+                     + (" and --num-hidden-layers" if args.format == "sglang" else ""))
+    return trace, hidden, notes
+
+
+def _check_previous(args, previous) -> None:
+    """A migration keeps the GPUs it starts from: a plan for other GPUs is refused by name."""
+    if previous is not None and previous.num_gpus != args.gpus and args.redundant is None \
+            and args.slots_per_gpu is None:
+        raise EplbError(f"--previous {args.previous} is served on {previous.num_gpus} GPUs ({previous.slots_per_gpu} "
+                        f"slots each) but --gpus is {args.gpus}: a plan that migrates from it keeps its GPUs; give "
+                        f"--gpus {previous.num_gpus}, or drop --previous to plan {args.gpus} GPUs from scratch")
+
+
 def run(args) -> int:
     _check_flags(args)
     objective = objective_from_args(args)
@@ -224,7 +289,7 @@ def run(args) -> int:
     args.format = args.format or (engine if engine and args.output else "eplb")
     if args.planner is None:
         args.planner = "rule-aware" if rule is not None and planning.layout_dependent(rule) else "robust"
-    trace = load_history(args.traces)
+    trace, hidden, notes = _layers(args, load_history(args.traces))
     if args.window is not None and args.window > trace.num_windows:
         raise EplbError(f"--window {args.window} asks for more windows than the trace holds ({trace.num_windows}): "
                         f"use --window {trace.num_windows} or less (or --aggregate sum for all of them)")
@@ -235,6 +300,7 @@ def run(args) -> int:
         ilp_for_engine(args, settings, rule, engine)
     budget = _budget(args, trace)
     previous = load_placement(args.previous) if args.previous else None
+    _check_previous(args, previous)
     slots, capacity = _slots(args, trace, previous)
     result = planning.plan(
         trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
@@ -246,9 +312,6 @@ def run(args) -> int:
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
         raise EplbError(f"{which} holds no tokens (every count is zero): there is no load to balance; "
                         f"check the collector, or plan on windows with traffic")
-    if args.output:
-        write_placement(result.placement, args.output, args.format,
-                        num_hidden_layers=trace.meta.get("num_hidden_layers"))
     window_bal = None
     if trace.num_windows > 1:
         # Each window alone (robust plans for these; the summed-load columns hide them).
@@ -257,6 +320,11 @@ def run(args) -> int:
         scored += [("previous", previous)] if previous is not None else []
         window_bal = {name: window_balancedness(p, trace.counts_TLE) for name, p in scored + [("plan", pl)]}
     modeled = _modeled(args, result.placement, trace, objective, rule) if args.hardware else None
+    if args.output:  # after everything that can fail: a failed run leaves -o as it was
+        write_placement(result.placement, args.output, args.format, num_hidden_layers=hidden)
+    if not args.quiet and not args.json:
+        for note in notes:
+            print(f"eplb plan: note: {note}", file=sys.stderr)
     if args.json:
         migration = result.info.get("migration")
         out = result.summary()
@@ -267,6 +335,7 @@ def run(args) -> int:
         out["capacity"] = capacity.to_dict() if capacity else None
         out["moves"] = migration["moves"] if migration else None
         out["bytes_moved"] = migration["bytes"] if migration else None
+        out["notes"] = notes
         print_json(out)
     elif not args.quiet:
         _print_report(args, trace, result, previous, capacity, window_bal, modeled, engine)
@@ -275,9 +344,15 @@ def run(args) -> int:
 
 def _print_report(args, trace, result, previous, capacity, window_bal, modeled, engine) -> None:
     pl = result.placement
+    redundant = pl.num_slots - pl.num_logical_experts
+    why = ""
+    if args.redundant is None and args.slots_per_gpu is None and previous is None and redundant > pl.num_gpus:
+        # The default sizing rounds E up to a multiple of G before adding one slot per GPU: say so.
+        why = (f": one per GPU plus {redundant - pl.num_gpus} that round {pl.num_logical_experts} experts up to a "
+               f"multiple of {pl.num_gpus} GPUs")
     print(f"{trace.num_layers} MoE layers x {trace.num_logical_experts} experts, {trace.num_windows} window(s); "
           f"{pl.num_gpus} GPUs on {pl.num_nodes} node(s), {pl.num_slots} slots "
-          f"({pl.num_slots - pl.num_logical_experts} redundant, {pl.slots_per_gpu} per GPU)")
+          f"({redundant} redundant{why}; {pl.slots_per_gpu} per GPU)")
     if capacity:
         print(f"slots per GPU auto: {capacity.slots_per_gpu} fit on {capacity.deployment.gpu_memory / 2**30:.1f} GiB "
               f"next to {capacity.concurrency:,} sequences x {capacity.deployment.context:,} tokens "

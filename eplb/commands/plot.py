@@ -9,21 +9,20 @@ import numpy as np
 
 from eplb import plot, stats
 from eplb.backtest import DISPATCH
-from eplb.commands.common import add_command, add_output_flags, print_json
+from eplb.commands.common import REDUNDANT_HELP, add_command, add_output_flags, check_output_path, print_json
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement, load_trace, read_json_file, read_replay
-from eplb.placement import contiguous_placement
+from eplb.placement import check_same_layers, contiguous_placement
 from eplb.planner_api import planner_names
-from eplb.planning import plan
+from eplb.planning import plan, size_topology
 from eplb.progress import progress
-from eplb.topology import Topology
 
 EXAMPLES = {
     "heatmap": "eplb plot heatmap traces/deepseek.npz -o heatmap.png",
     "balance": "eplb plot balance traces/deepseek.npz --gpus 32 --planner greedy -o balance.png",
     "replicas": "eplb plot replicas plan.json --trace traces/deepseek.npz -o replicas.svg",
     "backtest": "eplb backtest traces/deepseek.npz --gpus 32 -p greedy -p robust --interval 8 --history 8 "
-                "--json > bt.json && eplb plot backtest bt.json -o backtest.png",
+                "-q -o bt.json && eplb plot backtest bt.json -o backtest.png",
     "replay": "eplb replay traces/deepseek.npz --gpus 32 --redundant 32 -o replay.npz && "
               "eplb plot replay replay.npz -o replay.png",
 }
@@ -49,7 +48,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     k.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (windows summed for the load)")
     k.add_argument("--gpus", "-g", type=int, help="GPUs to plan for (needed with --planner)")
     k.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    k.add_argument("--redundant", type=int, help="redundant slots in total (default one per GPU)")
+    k.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
     k.add_argument("--planner", "-p", action="append", default=[], choices=planner_names(),
                    help="planner to compare (repeatable; default greedy)")
     k.add_argument("--placement", action="append", default=[], metavar="PLAN",
@@ -63,7 +62,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     k = kind("backtest", "balance per scored window for each planner, with rebalance points and moves")
     k.add_argument("result", metavar="RESULT",
-                   help="what `eplb backtest ... --json` printed, saved to a file ({\"results\": [...]}); or "
+                   help="the file `eplb backtest ... -o FILE` wrote (what --json prints: {\"results\": [...]}); or "
                         "explicit series {\"series\": [{\"name\", \"imbalance\": [T], \"rebalance_at\": [R], "
                         "\"moves\": [R]}, ...]}")
     k.add_argument("--dispatch", default="even", choices=DISPATCH, metavar="POLICY",
@@ -100,13 +99,7 @@ def _backtest_labels(data, dispatch: str) -> tuple[str, str]:
 
 def _check_layer_ids(plan_path, pl, trace, trace_path) -> None:
     """Same shape is not enough: rows of another model's layers would be scored silently."""
-    if pl.layer_ids.shape == trace.layer_ids.shape and not np.array_equal(pl.layer_ids, trace.layer_ids):
-        raise EplbError(f"placement {plan_path} is for MoE layers {_ids(pl.layer_ids)} but {trace_path} holds "
-                        f"layers {_ids(trace.layer_ids)}: plan on a trace of the same model")
-
-
-def _ids(ids) -> str:
-    return f"{int(ids[0])}..{int(ids[-1])}" if len(ids) else "-"
+    check_same_layers(pl, trace.layer_ids, placement_name=f"placement {plan_path}", trace_name=str(trace_path))
 
 
 def _heatmap(args):
@@ -124,8 +117,8 @@ def _balance(args):
     if num_gpus is None:
         raise EplbError("give --gpus (or a --placement file to take the GPU count from)")
     planners = args.planner or ([] if files else ["greedy"])
-    topo = Topology.for_experts(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
-                                num_redundant=args.redundant)
+    topo = size_topology(trace.num_logical_experts, num_gpus=num_gpus, num_nodes=args.nodes,
+                         num_redundant=args.redundant, num_layers=trace.num_layers)
     placements = {"contiguous": contiguous_placement(trace.num_logical_experts, topo, trace.layer_ids)}
     for name in progress(planners, desc="planning", enabled=None if not args.quiet else False):
         placements[name] = plan(trace, topology=topo, planner=name).placement
@@ -171,8 +164,21 @@ KINDS = {"heatmap": _heatmap, "balance": _balance, "replicas": _replicas, "backt
 """What each KIND computes before plot draws it: (figure, numbers for --json)."""
 
 
+def _inputs(args) -> list[tuple[str, str]]:
+    """Every file a plot kind reads, as (flag, path): -o must name none of them."""
+    given = [("TRACE", t) for t in getattr(args, "traces", None) or []]
+    given += [("--placement", t) for t in getattr(args, "placement", None) or [] if args.kind == "balance"]
+    for flag, name in (("PLAN", "placement"), ("--trace", "trace"), ("RESULT", "result")):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            given.append((flag, value))
+    return given
+
+
 def run(args) -> int:
     out = args.output
+    check_output_path(out, "the figure", inputs=_inputs(args))  # both before the planning some kinds do
+    plot.check_figure_path(out)
     fig, numbers = KINDS[args.kind](args)
     plot.save(fig, out)
     info = {"kind": args.kind, "output": out, **numbers, "bytes": os.path.getsize(out)}

@@ -7,19 +7,23 @@ import argparse
 import numpy as np
 
 from eplb import stats
-from eplb.commands.common import add_command, add_output_flags, format_table, print_json
-from eplb.errors import EplbError
+from eplb.commands.common import REDUNDANT_HELP, add_command, add_output_flags, format_table, positive_int, print_json
 from eplb.formats import load_history
 from eplb.placement import contiguous_placement
-from eplb.topology import Topology
+from eplb.planning import size_topology
+
+DEFAULT_GPUS = 32
+"""GPUs of the GPU-level figures when --gpus is not given (fewer for a model with fewer experts)."""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = add_command(sub, "stats", "skew statistics and lower bounds of router traces",
                     "eplb stats traces/deepseek.npz --gpus 32")
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files; several are stacked as history")
-    p.add_argument("--gpus", "-g", type=int, default=32, help="GPUs for the GPU-level figures (default 32)")
-    p.add_argument("--redundant", type=int, help="redundant slots for the lower bound (default one per GPU)")
+    p.add_argument("--gpus", "-g", type=positive_int,
+                   help=f"GPUs for the GPU-level figures (default: {DEFAULT_GPUS}, or the number of experts if "
+                        f"fewer)")
+    p.add_argument("--redundant", type=int, help="for the lower bound: " + REDUNDANT_HELP)
     p.add_argument("--per-layer", action="store_true", help="one row per layer instead of a summary")
     add_output_flags(p)
     return p
@@ -29,10 +33,10 @@ def run(args) -> int:
     trace = load_history(args.traces)
     load = trace.total().astype(np.float64)
     L, E = load.shape
-    topo = Topology.for_experts(E, num_gpus=args.gpus, num_redundant=args.redundant)
-    if topo.slots_per_gpu > E:  # as in eplb.plan: refused before [L, P] arrays and a P-step bound
-        raise EplbError(f"{topo.num_slots} slots give {topo.slots_per_gpu} per GPU, more than the {E} "
-                        f"logical experts: use --redundant <= {topo.num_gpus * E - E}")
+    # The default fits any trace: a model of 8 experts is not shown on 32 GPUs it could not fill.
+    num_gpus = args.gpus if args.gpus is not None else min(DEFAULT_GPUS, E)
+    # As in eplb.plan: what cannot be filled, or would not fit in memory, is refused before [L, P] arrays.
+    topo = size_topology(E, num_gpus=num_gpus, num_redundant=args.redundant, num_layers=L)
     base = contiguous_placement(E, topo, trace.layer_ids)
     contiguous = stats.imbalance(base.gpu_loads(load))
     mean_gpu = load.sum(axis=1) / topo.num_gpus
@@ -66,5 +70,7 @@ def run(args) -> int:
     else:
         rows = [[k, float(np.min(v)), float(np.median(v)), float(np.max(v))] for k, v in columns.items()]
         print(format_table(["per layer", "min", "median", "max"], rows))
-    print(f"GPU figures for {topo.num_gpus} GPUs and {topo.num_slots} slots; bound = lower bound on the busiest GPU")
+    chosen = "" if args.gpus is not None else " (default; set --gpus)"
+    print(f"GPU figures for {topo.num_gpus} GPUs{chosen} and {topo.num_slots} slots; bound = lower bound on the "
+          f"busiest GPU")
     return 0

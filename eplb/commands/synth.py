@@ -8,7 +8,15 @@ from dataclasses import fields
 import numpy as np
 
 from eplb import synth
-from eplb.commands.common import add_command, add_output_flags, check_output_path, format_table, print_json
+from eplb.commands.common import (
+    add_command,
+    add_output_flags,
+    check_output_path,
+    check_suffix,
+    format_table,
+    positive_int,
+    print_json,
+)
 from eplb.commands.plan import parse_settings
 from eplb.errors import EplbError
 from eplb.formats import load_trace, save_trace
@@ -35,6 +43,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any generator setting of eplb.synth.SynthSettings, e.g. --set num_experts=64 --set "
                         "topic_hot=0.2,0.3 (repeatable; pairs as two comma-separated numbers)")
+    shape = p.add_argument_group("model shape (default DeepSeek-V3: 61 hidden layers, MoE from layer 3, 256 experts, "
+                                 "top-8, 8 groups, 4 per token)")
+    shape.add_argument("--experts", type=positive_int, help="routed experts per MoE layer")
+    shape.add_argument("--top-k", type=positive_int, help="experts each token is routed to")
+    shape.add_argument("--expert-groups", type=positive_int,
+                       help="expert groups of group-limited routing (1 = none, as in Mixtral or OLMoE)")
+    shape.add_argument("--topk-groups", type=positive_int,
+                       help="groups each token may use (default: 4, or all groups when fewer)")
+    shape.add_argument("--hidden-layers", type=positive_int, help="hidden layers of the model (dense and MoE)")
+    shape.add_argument("--first-moe-layer", type=int, help="hidden-layer index of the first MoE layer")
     p.add_argument("--keep-tokens", type=int, default=0,
                    help="also store this many tokens' expert choices per window (topk_ids; default 0)")
     p.add_argument("--compare", nargs="*", metavar="TRACE", default=None,
@@ -61,30 +79,36 @@ def _settings_from_set(items: list[str]) -> dict:
 
 
 def run(args) -> int:
-    check_output_path(args.output, "the trace")  # before generating, which takes a minute at full size
+    # Before generating, which takes a minute at full size.
+    check_output_path(args.output, "the trace", inputs=[("--compare", t) for t in args.compare or []])
+    check_suffix(args.output, (".npz",), "an eplb trace (.npz)")
+    # Read before the trace is written: a bad --compare file must fail the run before -o changes.
+    reals = {str(p): load_trace(p) for p in args.compare or []}
     overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens,
                  **_settings_from_set(args.set)}
+    topk_groups = args.topk_groups
+    if topk_groups is None and args.expert_groups is not None:
+        topk_groups = min(4, args.expert_groups)
     for key, value in (("tokens_per_window", args.tokens), ("skew", args.skew), ("id_trend", args.id_trend),
                        ("phase_share", args.phase_share), ("drift_share", args.drift_share),
-                       ("topic_shifts", args.topic_shifts)):
+                       ("topic_shifts", args.topic_shifts), ("num_experts", args.experts), ("top_k", args.top_k),
+                       ("num_expert_groups", args.expert_groups), ("topk_groups", topk_groups),
+                       ("num_hidden_layers", args.hidden_layers), ("first_moe_layer", args.first_moe_layer)):
         if value is not None:
             overrides[key] = value
+    experts = overrides.get("num_experts")
+    if experts is not None and "num_expert_groups" not in overrides \
+            and experts % synth.SynthSettings.num_expert_groups:
+        overrides.update(num_expert_groups=1, topk_groups=1)  # DeepSeek's 8 groups do not divide these experts
     settings = synth.SynthSettings(**overrides)
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = synth.generate(settings, progress=lambda done, total: bar.update())
-    try:
-        save_trace(trace, args.output)
-    except OSError as exc:
-        raise EplbError(f"cannot write the trace to {args.output!r} ({exc.strerror}); "
-                        f"give -o a path in an existing, writable folder") from None
-
     try:
         corr = synth.phase_correlation(trace)
     except EplbError:  # a short trace may hold one phase only: nothing to correlate
         corr = None
     rows = {"synthetic": {**synth.calibration_stats(trace.total()), "prefill_decode_corr": corr}}
-    if args.compare:
-        reals = {str(p): load_trace(p) for p in args.compare}
+    if reals:
         for p, t in reals.items():
             rows[p] = {**synth.calibration_stats(t.total()), "prefill_decode_corr": None}
         pre = [t.total() for p, t in reals.items() if "prefill" in p]
@@ -93,6 +117,7 @@ def run(args) -> int:
         corr = [synth.layer_correlation(a, b) for a in pre for b in dec]
         if corr:
             rows["real prefill x decode"] = {"prefill_decode_corr": float(np.median(corr))}
+    save_trace(trace, args.output)  # last: nothing after it can fail the run once -o has changed
     if args.json:
         print_json({"output": args.output, "settings": trace.meta["synth_settings"], "stats": rows})
         return 0

@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
-import json
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
+from eplb.files import check_archive, check_npy, input_file, parse_json, read_bytes
 from eplb.formats.native import read_npz
 from eplb.formats.sglang import read_json, read_pt
 from eplb.formats.trtllm import is_expert_statistic_dir, read_expert_statistic
@@ -26,16 +25,28 @@ _NPY = b"\x93NUMPY"
 
 
 def _read_npy(path: Path) -> Trace:
+    header = check_npy(path)  # shape, size and truncation checked before anything is allocated
+    if len(header.shape) not in (2, 3):
+        raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], "
+                        f"got shape {header.shape}")
+    if 0 in header.shape:  # checked before arange(L) below: shape (10**9, 0) holds nothing but asks a lot
+        raise EplbError(f"{path}: the array has shape {header.shape}, which holds no counts")
+    if header.shape[-1] == 1:
+        # [N, L, 1] is what top-1 expert ids of N tokens look like; as counts it is one expert.
+        raise EplbError(f"{path}: shape {header.shape} has one expert per layer, which is nothing to balance; "
+                        f"a .npy trace holds counts [windows, layers, experts]. Per-token expert ids "
+                        f"[tokens, layers, top_k] are not counts: count them per expert first "
+                        f"(np.bincount per layer) or collect with eplb.collect")
     try:
         a = np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise EplbError(f"{path}: cannot read without pickle ({exc})") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise EplbError(f"{path}: not a readable .npy array ({reason(exc)})") from None
     if a.ndim == 2:
         a = a[None]
-    if a.ndim != 3:
-        raise EplbError(f"{path}: a .npy trace must be [layers, experts] or [windows, layers, experts], "
-                        f"got shape {a.shape}")
-    meta = default_meta(a.shape[1], a.shape[2], source=f"npy: {path.name}")
+    # A bare array says nothing of the model: layer ids 0..L-1 are assumed, and the hidden-layer
+    # count is unknown; `layer_ids_assumed` lets exports say so (eplb plan --layer-ids).
+    meta = default_meta(a.shape[1], a.shape[2], num_hidden_layers=None, source=f"npy: {path.name}",
+                        layer_ids_assumed=True)
     try:
         return Trace(a, np.arange(a.shape[1]), meta)
     except EplbError as exc:
@@ -45,15 +56,12 @@ def _read_npy(path: Path) -> Trace:
 def load_trace(path: str | Path) -> Trace:
     """Read any supported trace file (see the module docstring), detected by content."""
     path = Path(path)
-    if not path.exists():
-        raise EplbError(f"trace file {str(path)!r} does not exist")
     if path.is_dir():
         if is_expert_statistic_dir(path):
             return read_expert_statistic(path)
-        raise EplbError(f"trace path {str(path)!r} is a directory but not a TensorRT-LLM expert statistic "
+        raise EplbError(f"trace path {str(path)!r} is a folder but not a TensorRT-LLM expert statistic "
                         f"dump (meta_info.json + rank*.safetensors)")
-    if not path.is_file():
-        raise EplbError(f"trace path {str(path)!r} is not a file")
+    input_file(path, "trace file")
     with open(path, "rb") as f:
         head = f.read(9)
     if len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 100_000_000:
@@ -64,21 +72,18 @@ def load_trace(path: str | Path) -> Trace:
     if head.startswith(_NPY):
         return _read_npy(path)
     if head.startswith(_ZIP):
-        try:
-            with zipfile.ZipFile(path) as z:
-                names = z.namelist()
-        except zipfile.BadZipFile as exc:
-            raise EplbError(f"{path}: starts like a zip (.npz / .pt) but is corrupt ({exc})") from None
+        names = check_archive(path, "the zip archive (.npz / .pt)")
         if "counts.npy" in names:
             return read_npz(path)
         if any(n.endswith("data.pkl") or "/data/" in n for n in names):
             return read_pt(path)
         raise EplbError(f"{path}: zip archive is neither an eplb .npz trace nor a torch .pt file")
     if head.lstrip()[:1] in (b"{", b"["):
+        raw = read_bytes(path, "trace file", text=True)
         try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EplbError(f"{path}: looks like JSON but does not parse ({exc})") from None
+            data = parse_json(raw, str(path))
+        except EplbError as exc:
+            raise EplbError(f"{exc} (the file looks like JSON but does not parse)") from None
         return read_json(path, data)
     raise EplbError(
         f"{path}: unknown trace format; expected an eplb .npz, a .npy [L, E] / [T, L, E] array, "
@@ -86,19 +91,28 @@ def load_trace(path: str | Path) -> Trace:
     )
 
 
+def _ids(layer_ids) -> str:
+    """Layer ids for a message: all of them when few, else the first and last three."""
+    ids = [int(i) for i in layer_ids]
+    if len(ids) <= 8:
+        return f"{ids} ({len(ids)} layers)"
+    return f"[{', '.join(map(str, ids[:3]))}, ..., {', '.join(map(str, ids[-3:]))}] ({len(ids)} layers)"
+
+
 def load_history(paths) -> Trace:
     """Read several trace files of one model and stack their windows in the given order."""
-    traces = [load_trace(p) for p in paths]
-    if not traces:
+    paths = list(paths)
+    if not paths:
         raise EplbError("no trace files given")
+    traces = [load_trace(p) for p in paths]
     first = traces[0]
     for p, t in zip(paths[1:], traces[1:]):
-        if t.num_logical_experts != first.num_logical_experts or not np.array_equal(t.layer_ids, first.layer_ids):
-            raise EplbError(
-                f"{p}: {t.num_layers} layers x {t.num_logical_experts} experts "
-                f"(layer ids {t.layer_ids[:3].tolist()}...) "
-                f"does not match {paths[0]}: {first.num_layers} x {first.num_logical_experts}"
-            )
+        if t.num_logical_experts != first.num_logical_experts:
+            raise EplbError(f"{p}: {t.num_logical_experts} logical experts but {paths[0]} has "
+                            f"{first.num_logical_experts}: traces of one model are needed")
+        if not np.array_equal(t.layer_ids, first.layer_ids):
+            raise EplbError(f"{p}: MoE layer ids {_ids(t.layer_ids)} but {paths[0]} has {_ids(first.layer_ids)}: "
+                            f"the windows of one history must record the same layers")
         # Model facts must agree (a missing value, e.g. an SGLang dump, defers to the others).
         for key in ("num_expert_groups", "top_k"):
             a, b = first.meta.get(key), t.meta.get(key)
@@ -110,6 +124,18 @@ def load_history(paths) -> Trace:
     for key in ("num_expert_groups", "top_k"):
         if meta.get(key) is None:
             meta[key] = next((t.meta[key] for t in traces if t.meta.get(key) is not None), None)
+    synthetic = [bool(t.meta["synthetic"]) for t in traces]
+    if any(synthetic) and not all(synthetic):
+        # One history, one provenance: `synthetic` cannot describe a mix, and figures planned on
+        # one would be reported as neither real nor synthetic.
+        fake = [str(p) for p, s in zip(paths, synthetic) if s]
+        real = [str(p) for p, s in zip(paths, synthetic) if not s]
+        raise EplbError(f"synthetic trace(s) {', '.join(fake)} and recorded trace(s) {', '.join(real)} given as one "
+                        f"history: plan on real traffic or on synthetic traffic, not a mix (to study a mix on "
+                        f"purpose, build one eplb.Trace and say so in its meta)")
     meta["source"] = "history of: " + ", ".join(str(p) for p in paths)
-    meta["synthetic"] = all(t.meta["synthetic"] for t in traces)
-    return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)
+    meta["synthetic"] = all(synthetic)
+    try:
+        return Trace(np.concatenate([t.counts_TLE for t in traces]), first.layer_ids, meta)
+    except EplbError as exc:  # each file was valid alone; together, e.g., their counts sum past 2**62
+        raise EplbError(f"history of {', '.join(str(p) for p in paths)}: {exc}") from None

@@ -23,12 +23,23 @@ from eplb.formats.vllm import read_vllm, write_vllm
 from eplb.placement import Placement
 
 FORMATS = ("eplb", "sglang", "vllm", "trtllm")
+EXTENSIONS = {"eplb": (".json",), "sglang": (".json",), "vllm": (".pt", ".pth"), "trtllm": (".yaml", ".yml")}
+"""File name endings each format is written under; other endings are not checked."""
 
 
 def _check(fmt: str) -> str:
     if fmt not in FORMATS:
         raise EplbError(f"unknown placement format {fmt!r}: choose one of {', '.join(FORMATS)}")
     return fmt
+
+
+def formats_for_name(path: str | Path, fmt: str) -> tuple[str, ...]:
+    """The formats a file name's ending says, when it says another than `fmt` (plan.yaml for
+    "eplb" gives ("trtllm",)); () when the ending fits `fmt` or belongs to no format."""
+    ext = Path(path).suffix.lower()
+    if ext in EXTENSIONS[_check(fmt)]:
+        return ()
+    return tuple(f for f, exts in EXTENSIONS.items() if ext in exts)
 
 
 def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *,
@@ -39,6 +50,11 @@ def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *
     layer id + 1, which is right whenever the model ends with a MoE layer (DeepSeek-V3: 61).
     """
     path = Path(path)
+    others = formats_for_name(path, fmt)
+    if others:  # a zip named .json, or JSON named .yaml, fools every tool that trusts the name
+        raise EplbError(f"{path}: the name ends in {path.suffix}, which is for {' or '.join(others)} files, but the "
+                        f"format is {fmt}: name it {' or '.join(EXTENSIONS[fmt])}, or write format "
+                        f"{' or '.join(others)}")
     too_few = num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max())
     if _check(fmt) != "sglang" and too_few:
         raise EplbError(f"num_hidden_layers ({num_hidden_layers}) must exceed the largest MoE layer id")

@@ -17,12 +17,14 @@ Placement JSON: `Placement.to_dict()` (`physical_to_logical_map` [L][P], `layer_
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
+from eplb.files import ZIP_ERRORS, atomic_output, check_npz, parse_json, read_json, write_text
 from eplb.placement import Placement
 from eplb.trace import Trace
 
@@ -43,28 +45,29 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
         arrays["topk_ids"] = trace.topk_ids_NLK
         arrays["token_window"] = trace.token_window_N
     path = Path(path)
-    with open(path, "wb") as f:
+    with atomic_output(path, what="the trace") as f:
         np.savez_compressed(f, **arrays)
     return path
 
 
 def read_npz(path: str | Path) -> Trace:
-    """A Trace from eplb's `.npz` (no pickle); errors name the file and what is wrong."""
+    """A Trace from eplb's `.npz` (no pickle); errors name the file and what is wrong.
+
+    Every array's declared shape is checked against the input limit (eplb.files) first."""
     path = Path(path)
+    check_npz(path)
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except ValueError as exc:
-        raise EplbError(f"{path}: cannot read without pickle ({exc}); eplb never unpickles files") from None
-    except (OSError, EOFError) as exc:
-        raise EplbError(f"{path}: not a readable .npz file ({exc})") from None
+    except ZIP_ERRORS as exc:
+        raise EplbError(f"{path}: not a readable .npz file ({reason(exc)})") from None
     missing = [k for k in TRACE_ARRAYS if k not in arrays]
     if missing:
         raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")
-    try:
-        meta = json.loads(str(arrays["meta"]))
-    except json.JSONDecodeError as exc:
-        raise EplbError(f"{path}: meta is not valid JSON ({exc})") from None
+    if arrays["meta"].dtype.kind != "U" or arrays["meta"].ndim != 0:
+        raise EplbError(f"{path}: meta must be one JSON string, got an array of dtype {arrays['meta'].dtype} "
+                        f"and shape {arrays['meta'].shape}")
+    meta = parse_json(str(arrays["meta"]).encode("utf-8"), f"{path}: meta")
     if not isinstance(meta, dict):
         raise EplbError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
     try:
@@ -76,20 +79,15 @@ def read_npz(path: str | Path) -> Trace:
 # JSON and placements ----------------------------------------------------------------------------
 
 def read_json_file(path: str | Path, what: str) -> Any:
-    """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be)."""
-    path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"{what} {str(path)!r} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: not valid JSON ({exc})") from None
+    """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be);
+    bounded by the input limit and MAX_JSON_DEPTH (eplb.files.read_json)."""
+    return read_json(path, what)
 
 
 def save_placement(placement: Placement, path: str | Path) -> Path:
     """Write `placement` as eplb's JSON (lossless: weights, layer ids, planner, metrics); returns the path."""
     path = Path(path)
-    path.write_text(json.dumps(placement.to_dict()) + "\n")
+    write_text(path, json.dumps(placement.to_dict()) + "\n", what="the placement")
     return path
 
 
@@ -103,22 +101,35 @@ def load_placement(path: str | Path) -> Placement:
             fmt = "sglang"  # SGLang's --init-expert-location file holds this key and nothing else
         else:
             return Placement.from_dict(d, source=str(path))
-    name = {"vllm": "vLLM .pt", "trtllm": "TensorRT-LLM YAML", "sglang": "SGLang JSON"}[fmt]
+    if fmt in ("npz", "zip"):
+        what = "an eplb trace (.npz)" if fmt == "npz" else "a zip archive"
+        hint = ": did you swap the trace and the placement?" if fmt == "npz" else ""
+        raise EplbError(f"{path}: {what}, not an eplb placement file (JSON written by `eplb plan -o`){hint}")
+    name = {"vllm": "torch .pt file (vLLM's", "trtllm": "TensorRT-LLM YAML (TensorRT-LLM's",
+            "sglang": "SGLang JSON (SGLang's"}[fmt] + " format)"
     extra = "" if fmt == "vllm" else ", num_gpus=G"
-    raise EplbError(f"{path}: a {name} placement export, not an eplb placement file: read it with "
+    raise EplbError(f"{path}: a {name}, not an eplb placement file: if it is a placement export, read it with "
                     f"eplb.formats.export.read_placement(path, '{fmt}'{extra}); eplb commands take the "
                     f"file `eplb plan --format eplb` writes")
 
 
 def _engine_format(path: Path) -> str | None:
-    """Which non-JSON engine export a file looks like ("vllm", "trtllm"), or None."""
+    """Which non-JSON file a placement path looks like: "vllm" (a torch .pt zip), "trtllm",
+    "npz" (an eplb trace), "zip" (another archive), or None."""
     try:
         with open(path, "rb") as f:
             head = f.read(4096)
     except OSError:
         return None  # read_json_file says what is wrong with the path
     if head.startswith(b"PK\x03\x04"):
-        return "vllm"  # a torch .pt zip
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except ZIP_ERRORS:
+            return "zip"
+        if "counts.npy" in names:
+            return "npz"
+        return "vllm" if any(n.endswith("data.pkl") for n in names) else "zip"
     if head.lstrip().startswith((b"num_slots:", b"initial_global_assignments:")):
         return "trtllm"
     return None

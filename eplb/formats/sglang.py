@@ -18,12 +18,14 @@ every hidden layer (`num_hidden_layers` rows); dense layers get the trivial row
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, number_array, reason, whole_array
+from eplb.files import check_input_size, write_text
 from eplb.formats.native import read_json_file
 from eplb.placement import Placement
 from eplb.trace import Trace, default_meta
@@ -31,10 +33,7 @@ from eplb.trace import Trace, default_meta
 
 def trace_from_logical_count(logical_count: Any, *, source: str) -> Trace:
     """Build a Trace from SGLang's `logical_count` ([layers, E] or [steps, layers, E])."""
-    try:
-        c = np.asarray(logical_count, dtype=np.float64)
-    except (ValueError, TypeError) as exc:
-        raise EplbError(f"{source}: logical_count must be a rectangular array of numbers ({exc})") from None
+    c = number_array(f"{source}: logical_count", logical_count).astype(np.float64)
     if c.ndim == 2:
         c = c[None]
     if c.ndim != 3:
@@ -58,8 +57,9 @@ def trace_from_logical_count(logical_count: Any, *, source: str) -> Trace:
 
 
 def read_json(path: Path, data: Any | None = None) -> Trace:
+    """A Trace from SGLang's expert-distribution JSON (`data`: the parsed file, if read already)."""
     if data is None:
-        data = json.loads(path.read_text())
+        data = read_json_file(path, "SGLang expert-distribution file")
     if not isinstance(data, dict) or "logical_count" not in data:
         raise EplbError(f"{path}: not SGLang expert-distribution JSON (no 'logical_count' key)")
     return trace_from_logical_count(data["logical_count"], source=str(path))
@@ -69,14 +69,18 @@ def read_pt(path: Path) -> Trace:
     import torch  # only this importer needs torch
 
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a damaged file's pickle protocol warning is noise: it is refused
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or corrupt files
         raise EplbError(f"{path}: cannot load as a weights-only torch file "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+                        f"({type(exc).__name__}: {reason(exc)})") from None
     if not isinstance(obj, dict) or "logical_count" not in obj:
         raise EplbError(f"{path}: torch file holds no 'logical_count' (not an SGLang expert-distribution dump)")
     lc = obj["logical_count"]
     if isinstance(lc, torch.Tensor):
+        # A stride-0 view can claim any shape over one stored number: sized before it is copied.
+        check_input_size(path, lc.numel() * 8, f"logical_count (shape {tuple(lc.shape)}) as float64")
         if lc.is_complex():
             raise EplbError(f"{path}: logical_count has dtype {lc.dtype}; expected integer or real token counts")
         # float64 first: numpy has no bfloat16, and every count dtype converts to float64 exactly.
@@ -93,6 +97,7 @@ def sglang_map(placement, num_hidden_layers: int | None = None) -> np.ndarray:
     if H <= int(ids.max()):
         raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
     P, E = placement.num_slots, placement.num_logical_experts
+    check_input_size(f"num_hidden_layers {H}", 8 * H * P, f"the SGLang map of {H} rows x {P} slots")
     out_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
     out_HP[ids] = placement.phy2log_LP
     return out_HP
@@ -103,7 +108,7 @@ def write_sglang(placement, path, num_hidden_layers: int | None = None) -> Path:
     rows = sglang_map(placement, num_hidden_layers).tolist()
     # One row per line: readable and diff-friendly, still plain JSON.
     body = ",\n".join("  " + json.dumps(r) for r in rows)
-    path.write_text('{"physical_to_logical_map": [\n' + body + "\n]}\n")
+    write_text(path, '{"physical_to_logical_map": [\n' + body + "\n]}\n", what="the SGLang placement")
     return path
 
 
@@ -114,26 +119,17 @@ def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int
     d = read_json_file(path, "SGLang expert-location file")
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:
         raise EplbError(f"{path}: no physical_to_logical_map (not an SGLang --init-expert-location file)")
-    try:
-        phy2log_HP = np.asarray(d["physical_to_logical_map"])  # not dtype=int64: that reads 2.7 as 2
-        if phy2log_HP.dtype.kind not in "iuf":
-            raise ValueError(f"ragged or non-numeric, dtype {phy2log_HP.dtype}")
-        if phy2log_HP.dtype.kind == "f" and not np.array_equal(phy2log_HP, np.rint(phy2log_HP)):
-            raise ValueError(f"non-integer expert id {phy2log_HP[phy2log_HP != np.rint(phy2log_HP)][0]:g}")
-        phy2log_HP = phy2log_HP.astype(np.int64)
-    except (TypeError, ValueError) as exc:
-        raise EplbError(f"{path}: physical_to_logical_map must be a rectangular list of integer lists "
-                        f"({exc})") from None
-    if phy2log_HP.ndim != 2:
-        raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots], "
+    # whole_array, not asarray(dtype=int64): that reads expert 2.7 as 2.
+    phy2log_HP = whole_array(f"{path}: physical_to_logical_map", d["physical_to_logical_map"])
+    if phy2log_HP.ndim != 2 or 0 in phy2log_HP.shape:
+        raise EplbError(f"{path}: physical_to_logical_map must be 2-D [hidden layers, slots] and not empty, "
                         f"got shape {phy2log_HP.shape}")
     if layer_ids is None:
         ids = np.arange(phy2log_HP.shape[0])
     else:
-        raw = np.asarray(layer_ids)
-        if raw.ndim != 1 or (raw.size and (raw.dtype.kind not in "iuf" or not np.array_equal(raw, np.rint(raw)))):
+        ids = whole_array("layer_ids (hidden-layer indices)", layer_ids)
+        if ids.ndim != 1:
             raise EplbError(f"layer_ids must be a list of whole hidden-layer indices, got {layer_ids!r}")
-        ids = raw.astype(np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= phy2log_HP.shape[0]):
         raise EplbError(f"{path}: layer ids {ids.tolist()} outside the file's {phy2log_HP.shape[0]} rows")
     E = int(num_logical_experts) if num_logical_experts is not None else int(phy2log_HP.max()) + 1

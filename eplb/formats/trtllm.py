@@ -22,14 +22,25 @@ JSON header, raw little-endian data), so no extra dependency and nothing is unpi
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole, whole_number
+from eplb.errors import EplbError, is_whole, reason, whole_number
+from eplb.files import (
+    check_input_size,
+    format_size,
+    input_file,
+    parse_json,
+    read_bytes,
+    read_json,
+    write_bytes,
+    write_text,
+)
 from eplb.placement import Placement
-from eplb.trace import Trace, default_meta
+from eplb.trace import MAX_COUNT, Trace, default_meta
 
 _ST_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
               "F64": "<f8", "F32": "<f4", "F16": "<f2"}
@@ -44,7 +55,7 @@ def write_trtllm(placement: Placement, path: str | Path, *, layer_updates_per_it
     for layer_id, row in zip(placement.layer_ids.tolist(), placement.phy2log_LP.tolist()):
         lines.append(f"  {layer_id}: [{', '.join(str(e) for e in row)}]")
     lines.append(f"layer_updates_per_iter: {int(layer_updates_per_iter)}")
-    path.write_text("\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n", what="the TensorRT-LLM placement")
     return path
 
 
@@ -52,13 +63,14 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
                 num_nodes: int = 1) -> Placement:
     import yaml  # only reading TensorRT-LLM YAML needs it
 
-    path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"TensorRT-LLM load-balancer file {str(path)!r} does not exist")
+    path = input_file(path, "TensorRT-LLM load-balancer file")
+    raw = read_bytes(path, "TensorRT-LLM load-balancer file", text=True)
     try:
-        d = yaml.safe_load(path.read_text())
+        d = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        raise EplbError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise EplbError(f"{path}: not valid YAML ({reason(exc)})") from None
+    except RecursionError:
+        raise EplbError(f"{path}: YAML nested too deeply to parse") from None
     if not isinstance(d, dict) or "initial_global_assignments" not in d:
         raise EplbError(f"{path}: no initial_global_assignments (not a static TensorRT-LLM load_balancer file)")
     assign = d["initial_global_assignments"]
@@ -67,8 +79,8 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     def whole(x):  # int() would read layer 3.7 as 3 and expert 2.5 as 2
         if isinstance(x, str) and x.strip().isdigit():  # a quoted key, "3": still layer 3
             return int(x)
-        if not is_whole(x):
-            raise ValueError(f"{x!r} is not a whole number")
+        if not is_whole(x) or abs(x) > 2**62:
+            raise ValueError(f"{x!r} is not a whole number (up to 2**62)")
         return int(x)
 
     try:
@@ -98,16 +110,18 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a .safetensors file as numpy arrays (no code runs, nothing unpickled)."""
     path = Path(path)
-    raw = path.read_bytes()
+    raw = read_bytes(path, "safetensors file")
     if len(raw) < 8:
         raise EplbError(f"{path}: too short for a safetensors file")
     n = int.from_bytes(raw[:8], "little")
     if n <= 0 or 8 + n > len(raw):
         raise EplbError(f"{path}: bad safetensors header length {n}")
     try:
-        header = json.loads(raw[8:8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EplbError(f"{path}: safetensors header is not JSON ({exc})") from None
+        header = parse_json(raw[8:8 + n], f"{path}: safetensors header")
+    except EplbError as exc:
+        raise EplbError(f"{exc} (not a safetensors file?)") from None
+    if not isinstance(header, dict):
+        raise EplbError(f"{path}: safetensors header must be a JSON object, got {type(header).__name__}")
     data = memoryview(raw)[8 + n:]
     out = {}
     for key, info in header.items():
@@ -115,11 +129,12 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
             continue
         try:
             dtype = np.dtype(_ST_DTYPES[info["dtype"]])
-            start, stop = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(s) for s in info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise EplbError(f"{path}: tensor {key!r} has an unsupported or malformed header entry {info!r}") from None
-        if not 0 <= start <= stop <= len(data) or (stop - start) != dtype.itemsize * int(np.prod(shape)):
+            start, stop = (whole_number("offset", x) for x in info["data_offsets"])
+            shape = tuple(whole_number("dimension", s) for s in info["shape"])
+        except (KeyError, TypeError, ValueError):  # EplbError is a ValueError: the entry is named below
+            raise EplbError(f"{path}: tensor {key!r} has an unsupported or malformed header entry "
+                            f"{repr(info)[:200]}") from None
+        if not 0 <= start <= stop <= len(data) or (stop - start) != dtype.itemsize * math.prod(shape):
             raise EplbError(f"{path}: tensor {key!r} has data offsets that do not fit its shape {shape}")
         out[key] = np.frombuffer(data[start:stop], dtype=dtype).reshape(shape).copy()
     return out
@@ -141,7 +156,7 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str | Path) -> Path:
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
     path = Path(path)
-    path.write_bytes(len(h).to_bytes(8, "little") + h + b"".join(blobs))
+    write_bytes(path, len(h).to_bytes(8, "little") + h + b"".join(blobs), what="the safetensors file")
     return path
 
 
@@ -159,17 +174,17 @@ def _rank_files(path: Path) -> list[Path]:
 def read_expert_statistic(path: str | Path) -> Trace:
     """A Trace [iterations, layers, E] from a TensorRT-LLM expert-statistic directory."""
     path = Path(path)
-    try:
-        info = json.loads((path / "meta_info.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise EplbError(f"{path}: cannot read meta_info.json ({exc})") from None
+    info = read_json(path / "meta_info.json", "TensorRT-LLM meta_info.json")
     if not isinstance(info, dict) or "num_experts" not in info:
         raise EplbError(f"{path}/meta_info.json: no num_experts (not a TensorRT-LLM expert statistic dump)")
     E = whole_number(f"{path}/meta_info.json: num_experts", info["num_experts"], 1)
     files = _rank_files(path)
     if not files:
         raise EplbError(f"{path}: no rank*.safetensors files")
+    size = sum(f.stat().st_size for f in files)
+    check_input_size(path, size, f"{len(files)} rank files ({format_size(size)})")
     total: dict[tuple[int, int], np.ndarray] = {}
+    bound: dict[tuple[int, int], float] = {}  # float64 sums: int64 ones could wrap unseen
     for f in files:
         for key, a in read_safetensors(f).items():
             m = _KEY.match(key)
@@ -182,13 +197,17 @@ def read_expert_statistic(path: str | Path) -> Trace:
                 bad = a[~(np.isfinite(a) & (a == np.rint(a)))][0]
                 raise EplbError(f"{f}: tensor {key!r} holds {bad:g}; expert statistics are whole token counts")
             k = (int(m.group(1)), int(m.group(2)))
+            bound[k] = bound.get(k, 0.0) + float(np.abs(a.astype(np.float64)).max(initial=0.0))
+            if bound[k] > MAX_COUNT:
+                raise EplbError(f"{f}: tensor {key!r}: counts summed over ranks reach {bound[k]:g}, more than "
+                                f"2**62: not token counts")
             total[k] = total.get(k, 0) + a.astype(np.int64)
     iters = sorted({i for i, _ in total})
     layers = sorted({l for _, l in total})
-    missing = [(i, l) for i in iters for l in layers if (i, l) not in total]
-    if missing:
-        i, l = missing[0]
-        raise EplbError(f"{path}: {len(missing)} (iteration, layer) counts missing, e.g. iteration {i} layer {l}")
+    n_missing = len(iters) * len(layers) - len(total)
+    if n_missing:
+        i, l = next((i, l) for i in iters for l in layers if (i, l) not in total)
+        raise EplbError(f"{path}: {n_missing} (iteration, layer) counts missing, e.g. iteration {i} layer {l}")
     counts_TLE = np.stack([np.stack([total[(i, l)] for l in layers]) for i in iters])
     meta = default_meta(max(layers) + 1, E, num_hidden_layers=None,
                         top_k=info.get("num_experts_per_token"),

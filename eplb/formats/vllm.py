@@ -16,11 +16,14 @@ vLLM has no command-line option that loads this file: it is for code that sets t
 
 from __future__ import annotations
 
+import io
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, whole_array, whole_number
+from eplb.files import check_archive, check_input_size, input_file, write_bytes
 from eplb.formats.deepseek import from_deepseek, to_deepseek
 from eplb.placement import Placement
 
@@ -42,10 +45,11 @@ def write_vllm(placement: Placement, path: str | Path) -> Path:
     state["layer_ids"] = torch.from_numpy(np.array(placement.layer_ids, dtype=np.int64))
     state["num_gpus"] = torch.tensor(placement.num_gpus, dtype=torch.int64)
     state["num_nodes"] = torch.tensor(placement.num_nodes, dtype=torch.int64)
-    # Open the file here: a missing folder or a folder as path is then an OSError naming the
-    # path (one line from the CLI), where torch.save(state, path) raises a RuntimeError.
-    with open(path, "wb") as f:
-        torch.save(state, f)
+    # Serialised in memory, then written atomically: torch.save on a path raises RuntimeError
+    # for an unwritable one, and a failed write must not leave half a zip.
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_bytes(path, buf.getvalue(), what="the vLLM placement")
     return path
 
 
@@ -53,29 +57,44 @@ def read_vllm(path: str | Path, *, num_gpus: int | None = None, num_nodes: int |
               layer_ids=None) -> Placement:
     import torch
 
-    path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"vLLM placement file {str(path)!r} does not exist")
+    path = input_file(path, "vLLM placement file")
+    check_archive(path, "the torch file")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a damaged file's pickle protocol warning is noise: it is refused
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for unsafe or corrupt files
         raise EplbError(f"{path}: cannot load as a weights-only torch file ({type(exc).__name__})") from None
     if not isinstance(obj, dict) or any(k not in obj for k in KEYS):
-        have = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        have = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
         raise EplbError(f"{path}: a vLLM placement needs tensors {', '.join(KEYS)}; found {have}")
+    for key in (*KEYS, "layer_ids", "num_gpus", "num_nodes"):
+        if key not in obj:
+            continue
+        t = obj[key]
+        if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool or t.is_floating_point():
+            got = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise EplbError(f"{path}: {key} must be an integer tensor, got {got}")
+        # A stride-0 view can claim any shape over one stored number: sized before it is copied.
+        check_input_size(path, t.numel() * 8, f"{key} (shape {tuple(t.shape)})")
 
     def scalar(key: str, given):
         if given is not None:
-            return int(given)
+            return whole_number(key, given, 1)
         if key not in obj:
             raise EplbError(f"{path}: no {key} in the file; pass {key}=...")
-        return int(obj[key])
+        if obj[key].numel() != 1:
+            raise EplbError(f"{path}: {key} must be one number, got shape {tuple(obj[key].shape)}")
+        return whole_number(f"{path}: {key}", int(obj[key]), 1)
 
+    for key, ndim in zip(KEYS, (2, 3, 2)):
+        if obj[key].dim() != ndim:
+            raise EplbError(f"{path}: {key} must be {ndim}-D, got shape {tuple(obj[key].shape)}")
     ids = layer_ids if layer_ids is not None else obj.get("layer_ids")
+    ids = None if ids is None else whole_array("layer_ids", ids.numpy() if hasattr(ids, "numpy") else ids)
     try:
         return from_deepseek(obj[KEYS[0]], obj[KEYS[1]], obj[KEYS[2]],
                              num_gpus=scalar("num_gpus", num_gpus), num_nodes=scalar("num_nodes", num_nodes),
-                             num_logical_experts=int(obj[KEYS[2]].shape[-1]),
-                             layer_ids=None if ids is None else np.asarray(ids, dtype=np.int64), planner="vllm")
+                             num_logical_experts=int(obj[KEYS[2]].shape[-1]), layer_ids=ids, planner="vllm")
     except EplbError as exc:
         raise EplbError(f"{path}: {exc}") from None

@@ -46,14 +46,14 @@ def test_round_trip_every_format(tmp_path, placement, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_unwritable_path_is_an_os_error_in_every_format(tmp_path, placement, fmt):
-    """The CLI turns OSError into one line; torch.save alone raised RuntimeError (a traceback)."""
+def test_unwritable_path_is_a_named_error_in_every_format(tmp_path, placement, fmt):
+    """One error for every writer (eplb.files.atomic_output); torch.save alone raised RuntimeError."""
     if fmt == "vllm":
         _torch()
-    for bad in (tmp_path / "no" / "plan.out", tmp_path):  # a missing folder, a folder
-        with pytest.raises(OSError) as info:
+    for bad, why in ((tmp_path / "no" / "plan.out", "does not exist"), (tmp_path, "it is a folder")):
+        with pytest.raises(EplbError, match=why) as info:
             write_placement(placement, bad, fmt)
-        assert str(bad) in str(info.value.filename)
+        assert str(bad) in str(info.value)
 
 
 def test_sglang_file_is_what_sglang_loads(tmp_path, placement):

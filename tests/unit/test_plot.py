@@ -209,4 +209,4 @@ def test_cli_refuses_a_placement_for_other_layer_ids(tmp_path, load_LE, capsys):
     for argv in (["balance", str(tmp_path / "shifted.npz"), "--placement", str(tmp_path / "p.json")],
                  ["replicas", str(tmp_path / "p.json"), "--trace", str(tmp_path / "shifted.npz")]):
         assert main(["plot", *argv, "-o", str(tmp_path / "x.png")]) == 2
-        assert "is for MoE layers 3..8 but" in capsys.readouterr().err
+        assert "is for MoE layer ids 3..8 but" in capsys.readouterr().err

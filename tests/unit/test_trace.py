@@ -83,7 +83,7 @@ def test_bad_meta_values(tmp_path):
         load_trace(write_npz(tmp_path / "b.npz", meta_obj=meta(synthetic="yes")))
     np.savez(tmp_path / "c.npz", counts=np.ones((1, 3, 8), dtype=np.int64), layer_ids=np.arange(3),
              meta=np.array("{not json"))
-    with pytest.raises(EplbError, match="meta is not valid JSON"):
+    with pytest.raises(EplbError, match="meta: not valid JSON"):
         load_trace(tmp_path / "c.npz")
     np.savez(tmp_path / "d.npz", counts=np.ones((1, 3, 8), dtype=np.int64), layer_ids=np.arange(3),
              meta=np.array("[1, 2]"))
@@ -182,14 +182,27 @@ def test_unreadable_files(tmp_path):
 
 def test_history_must_match(tmp_path, rng):
     a = Trace(rng.integers(0, 5, (1, 3, 8)), np.array([1, 3, 5]), meta())
-    b = Trace(rng.integers(0, 5, (2, 3, 8)), np.array([1, 3, 5]), meta(synthetic=False))
+    b = Trace(rng.integers(0, 5, (2, 3, 8)), np.array([1, 3, 5]), meta())
     c = Trace(rng.integers(0, 5, (1, 3, 8)), np.array([1, 2, 5]), meta())
-    for name, t in (("a", a), ("b", b), ("c", c)):
+    real = Trace(rng.integers(0, 5, (2, 3, 8)), np.array([1, 3, 5]), meta(synthetic=False))
+    for name, t in (("a", a), ("b", b), ("c", c), ("real", real)):
         save_trace(t, tmp_path / f"{name}.npz")
     h = load_history([tmp_path / "a.npz", tmp_path / "b.npz"])
-    assert h.num_windows == 3 and h.meta["synthetic"] is False
-    with pytest.raises(EplbError, match="does not match"):
+    assert h.num_windows == 3 and h.meta["synthetic"] is True
+    # Same shape, other layers: the message names both files' layer ids, not a shape that agrees.
+    with pytest.raises(EplbError, match=r"c\.npz: MoE layer ids \[1, 2, 5\] \(3 layers\) but .*a\.npz has \[1, 3, 5\]"):
         load_history([tmp_path / "a.npz", tmp_path / "c.npz"])
+    save_trace(Trace(rng.integers(0, 5, (1, 3, 16)), np.array([1, 3, 5]), meta(num_experts=16)),
+               tmp_path / "wide.npz")
+    with pytest.raises(EplbError, match=r"wide\.npz: 16 logical experts but .*a\.npz has 8"):
+        load_history([tmp_path / "a.npz", tmp_path / "wide.npz"])
+    # Any iterable of paths, not only a list; none at all is named before any file is read.
+    assert load_history(iter([tmp_path / "a.npz", tmp_path / "b.npz"])).num_windows == 3
+    with pytest.raises(EplbError, match="no trace files given"):
+        load_history([])
+    # A synthetic and a recorded trace are not one history: `synthetic` could describe neither.
+    with pytest.raises(EplbError, match=r"synthetic trace\(s\) .*a.npz and recorded trace\(s\) .*real.npz"):
+        load_history([tmp_path / "a.npz", tmp_path / "real.npz"])
 
 
 def test_history_of_traces_that_disagree_on_the_router_is_refused(tmp_path):
