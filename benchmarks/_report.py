@@ -10,8 +10,8 @@ A benchmark opts in with three lines (imported as a sibling module, like `worklo
 or, for a script that builds its tables as strings, `write_page(name, title, text, argv)`.
 The page starts with the exact command, the date, and the machine's core count and load
 average (timings on a shared machine are upper bounds), then the output in a code block.
-It is written to a temporary file and renamed, so a failed run never leaves half a page and a
-run that raises leaves the old page untouched.
+It is written atomically through eplb.files (a temporary file, synced, then renamed), so a
+failed run never leaves half a page and a run that raises leaves the old page untouched.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
+if str(ROOT) not in sys.path:  # the benchmarks put the checkout first; a lone import of this module too
+    sys.path.insert(0, str(ROOT))
+
+from eplb.files import write_text  # noqa: E402
 
 
 def add_write_docs(parser, name: str) -> None:
@@ -63,10 +67,7 @@ def write_page(name: str, title: str, text: str, argv=None, *, notes: str = "",
         body += notes.strip() + "\n\n"
     body += "```\n" + text.strip("\n") + "\n```\n"
     out = RESULTS / f"{name}.md"
-    tmp = out.with_suffix(".md.tmp")
-    tmp.write_text(body)
-    os.replace(tmp, out)
-    return out
+    return write_text(out, body, what="the results page")
 
 
 class _Tee(io.TextIOBase):

@@ -37,6 +37,7 @@ import bench_engines_migration  # noqa: E402
 
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import EvenSplit, engine_rule  # noqa: E402
+from eplb.files import write_text  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.planning import plan  # noqa: E402
 from eplb.stats import imbalance  # noqa: E402
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = "python benchmarks/bench_engines.py --part planners --write-docs" + (
             "" if args.traces == DEFAULT_TRACES else f" --traces {args.traces}")
-        out.write_text(
+        write_text(
+            out,
             "# Engines: balance as planned and as served\n\n"
             f"Written by `{cmd}` ({setup}).\n\n"
             "Busiest / mean GPU per layer, median (max) over every workload and layer. Columns: the dispatch "

@@ -31,6 +31,7 @@ from collections import Counter
 import numpy as np
 
 from eplb.commands.common import format_table
+from eplb.files import write_text
 from eplb.migration import Budget, count_moves, migrate
 from eplb.placement import Placement
 from eplb.planning import plan
@@ -117,7 +118,8 @@ def main(args, data_source, docs_path, cmd: str) -> None:
         body = "".join(f"SGLang static, {label} (`{rule.name}`, path `{rule.path}`):\n\n```\n{table}\n```\n\n"
                        for label, rule, table in tables)
         out = docs_path
-        out.write_text(
+        write_text(
+            out,
             "# Engines: planning from the placement served now, under SGLang's rules\n\n"
             f"Written by `{cmd}` ({setup}).\n\n"
             "For each workload, the rule-aware plan of the next workload is serving when traffic becomes this "

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eplb.commands.common import format_table  # noqa: E402
+from eplb.files import write_text  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.replay import replay  # noqa: E402
 from eplb.synth import SynthSettings, generate, topic_shift_stats  # noqa: E402
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
         head = ("# Replay of drifting traffic (benchmarks/bench_replay.py)\n\n"
                 "Written by `python benchmarks/bench_replay.py --write-docs` on a 2-core machine shared with "
                 "other jobs (seconds are upper bounds). See docs/replay.md for what the policies do.\n\n")
-        out.write_text(head + "\n".join(text) + "\n")
+        write_text(out, head + "\n".join(text) + "\n", what="the results page")
         print(f"wrote {out}")
     return 0
 

@@ -44,6 +44,7 @@ from eplb.calibration import fit_profile, measured_compute  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.cost import TimeObjective, cost_model  # noqa: E402
 from eplb.dispatch import Resplitter, get_rule  # noqa: E402
+from eplb.files import write_text  # noqa: E402
 from eplb.formats import load_trace, save_placement  # noqa: E402
 from eplb.planning import plan  # noqa: E402
 from eplb.simulate import cut_batches, score_batch, simulate  # noqa: E402
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     if args.write_docs:
         path = ROOT / "docs" / "results" / "time.md"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(out).rstrip() + "\n")
+        write_text(path, "\n".join(out).rstrip() + "\n", what="the results page")
         print(f"wrote {path}")
     return 0
 

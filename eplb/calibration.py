@@ -24,7 +24,8 @@ import numpy as np
 
 from eplb.capacity import ModelShape
 from eplb.cost import CostModel
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
+from eplb.files import ZIP_ERRORS, atomic_output, check_npz
 from eplb.hardware import Hardware
 
 
@@ -66,12 +67,17 @@ class ShimMeasurements:
         arrays["names"] = np.array(self.names)
         arrays["dims"] = np.array([self.hidden, self.expert_hidden, self.num_logical_experts, self.top_k])
         arrays["text"] = np.array([self.dtype, self.backend])
-        np.savez(path, **arrays)
+        with atomic_output(path, what="the measurements") as f:  # the parent reads it when the ranks end
+            np.savez(f, **arrays)
 
     @classmethod
     def load(cls, path) -> ShimMeasurements:
-        with np.load(path, allow_pickle=False) as z:
-            d = {k: z[k] for k in z.files}
+        check_npz(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                d = {k: z[k] for k in z.files}
+        except ZIP_ERRORS as exc:
+            raise EplbError(f"{path}: not a readable measurements file ({reason(exc)})") from None
         D, F, E, K = (int(v) for v in d["dims"])
         return cls(tuple(str(n) for n in d["names"]), d["tokens_per_rank"], d["rows_CBLGS"], d["compute_s_CBLG"],
                    d["a2a_s_CBLG"], d["sent_CBLG"], d["received_CBLG"], D, F, E, K, str(d["text"][0]),

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
+from eplb.files import parse_json, read_bytes, write_text
 
 FLOP_DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp4")
 """dtypes a profile may give a FLOP/s figure for (the expert GEMM's input dtype)."""
@@ -83,21 +82,9 @@ class Hardware:
         return d
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as JSON (what `get_hardware(path)` reads back)."""
-        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write via a temporary file and a rename, so a failed write never leaves half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        """Write the profile as JSON (what `get_hardware(path)` reads back), atomically: a failed
+        write leaves an existing file as it was (eplb.files)."""
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n", what="the hardware profile")
 
 
 def _positive(name: str, key: str, v: Any, allow_zero: bool = False) -> float:
@@ -164,18 +151,18 @@ def get_hardware(name_or_path: str | Path | Hardware) -> Hardware:
 def load_hardware(path: str | Path) -> Hardware:
     """Read a profile file (JSON or YAML; `base: NAME` starts from a preset and overrides it)."""
     path = Path(path)
-    if not path.is_file():
-        raise EplbError(f"hardware profile {str(path)!r} does not exist")
-    text = path.read_text()
-    try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
+    raw = read_bytes(path, "hardware profile", text=True)  # within the input limit (eplb.files)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
 
-            d = yaml.safe_load(text)  # safe_load: plain data only, no object construction
-        else:
-            d = json.loads(text)
-    except Exception as exc:  # noqa: BLE001  (yaml and json raise their own error types)
-        raise EplbError(f"{path}: not a readable profile ({type(exc).__name__}: {exc})") from None
+        try:
+            d = yaml.safe_load(raw)  # safe_load: plain data only, no object construction
+        except yaml.YAMLError as exc:
+            raise EplbError(f"{path}: not a readable profile (not valid YAML: {reason(exc)})") from None
+        except RecursionError:
+            raise EplbError(f"{path}: YAML nested too deeply to parse") from None
+    else:
+        d = parse_json(raw, str(path))  # bounded depth; errors name the file
     return hardware_from_dict(d, source=str(path))
 
 
@@ -195,7 +182,7 @@ def hardware_from_dict(d: Any, *, source: str = "profile") -> Hardware:
         raise EplbError(f"{source}: a hardware profile is a mapping of fields, got {type(d).__name__}")
     d = dict(d)
     known = {"name", "flops_per_s", *NUMBER_FIELDS, *OVERHEAD_FIELDS, "source", "extra", "base"}
-    unknown = sorted(set(d) - known)
+    unknown = sorted(str(k) for k in set(d) - known)  # YAML keys may be numbers
     if unknown:
         raise EplbError(f"{source}: unknown field(s) {', '.join(unknown)}; a profile has "
                         f"{', '.join(sorted(known - {'extra'}))}")
@@ -204,7 +191,15 @@ def hardware_from_dict(d: Any, *, source: str = "profile") -> Hardware:
         d[key] = _number(d[key]) if key in d else d.get(key)
         if d[key] is None:
             del d[key]
-    if isinstance(d.get("flops_per_s"), Mapping):
+    if "flops_per_s" in d and not isinstance(d["flops_per_s"], Mapping):
+        raise EplbError(f"{source}: flops_per_s must map dtypes ({', '.join(FLOP_DTYPES)}) to FLOP/s, "
+                        f"got {d['flops_per_s']!r}")
+    for key in ("name", "source"):
+        if key in d and not isinstance(d[key], str):
+            raise EplbError(f"{source}: {key} must be text, got {d[key]!r}")
+    if "extra" in d and not isinstance(d["extra"], Mapping):
+        raise EplbError(f"{source}: extra must be a mapping, got {type(d['extra']).__name__}")
+    if "flops_per_s" in d:
         d["flops_per_s"] = {k: _number(v) for k, v in d["flops_per_s"].items()}
     base_name = d.pop("base", None)
     if base_name is not None:

@@ -334,7 +334,7 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
                         f"drop budget, or give decide a budget parameter")
     counts_TLE, how = cut_windows(trace, tokens_per_window)
     T_all, L, E = counts_TLE.shape
-    topology = size_topology(E, topology)             # fits these experts (a Topology, no more GPUs than experts)
+    topology = size_topology(E, topology, num_layers=L)  # fits these experts; the [L, P] maps within the input limit
     warmup, delay = _check_args(T_all, warmup, delay)
     if bytes_per_expert is not None:
         bytes_per_expert = positive_integer("bytes_per_expert", bytes_per_expert)

@@ -10,6 +10,7 @@ from eplb.commands.common import (
     add_command,
     add_output_flags,
     check_output_path,
+    check_suffix,
     format_table,
     positive_int,
     print_json,
@@ -50,11 +51,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if args.output is not None:  # before the measurements, which take minutes
+        check_output_path(args.output, "the profile")
+        check_suffix(args.output, (".json",), "a hardware profile (JSON)")
     # eplb.runtime imports torch: only when calibrating, never at the CLI's start-up.
     from eplb.runtime.calibrate import ShimSettings, default_cases, local_world_size, measure
 
-    if args.output is not None:
-        check_output_path(args.output, "the profile")
     if args.top_k > args.experts:
         raise EplbError(f"--top-k {args.top_k} exceeds the {args.experts} experts")
     ranks = local_world_size(args.ranks)

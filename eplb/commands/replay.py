@@ -6,9 +6,11 @@ import argparse
 
 from eplb.capacity import DTYPE_BITS, PRESETS
 from eplb.commands.common import (
+    REDUNDANT_HELP,
     add_command,
     add_output_flags,
     check_output_path,
+    check_suffix,
     format_table,
     positive_int,
     print_json,
@@ -32,7 +34,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
     p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--redundant", type=int, help="redundant slots in total (default: one per GPU)")
+    size.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
     size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
     p.add_argument("--tokens-per-window", type=positive_int, metavar="K",
                    help="cut the trace's per-token expert choices into windows of K tokens (default: its windows)")
@@ -69,8 +71,9 @@ def _settings(items: list[str]) -> dict:
 
 
 def run(args) -> int:
-    if args.output:
-        check_output_path(args.output, "the replay")           # before the replay, which takes a while
+    if args.output is not None:  # before the replay, which takes a while; -o naming an input is refused
+        check_output_path(args.output, "the replay", inputs=[("TRACE", args.trace), ("--hardware", args.hardware)])
+        check_suffix(args.output, (".npz",), "a replay (.npz)")
     settings = _settings(args.set)
     get_policy(args.policy, settings)                           # a bad setting fails before the trace is read
     objective = objective_from_args(args)
@@ -80,13 +83,13 @@ def run(args) -> int:
                                                                       args.phase or "decode")
     trace = load_trace(args.trace)
     topo = size_topology(trace.num_logical_experts, num_gpus=args.gpus, num_nodes=args.nodes,
-                         num_redundant=args.redundant, slots_per_gpu=args.slots_per_gpu)
+                         num_redundant=args.redundant, slots_per_gpu=args.slots_per_gpu, num_layers=trace.num_layers)
     rules = tuple(dict.fromkeys(args.rule)) if args.rule else ("even", "resplit")
     scoring = Scoring(rules, time=timed, batches_per_window=args.batches)
     result = replay(trace, topology=topo, policy=args.policy, settings=settings, warmup=args.warmup,
                     tokens_per_window=args.tokens_per_window, delay=args.delay, scoring=scoring,
                     bytes_per_expert=args.bytes_per_expert, objective=objective)
-    if args.output:
+    if args.output is not None:  # last thing that can fail: a failed run leaves -o as it was
         write_replay(result, args.output)
     s = result.summary()
     if args.json:

@@ -24,57 +24,55 @@ shares give the GPU loads of window t.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
+from eplb.files import ZIP_ERRORS, atomic_output, check_npz, input_file, parse_json
 
 REQUIRED = ("phy2log_TLP", "weights_TLP", "counts_TLE", "window_T", "decided_T", "applied_T", "moves_T",
             "rounds_T", "policy_imbalance_RTL", "policy_balancedness_RT", "meta")
 
 
 def write_replay(result, path: str | Path) -> Path:
-    """Write a ReplayResult atomically: a failed write leaves an existing file as it was."""
+    """Write a ReplayResult atomically (eplb.files): a failed write leaves an existing file as it was."""
     path = Path(path)
     meta = {k: v for k, v in result.summary().items() if k != "per_window"}
     meta["weights_rule"] = result.weights_rule
     arrays = {**result.arrays(), "meta": np.array(json.dumps(meta))}
-    fd, tmp = tempfile.mkstemp(prefix=".replay-", suffix=".npz", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path, what="the replay") as f:
+        np.savez_compressed(f, **arrays)
     return path
 
 
 def read_replay(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     """(arrays, meta) of a replay file, with every array's shape checked against the others."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise EplbError(f"replay file {str(path)!r} does not exist (write one with eplb replay ... -o replay.npz)")
+    input_file(path, "replay file")
+    check_npz(path)  # declared sizes within the input limit, no objects, nothing truncated
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except ValueError as exc:
-        raise EplbError(f"{path}: cannot read without pickle ({exc}); eplb never unpickles files") from None
-    except (OSError, EOFError) as exc:
-        raise EplbError(f"{path}: not a readable .npz file ({exc})") from None
+    except ZIP_ERRORS as exc:
+        raise EplbError(f"{path}: not a readable .npz file ({reason(exc)})") from None
     missing = [k for k in REQUIRED if k not in arrays]
     if missing:
         raise EplbError(f"{path}: not an eplb replay file (missing {', '.join(missing)}); write one with "
                         f"eplb replay TRACE ... -o {path.name}")
-    try:
-        meta = json.loads(str(arrays.pop("meta")))
-    except json.JSONDecodeError as exc:
-        raise EplbError(f"{path}: meta is not valid JSON ({exc})") from None
+    meta_text = arrays.pop("meta")
+    if meta_text.dtype.kind != "U" or meta_text.ndim != 0:
+        raise EplbError(f"{path}: meta must be one JSON string, got an array of dtype {meta_text.dtype} "
+                        f"and shape {meta_text.shape}")
+    meta = parse_json(str(meta_text).encode("utf-8"), f"{path}: meta")
     if not isinstance(meta, dict) or not isinstance(meta.get("rules"), list):
         raise EplbError(f"{path}: meta must be a JSON object with a 'rules' list")
+    for k in ("phy2log_TLP", "counts_TLE"):
+        if arrays[k].ndim != 3 or arrays[k].dtype.kind not in "iu":
+            raise EplbError(f"{path}: {k} must be whole numbers [T, L, *], got dtype {arrays[k].dtype} "
+                            f"and shape {arrays[k].shape}")
     T, L, P = arrays["phy2log_TLP"].shape
     R = len(meta["rules"])
     want = {"weights_TLP": (T, L, P), "window_T": (T,), "decided_T": (T,), "applied_T": (T,), "moves_T": (T,),

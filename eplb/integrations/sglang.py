@@ -34,7 +34,6 @@ tokens (dense layers) get SGLang's trivial row `p % E`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import runpy
 import sys
@@ -44,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from eplb.dispatch import EvenSplit
-from eplb.errors import EplbError
+from eplb.errors import EplbError, reason
+from eplb.files import check_archive, parse_json, read_json
 from eplb.formats.deepseek import to_deepseek
 from eplb.integrations import check_version, parse_spec
 from eplb.migration import Budget
@@ -93,12 +93,15 @@ def read_expert_location(value: str):
     if value.endswith(".pt"):
         import torch
 
-        return torch.load(value, weights_only=True, map_location="cpu")
-    text = Path(value).read_text() if value.endswith(".json") else value
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EplbError(f"--init-expert-location {value}: not valid JSON ({exc})") from None
+        check_archive(value, "--init-expert-location file")  # declared size within the input limit
+        try:
+            return torch.load(value, weights_only=True, map_location="cpu")
+        except Exception as exc:  # torch raises several types for unsafe or corrupt files
+            raise EplbError(f"--init-expert-location {value}: cannot load as a weights-only torch file "
+                            f"({type(exc).__name__}: {reason(exc)})") from None
+    if value.endswith(".json"):
+        return read_json(value, "--init-expert-location file")  # bounded size and depth (eplb.files)
+    return parse_json(value.encode("utf-8"), f"--init-expert-location {value[:40]!r}")
 
 
 def model_shape(model_path: str) -> tuple[int, int] | None:
@@ -106,7 +109,9 @@ def model_shape(model_path: str) -> tuple[int, int] | None:
     cfg = Path(model_path, "config.json")
     if not cfg.is_file():
         return None
-    d = json.loads(cfg.read_text())
+    d = read_json(cfg, "model config")
+    if not isinstance(d, dict):
+        return None
     experts = next((d[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in d), None)
     if "num_hidden_layers" not in d or experts is None:
         return None

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.files import read_bytes
 from eplb.formats.trtllm import read_trtllm
 from eplb.integrations import check_version
 from eplb.placement import Placement
@@ -38,7 +39,7 @@ def check_load_balancer(path: str | Path, *, num_experts: int, ep_size: int, moe
 
     path = Path(path)
     p = read_trtllm(path, num_gpus=1, num_logical_experts=num_experts)
-    d = yaml.safe_load(path.read_text())
+    d = yaml.safe_load(read_bytes(path, "TensorRT-LLM load-balancer file", text=True))  # read_trtllm checked it
     num_slots = d.get("num_slots")
     if num_slots is not None and int(num_slots) != p.num_slots:
         raise EplbError(f"{path}: num_slots is {num_slots}, but the layers list {p.num_slots} slots each")
@@ -65,7 +66,7 @@ def check_with_trtllm(path: str | Path, *, ep_size: int) -> np.ndarray:
     from tensorrt_llm.llmapi.llm_args import MoeLoadBalancerConfig
 
     check_version("TensorRT-LLM", tensorrt_llm.__version__, SUPPORTED_VERSIONS, ENV_ANY_VERSION)
-    d = yaml.safe_load(Path(path).read_text())
+    d = yaml.safe_load(read_bytes(path, "TensorRT-LLM load-balancer file", text=True))
     layers = sorted(int(k) for k in d["initial_global_assignments"])
     out = []
     for rank in range(ep_size):

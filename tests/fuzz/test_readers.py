@@ -1,7 +1,8 @@
 """Fuzz every reader: damaged and hostile files give a value or one EplbError line naming the file.
 
 Readers: load_trace (eplb .npz, .npy, SGLang JSON and .pt, TensorRT-LLM dump directories),
-load_history, load_placement, and read_placement for each engine export. Inputs: valid seed
+load_history, load_placement, read_placement for each engine export, read_replay (what
+`eplb replay -o` writes) and load_hardware (JSON / YAML profiles). Inputs: valid seed
 files with their bytes mutated (truncated, overwritten, spliced), archives re-zipped around a
 mutated member (so the damage reaches numpy's and torch's own parsers, past the zip checks),
 and files built from random parts: JSON trees with values swapped for extremes (NaN, 2**63,
@@ -27,10 +28,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from eplb.formats import load_history, load_placement, load_trace, save_placement, save_trace
+from eplb.formats import load_history, load_placement, load_trace, read_replay, save_placement, save_trace, write_replay
 from eplb.formats.export import FORMATS, read_placement, write_placement
 from eplb.formats.trtllm import write_safetensors
+from eplb.hardware import PROFILES, load_hardware
 from eplb.placement import Placement
+from eplb.replay import replay
+from eplb.topology import Topology
 from eplb.trace import Trace, default_meta
 from tests.fuzz.common import examples, outcome
 
@@ -47,6 +51,8 @@ READERS = {
     "read sglang": lambda p: read_placement(p, "sglang", num_gpus=G),
     "read trtllm": lambda p: read_placement(p, "trtllm", num_gpus=G),
     "read eplb": lambda p: read_placement(p, "eplb"),
+    "read_replay": read_replay,
+    "load_hardware": load_hardware,
 }
 if torch is not None:
     READERS["read vllm"] = lambda p: read_placement(p, "vllm")
@@ -94,6 +100,12 @@ def _build_seeds(d: Path) -> dict[str, Path]:
         torch.save({"rank": 0, "logical_count": torch.from_numpy(lc)}, d / "sglang.pt")
         seeds["sglang.pt"] = d / "sglang.pt"
         seeds["plan.pt"] = write_placement(pl, d / "plan.pt", "vllm")
+    served = Trace(rng.poisson(20, size=(4, 3, 8)), np.array([1, 3, 4]), default_meta(5, 8, top_k=2, source="seed"))
+    seeds["replay.npz"] = write_replay(replay(served, topology=Topology(G, 3), warmup=2), d / "replay.npz")
+    PROFILES["h200"].save(d / "gpu.json")
+    seeds["gpu.json"] = d / "gpu.json"
+    (d / "gpu.yaml").write_text("base: h100\nhbm_bytes_per_s: 4.8e12\nflops_per_s: {fp8: 2.0e15}\n")
+    seeds["gpu.yaml"] = d / "gpu.yaml"
     return seeds
 
 
@@ -221,7 +233,7 @@ def mutated_tree(draw, obj):
     return obj
 
 
-JSON_SEEDS = ["sglang.json", "plan.json", "loc.json"]
+JSON_SEEDS = ["sglang.json", "plan.json", "loc.json", "gpu.json"]
 
 
 @settings(max_examples=examples(80))
@@ -263,7 +275,23 @@ def test_structurally_mutated_yaml(data):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "lb.yaml"
         path.write_text(text)
-        check_reader(data.draw(st.sampled_from(["read trtllm", "load_trace", "load_placement"])), path)
+        check_reader(data.draw(st.sampled_from(["read trtllm", "load_trace", "load_placement", "load_hardware"])),
+                     path)
+
+
+@settings(max_examples=examples(30))
+@given(data=st.data())
+def test_structurally_mutated_hardware_profiles(data):
+    import yaml
+
+    text = SEEDS["gpu.yaml" if data.draw(st.booleans()) else "gpu.json"].read_text()
+    tree = data.draw(mutated_tree(yaml.safe_load(text)))
+    name = data.draw(st.sampled_from(["gpu.json", "gpu.yaml"]))
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_text(yaml.safe_dump(tree) if name.endswith(".yaml") and data.draw(st.booleans())
+                        else json.dumps(tree))
+        check_reader("load_hardware", path)
 
 
 # Structural mutations: arrays, archives, tensors ---------------------------------------------
@@ -314,6 +342,25 @@ def test_npz_of_random_arrays(arrays, reader):
         path = Path(d) / "t.npz"
         np.savez(path, **arrays) if arrays else path.write_bytes(b"PK\x05\x06" + b"\0" * 18)
         check_reader(reader, path)
+
+
+@settings(max_examples=examples(40))
+@given(data=st.data())
+def test_replay_files_of_random_arrays(data):
+    seed = dict(np.load(SEEDS["replay.npz"], allow_pickle=False))
+    arrays = dict(seed)
+    for key in data.draw(st.lists(st.sampled_from(sorted(seed) + ["extra"]), max_size=3)):
+        choice = data.draw(st.sampled_from(["random", "drop", "meta-tree"] if key == "meta" else ["random", "drop"]))
+        if choice == "random":
+            arrays[key] = data.draw(random_arrays())
+        elif choice == "meta-tree":
+            arrays[key] = np.array(json.dumps(data.draw(mutated_tree(json.loads(str(seed["meta"]))))))
+        else:
+            arrays.pop(key, None)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "replay.npz"
+        np.savez(path, **arrays)
+        check_reader(data.draw(st.sampled_from(["read_replay", "load_trace"])), path)
 
 
 @settings(max_examples=examples(40))

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eplb.calibration import ShimMeasurements
 from eplb.cli import main
 from eplb.errors import EplbError
 from eplb.files import (
@@ -36,9 +37,12 @@ from eplb.files import (
     write_bytes,
     write_text,
 )
-from eplb.formats import load_placement, load_trace, save_placement, save_trace
+from eplb.formats import load_placement, load_trace, save_placement, save_trace, write_replay
 from eplb.formats.export import write_placement
+from eplb.hardware import PROFILES
 from eplb.placement import Placement
+from eplb.replay import replay
+from eplb.topology import Topology
 from eplb.trace import Trace, default_meta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,22 +194,51 @@ def full_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def _results_page(path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    saved = _report.RESULTS
+    _report.RESULTS = path.parent  # the page goes to RESULTS / "<name>.md"
+    try:
+        _report.write_page(path.stem, "A results page", "table\n" * 20000, ["--write-docs"])
+    finally:
+        _report.RESULTS = saved
+
+
 def _writers(torch_ok: bool):
     pl = big_placement()
     trace = Trace(np.random.default_rng(2).integers(0, 2**40, size=(8, 16, 256)), np.arange(16),
                   default_meta(16, 256, source="test"))
+    served = replay(small_trace(L=8, E=64, T=6), topology=Topology(8, 10), warmup=2)
+    C, B, L, G, S = 8, 4, 4, 8, 10
+    rows = np.random.default_rng(3).random((C, B, L, G, S))
+    measured = ShimMeasurements(tuple(f"case {i}" for i in range(C)), np.arange(C), rows,
+                                *[np.random.default_rng(4).random((C, B, L, G))] * 4, hidden=32, expert_hidden=48,
+                                num_logical_experts=64, top_k=2)
     out = {
         "eplb JSON": ("plan.json", lambda p: save_placement(pl, p)),
         "sglang": ("loc.json", lambda p: write_placement(pl, p, "sglang")),
         "trtllm": ("lb.yaml", lambda p: write_placement(pl, p, "trtllm")),
         "trace npz": ("trace.npz", lambda p: save_trace(trace, p)),
+        "replay npz": ("replay.npz", lambda p: write_replay(served, p)),
+        "hardware profile": ("gpu.json", lambda p: PROFILES["h200"].save(p)),
+        "shim measurements": ("m.npz", lambda p: measured.save(p)),
+        "results page": ("page.md", _results_page),
     }
     if torch_ok:
         out["vllm"] = ("plan.pt", lambda p: write_placement(pl, p, "vllm"))
     return out
 
 
-@pytest.mark.parametrize("name", ["eplb JSON", "sglang", "trtllm", "trace npz", "vllm"])
+SMALL_WRITERS = {"hardware profile"}
+"""Writers whose whole output fits in the 8 KiB the other writers are left: they get a full disk."""
+
+
+@pytest.mark.parametrize("name", ["eplb JSON", "sglang", "trtllm", "trace npz", "vllm", "replay npz",
+                                  "hardware profile", "shim measurements", "results page"])
 def test_disk_full_keeps_every_writers_previous_file(full_disk, name):
     mnt, fill = full_disk
     try:
@@ -219,7 +252,7 @@ def test_disk_full_keeps_every_writers_previous_file(full_disk, name):
     filename, write = writers[name]
     target = mnt / filename
     target.write_bytes(b"previous good file")
-    fill()
+    fill(keep=0 if name in SMALL_WRITERS else 8192)
     with pytest.raises(EplbError, match="No space left on device") as info:
         write(target)
     assert str(target) in str(info.value) and "previous" in str(info.value)
@@ -227,18 +260,20 @@ def test_disk_full_keeps_every_writers_previous_file(full_disk, name):
     assert sorted(p.name for p in mnt.iterdir()) == sorted(["filler", filename])
     # A new file that does not fit is not left behind half-written either.
     (mnt / filename).unlink()
+    fill(keep=0 if name in SMALL_WRITERS else 8192)  # the space the previous file held is taken again
     with pytest.raises(EplbError, match="nothing was written"):
         write(target)
     assert sorted(p.name for p in mnt.iterdir()) == ["filler"]
 
 
 def test_disk_full_through_the_cli(full_disk, tmp_path):
-    """plan -o, synth -o, backtest -o and plot -o: exit 2, one line naming the file, old file intact."""
+    """plan -o, synth -o, backtest -o, replay -o and plot -o: exit 2, one line naming the file,
+    old file intact."""
     mnt, fill = full_disk
     src = tmp_path / "t.npz"
     save_trace(small_trace(L=16, E=64, T=4), src)
     outputs = {"plan": mnt / "plan.json", "synth": mnt / "s.npz", "backtest": mnt / "bt.json",
-               "plot": mnt / "heat.png"}
+               "replay": mnt / "r.npz", "plot": mnt / "heat.png"}
     for path in outputs.values():
         path.write_bytes(b"previous")
     fill(keep=2048)
@@ -246,6 +281,7 @@ def test_disk_full_through_the_cli(full_disk, tmp_path):
         "plan": ["plan", str(src), "--gpus", "8", "-p", "greedy", "-o", str(outputs["plan"]), "-q"],
         "synth": ["synth", "-o", str(outputs["synth"]), "--windows", "2", "--tokens", "256", "-q"],
         "backtest": ["backtest", str(src), "--gpus", "8", "--no-oracle", "-q", "-o", str(outputs["backtest"])],
+        "replay": ["replay", str(src), "--gpus", "8", "--warmup", "2", "-q", "-o", str(outputs["replay"])],
         "plot": ["plot", "heatmap", str(src), "-o", str(outputs["plot"]), "-q"],
     }
     for command, argv in argvs.items():
@@ -264,6 +300,11 @@ def test_disk_full_through_the_cli(full_disk, tmp_path):
     ["backtest", "{t}", "--gpus", "4", "-o", "{t}"],
     ["plot", "heatmap", "{t}", "-o", "{t}"],
     ["plot", "replicas", "{p}", "-o", "{p}"],
+    ["plot", "replay", "{t}", "-o", "{t}"],
+    ["replay", "{t}", "--gpus", "4", "-o", "{t}"],
+    ["replay", "{t}", "--gpus", "4", "--hardware", "{p}", "-o", "{p}"],
+    ["plan", "{t}", "--gpus", "4", "--model", "deepseek-v3", "--hardware", "{p}", "-o", "{p}"],
+    ["backtest", "{t}", "--gpus", "4", "--hardware", "{p}", "-o", "{p}"],
 ])
 def test_output_naming_an_input_is_refused_before_any_work(tmp_path, argv):
     t, p = tmp_path / "in.npz", tmp_path / "old.json"
@@ -403,3 +444,17 @@ def test_a_run_that_fails_after_its_work_leaves_the_output_alone(tmp_path):
     argv = ["synth", "-o", str(out), "--windows", "1", "--tokens", "16", "--compare", str(tmp_path / "bad.json")]
     assert "no 'logical_count' key" in one_line_error(*run_cli(argv)[::2], "synth")
     assert out.read_bytes() == b"previous trace" and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["replay", "{t}", "--gpus", "4", "-o", "{d}/r.json"], "ends in .json, but this writes a replay (.npz)"),
+    (["calibrate", "-o", "{d}/cpu.npz"], "ends in .npz, but this writes a hardware profile (JSON)"),
+    (["calibrate", "-o", "{d}/no/cpu.json"], "does not exist"),
+])
+def test_new_commands_check_the_output_name_before_any_work(tmp_path, argv, want):
+    """replay and calibrate refuse an -o that names another kind of file, or no folder, first."""
+    t = tmp_path / "in.npz"
+    save_trace(small_trace(), t)
+    argv = [a.format(t=t, d=tmp_path) for a in argv]
+    assert want in one_line_error(*run_cli(argv)[::2], argv[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz"]

@@ -119,7 +119,7 @@ def test_a_failed_write_keeps_the_old_file(result, tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(np, "savez_compressed", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(EplbError, match="disk full .the previous r.npz is unchanged"):
         write_replay(result, path)
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["r.npz"]
 
