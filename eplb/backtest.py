@@ -55,7 +55,7 @@ from eplb.placement import Placement
 from eplb.planning import as_history, size_topology
 from eplb.planning import plan as make_plan
 from eplb.progress import progress
-from eplb.simulate import time_window, window_batches
+from eplb.simulate import check_batches, time_window, window_batches
 from eplb.stats import Aggregation
 from eplb.time_dispatch import TimeDispatch
 from eplb.topology import Topology
@@ -295,6 +295,8 @@ class _Runner:
         self.notes: list[str] = []
         self.time = None
         if self.objective != "tokens":
+            model = self.objective.cost.model  # one window's batches at a time
+            check_batches(1, self.batches_per_window, model.num_moe_layers, model.num_logical_experts)
             B = self.objective.tokens_for(topology.num_gpus)
             self.time = {**self.objective.describe(topology.num_gpus), "batches_per_window": self.batches_per_window,
                          "how": f"{self.batches_per_window} batches of {B:,} tokens drawn per window from its counts "

@@ -41,7 +41,7 @@ from eplb.migration import Budget, count_moves, schedule
 from eplb.placement import Placement
 from eplb.planning import as_history, plan, size_topology
 from eplb.policy import Policy, get_policy, takes_budget
-from eplb.simulate import time_window, window_batches
+from eplb.simulate import check_batches, time_window, window_batches
 from eplb.time_dispatch import TimeDispatch
 from eplb.topology import Topology
 from eplb.trace import Trace
@@ -338,6 +338,9 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
     warmup, delay = _check_args(T_all, warmup, delay)
     if bytes_per_expert is not None:
         bytes_per_expert = positive_integer("bytes_per_expert", bytes_per_expert)
+        if bytes_per_expert > 2**62 // (L * topology.num_slots):  # the most a window can move, in int64
+            raise EplbError(f"bytes_per_expert ({bytes_per_expert}) x the {L * topology.num_slots} slots a window "
+                            f"can move exceeds 2**62 bytes: give the size of one expert's weights in bytes")
     G, N = topology.num_gpus, topology.num_nodes
     counts_f = counts_TLE.astype(np.float64)
     batches = _batches(scoring, trace, tokens_per_window, counts_f, warmup, G)
@@ -417,6 +420,7 @@ def _batches(scoring: Scoring, trace, tokens_per_window, counts_TLE: np.ndarray,
     obj = scoring.time
     if obj is None:
         return out
+    check_batches(T - warmup, scoring.batches_per_window, L, E)
     model = obj.cost.model
     if E != model.num_logical_experts or L > model.num_moe_layers:
         raise EplbError(f"the trace has {L} MoE layers x {E} experts but {model.name} has {model.num_moe_layers} x "

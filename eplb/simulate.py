@@ -23,6 +23,7 @@ import numpy as np
 from eplb.cost import CostModel, StepCost, assign_pairs, ideal_layer_seconds, slot_rows, step_cost
 from eplb.dispatch import RULES, DispatchRule, get_rule
 from eplb.errors import EplbError, whole_number
+from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.placement import Placement, contiguous_placement
 from eplb.time_dispatch import TimeDispatch
 from eplb.trace import Trace
@@ -45,11 +46,24 @@ class Batch:
     """Per-token expert choices [B, L, K] (None: counts only)."""
 
 
+def check_batches(num_windows: int, batches_per_window: int, num_layers: int, num_experts: int) -> None:
+    """Refuse more step batches than the input limit holds (eplb.files): each is an [L, E] float64
+    of rows, and a count typed by mistake (--batches 99999999) would fill memory for hours."""
+    need = 8 * num_windows * batches_per_window * num_layers * num_experts
+    limit = max_input_bytes()
+    if need > limit:
+        raise EplbError(f"{batches_per_window:,} batches per window x {num_windows} window(s) of {num_layers} layers "
+                        f"x {num_experts} experts would take {format_size(need)}, more than the input limit of "
+                        f"{format_size(limit)} ({MAX_INPUT_ENV}): fewer batches per window (--batches), or raise "
+                        f"the limit")
+
+
 def cut_batches(trace: Trace, top_k: int, batch_tokens: int | None = None, batches_per_window: int = 8,
                 seed: int = 0) -> tuple[list[Batch], str]:
     """Batches of each window (see the module docstring) and a line saying how they were made."""
     K = whole_number("top_k", top_k, 1)
     per = whole_number("batches per window", batches_per_window, 1)
+    check_batches(trace.num_windows, per, trace.num_layers, trace.num_logical_experts)
     c_TLE = trace.counts_TLE.astype(np.float64)
     has_tokens = trace.topk_ids_NLK is not None
     if has_tokens and trace.topk_ids_NLK.shape[2] != K:

@@ -16,6 +16,7 @@ from eplb.commands.common import (
     print_json,
 )
 from eplb.errors import EplbError
+from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 
 
 def _tokens(text: str) -> tuple[int, ...]:
@@ -50,15 +51,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _check_sizes(args) -> None:
+    """Sizes typed on a command line are bounded like inputs (eplb.files): the ranks' expert
+    weights (fp32 gate, up and down of every slot; ceil(E / G) + 2 slots per rank, as
+    eplb.runtime.calibrate.default_cases places them) and one batch's activations."""
+    if args.ranks > args.experts:
+        raise EplbError(f"--ranks {args.ranks} exceeds the {args.experts} experts: every rank needs an expert")
+    slots = args.ranks * min(-(-args.experts // args.ranks) + 2, args.experts)
+    need = 4 * (3 * args.hidden * args.expert_hidden * args.layers * slots
+                + max(args.tokens) * args.top_k * args.ranks * (args.hidden + args.expert_hidden))
+    limit = max_input_bytes()
+    if need > limit:
+        raise EplbError(f"the shim ({args.layers} layers x {slots} slots of {args.hidden} x {args.expert_hidden} "
+                        f"experts, up to {max(args.tokens)} tokens per rank) would take {format_size(need)}, more "
+                        f"than the input limit of {format_size(limit)} ({MAX_INPUT_ENV}): smaller --experts, "
+                        f"--layers, --hidden, --expert-hidden or --tokens, or raise the limit")
+
+
 def run(args) -> int:
     if args.output is not None:  # before the measurements, which take minutes
         check_output_path(args.output, "the profile")
         check_suffix(args.output, (".json",), "a hardware profile (JSON)")
+    if args.top_k > args.experts:
+        raise EplbError(f"--top-k {args.top_k} exceeds the {args.experts} experts")
+    _check_sizes(args)
     # eplb.runtime imports torch: only when calibrating, never at the CLI's start-up.
     from eplb.runtime.calibrate import ShimSettings, default_cases, local_world_size, measure
 
-    if args.top_k > args.experts:
-        raise EplbError(f"--top-k {args.top_k} exceeds the {args.experts} experts")
     ranks = local_world_size(args.ranks)
     settings = ShimSettings(hidden=args.hidden, expert_hidden=args.expert_hidden, top_k=args.top_k, steps=args.steps,
                             seed=args.seed)

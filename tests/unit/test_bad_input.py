@@ -268,3 +268,19 @@ def test_a_history_whose_sum_overflows_names_its_files(tmp_path):
         save_trace(Trace(counts, np.arange(2), default_meta(2, 8)), tmp_path / f"{name}.npz")
     with pytest.raises(EplbError, match=r"history of .*a\.npz, .*b\.npz: counts sum to"):
         load_history([tmp_path / "a.npz", tmp_path / "b.npz"])
+
+
+def test_sizes_typed_for_the_cost_model_are_bounded(tmp_path):
+    """`--batches 99999999` filled memory for hours; a PiB-sized expert overflowed int64 in replay."""
+    trace = eplb.Trace(np.random.default_rng(0).poisson(3, size=(2, 58, 256)), np.arange(3, 61),
+                       default_meta(61, 256, top_k=8, num_expert_groups=8, source="test"))
+    t = save_trace(trace, tmp_path / "ds.npz")
+    cost = ["--model", "deepseek-v3", "--hardware", "h200"]
+    for argv in (["replay", t, "--gpus", "8", *cost, "--batches", "99999999"],
+                 ["backtest", t, "--gpus", "8", *cost, "--objective", "time", "--batches", "99999999"]):
+        assert "batches per window" in refused(argv) and "input limit" in refused(argv)
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", str(t), "--gpus", "8", "-p", "greedy", "-q", "-o", str(plan_path)]) == 0
+    assert "fewer batches per window (--batches)" in refused(["simulate", t, "--plan", plan_path, *cost,
+                                                               "--batches", "99999999"])
+    assert "exceeds 2**62 bytes" in refused(["replay", t, "--gpus", "8", "--bytes-per-expert", str(10**23)])

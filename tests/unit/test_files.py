@@ -450,6 +450,8 @@ def test_a_run_that_fails_after_its_work_leaves_the_output_alone(tmp_path):
     (["replay", "{t}", "--gpus", "4", "-o", "{d}/r.json"], "ends in .json, but this writes a replay (.npz)"),
     (["calibrate", "-o", "{d}/cpu.npz"], "ends in .npz, but this writes a hardware profile (JSON)"),
     (["calibrate", "-o", "{d}/no/cpu.json"], "does not exist"),
+    (["calibrate", "--experts", "99999999999"], "more than the input limit"),
+    (["calibrate", "--tokens", "1,99999999999"], "up to 99999999999 tokens per rank"),
 ])
 def test_new_commands_check_the_output_name_before_any_work(tmp_path, argv, want):
     """replay and calibrate refuse an -o that names another kind of file, or no folder, first."""
