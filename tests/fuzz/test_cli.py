@@ -243,7 +243,7 @@ def _recorded_measurements(*args, **kwargs) -> ShimMeasurements:
 
 
 COUNTS = {"plan": 40, "stats": 15, "inspect": 15, "capacity": 20, "synth": 12, "backtest": 15,
-          "plot heatmap": 6, "plot balance": 8, "plot replicas": 6, "plot backtest": 6, "plot replay": 8,
+          "plot heatmap": 6, "plot balance": 8, "plot replicas": 6, "plot backtest": 6, "plot replay": 10,
           "replay": 10, "simulate": 10, "calibrate": 10}
 
 

@@ -163,7 +163,7 @@ def rezipped(draw, data: bytes) -> bytes:
     return out.getvalue()
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(80))
 @given(seed=st.sampled_from(FILE_SEEDS), reader=st.sampled_from(sorted(READERS)), data=st.data())
 def test_mutated_files(seed, reader, data):
     raw = SEEDS[seed].read_bytes()
