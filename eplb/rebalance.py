@@ -27,6 +27,7 @@ for long by a rebalance on another thread.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -34,13 +35,24 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from eplb import stats
+from eplb.compiled import warm_up_in_background
 from eplb.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, fraction, is_number, is_whole, whole_number
-from eplb.migration import Budget, MigrationPlan, schedule, warm_up
+from eplb.migration import Budget, MigrationPlan, schedule
 from eplb.placement import Placement
-from eplb.planner_api import get_planner
+from eplb.planner_api import get_planner, planner_class
 from eplb.planning import plan
 from eplb.policy import BucketedSum, Policy, get_policy
+
+
+def kernel_modules(planner: str) -> tuple[str, ...]:
+    """The modules whose compiled kernels a rebalance with this planner uses (each has
+    `warm_up()`): the planner's own when it has one, greedy's (the migration step's fallback
+    and most policies' planner) and the migration package's."""
+    own = planner_class(planner).__module__
+    mods = [own] if callable(getattr(sys.modules.get(own), "warm_up", None)) else []
+    return tuple(dict.fromkeys(mods + ["planners.greedy", "eplb.migration.kernels"]))
+
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
 """The Rebalancer's budget when none is given: no move limit, each move must buy 0.1% of a
@@ -67,7 +79,8 @@ class RebalanceResult:
     """Observations seen when the rebalance was planned."""
     seconds: float = 0.0
     """Wall time of planning + scheduling (info has "decision_seconds" for the placement and
-    its predicted metrics, "schedule_seconds" for the migration schedule)."""
+    its predicted metrics, "schedule_seconds" for the migration schedule, and
+    "kernel_wait_seconds" for the wait, first decision only, for kernels still loading)."""
     message: str = ""
     """How the plan was made (planner status, budget, fallbacks)."""
     info: dict = field(default_factory=dict)
@@ -149,12 +162,10 @@ class Rebalancer:
         self.objective = check_objective(objective)
         self.planner = planner
         self.settings = dict(settings or {})
-        # Load the numba kernels of the migration step now (numba compiles and caches them on
-        # the first run after an install) rather than in the first rebalance decision;
-        # scipy.optimize too, which planners other than greedy use (robust, ilp).
-        import scipy.optimize  # noqa: F401
-
-        warm_up()
+        # The kernels of the planner and of the migration step load on a side thread (and, on
+        # the first run after an install, compile in side processes): construction returns at
+        # once and the first rebalance waits only for what is not ready yet.
+        self.warmup = warm_up_in_background(kernel_modules(planner))
         self.policy = None if policy is None else get_policy(policy)
         # Windows closed by observe wait here for the policy, which sees them on the rebalancing
         # thread (under its own lock), so observe never waits for a decision in progress.
@@ -296,11 +307,16 @@ class Rebalancer:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
+        # The first decision after construction may find the kernels still loading (or, after
+        # an install, compiling): wait for them rather than compile them a second time here.
+        self.warmup.wait()
+        waited = time.perf_counter() - t0
         if self.policy is not None and not failed.size:
             result = self._plan_policy(pl, ranks, load, step)
         else:
             result = self._plan(pl, ranks, load, failed, step)
-        result = replace(result, seconds=time.perf_counter() - t0)
+        result = replace(result, seconds=time.perf_counter() - t0,
+                         info={**result.info, "kernel_wait_seconds": waited})
         if apply:
             self.adopt(result, _expect_version=version)
         return result

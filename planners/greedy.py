@@ -28,11 +28,22 @@ def _kernel():
 
 
 def _floats(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float64)
+    """a as a writable C-ordered float64 array: the one array type the kernels are compiled for
+    (numba compiles another version for read-only or strided arrays)."""
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    return a if a.flags.writeable else a.copy()
 
 
 def _ints(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int64)
+    """a as a writable C-ordered int64 array (see `_floats`)."""
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    return a if a.flags.writeable else a.copy()
+
+
+def warm_up() -> None:
+    """Load (or, on a fresh install, compile) the greedy kernels now, on the argument types
+    the real calls use (eplb.compiled runs this in the background)."""
+    plan_greedy(np.array([[3.0, 1.0, 1.0], [1.0, 2.0, 0.0]]), 2, 2)
 
 
 def replicate(load_LE: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
