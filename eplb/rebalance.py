@@ -44,14 +44,21 @@ from eplb.planner_api import get_planner, planner_class
 from eplb.planning import plan
 from eplb.policy import BucketedSum, Policy, get_policy
 
+WARM_UP_MODULES = (
+    "planners.greedy",          # the migration step's fallback and most policies' planner
+    "eplb.migration.kernels",   # relabel, budgeted search, schedule
+)
+"""The kernel modules every Rebalancer loads (or compiles) in the background at construction
+(eplb.compiled); each defines `warm_up()`. A new numba kernel module on the decision path is
+one more line here."""
+
 
 def kernel_modules(planner: str) -> tuple[str, ...]:
     """The modules whose compiled kernels a rebalance with this planner uses (each has
-    `warm_up()`): the planner's own when it has one, greedy's (the migration step's fallback
-    and most policies' planner) and the migration package's."""
+    `warm_up()`): the planner's own when it has one, then WARM_UP_MODULES."""
     own = planner_class(planner).__module__
     mods = [own] if callable(getattr(sys.modules.get(own), "warm_up", None)) else []
-    return tuple(dict.fromkeys(mods + ["planners.greedy", "eplb.migration.kernels"]))
+    return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES)))
 
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)

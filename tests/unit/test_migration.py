@@ -90,6 +90,13 @@ def test_sparse_gpu_matching_keeps_as_much_as_the_dense_one(monkeypatch, S, E):
     L, G = 4, 100
     old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
     new[0] = old[0].reshape(G, S)[rng.permutation(G)].ravel()
+    # Layer 1: half the GPUs renamed among themselves, the other half holding only experts the
+    # old layer lacks (GPUs without an overlap pair: the matcher's dummy completion places them).
+    half = G // 2
+    old[1] = rng.integers(0, E // 2, G * S)
+    ideal = old[1].copy()
+    ideal[half * S:] = rng.integers(E // 2, E, (G - half) * S)
+    new[1] = ideal.reshape(G, S)[np.concatenate([rng.permutation(half), rng.permutation(G - half) + half])].ravel()
     monkeypatch.setattr(moves, "SPARSE_FROM_GPUS", 10**9)
     dense = np.take_along_axis(new, mg.relabel(old, new, G, E), axis=1)
     monkeypatch.setattr(moves, "SPARSE_FROM_GPUS", 1)
@@ -97,6 +104,7 @@ def test_sparse_gpu_matching_keeps_as_much_as_the_dense_one(monkeypatch, S, E):
     np.testing.assert_array_equal(mg.count_moves(old, sparse, G, E).sum(axis=1),
                                   mg.count_moves(old, dense, G, E).sum(axis=1))
     np.testing.assert_array_equal(sparse[0], old[0])
+    assert mg.count_moves(old[1:2], sparse[1:2], G, E).sum() == mg.count_moves(old[1:2], ideal[None], G, E).sum()
     assert (np.sort(sparse, axis=1) == np.sort(new, axis=1)).all()
 
 
