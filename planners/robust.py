@@ -259,8 +259,14 @@ class RobustPlanner:
         best_phy2log_LP = None
         best_score_L = np.full(L, np.inf)
         chosen_L = np.zeros(L)
+        tried: list[np.ndarray] = []
         for blend in self.blends:
             count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
+            # Blends that give the same replica counts give the same plan (one window: the mean
+            # share is the max), so it is packed and refined once.
+            if any(np.array_equal(count_LE, c) for c in tried):
+                continue
+            tried.append(count_LE)
             phy2log_LP = pack_vector(share_TLE, count_LE, G, S)
             if self.refine_rounds:
                 refine_swaps(phy2log_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
@@ -280,6 +286,7 @@ class RobustPlanner:
             "history_peak_median": float(np.median(best_score_L)),
             "history_peak_max": float(np.max(best_score_L)),
             "blend_chosen": {str(b): int(np.sum(chosen_L == b)) for b in self.blends},
+            "blends_planned": len(tried),
         }
         return Solution(best_phy2log_LP, message=f"balanced against {T} window(s)", info=info)
 
