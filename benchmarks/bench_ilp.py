@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=32)
     ap.add_argument("--redundant", type=int, default=None, help="redundant slots (default: one per GPU)")
     ap.add_argument("--workloads", type=int, default=None, help="use only the first N workloads")
-    ap.add_argument("--time-limit", type=float, default=None, help="per layer (default: the planner's)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds: the whole plan in Parts 1-2 (default: the planner's), a layer in Part 3 (8)")
     ap.add_argument("--even-workloads", type=int, default=1)
     ap.add_argument("--no-even", action="store_true")
     ap.add_argument("--no-parallel", action="store_true")

@@ -37,6 +37,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from _report import add_write_docs, results_page  # noqa: E402
 
 from eplb import migration as mg  # noqa: E402
 from eplb import plan  # noqa: E402
@@ -342,7 +345,13 @@ def main(argv=None) -> int:
     ap.add_argument("--span-costs", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 4.0],
                     help="span_cost values compared in part 4")
     ap.add_argument("--parts", default="1234")
+    add_write_docs(ap, "migration")
     args = ap.parse_args(argv)
+    with results_page("migration", "Migration-aware planning, safe schedules, the Rebalancer", args.write_docs, argv):
+        return run(args)
+
+
+def run(args) -> int:
     print(f"eplb migration benchmark ({os.cpu_count()} CPUs; timings are wall-clock, single process)")
     # The kernels are compiled by numba: the first calls in a process import numba and load the
     # cached machine code (or compile it when no cache exists). A serving process pays this

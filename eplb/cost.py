@@ -410,8 +410,16 @@ class TimeObjective:
         """The batch planned for on `num_gpus` GPUs."""
         return self.batch_tokens if self.batch_tokens is not None else default_batch_tokens(self.phase, num_gpus)
 
-    def planning_load(self, load_LE, num_gpus: int) -> np.ndarray:
-        """Expected seconds per step of each expert on one replica, [L, E] (or [T, L, E])."""
+    def planning_load(self, load_LE, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
+        """Expected seconds per step of each expert on one replica, [L, E] (or [T, L, E]): its
+        compute, E[t(n)], plus the all-to-all its rows bring to the GPU that holds it.
+
+        The all-to-all term is mean rows x one row's dispatch + combine bytes over the link its
+        sources use, taken as spread evenly over the GPUs (1/G of them local, the rest of the
+        node over NVLink, the other nodes over the inter-node link; the model runs the two links
+        side by side, so the slower share counts). Without it, a batch of thousands of tokens,
+        whose step is mostly all-to-all, is planned as if only weight streams mattered.
+        """
         load = np.asarray(load_LE, dtype=np.float64)
         if load.shape[-1] != self.cost.model.num_logical_experts:
             raise EplbError(f"the trace has {load.shape[-2]} layers x {load.shape[-1]} experts but "
@@ -419,13 +427,27 @@ class TimeObjective:
                             f"{self.cost.model.num_logical_experts} experts: pick the model the trace was "
                             f"recorded from")
         flat = load.reshape(-1, load.shape[-1])
-        out = np.stack([expected_replica_seconds(self.cost, row[None], self.tokens_for(num_gpus))[0] for row in flat])
-        return out.reshape(load.shape)
+        B = self.tokens_for(num_gpus)
+        out = np.stack([expected_replica_seconds(self.cost, row[None], B)[0] for row in flat])
+        total = flat.sum(axis=1, keepdims=True)
+        rows = B * self.cost.model.top_k * flat / np.where(total > 0, total, 1.0)
+        return (out + rows * row_link_seconds(self.cost, num_gpus, num_nodes)).reshape(load.shape)
 
     def describe(self, num_gpus: int) -> dict:
         return {"objective": "time", "phase": self.phase, "batch_tokens": self.tokens_for(num_gpus),
                 "model": self.cost.model.name, "hardware": self.cost.hardware.name,
                 "expert_dtype": self.cost.expert_dtype}
+
+
+def row_link_seconds(cost: CostModel, num_gpus: int, num_nodes: int = 1) -> float:
+    """All-to-all seconds one row adds to the GPU that receives it, its source GPU spread
+    evenly (dispatch and combine; the intra- and inter-node links run side by side)."""
+    b = cost.model.hidden_size * (_bytes(cost.dispatch_dtype) + _bytes(cost.combine_dtype))
+    hw = cost.hardware
+    per_node = num_gpus // max(num_nodes, 1)
+    intra = (per_node - 1) / num_gpus
+    inter = (num_gpus - per_node) / num_gpus
+    return b * max(intra / hw.nvlink_bytes_per_s, inter / hw.internode_bytes_per_s)
 
 
 def check_objective(objective) -> str | TimeObjective:

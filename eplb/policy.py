@@ -311,23 +311,23 @@ class AdaptivePolicy:
         self.objective = check_objective(objective)
         self._mem: WindowMemory | None = None
         self._load: WindowMemory | None = None      # planning loads (time objective), else None
-        self._load_gpus: np.ndarray | None = None   # GPUs each planning load was made for
+        self._load_for: np.ndarray | None = None    # (GPUs, nodes) each planning load was made for
         self._flag_L: np.ndarray | None = None
 
     @property
     def memory_bytes(self) -> int:
         return sum(0 if m is None else m.nbytes for m in (self._mem, self._load))
 
-    def _windows(self, num_gpus: int) -> np.ndarray:
+    def _windows(self, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
         """The kept windows as planned on (raw, in ring order: every use sums or maximises over
-        windows), [M, L, E]; planning loads are made once per window and GPU count."""
+        windows), [M, L, E]; planning loads are made once per window and (GPUs, nodes)."""
         n = len(self._mem)
         if self._load is None:
             return self._mem._ring_MLE[:n]
-        stale = np.flatnonzero(self._load_gpus[:n] != num_gpus)
+        stale = np.flatnonzero((self._load_for[:n] != (num_gpus, num_nodes)).any(axis=1))
         for i in stale:
-            self._load._ring_MLE[i] = self.objective.planning_load(self._mem._ring_MLE[i], num_gpus)
-            self._load_gpus[i] = num_gpus
+            self._load._ring_MLE[i] = self.objective.planning_load(self._mem._ring_MLE[i], num_gpus, num_nodes)
+            self._load_for[i] = (num_gpus, num_nodes)
         return self._load._ring_MLE[:n]
 
     def observe(self, counts_LE: np.ndarray, placement: Placement) -> None:
@@ -338,12 +338,12 @@ class AdaptivePolicy:
             self._flag_L = np.zeros(L, dtype=bool)
             if self.objective != "tokens":
                 self._load = WindowMemory(self.memory, L, E)
-                self._load_gpus = np.zeros(self.memory, dtype=np.int64)
-        if self._load_gpus is not None:
-            self._load_gpus[self._mem.seen % self.memory] = 0          # its planning load is made below
+                self._load_for = np.zeros((self.memory, 2), dtype=np.int64)
+        if self._load_for is not None:
+            self._load_for[self._mem.seen % self.memory] = 0           # its planning load is made below
         self._mem.push(counts_LE)
         if len(self._mem) >= 4 and self.detector.kappa > 0:
-            busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G), G)
+            busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G, placement.num_nodes), G)
             order = np.arange(self._mem.seen - len(self._mem), self._mem.seen) % self.memory
             # Flags last until the next decision: windows served while a migration is in
             # flight are not lost.
@@ -355,7 +355,7 @@ class AdaptivePolicy:
             return None
         budget = NO_BUDGET if budget is None else budget
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
-        windows = self._windows(G)
+        windows = self._windows(G, placement.num_nodes)
         old_LP = placement.phy2log_LP
         flag_L = self._flag_L.copy()
         self._flag_L[:] = False

@@ -70,3 +70,48 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "", *,
         for item in items:
             yield item
             bar.update()
+
+
+class Notice:
+    """One status line on a terminal while slow work runs: `with Notice("planning ...")`.
+
+    Written to stderr after `after` seconds (quick work prints nothing), with the time
+    elapsed redrawn about once a second, and erased when the work ends. Nothing when stderr
+    is not a TTY or `enabled` is False.
+    """
+
+    def __init__(self, message: str, *, after: float = 1.0, enabled: bool | None = None,
+                 stream: TextIO | None = None):
+        import threading
+
+        self.message = message
+        self.after = after
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = (hasattr(self.stream, "isatty") and self.stream.isatty()) if enabled is None else enabled
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True) if self.enabled else None
+        self._shown = False
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        if self._done.wait(self.after):
+            return
+        while not self._done.is_set():
+            self.stream.write(f"\r{self.message} {time.perf_counter() - start:.0f}s")
+            self.stream.flush()
+            self._shown = True
+            self._done.wait(1.0)
+
+    def __enter__(self) -> Notice:
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is None:
+            return
+        self._done.set()
+        self._thread.join()
+        if self._shown:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()

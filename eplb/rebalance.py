@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -37,18 +38,36 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from eplb import stats
+from eplb.compiled import warm_up_in_background
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
-from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule, warm_up
+from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
-from eplb.planner_api import get_planner
+from eplb.planner_api import get_planner, planner_class
 from eplb.planning import plan
 from eplb.policy import BucketedSum, Policy, get_policy, takes_budget
-from eplb.policy import warm_up as warm_up_policy
 from eplb.stats import group_span
 from eplb.trace import MAX_COUNT
+
+WARM_UP_MODULES = (
+    "planners.greedy",          # the migration step's fallback and most policies' planner
+    "eplb.migration.kernels",   # relabel, budgeted search, schedule
+)
+"""The kernel modules every Rebalancer loads (or compiles) in the background at construction
+(eplb.compiled); each defines `warm_up()`. A new numba kernel module on the decision path is
+one more line here."""
+
+
+def kernel_modules(planner: str, policy: Policy | None = None) -> tuple[str, ...]:
+    """The modules whose compiled kernels a rebalance with this planner and policy uses (each
+    has `warm_up()`): the planner's and the policy's own when they have one, then
+    WARM_UP_MODULES."""
+    own = [planner_class(planner).__module__] + ([] if policy is None else [type(policy).__module__])
+    mods = [m for m in own if callable(getattr(sys.modules.get(m), "warm_up", None))]
+    return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES)))
+
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
 """The budget of `eplb.plan` when the Rebalancer is given none (failed ranks, policy=None): no
@@ -79,7 +98,8 @@ class RebalanceResult:
     """Observations seen when the rebalance was planned."""
     seconds: float = 0.0
     """Wall time of planning + scheduling (info has "decision_seconds" for the placement and
-    its predicted metrics, "schedule_seconds" for the migration schedule)."""
+    its predicted metrics, "schedule_seconds" for the migration schedule, and
+    "kernel_wait_seconds" for the wait, first decision only, for kernels still loading)."""
     message: str = ""
     """How the plan was made (planner status, budget, fallbacks)."""
     info: dict = field(default_factory=dict)
@@ -191,20 +211,16 @@ class Rebalancer:
         self.objective = check_objective(objective)
         self.planner = planner
         self.settings = dict(settings or {})
-        # Load the numba kernels of the migration step now (numba compiles and caches them on
-        # the first run after an install) rather than in the first rebalance decision;
-        # scipy.optimize too, which planners other than greedy use (robust, ilp).
-        import scipy.optimize  # noqa: F401
-
-        warm_up()
+        # The kernels of the planner, the migration step and the policy load on a side thread
+        # (and, on the first run after an install, compile in side processes): construction
+        # returns at once and the first rebalance waits only for what is not ready yet.
         self.policy = None if policy is None else get_policy(policy, objective=self.objective)
+        self.warmup = warm_up_in_background(kernel_modules(planner, self.policy))
         if self.policy is not None:
             self._check_policy_budget(placement)
             params = inspect.signature(self.policy.decide).parameters if takes_budget(self.policy) else {}
             self._decide_kw = {k: v for k, v in (("budget", self._policy_budget),
                                                  ("num_expert_groups", self.num_expert_groups)) if k in params}
-            if self.policy.name == "adaptive":
-                warm_up_policy()
         # Windows closed by observe wait here for the policy, which sees them on the rebalancing
         # thread (under its own lock), so observe never waits for a decision in progress.
         self._closed: collections.deque = collections.deque(maxlen=64)
@@ -382,11 +398,16 @@ class Rebalancer:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
+        # The first decision after construction may find the kernels still loading (or, after
+        # an install, compiling): wait for them rather than compile them a second time here.
+        self.warmup.wait()
+        waited = time.perf_counter() - t0
         if self.policy is not None and not failed.size:
             result = self._plan_policy(pl, ranks, load, step, bound)
         else:
             result = self._plan(pl, ranks, load, failed, step, bound)
-        result = replace(result, seconds=time.perf_counter() - t0)
+        result = replace(result, seconds=time.perf_counter() - t0,
+                         info={**result.info, "kernel_wait_seconds": waited})
         if apply:
             self.adopt(result, _expect_version=version)
         return result

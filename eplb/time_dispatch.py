@@ -15,8 +15,9 @@ Step 2: experts on several GPUs (most GPUs first) each pick j of their replicas 
         The j chosen gives the lowest resulting busiest GPU of the layer; among choices that
         leave the layer's busiest GPU where it is, the one with the least added work (usually
         j = 1: one weight stream).
-Step 3: a layer whose busiest GPU the even split would make less busy (in the model) keeps the
-        even split: the rule is never worse than it, layer by layer.
+Step 3: a layer whose busiest GPU the even split would make less busy (in the model), or whose
+        modeled step (compute and all-to-all, picks taken as independent) it would make
+        shorter, keeps the even split: the rule is never worse than it, layer by layer.
 It is the rule of `eplb.dispatch`'s Resplitter done for time instead of tokens: in prefill
 (hundreds of rows per expert, compute-bound) it splits hot experts like the token re-split;
 in decode it keeps each expert's few rows on one replica. The rule is built with a cost
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.cost import CostModel, first_copy_LP
+from eplb.cost import CostModel, first_copy_LP, step_cost
 from eplb.errors import EplbError
 from eplb.placement import Placement
 
@@ -189,6 +190,12 @@ class TimeSolver:
         even_LP = self._even_rows(count_LP, whole)
         even_LG = self._seconds(even_LP).reshape(L, G, -1).sum(axis=2)
         worse_L = busy.reshape(L, G + 1)[:, :G].max(axis=1) > even_LG.max(axis=1) * (1 + 1e-12)
+        # Rows gathered on fewer replicas also gather the all-to-all onto fewer GPUs: a layer
+        # whose modeled step (expert compute and all-to-all, picks taken as independent) is
+        # slower than the even split's keeps the even split too.
+        tokens = int(round(flat_counts[:E].sum() / self.cost.model.top_k)) if L else 0
+        worse_L |= (step_cost(self.cost, p, rows_LP, tokens).layer_s_L
+                    > step_cost(self.cost, p, even_LP, tokens).layer_s_L * (1 + 1e-12))
         return np.where(worse_L[:, None], self._even_LP, shares_LP)
 
     def _even_rows(self, count_LP: np.ndarray, whole: bool) -> np.ndarray:

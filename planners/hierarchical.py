@@ -272,10 +272,10 @@ class HierarchicalPlanner:
             )
         group_E = np.arange(E) // (E // K)
 
-        # Step 1: replicate globally (greedy's counts) and greedy's own plan as the yardstick.
+        # Step 1: replicate globally (greedy's counts) and greedy's own (refined) plan as the yardstick.
         count_LE = replicate(load_LE, P, G)
         per_LE = load_LE / count_LE
-        greedy_LP = pack(load_LE, count_LE, G, S)
+        greedy_LP = refine(pack(load_LE, count_LE, G, S), None, None, G, per_LE=per_LE)
         greedy_max_L = _max_gpu(greedy_LP, per_LE, G)
 
         # Steps 2-3: replicas of each expert on each node, layer by layer.
@@ -299,7 +299,7 @@ class HierarchicalPlanner:
         repaired = from_greedy = 0
         if len(bad):
             sub = phy2log_LP[bad].copy()
-            refine(sub, None, None, G, 64, per_LE=per_LE[bad])
+            refine(sub, None, None, G, per_LE=per_LE[bad])
             ok = _max_gpu(sub, per_LE[bad], G) <= limit_L[bad]
             phy2log_LP[bad[ok]] = sub[ok]
             phy2log_LP[bad[~ok]] = greedy_LP[bad[~ok]]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from eplb.dispatch import optimal_weights
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.planner_api import PlanRequest, Solution
-from eplb.progress import progress
+from eplb.progress import Progress
 from planners.greedy import plan_greedy
 
 RESOLUTION = 1 << 24
@@ -337,8 +337,11 @@ def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.nda
 class IlpPlanner:
     """Exact placement per layer with CP-SAT (see the module docstring for the model).
 
-    time_limit: seconds per layer (default 12: 58 layers finish in ~6 minutes on 2 cores
-      when no layer is proven optimal sooner).
+    time_limit: wall-clock seconds for the whole plan, model building included (default 60).
+      Layers are searched largest gap first (the hint's busiest GPU over the lower bound;
+      layers whose hint meets the bound are optimal without a search), each given the time
+      left shared over the layers still to search in proportion to their gaps; a layer not
+      reached in time keeps its hint.
     workers: CP-SAT threads per layer (default: cores / jobs).
     jobs: layers solved at the same time (default: 2 on >= 2 cores; CP-SAT gains less from a
       second thread than a second layer gains from its own core, see benchmarks/bench_ilp.py).
@@ -352,10 +355,10 @@ class IlpPlanner:
 
     name = "ilp"
 
-    def __init__(self, time_limit: float = 12.0, workers: int | None = None, jobs: int | None = None,
+    def __init__(self, time_limit: float = 60.0, workers: int | None = None, jobs: int | None = None,
                  seed: int = 0, dispatch: str = "weighted", chain: bool = True, quiet: bool = False):
         if isinstance(time_limit, bool) or not (isinstance(time_limit, (int, float)) and time_limit > 0):
-            raise EplbError(f"time_limit must be a positive number of seconds per layer, got {time_limit!r}")
+            raise EplbError(f"time_limit must be a positive number of seconds (for the whole plan), got {time_limit!r}")
         for name, value in (("workers", workers), ("jobs", jobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
                 raise EplbError(f"{name} must be a positive integer, got {value!r}")
@@ -381,6 +384,7 @@ class IlpPlanner:
         return jobs, workers
 
     def plan(self, request: PlanRequest) -> Solution:
+        started = time.perf_counter()
         t = request.topology
         G, S = t.num_gpus, t.slots_per_gpu
         load_LE = np.asarray(request.load_LE, dtype=np.float64)
@@ -409,25 +413,60 @@ class IlpPlanner:
 
         results: list[dict | None] = [None] * L
         errors: dict[int, str] = {}
+        # Largest gap first; a layer whose hint meets the bound needs no search (solve_layer
+        # returns at once), so it gets no share of the budget.
+        hint_max_L = Placement(hint_LP, G, E).gpu_loads(load_LE).max(axis=1)
+        lb_hint_L = stats.lower_bound(load_LE, G, G * S)
+        gap_L = np.where(lb_hint_L > 0, hint_max_L / np.where(lb_hint_L > 0, lb_hint_L, 1.0) - 1.0, 0.0)
+        todo = [l for l in np.argsort(-gap_L, kind="stable").tolist() if int_LE[l].sum() > 0]
+        for l in range(L):
+            if int_LE[l].sum() == 0:
+                results[l] = {"status": "OPTIMAL", "phy2log_P": greedy_LP[l], "objective": 0, "bound": 0,
+                              "seconds": 0.0, "hint_objective": 0, "lower": 0, "hint": "greedy"}
+        deadline = started + self.time_limit
+        weight_L = np.maximum(gap_L, 1e-6)                 # a layer at the bound still runs its check
+
+        def limit(l: int, waiting: list[int]) -> float:
+            """Layer l's share of the time left: the jobs' time over the layers not yet done."""
+            left = deadline - time.perf_counter()
+            share = weight_L[l] / (weight_L[l] + weight_L[waiting].sum())
+            return max(0.05, left * min(1.0, jobs * share))
+
+        unreached: list[int] = []
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = {}
-            for l in range(L):
-                if int_LE[l].sum() == 0:
-                    results[l] = {"status": "OPTIMAL", "phy2log_P": greedy_LP[l], "objective": 0, "bound": 0,
-                                  "seconds": 0.0, "hint_objective": 0, "lower": 0, "hint": "greedy"}
-                    continue
-                futures[pool.submit(solve_layer, int_LE[l], hint_LP[l],
-                                    None if hint_w_LP is None else hint_w_LP[l], G, S, self.dispatch,
-                                    self.time_limit, workers, self.seed, self.chain)] = l
-            for fut in progress(as_completed(futures), total=len(futures), desc=f"ilp ({L} layers)",
-                                enabled=False if self.quiet else None):
-                l = futures[fut]
-                try:
-                    results[l] = fut.result()
-                except Exception as exc:  # a solver crash on one layer must not lose the others
-                    errors[l] = f"{type(exc).__name__}: {exc}"
-                    results[l] = {"status": "ERROR", "phy2log_P": None, "objective": None, "bound": None,
-                                  "seconds": 0.0, "hint_objective": None, "lower": None, "hint": None}
+            futures: dict = {}
+            bar = Progress(len(todo), f"ilp ({L} layers, {self.time_limit:g} s)",
+                           enabled=False if self.quiet else None)
+
+            def submit():
+                while todo and len(futures) < jobs:
+                    if time.perf_counter() >= deadline:
+                        unreached.extend(todo)
+                        todo.clear()
+                        return
+                    l = todo.pop(0)
+                    futures[pool.submit(solve_layer, int_LE[l], hint_LP[l],
+                                        None if hint_w_LP is None else hint_w_LP[l], G, S, self.dispatch,
+                                        limit(l, todo), workers, self.seed, self.chain)] = l
+
+            submit()
+            while futures:
+                done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    l = futures.pop(fut)
+                    try:
+                        results[l] = fut.result()
+                    except Exception as exc:  # a solver crash on one layer must not lose the others
+                        errors[l] = f"{type(exc).__name__}: {exc}"
+                        results[l] = {"status": "ERROR", "phy2log_P": None, "objective": None, "bound": None,
+                                      "seconds": 0.0, "hint_objective": None, "lower": None, "hint": None}
+                    bar.update(1)
+                submit()
+            bar.close()
+        for l in unreached:
+            # Not searched in time: the hint, with its gap to the analytic bound (still proven).
+            results[l] = {"status": "NOT_SEARCHED", "phy2log_P": hint_LP[l], "objective": None, "bound": None,
+                          "seconds": 0.0, "hint_objective": None, "lower": None, "hint": "greedy"}
 
         # Score on the real loads; keep greedy in a layer where CP-SAT did not do better.
         # A layer where CP-SAT returned nothing keeps its hint (greedy or chain-fill).
@@ -483,6 +522,8 @@ class IlpPlanner:
                                        for r in results)),
             "kept_greedy_layers": [int(l) for l in np.flatnonzero(keep_greedy)],
             "fallback_layers": failed,
+            "unreached_layers": sorted(unreached),
+            "seconds": time.perf_counter() - started,
         }
         if errors:
             info["errors"] = {str(l): m for l, m in errors.items()}
@@ -490,14 +531,19 @@ class IlpPlanner:
         if failed:
             status = "FALLBACK"
             why = "; ".join(f"layer index {l}: {errors.get(l, status_L[l])}" for l in failed[:5])
-            message = (f"CP-SAT found no solution in {len(failed)} of {L} layers within {self.time_limit:g} s "
-                       f"each ({why}); those layers keep their hint (greedy or chain-fill). Raise time_limit.")
+            message = (f"CP-SAT found no solution in {len(failed)} of {L} layers within the plan's "
+                       f"{self.time_limit:g} s ({why}); those layers keep their hint (greedy or chain-fill). "
+                       f"Raise time_limit.")
         elif proven == L:
             status, message = "OPTIMAL", f"all {L} layers proven optimal ({self.dispatch} dispatch)"
         else:
             status = "FEASIBLE"
-            message = (f"{proven} of {L} layers proven optimal; largest proven gap "
-                       f"{100 * info['gap_max']:.3f}% ({self.dispatch} dispatch, {self.time_limit:g} s per layer)")
+            gap = "" if info["gap_max"] is None else f"; largest proven gap {100 * info['gap_max']:.3f}%"
+            message = (f"{proven} of {L} layers proven optimal{gap} ({self.dispatch} dispatch, "
+                       f"{self.time_limit:g} s plan)")
+            if unreached:
+                message += (f"; {len(unreached)} layer(s) not reached in the time budget keep the greedy hint "
+                            f"(raise time_limit)")
         if len(info["kept_greedy_layers"]):
             message += (f"; greedy kept in {len(info['kept_greedy_layers'])} layer(s) where it scored "
                         f"better on the real loads")

@@ -210,6 +210,22 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
         active = layers
 
 
+def parse_blends(blends: tuple | list | str | float) -> tuple[float, ...]:
+    """The demand blends setting: numbers in [0, 1], as a sequence, one number, or text
+    ("0,1", as `--set blends=0,1` gives it)."""
+    if isinstance(blends, str):
+        try:
+            blends = tuple(float(b) for b in blends.replace(";", ",").split(",") if b.strip())
+        except ValueError:
+            raise EplbError(f"blends must be numbers in [0, 1] separated by commas, got {blends!r}") from None
+    elif isinstance(blends, (int, float)):
+        blends = (float(blends),)
+    blends = tuple(float(b) for b in blends)
+    if not blends or any(not 0.0 <= b <= 1.0 for b in blends):
+        raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
+    return blends
+
+
 class RobustPlanner:
     """Plan against every history window: keep the worst window's busiest GPU low.
 
@@ -226,17 +242,7 @@ class RobustPlanner:
 
     def __init__(self, blends: tuple | list | str = (0.0, 1.0), quantile: float = 1.0,
                  beta: float = 50.0, refine_rounds: int = 200):
-        if isinstance(blends, str):
-            try:
-                blends = tuple(float(b) for b in blends.replace(";", ",").split(",") if b.strip())
-            except ValueError:
-                raise EplbError(f"blends must be numbers in [0, 1] separated by commas, got {blends!r}") from None
-        elif isinstance(blends, (int, float)):
-            blends = (float(blends),)
-        blends = tuple(float(b) for b in blends)
-        if not blends or any(not 0.0 <= b <= 1.0 for b in blends):
-            raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
-        self.blends = blends
+        self.blends = parse_blends(blends)
         # float() first: a setting given as text (--set quantile=x) is "of the wrong type" (get_planner).
         self.quantile = fraction("quantile", float(quantile))
         self.beta = positive_number("beta", float(beta))
@@ -259,8 +265,14 @@ class RobustPlanner:
         best_phy2log_LP = None
         best_score_L = np.full(L, np.inf)
         chosen_L = np.zeros(L)
+        tried: list[np.ndarray] = []
         for blend in self.blends:
             count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
+            # Blends that give the same replica counts give the same plan (one window: the mean
+            # share is the max), so it is packed and refined once.
+            if any(np.array_equal(count_LE, c) for c in tried):
+                continue
+            tried.append(count_LE)
             phy2log_LP = pack_vector(share_TLE, count_LE, G, S)
             if self.refine_rounds:
                 refine_swaps(phy2log_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
@@ -280,6 +292,7 @@ class RobustPlanner:
             "history_peak_median": float(np.median(best_score_L)),
             "history_peak_max": float(np.max(best_score_L)),
             "blend_chosen": {str(b): int(np.sum(chosen_L == b)) for b in self.blends},
+            "blends_planned": len(tried),
         }
         return Solution(best_phy2log_LP, message=f"balanced against {T} window(s)", info=info)
 

@@ -43,7 +43,7 @@ from eplb.planner_api import PlanRequest, Solution
 from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from eplb.stats import replica_counts_minmax
 from planners.greedy import plan_greedy
-from planners.robust import RobustPlanner, normalise_windows, robust_demand, smooth_max_swaps
+from planners.robust import RobustPlanner, normalise_windows, parse_blends, robust_demand, smooth_max_swaps
 from planners.rule_previous import fit_gpus, held_by_gpu, match_units, moves_per_layer
 
 SCOPES: dict[type, str] = {EvenSplit: "free", PlanWeights: "free", SglangStatic: "unit", SglangDynamic: "unit"}
@@ -291,16 +291,7 @@ class RuleAwarePlanner:
 
     def __init__(self, blends: tuple | list | str = (0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200,
                  move_slack: float = 0.002):
-        if isinstance(blends, str):
-            try:
-                blends = tuple(float(b) for b in blends.replace(";", ",").split(",") if b.strip())
-            except ValueError:
-                raise EplbError(f"blends must be numbers in [0, 1] separated by commas, got {blends!r}") from None
-        elif isinstance(blends, (int, float)):
-            blends = (float(blends),)
-        self.blends = tuple(float(b) for b in blends)
-        if not self.blends or any(not 0.0 <= b <= 1.0 for b in self.blends):
-            raise EplbError(f"blends must be one or more numbers in [0, 1], got {blends!r}")
+        self.blends = parse_blends(blends)
         # float() first: a setting given as text (--set beta=x) is "of the wrong type" (get_planner).
         self.beta = positive_number("beta", float(beta))
         self.refine_rounds = whole_number("refine_rounds", refine_rounds)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from eplb.backtest import DISPATCH, backtest, leave_one_out
-from eplb.capacity import DTYPE_BITS, PRESETS
 from eplb.commands.common import (
     REDUNDANT_HELP,
     add_command,
@@ -18,7 +17,7 @@ from eplb.commands.common import (
     print_json,
 )
 from eplb.commands.plan import objective_from_args, parse_settings
-from eplb.commands.simulate import add_cost_arguments
+from eplb.commands.simulate import add_time_scoring_arguments
 from eplb.errors import EplbError
 from eplb.files import write_text
 from eplb.formats import load_history, load_trace
@@ -56,15 +55,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="skip the oracle plans made on each scored window (no forecast gap; faster)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="planner setting, e.g. --set quantile=0.9 (repeatable; applies to every planner)")
-    p.add_argument("--objective", choices=("tokens", "time"), default="tokens",
-                   help="plans balance token loads (default) or modeled per-GPU time (needs --model and "
-                        "--hardware); with time every window is also scored in modeled step time")
-    p.add_argument("--model", "-m", help=f"model preset for the cost model: {', '.join(PRESETS)}")
-    p.add_argument("--expert-dtype", default=None, choices=list(DTYPE_BITS),
-                   help="dtype of the experts' weights and GEMMs (default fp8)")
-    add_cost_arguments(p, model_flag=False)
-    p.add_argument("--batches", type=positive_int, default=8,
-                   help="step batches per window scored in modeled time (default 8)")
+    add_time_scoring_arguments(p, "plans balance token loads (default) or modeled per-GPU time (needs --model and "
+                                  "--hardware); with time every window is also scored in modeled step time")
     p.add_argument("--output", "-o", metavar="FILE",
                    help="also write the results as JSON (what --json prints) to FILE, for `eplb plot backtest`")
     add_output_flags(p)

@@ -29,6 +29,7 @@ from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_pla
 from eplb.migration import Budget
 from eplb.placement import contiguous_placement
 from eplb.planner_api import planner_names, planner_settings
+from eplb.progress import Notice
 from eplb.simulate import simulate
 from eplb.stats import AGGREGATIONS, Aggregation, window_balancedness
 from eplb.trace import Trace
@@ -302,12 +303,17 @@ def run(args) -> int:
     previous = load_placement(args.previous) if args.previous else None
     _check_previous(args, previous)
     slots, capacity = _slots(args, trace, previous)
-    result = planning.plan(
-        trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
-        planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
-        num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
-        objective=objective, dispatch=rule,
-    )
+    what = f"eplb plan: {args.planner} on {trace.num_layers} layers x {trace.num_logical_experts} experts"
+    # Planners with a progress bar of their own (a "quiet" setting: ilp) draw it themselves.
+    own_bar = "quiet" in planner_settings(args.planner)
+    with Notice(f"{what}, {trace.num_windows} window(s) ...",
+                enabled=False if args.quiet or args.json or own_bar else None):
+        result = planning.plan(
+            trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
+            planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
+            num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
+            objective=objective, dispatch=rule,
+        )
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
         raise EplbError(f"{which} holds no tokens (every count is zero): there is no load to balance; "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.capacity import DTYPE_BITS, PRESETS
 from eplb.commands.common import (
     REDUNDANT_HELP,
     add_command,
@@ -16,7 +15,7 @@ from eplb.commands.common import (
     print_json,
 )
 from eplb.commands.plan import objective_from_args, parse_settings
-from eplb.commands.simulate import add_cost_arguments, cost_from_args
+from eplb.commands.simulate import add_time_scoring_arguments, cost_from_args
 from eplb.cost import TimeObjective
 from eplb.formats import load_trace, write_replay
 from eplb.planning import size_topology
@@ -50,16 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--rule", action="append", metavar="RULE",
                    help="dispatch rule to score, repeatable (eplb.dispatch rules; default even and resplit)")
     p.add_argument("-o", "--output", help="write the served windows' placements, shares, counts and metrics (.npz)")
-    p.add_argument("--objective", choices=("tokens", "time"), default="tokens",
-                   help="what the initial plan, the policy and hindsight balance: token loads (default) or modeled "
-                        "per-GPU time (needs --model and --hardware); with --hardware every window is also scored "
-                        "in modeled step time, the per-batch time dispatch included")
-    p.add_argument("--model", "-m", help=f"model preset for the cost model: {', '.join(PRESETS)}")
-    p.add_argument("--expert-dtype", default=None, choices=list(DTYPE_BITS),
-                   help="dtype of the experts' weights and GEMMs (default fp8)")
-    add_cost_arguments(p, model_flag=False)
-    p.add_argument("--batches", type=positive_int, default=8,
-                   help="step batches per window scored in modeled time (default 8)")
+    add_time_scoring_arguments(p, "what the initial plan, the policy and hindsight balance: token loads (default) "
+                                  "or modeled per-GPU time (needs --model and --hardware); with --hardware every "
+                                  "window is also scored in modeled step time, the per-batch time dispatch included")
     add_output_flags(p)
     return p
 

@@ -34,6 +34,18 @@ def add_cost_arguments(p, *, model_flag: bool = True) -> None:
                    help="communication hidden under computation (two-micro-batch overlap)")
 
 
+def add_time_scoring_arguments(p, objective_help: str) -> None:
+    """--objective, the cost model and --batches, as `backtest` and `replay` take them (every
+    window is scored in modeled step time too when the cost model is given)."""
+    p.add_argument("--objective", choices=("tokens", "time"), default="tokens", help=objective_help)
+    p.add_argument("--model", "-m", help=f"model preset for the cost model: {', '.join(PRESETS)}")
+    p.add_argument("--expert-dtype", default=None, choices=list(DTYPE_BITS),
+                   help="dtype of the experts' weights and GEMMs (default fp8)")
+    add_cost_arguments(p, model_flag=False)
+    p.add_argument("--batches", type=positive_int, default=8,
+                   help="step batches per window scored in modeled time (default 8)")
+
+
 def cost_from_args(args):
     """The CostModel the options describe."""
     return cost_model(args.model, args.hardware, expert_dtype=args.expert_dtype or "fp8", overlap=bool(args.overlap))

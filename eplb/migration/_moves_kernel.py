@@ -133,6 +133,78 @@ def keep_counts(old_LP, new_LP, G, E):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def keep_pairs(old_LP, new_LP, G, E):
+    """The nonzero entries of keep_counts, layer by layer: (start_L1, a_M, b_M, w_M) with layer
+    l's entries at start_L1[l]:start_L1[l + 1], new GPU a, old GPU b, experts kept w (int64).
+    Each old GPU holding one of a's experts is visited once per expert, so the work is the
+    replicas, not G x G per layer."""
+    L, P = new_LP.shape
+    S = P // G
+    first = np.empty((L, E + 1), dtype=np.int64)   # old holders of e in layer l: gpus[l, first[l, e]:first[l, e + 1]]
+    gpus = np.empty((L, P), dtype=np.int64)
+    fill = np.empty(E, dtype=np.int64)
+    cap = 0
+    for l in range(L):
+        for e in range(E + 1):
+            first[l, e] = 0
+        for p in range(P):
+            e = old_LP[l, p]
+            if e >= 0 and not _seen_before(old_LP, l, p, S):
+                first[l, e + 1] += 1
+        for e in range(E):
+            first[l, e + 1] += first[l, e]
+            fill[e] = first[l, e]
+        for p in range(P):
+            e = old_LP[l, p]
+            if e >= 0 and not _seen_before(old_LP, l, p, S):
+                gpus[l, fill[e]] = p // S
+                fill[e] += 1
+        for q in range(P):
+            x = new_LP[l, q]
+            if x >= 0:
+                cap += first[l, x + 1] - first[l, x]      # at most one pair per visit
+    a_M = np.empty(cap, dtype=np.int64)
+    b_M = np.empty(cap, dtype=np.int64)
+    w_M = np.empty(cap, dtype=np.int64)
+    start = np.zeros(L + 1, dtype=np.int64)
+    acc = np.zeros(G, dtype=np.int64)
+    touched = np.empty(G, dtype=np.int64)
+    m = 0
+    for l in range(L):
+        for a in range(G):
+            nt = 0
+            for j in range(S):
+                q = a * S + j
+                x = new_LP[l, q]
+                if x < 0 or _seen_before(new_LP, l, q, S):
+                    continue
+                for k in range(first[l, x], first[l, x + 1]):
+                    b = gpus[l, k]
+                    if acc[b] == 0:
+                        touched[nt] = b
+                        nt += 1
+                    acc[b] += 1
+            for t in range(nt):
+                b = touched[t]
+                a_M[m] = a
+                b_M[m] = b
+                w_M[m] = acc[b]
+                acc[b] = 0
+                m += 1
+        start[l + 1] = m
+    return start, a_M[:m], b_M[:m], w_M[:m]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _seen_before(phy_LP, l, p, S):
+    """Does slot p's expert occur in an earlier slot of the same GPU (layer l)?"""
+    for i in range(p - p % S, p):
+        if phy_LP[l, i] == phy_LP[l, p]:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def _assign_max(w, r0, c0, n, u, v, p, way, minv, used, out):
     """Maximum-weight perfect matching of the n x n block w[r0:r0+n, c0:c0+n] (Hungarian
     method with potentials, O(n^3)); out[j] = row (0..n-1) matched to column j. Returns the

@@ -55,16 +55,19 @@ def _grow(a, n):
 
 
 @njit(cache=True, nogil=True)
-def _match(adj, npend, G):
+def _match(adj, rin, rout, G):
     """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
-    G + d), rows with the most pending copies first; match_row[d] = column or -1."""
+    G + d), rows with the most network copies still to receive first (they bound the
+    rounds); then each source rank left out takes over a row from a source rank with fewer
+    copies only it can send (rout), so that the busiest senders send too (the matching stays
+    as large). match_row[d] = column or -1."""
     C = adj.shape[1]
     match_row = np.full(G, -1, dtype=np.int64)
     match_col = np.full(C, -1, dtype=np.int64)
     parent = np.empty(C, dtype=np.int64)
     seen = np.empty(C, dtype=np.bool_)
     queue = np.empty(G, dtype=np.int64)
-    for d in np.argsort(-npend, kind="mergesort"):
+    for d in np.argsort(-rin, kind="mergesort"):
         seen[:] = False
         head, tail = 0, 1
         queue[0] = d
@@ -89,6 +92,18 @@ def _match(adj, npend, G):
             match_row[u] = r
             match_col[r] = u
             r = nxt
+    for c in np.argsort(-rout, kind="mergesort"):
+        if rout[c] == 0:
+            break
+        if match_col[c] >= 0:
+            continue
+        for d in range(G):
+            c1 = match_row[d]
+            if adj[d, c] and 0 <= c1 < G and rout[c1] < rout[c]:
+                match_row[d] = c
+                match_col[c] = d
+                match_col[c1] = -1
+                break
     return match_row
 
 
@@ -168,20 +183,20 @@ def _count_room(st, c0, c1, E, P):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scan(st, rd, S, P, tight):
+def _scan(st, rd, S, P, tight, nd):
     """Local copies are taken at once (no link); network and checkpoint candidates (at most
-    K per destination rank) go to rd for the link matching. Returns the copies taken."""
+    K per destination rank) go to rd for the link matching. nd: rows of rd.done taken
+    already this round. Returns the copies taken so far."""
     G = st.npend.size
     K = rd.cand.shape[1]
     cur, tgt, hc = st.cur, st.tgt, st.hc
-    nd = 0
     rd.ncand[:] = 0
     for d in range(G):
         for k in range(st.npend[d]):
             code = st.pend[d, k]
             l = code // P
             p = code % P
-            if st.sourcing[l, p]:
+            if st.sourcing[l, p] or st.writing[l, p]:
                 continue
             if st.staged_blk[l, p] >= 0:
                 if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p]:
@@ -226,7 +241,108 @@ def _scan(st, rd, S, P, tight):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _take_links(st, rd, nd, P, tight):
+def _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
+    """For the chunk's pending slots whose expert only one rank holds (and not their own):
+    fsrc[l, p] = that rank, which must send it; rout counts them per rank (a priority of the
+    link matching, lowered as the copies land; replicas made meanwhile are not counted)."""
+    for g in range(rout.size):
+        rout[g] = 0
+    for l in range(c0, c1):
+        for e in range(nh.size):
+            nh[e] = 0
+        for p in range(P):
+            e = st.cur[l, p]
+            if e >= 0 and (nh[e] == 0 or hr[e] != p // S):
+                nh[e] += 1
+                hr[e] = p // S
+        for p in range(P):
+            fsrc[l, p] = -1
+            e = st.tgt[l, p]
+            if st.cur[l, p] == e or nh[e] != 1 or hr[e] == p // S:
+                continue
+            fsrc[l, p] = hr[e]
+            rout[hr[e]] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chain_order(st, c0, c1, S, P, holder, depth, key, rin):
+    """Order each rank's pending slots by the chain each one heads, longest first, and raise
+    rin[d] to the longest chain on rank d (both bound the rounds left).
+
+    Writing slot q lets the slot holding the last complete replica of q's target be written
+    (it waits for that replica), and so on: chains of waits that unwind one copy per round.
+    A long chain left to the end of the queues leaves a tail of rounds with one copy each."""
+    for l in range(c0, c1):
+        for p in range(P):
+            e = st.cur[l, p]
+            if e >= 0 and not st.writing[l, p]:
+                holder[l, e] = p          # the only complete slot of e where hc[l, e] == 1
+    for d in range(st.npend.size):
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            depth[code // P, code % P] = -1
+    for d in range(st.npend.size):
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            l = code // P
+            q = code % P
+            # Walk the chain from q to its end (or to a slot already measured), then set depths back.
+            n = 0
+            while q >= 0 and depth[l, q] == -1:
+                depth[l, q] = -2 - n      # on the walk, n steps from its start
+                n += 1
+                e = st.tgt[l, q]
+                w = holder[l, e] if st.hc[l, e] == 1 else -1
+                q = w if w >= 0 and st.inpend[l, w] and st.cur[l, w] == e and st.tgt[l, w] != e else -1
+            end = depth[l, q] if q >= 0 and depth[l, q] >= 0 else 0
+            q = code % P
+            for t in range(n):
+                depth[l, q] = end + n - t
+                e = st.tgt[l, q]
+                w = holder[l, e] if st.hc[l, e] == 1 else -1
+                q = w if w >= 0 and st.inpend[l, w] and st.cur[l, w] == e and st.tgt[l, w] != e else -1
+                if q < 0 or depth[l, q] >= 0:
+                    break
+    for d in range(st.npend.size):
+        n = st.npend[d]
+        for k in range(n):
+            code = st.pend[d, k]
+            key[k] = depth[code // P, code % P]
+            if key[k] > rin[d]:
+                rin[d] = key[k]
+        for a in range(1, n):             # insertion sort by depth, descending, stable
+            code = st.pend[d, a]
+            v = key[a]
+            b = a
+            while b > 0 and key[b - 1] < v:
+                st.pend[d, b] = st.pend[d, b - 1]
+                key[b] = key[b - 1]
+                b -= 1
+            st.pend[d, b] = code
+            key[b] = v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _remote_need(st, S, P, rin):
+    """rin[d] = rank d's pending slots whose target it holds in no complete slot (copies it
+    must still receive over a link, at least), at the start of a round."""
+    for d in range(st.npend.size):
+        rin[d] = 0
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            l = code // P
+            e = st.tgt[l, code % P]
+            here = False
+            for s in range(d * S, d * S + S):
+                if st.cur[l, s] == e and not st.writing[l, s]:
+                    here = True
+                    break
+            if not here:
+                rin[d] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _take_links(st, rd, nd, P, tight, rin, rout):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
     candidate that is still possible. Returns the copies of the round so far."""
@@ -242,7 +358,7 @@ def _take_links(st, rd, nd, P, tight):
                     any_edge = True
     if not any_edge:
         return nd
-    match_row = _match(rd.adj, st.npend, G)
+    match_row = _match(rd.adj, rin, rout, G)
     for d in range(G):
         r = match_row[d]
         if r < 0:
@@ -342,6 +458,14 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 np.zeros((G, 2 * G), dtype=np.bool_),
                 np.empty((L * P + G, 7), dtype=np.int64))      # l, p, e, src rank, src, d, staging
     sg = new_staging(L, P, E, G)
+    rin = np.zeros(G, dtype=np.int64)
+    rout = np.zeros(G, dtype=np.int64)
+    fsrc = np.full((L, P), -1, dtype=np.int64)
+    holder = np.full((L, E), -1, dtype=np.int64)
+    depth = np.zeros((L, P), dtype=np.int64)
+    key = np.empty(L * S, dtype=np.int64)
+    nh = np.zeros(E, dtype=np.int64)
+    hr = np.zeros(E, dtype=np.int64)
     out = np.empty((1024, 8), dtype=np.int64)
     chunk_R = np.empty(64, dtype=np.int64)
     # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
@@ -354,6 +478,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
         c1 = min(L, c0 + chunk)
         left = _queue_chunk(st, c0, c1, S, P)
+        _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
         guard = 4 * (left + (c1 - c0) * P) + 8
         while left > 0:
             guard -= 1
@@ -361,17 +486,30 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
             if tight:
                 _count_room(st, c0, c1, E, P)
-            nd = _scan(st, rd, S, P, tight)
-            nd = _take_links(st, rd, nd, P, tight)
+            _remote_need(st, S, P, rin)
+            _chain_order(st, c0, c1, S, P, holder, depth, key, rin)
+            # Deadlocked cycles of blocked slots break as soon as they appear: first through
+            # pending slots of their own ranks (free), before this round's copies take those;
+            # then through the spares and links the round left; when nothing could move at
+            # all, every cycle does.
+            # (Not with as many slots as experts: there the few spare slots wait for reloads.)
+            ns = 0 if tight else stage(st, sg, rd.done, S, P, 0, 0, rin)
+            nd = _scan(st, rd, S, P, tight, ns)
+            nd = _take_links(st, rd, nd, P, tight, rin, rout)
+            n1 = nd
+            if nd == 0 or not tight:
+                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin)
             if nd == 0:
-                # Every pending slot is blocked: break each cycle of "waits for" links with
-                # one staging copy into a spare slot.
-                nd = stage(st, sg, rd.done, S, P)
-                if nd == 0:
-                    return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
-                for i in range(nd):
+                return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
+            for i in range(nd):
+                if i < ns or i >= n1:
                     st.staged_blk[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 4]
                     st.staged_exp[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 2]
+            for i in range(nd):
+                f = fsrc[rd.done[i, 0], rd.done[i, 1]]
+                if f >= 0:
+                    rout[f] -= 1
+                    fsrc[rd.done[i, 0], rd.done[i, 1]] = -1
             out, M = _apply_round(st, rd.done, nd, out, M, R)
             chunk_R = _grow(chunk_R, R + 1)
             chunk_R[R] = chunk_id

@@ -76,59 +76,108 @@ def _find_cycles(st, sg, P):
 
 
 @njit(cache=True, nogil=True)
-def stage(st, sg, done, S, P):
-    """Break every cycle of blocked slots at once, one staging copy per cycle; returns the
-    copies written to done (0: no spare slot anywhere).
+def _spare(st, l, s, pending):
+    """Can slot s of layer l take a staged expert this round? pending: a slot that changes
+    anyway (nothing to restore), else one in its final state (restored afterwards); either
+    way it is not busy this round and its own expert keeps another complete replica."""
+    x = st.cur[l, s]
+    if st.writing[l, s] or st.sourcing[l, s]:
+        return False
+    if pending:
+        return x != st.tgt[l, s] and (x < 0 or st.hc[l, x] >= 2) and st.staged_blk[l, s] < 0
+    return x == st.tgt[l, s] and x >= 0 and st.hc[l, x] >= 2
+
+
+@njit(cache=True, nogil=True)
+def stage(st, sg, done, S, P, nd, mode, rin):
+    """Break cycles of blocked slots, one staging copy per cycle, as rows nd.. of done; returns
+    the new row count (nd: no cycle could be broken).
 
     Slot p is blocked when it holds the last complete replica of its expert o; it waits for
     the first pending slot whose target is o. Following these waits from any pending slot
-    ends in a cycle or at a slot nobody waits for. Per cycle, one member's expert is copied
-    into a spare slot (final, and its expert has another complete replica), on the member's
-    rank if possible (no link), else over links still free in this round. Only when no final
-    slot is spare: a pending one that is empty or holds a duplicate and stages nothing yet
-    (with as many slots as experts, the slots of experts lost with failed ranks are the only
-    room, and their reloads wait for the end; see `schedule`).
+    ends in a cycle or at a slot nobody waits for; a cycle whose every member is blocked is
+    a deadlock. Per such cycle, one member's expert is copied into a spare slot (`_spare`),
+    the one that adds least to a busy rank's receiving: a pending slot on the member's own
+    rank adds nothing (no link, and it changes anyway); a final slot there adds the copy
+    that restores it later; a pending slot on another rank adds that rank's receive now (a
+    final one there, two). Each is weighed by the network copies the receiving rank still
+    needs (rin, `_schedule_kernel._remote_need`), which bound the rounds. Links
+    already used this round are respected. mode 0: deadlocks only, through a pending slot on
+    the member's rank only (free: run before the round's other copies take those slots);
+    mode 1: deadlocks, any spare; mode 2 (nothing else moved this round): every cycle, any
+    spare (with as many slots as experts, the slots of experts lost with failed ranks are
+    the only room, and their reloads wait for the end; see `schedule`).
     """
-    cur, tgt, hc = st.cur, st.tgt, st.hc
+    cur = st.cur
     ncyc = _find_cycles(st, sg, P)
-    sg.send_busy[:] = False
-    sg.recv_busy[:] = False
-    nd = 0
+    G = st.npend.size
+    for g in range(G):
+        sg.send_busy[g] = False
+        sg.recv_busy[g] = False
+    for i in range(nd):                     # links the round's copies use already
+        if done[i, 3] != done[i, 5]:
+            if done[i, 4] >= 0:
+                sg.send_busy[done[i, 3]] = True
+            sg.recv_busy[done[i, 5]] = True
     for c in range(ncyc):
         l = sg.cyc_buf[sg.cyc_start[c]] // P
+        if mode < 2:
+            # While other copies move, a cycle of waits is a deadlock only if every member holds
+            # the last complete replica of its expert; otherwise it unwinds by itself.
+            stuck = True
+            for t in range(sg.cyc_len[c]):
+                o = cur[l, sg.cyc_buf[sg.cyc_start[c] + t] % P]
+                if o < 0 or st.hc[l, o] >= 2:
+                    stuck = False
+                    break
+            if not stuck:
+                continue
         bp = -1
         bs = -1
-        for final in (True, False):
-            for t in range(sg.cyc_len[c]):
-                p = sg.cyc_buf[sg.cyc_start[c] + t] % P
-                for s in range(P):
-                    x = cur[l, s]
-                    if st.writing[l, s]:
-                        continue
-                    if final:
-                        if x != tgt[l, s] or x < 0 or hc[l, x] < 2:
-                            continue
-                    elif x == tgt[l, s] or (x >= 0 and hc[l, x] < 2) or st.staged_blk[l, s] >= 0:
-                        continue
-                    if s // S == p // S:
-                        bp = p
-                        bs = s
-                        break
-                    if bp < 0 and not sg.send_busy[p // S] and not sg.recv_busy[s // S]:
-                        bp = p
-                        bs = s
-                if bp >= 0 and bs // S == bp // S:
-                    break
-            if bp >= 0:
-                break
+        best = np.inf
+        for t in range(sg.cyc_len[c]):
+            p = sg.cyc_buf[sg.cyc_start[c] + t] % P
+            if st.writing[l, p] or st.sourcing[l, p] or cur[l, p] < 0:
+                continue
+            r0 = p // S
+            for s in range(r0 * S, r0 * S + S):
+                if s == p or cur[l, s] == cur[l, p]:
+                    continue
+                if _spare(st, l, s, True):
+                    w = -1.0
+                elif mode > 0 and _spare(st, l, s, False):
+                    w = rin[r0] + 1.0
+                else:
+                    continue
+                if w < best:
+                    best = w
+                    bp = p
+                    bs = s
+            if best < 0.0 or mode == 0 or sg.send_busy[r0]:
+                continue
+            for s in range(P):
+                rc = s // S
+                if rc == r0 or sg.recv_busy[rc] or cur[l, s] == cur[l, p]:
+                    continue
+                if _spare(st, l, s, True):
+                    w = rin[rc] + 1.0
+                elif _spare(st, l, s, False):
+                    w = 2.0 * (rin[rc] + 1.0)
+                else:
+                    continue
+                if w < best:
+                    best = w
+                    bp = p
+                    bs = s
         if bp < 0:
             continue
         if bs // S != bp // S:
             sg.send_busy[bp // S] = True
             sg.recv_busy[bs // S] = True
         st.writing[l, bs] = True
+        st.sourcing[l, bp] = True
         if cur[l, bs] >= 0:
-            hc[l, cur[l, bs]] -= 1
+            st.hc[l, cur[l, bs]] -= 1
         done[nd, 0] = l
         done[nd, 1] = bs
         done[nd, 2] = cur[l, bp]

@@ -2,7 +2,7 @@
 
 Three kernel modules, each imported on first use (numba takes about half a second to import,
 and `eplb plan` without a previous placement must start fast):
-- `_moves_kernel`: count_moves, keep_slots, keep_counts, gpu_assignment (for `moves`);
+- `_moves_kernel`: count_moves, keep_slots, keep_counts, gpu_assignment, keep_pairs (for `moves`);
 - `_search_kernel`: holdings_LEG and the budgeted search loop (for `search`);
 - `_schedule_kernel`: the rounds of a migration schedule (for `schedule`).
 Every kernel trusts its input (the package's entry points check it: `checks`), releases the
@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from eplb.migration.checks import kernel_ints
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.schedule import schedule
 from eplb.migration.search import Budget, budgeted_search
@@ -32,6 +33,8 @@ def warm_up() -> float:
     """Load (or, on a fresh install, compile) the numba kernels of the migration package now,
     so that the first rebalance decision does not pay for it; returns the seconds it took.
     Fast after the first call in a process."""
+    from eplb.migration import _moves_kernel
+
     t0 = time.perf_counter()
     # Two layers, 3 experts, 2 GPUs x 2 slots: runs every kernel on the argument types the
     # real calls use (all sizes share one compiled version).
@@ -40,6 +43,7 @@ def warm_up() -> float:
     load = np.array([[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]])
     count_moves(old, new, 2, 3)
     relabel(old, new, 2, 3)
+    _moves_kernel.keep_pairs(kernel_ints(old), kernel_ints(new), 2, 3)     # relabel's path from 96 GPUs
     keep_slots(old, new, 2)
     budgeted_search(load, old, 2, Budget(move_cost=0.001))
     budgeted_search(load, old, 2, Budget(max_moves=1))

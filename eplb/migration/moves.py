@@ -65,6 +65,46 @@ def _gpu_assignment(keep_LGG: np.ndarray, num_nodes: int) -> np.ndarray:
     return _moves_kernel.gpu_assignment(np.ascontiguousarray(keep_LGG, dtype=np.float64), int(num_nodes))
 
 
+SPARSE_FROM_GPUS = 96
+"""From this many GPUs (on one node) the GPU matching runs on the sparse overlap graph (scipy's
+LAPJVsp): a dense Hungarian costs G^3 per layer, while each GPU shares experts with only a few
+others."""
+
+
+def _gpu_assignment_sparse(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int,
+                           num_logical_experts: int) -> np.ndarray:
+    """`_gpu_assignment` of one node from the overlap pairs alone, int64 [L, G] (optimal too).
+
+    A maximum-weight matching on the pairs (new GPU, old GPU) that share experts, completed
+    by pairing the other GPUs in index order (they keep nothing either way). scipy's sparse
+    matcher needs a full matching: every new GPU a also gets a dummy old GPU G + a, and all
+    weights are raised by 1 (each row is matched once, so the optimum does not change)."""
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import min_weight_full_bipartite_matching
+
+    from eplb.migration import _moves_kernel
+
+    G = num_gpus
+    start, a_M, b_M, w_M = _moves_kernel.keep_pairs(kernel_ints(old_LP), kernel_ints(new_LP), G,
+                                                    num_logical_experts)
+    L = len(start) - 1
+    out = np.empty((L, G), dtype=np.int64)
+    dummy = np.arange(G)
+    for l in range(L):
+        m = slice(start[l], start[l + 1])
+        w = np.concatenate([w_M[m] + 1.0, np.ones(G)])
+        graph = csr_matrix((w, (np.concatenate([a_M[m], dummy]), np.concatenate([b_M[m], G + dummy]))),
+                           shape=(G, 2 * G))
+        rows, cols = min_weight_full_bipartite_matching(graph, maximize=True)
+        src_B = np.full(G, -1, dtype=np.int64)
+        real = cols < G
+        src_B[cols[real]] = rows[real]
+        free_rows = np.setdiff1d(np.arange(G), rows[real])
+        src_B[src_B < 0] = free_rows               # both in increasing order
+        out[l] = src_B
+    return out
+
+
 def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
             num_nodes: int = 1) -> np.ndarray:
     """Slot permutation perm_LP that makes new_LP[l, perm_LP[l]] keep the most old replicas.
@@ -79,8 +119,11 @@ def relabel(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     old_LP = np.asarray(old_LP)
     new_LP = np.asarray(new_LP)
     G, S = num_gpus, P // num_gpus
-    keep_LGG = _keep_counts(old_LP, new_LP, G, num_logical_experts)
-    gsrc_LG = _gpu_assignment(keep_LGG, num_nodes)             # new GPU placed at each old GPU position
+    if num_nodes == 1 and G >= SPARSE_FROM_GPUS:
+        gsrc_LG = _gpu_assignment_sparse(old_LP, new_LP, G, num_logical_experts)
+    else:
+        keep_LGG = _keep_counts(old_LP, new_LP, G, num_logical_experts)
+        gsrc_LG = _gpu_assignment(keep_LGG, num_nodes)         # new GPU placed at each old GPU position
     # Slots of new GPU gsrc[l, b] placed on GPU b, still in their own order.
     base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
     moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)

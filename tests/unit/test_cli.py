@@ -6,12 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from eplb.cli import COMMANDS, main
 from eplb.formats import load_placement, save_trace
+from eplb.progress import Notice
 from eplb.trace import Trace, default_meta
 
 L, E, G = 6, 32, 4
@@ -332,3 +334,25 @@ def test_unknown_arguments_are_reported_by_the_command_they_were_given_to(argv, 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"{prog}: error: unrecognized arguments: ")
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_slow_step_shows_one_status_line_on_a_terminal_and_erases_it():
+    tty = _Tty()
+    with Notice("eplb plan: robust ...", after=0.0, stream=tty):
+        deadline = time.monotonic() + 5.0
+        while "robust" not in tty.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert tty.getvalue().startswith("\replb plan: robust ... 0s") and tty.getvalue().endswith("\r\x1b[2K")
+    quick = _Tty()
+    with Notice("never shown", after=60.0, stream=quick):
+        pass
+    assert quick.getvalue() == ""
+    piped = io.StringIO()                                   # not a terminal: nothing
+    with Notice("never shown", after=0.0, stream=piped):
+        time.sleep(0.05)
+    assert piped.getvalue() == ""

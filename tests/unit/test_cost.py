@@ -20,6 +20,7 @@ from eplb.cost import (
     check_objective,
     cost_model,
     expected_replica_seconds,
+    row_link_seconds,
     slot_rows,
     step_cost,
 )
@@ -177,6 +178,19 @@ def test_expected_replica_seconds_matches_sampling():
         p = 8 * load[0, :4] / load.sum()
         mc = cost.replica_seconds(rng.binomial(B, p, size=(100_000, 4))).mean(axis=0)
         np.testing.assert_allclose(expected_replica_seconds(cost, load, B)[0, :4], mc, rtol=0.02)
+
+
+def test_planning_load_adds_the_all_to_all_of_each_experts_rows():
+    cost = cost_model("deepseek-v3", "h200")
+    load = np.r_[[1.0, 10.0, 100.0, 1000.0], np.full(252, 50.0)][None]
+    obj = TimeObjective(cost, batch_tokens=4096)
+    rows = 4096 * 8 * load / load.sum()
+    for nodes in (1, 4):
+        link = obj.planning_load(load, 32, nodes) - expected_replica_seconds(cost, load, 4096)
+        np.testing.assert_allclose(link, rows * row_link_seconds(cost, 32, nodes))
+    # The inter-node link is the slower: rows from other nodes cost more than rows over NVLink.
+    assert row_link_seconds(cost, 32, 4) > row_link_seconds(cost, 32, 1) > 0
+    assert row_link_seconds(cost, 1, 1) == 0                       # one GPU: every row is local
 
 
 def test_objective_time_needs_a_cost_model():

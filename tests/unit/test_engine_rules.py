@@ -18,23 +18,11 @@ from eplb.sglang_dispatch import SglangDynamic, SglangStatic, static_dispatch_ma
 from eplb.stats import imbalance
 from eplb.trace import Trace, default_meta
 from planners.deepseek import rebalance_experts
+from tests.placements import spread_placement
 
 
 def _placement(rng, L=3, E=12, G=4, N=2, S=4):
-    """A random placement: every expert once, the other slots random replicas on new GPUs."""
-    rows = []
-    for _ in range(L):
-        slots = [[] for _ in range(G)]
-        order = rng.permutation(E)
-        for i, e in enumerate(order):
-            slots[i % G].append(int(e))
-        for g in range(G):
-            while len(slots[g]) < S:
-                e = int(rng.integers(E))
-                if e not in slots[g]:
-                    slots[g].append(e)
-        rows.append([e for g in range(G) for e in slots[g]])
-    return Placement(np.array(rows), G, E, N)
+    return spread_placement(rng, L, E, G, N, S)
 
 
 @pytest.mark.parametrize("path", ["startup", "rebalance"])

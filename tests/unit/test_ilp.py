@@ -79,6 +79,22 @@ def test_weighted_proves_optimal_on_small_instance():
     assert np.all(res.after.bound_ratio_L < 1 + 1e-5)
 
 
+def test_the_time_limit_is_for_the_whole_plan_largest_gap_first():
+    rng = np.random.default_rng(4)
+    load_LE = rng.pareto(1.2, (12, 48)) * 100 + 1
+    greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy")
+    # A budget spent before the first layer starts: every layer keeps its greedy hint, and says so.
+    res = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="ilp",
+                        settings={"dispatch": "even", "time_limit": 1e-6, "quiet": True})
+    assert res.status == "FEASIBLE" and "not reached in the time budget" in res.message
+    assert res.info["unreached_layers"] == list(range(12))
+    np.testing.assert_array_equal(res.after.gpu_load_LG.max(axis=1), greedy.after.gpu_load_LG.max(axis=1))
+    # Small layers proven optimal long before the budget: every layer reached.
+    res = planning.plan(load_LE[:3, :12], num_gpus=4, slots_per_gpu=4, planner="ilp",
+                        settings={"dispatch": "even", "time_limit": 60, "quiet": True})
+    assert res.info["unreached_layers"] == [] and res.status == "OPTIMAL"
+
+
 def test_never_worse_than_greedy_even_with_a_tiny_time_limit():
     rng = np.random.default_rng(3)
     load_LE = rng.pareto(1.2, (2, 32)) * 100 + 1

@@ -80,6 +80,34 @@ def test_compiled_gpu_assignment_keeps_as_much_as_scipys(num_nodes):
     assert (fast.reshape(L, num_nodes, n) // n == (fast.reshape(L, num_nodes, n) // n)[:, :, :1]).all()
 
 
+@pytest.mark.parametrize("S, E", [(2, 120), (3, 40), (5, 200)])
+def test_sparse_gpu_matching_keeps_as_much_as_the_dense_one(monkeypatch, S, E):
+    """Many GPUs match on their overlap pairs alone (scipy's sparse matcher): the same kept
+    total per layer as the Hungarian method on the full matrix, a renaming undone exactly."""
+    from eplb.migration import moves
+
+    rng = np.random.default_rng(S)
+    L, G = 4, 100
+    old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
+    new[0] = old[0].reshape(G, S)[rng.permutation(G)].ravel()
+    # Layer 1: half the GPUs renamed among themselves, the other half holding only experts the
+    # old layer lacks (GPUs without an overlap pair: the matcher's dummy completion places them).
+    half = G // 2
+    old[1] = rng.integers(0, E // 2, G * S)
+    ideal = old[1].copy()
+    ideal[half * S:] = rng.integers(E // 2, E, (G - half) * S)
+    new[1] = ideal.reshape(G, S)[np.concatenate([rng.permutation(half), rng.permutation(G - half) + half])].ravel()
+    monkeypatch.setattr(moves, "SPARSE_FROM_GPUS", 10**9)
+    dense = np.take_along_axis(new, mg.relabel(old, new, G, E), axis=1)
+    monkeypatch.setattr(moves, "SPARSE_FROM_GPUS", 1)
+    sparse = np.take_along_axis(new, mg.relabel(old, new, G, E), axis=1)
+    np.testing.assert_array_equal(mg.count_moves(old, sparse, G, E).sum(axis=1),
+                                  mg.count_moves(old, dense, G, E).sum(axis=1))
+    np.testing.assert_array_equal(sparse[0], old[0])
+    assert mg.count_moves(old[1:2], sparse[1:2], G, E).sum() == mg.count_moves(old[1:2], ideal[None], G, E).sum()
+    assert (np.sort(sparse, axis=1) == np.sort(new, axis=1)).all()
+
+
 def test_relabel_is_optimal_against_brute_force(rng):
     L, G, S, E = 4, 4, 2, 6
     old, new = random_map(rng, L, G, S, E), random_map(rng, L, G, S, E)
@@ -345,6 +373,7 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     assert mg.warm_up() >= 0.0
     kernels = [(_search_kernel, "search"), (_search_kernel, "holdings_LEG"), (_moves_kernel, "keep_slots"),
                (_moves_kernel, "count_moves"), (_moves_kernel, "keep_counts"), (_moves_kernel, "gpu_assignment"),
+               (_moves_kernel, "keep_pairs"),
                (_schedule_kernel, "schedule")]
     signatures = lambda: [len(getattr(K, n).signatures) for K, n in kernels]  # noqa: E731
     before = signatures()

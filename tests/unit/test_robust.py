@@ -155,3 +155,15 @@ def test_kept_windows_count_is_the_quantile_of_the_windows(quantile, T, keep):
     # quantile x T rounded up, without floating-point noise (0.55 x 100 = 55.00000000000001).
     load_LGT = np.random.default_rng(T).random((2, 3, T))
     assert (kept_windows(load_LGT, quantile).sum(axis=1) == keep).all()
+
+
+def test_blends_with_the_same_replica_counts_are_planned_once(rng):
+    """One window: its mean share is its max, so both default blends give one plan."""
+    load = rng.gamma(0.5, size=(3, 32)) * 100
+    both = plan(load, num_gpus=4, num_redundant=8, planner="robust")
+    one = plan(load, num_gpus=4, num_redundant=8, planner="robust", settings={"blends": "0"})
+    assert both.info["blends_planned"] == 1
+    np.testing.assert_array_equal(both.placement.phy2log_LP, one.placement.phy2log_LP)
+    several = plan(load[None] * rng.uniform(0.5, 1.5, size=(4, 3, 32)), num_gpus=4, num_redundant=8,
+                   planner="robust")
+    assert several.info["blends_planned"] == 2

@@ -17,6 +17,7 @@ from eplb.planning import plan
 from eplb.rebalance import Rebalancer
 from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from planners.rule_previous import fit_gpus, held_by_gpu, match_units
+from tests.placements import spread_placement
 
 RULES = [SglangStatic(), SglangStatic(path="rebalance"), SglangDynamic()]
 TOPO = dict(num_gpus=8, num_nodes=4, num_redundant=8)
@@ -33,19 +34,7 @@ def _served(placement, load, rule):
 
 
 def _random_placement(rng, L=4, E=32, G=8, N=4, S=5):
-    """Every expert once, the other slots random replicas on GPUs that lack them (any node)."""
-    rows = []
-    for _ in range(L):
-        slots = [[] for _ in range(G)]
-        for i, e in enumerate(rng.permutation(E)):
-            slots[i % G].append(int(e))
-        for g in range(G):
-            while len(slots[g]) < S:
-                e = int(rng.integers(E))
-                if e not in slots[g]:
-                    slots[g].append(e)
-        rows.append([e for g in range(G) for e in slots[g]])
-    return Placement(np.array(rows), G, E, N)
+    return spread_placement(rng, L, E, G, N, S)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.name}-{r.path}")

@@ -149,6 +149,9 @@ def test_never_worse_than_the_even_split_in_any_layer(B):
     p, load = _placement(seed=B, L=6, G=8, redundant=24)
     td, even = TimeDispatch(COST).bind(p), get_rule("even").bind(p)
     for counts in _batches(load, B, 4, seed=B):
-        t = step_cost(COST, p, slot_rows(p, counts, td(counts)), B).compute_s_LG.max(axis=1)
-        e = step_cost(COST, p, slot_rows(p, counts, even(counts)), B).compute_s_LG.max(axis=1)
-        assert (t <= e * (1 + 1e-9)).all()
+        t = step_cost(COST, p, slot_rows(p, counts, td(counts)), B)
+        e = step_cost(COST, p, slot_rows(p, counts, even(counts)), B)
+        assert (t.compute_s_LG.max(axis=1) <= e.compute_s_LG.max(axis=1) * (1 + 1e-9)).all()
+        # ... and in the whole modeled step: rows gathered on fewer replicas gather the
+        # all-to-all onto fewer GPUs, which can cost more than the weight streams saved.
+        assert (t.layer_s_L <= e.layer_s_L * (1 + 1e-9)).all()

@@ -1,0 +1,294 @@
+"""Serving-grade speed (issue 12): each target beside its reference, measured in one run.
+
+    python benchmarks/bench_speed.py [--traces ../shared/traces/deepseek_v3_sglang] [--write-docs]
+    python benchmarks/bench_speed.py --parts schedule        # one part: start, schedule, decision, greedy, cli
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
+
+Parts (data: every SGLang DeepSeek-V3 JSON in --traces, summed over its windows, else the shipped
+synthetic traces/deepseek.npz; the Kimi-K2 (61 x 384) and Qwen3-235B (94 x 128) shapes use
+seeded synthetic Pareto loads, no real data of them exists here):
+- start: a fresh process with an empty NUMBA_CACHE_DIR (a fresh install's cache), then one with
+  that cache warm: `Rebalancer(...)` return time and the wait of its first rebalance().
+- schedule: for every ordered pair of workloads (A's greedy plan serving, B's relabelled greedy
+  plan the target) the migration schedule's rounds against the round bound (the most network
+  copies into one GPU; no schedule can have fewer rounds).
+- decision: Rebalancer.rebalance() (plan(previous=, budget=) + schedule) against SGLang's
+  from-scratch DeepSeek plan of the same load, timed in the same run; balance after it against
+  a fresh greedy plan (busiest GPU / mean, median over layers).
+- greedy: greedy through plan(): busiest GPU / lower bound (mean over layers) and time against
+  SGLang's DeepSeek; robust at 256 GPUs / 768 slots against SGLang's time.
+- cli: wall time of `eplb plan traces/deepseek.npz --gpus 16` (robust, the CLI's default).
+SGLang's DeepSeek is `deepseek.py` from the installed sglang wheel (see bench_greedy.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_greedy import load_reference  # noqa: E402
+from workloads import workloads  # noqa: E402
+
+import eplb.migration as mg  # noqa: E402
+from eplb import stats  # noqa: E402
+from eplb.placement import Placement  # noqa: E402
+from eplb.planning import plan  # noqa: E402
+
+SHAPES = [(32, 288), (64, 320), (128, 384), (256, 512)]
+"""(GPUs, slots) of the DeepSeek-V3 rows: 288 slots at 32 GPUs as SGLang ships, else one redundant slot per GPU."""
+
+_START = r"""
+import time, numpy as np
+t0 = time.perf_counter()
+from eplb.placement import Placement
+from eplb.rebalance import Rebalancer
+from eplb.planning import plan
+load = np.random.default_rng(0).pareto(1.2, (58, 256)) * 100 + 1
+pl = plan(load, num_gpus=32, num_redundant=32).placement
+t1 = time.perf_counter()
+rb = Rebalancer(pl, interval=1, min_improvement=0.0)
+t2 = time.perf_counter()
+rb.observe(np.random.default_rng(1).pareto(1.2, (58, 256)) * 100 + 1)
+res = rb.rebalance()
+print(t1 - t0, t2 - t1, res.info["kernel_wait_seconds"], res.seconds, rb.warmup.compiled)
+"""
+
+
+TARGETS: list[tuple[str, str, str, bool]] = []
+"""(target, measured figure, its reference in the same run, met) rows, gathered by the parts."""
+
+
+def record(what: str, figure: str, reference: str, met) -> None:
+    TARGETS.append((what, figure, reference, bool(met)))
+
+
+def median_time(fn, repeats):
+    out, times = None, []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return out, float(np.median(times))
+
+
+def synthetic(L, E, seed):
+    return np.floor(np.random.default_rng(seed).pareto(1.2, (L, E)) * 1000) + 1
+
+
+def part_start(args, out):
+    """Fresh-install start (empty cache) and a later process's start, in side processes."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
+        for label in ("empty NUMBA_CACHE_DIR (fresh install)", "warm cache (every later process)"):
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True, text=True, check=True)
+            wall = time.perf_counter() - t0
+            imp, ctor, wait, dec, compiled = r.stdout.split()
+            rows.append((label, float(ctor), float(wait), float(dec), wall, compiled))
+    out.append("## Start-up (58 x 256, 32 GPUs, 288 slots; greedy planner)\n")
+    out.append("| process | Rebalancer() s | first rebalance waited s | first rebalance s | process wall s "
+               "| compiled |\n|---|---:|---:|---:|---:|---|")
+    for label, ctor, wait, dec, wall, comp in rows:
+        out.append(f"| {label} | {ctor:.3f} | {wait:.2f} | {dec:.2f} | {wall:.1f} | {comp} |")
+    record("first Rebalancer() after a fresh install <= 5 s", f"{rows[0][1]:.3f} s",
+           f"first decision waited {rows[0][2]:.1f} s for the compile", rows[0][1] <= 5)
+    record("Rebalancer() in every new process <= 0.5 s", f"{rows[1][1]:.3f} s",
+           f"first decision waited {rows[1][2]:.2f} s", rows[1][1] <= 0.5)
+    out.append(f"\nTargets: first Rebalancer() <= 5 s: {rows[0][1]:.3f} s; start in a new process <= 0.5 s: "
+               f"{rows[1][1]:.3f} s (Rebalancer() returns at once; its first decision waits for the "
+               f"kernels: {rows[0][2]:.1f} s on the empty cache, {rows[1][2]:.2f} s warm). A fresh venv was "
+               "not measured (the empty cache is what a fresh install has).\n")
+
+
+def part_schedule(args, out, loads):
+    out.append("## Migration schedule rounds vs the round bound (DeepSeek-V3 workload pairs)\n")
+    out.append("| GPUs | slots | pairs | rounds / bound: median | worst | worst pair's rounds (bound) "
+               "| schedule ms median |\n|---:|---:|---:|---:|---:|---|---:|")
+    worst_all = 0.0
+    for G, P in SHAPES:
+        E = next(iter(loads.values())).shape[1]
+        plans = {n: plan(w, num_gpus=G, num_redundant=P - E).placement for n, w in loads.items()}
+        ratios, times, worst = [], [], (0.0, 0, 0)
+        for a in loads:
+            for b in loads:
+                if a == b:
+                    continue
+                old = plans[a].phy2log_LP
+                target = plans[b].phy2log_LP
+                new = np.take_along_axis(target, mg.relabel(old, target, G, E), axis=1)
+                bound = int(mg.count_moves(old, new, G, E).sum(axis=0).max())
+                t0 = time.perf_counter()
+                s = mg.schedule(old, new, G, E)
+                times.append(time.perf_counter() - t0)
+                r = s.num_rounds / max(bound, 1)
+                ratios.append(r)
+                if r > worst[0]:
+                    worst = (r, s.num_rounds, bound)
+        worst_all = max(worst_all, worst[0])
+        record(f"schedule rounds <= 1.10x round bound, every pair, {G} GPUs", f"worst {worst[0]:.3f}x "
+               f"(median {np.median(ratios):.3f}x)", f"bound {worst[2]} rounds on the worst pair", worst[0] <= 1.10)
+        out.append(f"| {G} | {P} | {len(ratios)} | {np.median(ratios):.3f} | {worst[0]:.3f} | "
+                   f"{worst[1]} ({worst[2]}) | {np.median(times) * 1e3:.1f} |")
+    out.append(f"\nTarget: rounds <= 1.10x the bound on every pair: worst {worst_all:.3f}x "
+               f"({'met' if worst_all <= 1.10 else 'NOT met'}).\n")
+
+
+def part_decision(args, out, loads, ref):
+    import torch
+
+    from eplb.rebalance import Rebalancer
+
+    out.append("## rebalance() decision vs SGLang's from-scratch plan (DeepSeek-V3 loads, same run)\n")
+    out.append("Two Rebalancers: the default (policy \"auto\": the adaptive online policy, which repairs "
+               "the served placement within its budget) and policy=None (plan(previous=, budget=) and the "
+               "migration step). Each serves workload A's greedy plan and observes workload B once.\n")
+    out.append("| Rebalancer | GPUs | slots | rebalance() ms median | SGLang plan ms median | ratio | balance after "
+               "/ fresh greedy (median over pairs) | moves median |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    names = list(loads)
+    pairs = [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))][: args.pairs]
+    modes = [("default (adaptive)", {}), ("policy=None", {"policy": None, "min_improvement": 0.0})]
+    for G, P in [(32, 288), (128, 384), (256, 512)]:
+        E = next(iter(loads.values())).shape[1]
+        for label, kw in modes:
+            dec, refs, bal, moves = [], [], [], []
+            for a, b in pairs:
+                rb = Rebalancer(plan(loads[a], num_gpus=G, num_redundant=P - E).placement, interval=1, **kw)
+                rb.warmup.wait()
+                rb.observe(loads[b])
+                res = rb.rebalance()
+                dec.append(res.seconds)
+                moves.append(res.moves)
+                w = torch.tensor(loads[b])
+                _, sec = median_time(lambda w=w, P=P, G=G: ref.rebalance_experts(w, P, 1, 1, G, False), 3)
+                refs.append(sec)
+                fresh = plan(loads[b], num_gpus=G, num_redundant=P - E).placement
+                imb = np.median(stats.imbalance(res.placement.gpu_loads(loads[b])))
+                bal.append(imb / np.median(stats.imbalance(fresh.gpu_loads(loads[b]))))
+            d, r = float(np.median(dec)), float(np.median(refs))
+            out.append(f"| {label} | {G} | {P} | {d * 1e3:.1f} | {r * 1e3:.1f} | {d / r:.3f} | {np.median(bal):.4f} "
+                       f"| {int(np.median(moves))} |")
+            record(f"rebalance() <= 0.25x SGLang's plan time, {label}, {G} GPUs / {P} slots",
+                   f"{d * 1e3:.0f} ms ({d / r:.2f}x)", f"SGLang {r * 1e3:.0f} ms", d / r <= 0.25)
+            if G == 256:
+                record(f"balance after rebalance at 256 GPUs within 1% of fresh greedy, {label}",
+                       f"{np.median(bal):.4f}x", "fresh greedy plan = 1", np.median(bal) <= 1.01)
+    out.append("\nTargets: ratio <= 0.25 at each shape; balance at 256 GPUs within 1% of the fresh plan "
+               "(<= 1.01).\n")
+
+
+def part_greedy(args, out, loads, ref):
+    import torch
+
+    out.append("## greedy through plan() vs SGLang's DeepSeek: quality (/ lower bound) and time\n")
+    out.append("| data | L x E | GPUs | slots | greedy max/LB mean | SGLang max/LB mean | greedy ms | SGLang ms "
+               "| SGLang / greedy time |\n|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    cases = [("DeepSeek-V3 (8 workloads, medians)", loads, G, P) for G, P in SHAPES]
+    cases += [("Kimi-K2 shape (seeded synthetic)", {"k": synthetic(61, 384, 1)}, 64, 448),
+              ("Qwen3-235B shape (seeded synthetic)", {"q": synthetic(94, 128, 2)}, 32, 160)]
+    for label, ws, G, P in cases:
+        q_g, q_r, t_g, t_r = [], [], [], []
+        for w in ws.values():
+            L, E = w.shape
+            lb = stats.lower_bound(w, G, P)
+            pl, sec = median_time(lambda w=w, G=G, R=P - E: plan(w, num_gpus=G, num_redundant=R).placement,
+                                  args.repeats)
+            q_g.append(float(np.mean(pl.gpu_loads(w).max(axis=1) / lb)))
+            t_g.append(sec)
+            wt = torch.tensor(w)
+            (phy, _, _), sec = median_time(lambda wt=wt, P=P, G=G: ref.rebalance_experts(wt, P, 1, 1, G, False), 3)
+            phy = phy.numpy()
+            q_r.append(float(np.mean(Placement(phy, G, E).gpu_loads(w).max(axis=1) / lb)))
+            t_r.append(sec)
+        L, E = next(iter(ws.values())).shape
+        limit = {32: 1.002, 64: 1.005, 128: 1.005}.get(G) if label.startswith("DeepSeek") else None
+        if limit:
+            record(f"greedy max/LB mean <= {limit}, {G} GPUs / {P} slots", f"{np.median(q_g):.4f}",
+                   f"SGLang {np.median(q_r):.4f}", np.median(q_g) <= limit)
+        speed = np.median(t_r) / np.median(t_g)
+        record(f"greedy via plan() >= 25x faster than SGLang, {label.split(' (')[0]} {G} GPUs",
+               f"{np.median(t_g) * 1e3:.1f} ms ({speed:.1f}x)", f"SGLang {np.median(t_r) * 1e3:.0f} ms", speed >= 25)
+        out.append(f"| {label} | {L} x {E} | {G} | {P} | {np.median(q_g):.4f} | {np.median(q_r):.4f} | "
+                   f"{np.median(t_g) * 1e3:.2f} | {np.median(t_r) * 1e3:.1f} | {np.median(t_r) / np.median(t_g):.1f} |")
+    w = next(iter(loads.values()))
+    _, t_rob = median_time(lambda: plan(w, num_gpus=256, num_redundant=768 - w.shape[1], planner="robust"), 3)
+    _, t_ref = median_time(lambda: ref.rebalance_experts(torch.tensor(w), 768, 1, 1, 256, False), 3)
+    record("robust at 256 GPUs / 768 slots <= 2x SGLang's time", f"{t_rob * 1e3:.0f} ms ({t_rob / t_ref:.2f}x)",
+           f"SGLang {t_ref * 1e3:.0f} ms", t_rob / t_ref <= 2)
+    out.append(f"\nrobust at 256 GPUs / 768 slots: {t_rob * 1e3:.0f} ms vs SGLang {t_ref * 1e3:.0f} ms "
+               f"({t_rob / t_ref:.2f}x; target <= 2x).")
+    out.append("Targets: greedy max/LB mean <= 1.002 at 32 GPUs, <= 1.005 at 64 / 128 GPUs; greedy >= 25x "
+               "faster than SGLang.\n")
+
+
+def part_cli(args, out):
+    cmd = [sys.executable, "-m", "eplb", "plan", str(ROOT / "traces/deepseek.npz"), "--gpus", "16"]
+    with tempfile.TemporaryDirectory() as d:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            subprocess.run(cmd + ["-o", os.path.join(d, "p.json")], cwd=d, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                           capture_output=True, check=True)
+            times.append(time.perf_counter() - t0)
+    record("`eplb plan traces/deepseek.npz --gpus 16` <= 1.5 s wall", f"{np.median(times):.2f} s", "1.5 s",
+           np.median(times) <= 1.5)
+    out.append("## CLI\n")
+    out.append(f"`eplb plan traces/deepseek.npz --gpus 16` (robust): median {np.median(times):.2f} s wall over 3 "
+               f"runs (process start included; target <= 1.5 s).\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared/traces/deepseek_v3_sglang")
+    ap.add_argument("--fallback", type=Path, default=ROOT / "traces/deepseek.npz")
+    ap.add_argument("--parts", nargs="+", default=["start", "schedule", "decision", "greedy", "cli"])
+    ap.add_argument("--pairs", type=int, default=4, help="workload pairs timed in the decision part")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--write-docs", action="store_true", help="also write docs/results/speed.md")
+    args = ap.parse_args()
+    loads = dict(workloads(args.traces, args.fallback, 256))
+    ref, where = load_reference()
+    if ref is not None:
+        import torch
+
+        torch.set_num_threads(1)
+    source = args.traces if args.traces.is_dir() else args.fallback
+    out = [f"# Speed (issue 12)\n\nWritten by `python benchmarks/bench_speed.py --parts {' '.join(args.parts)} "
+           f"--write-docs`. DeepSeek-V3 data: {len(loads)} workload(s) from {source}; "
+           f"SGLang reference: {where}.\n"]
+    for part in args.parts:
+        if part in ("decision", "greedy") and ref is None:
+            out.append(f"## {part}: not measured ({where})\n")
+            continue
+        {"start": lambda: part_start(args, out), "schedule": lambda: part_schedule(args, out, loads),
+         "decision": lambda: part_decision(args, out, loads, ref), "greedy": lambda: part_greedy(args, out, loads, ref),
+         "cli": lambda: part_cli(args, out)}[part]()
+        print(f"[{part} done]", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    out.append(f"Machine: {os.cpu_count()} cores, load average {load:.1f} at the end (shared with other jobs: "
+               "timings are noisy, ratios are taken side by side).\n")
+    summary = ["## Targets\n", "| target | measured | reference (same run) | met |", "|---|---|---|---|"]
+    summary += [f"| {w} | {f} | {r} | {'yes' if m else 'NO'} |" for w, f, r, m in TARGETS]
+    text = "\n".join(out[:1] + summary + [""] + out[1:])
+    print(text)
+    if args.write_docs:
+        from eplb.hardware import write_text_atomic
+
+        write_text_atomic(ROOT / "docs/results/speed.md", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Compiled kernels without the wait: load them in the background, compile them in side processes.
+
+eplb's hot loops are numba kernels (planners/_greedy_kernel.py, eplb/migration/_*_kernel.py)
+compiled with `cache=True`: the first process after an install compiles them (tens of seconds
+on a small machine), every later one loads the machine code from the cache (about a second,
+numba's import included). Neither should hold up a serving process, so `warm_up_in_background`
+runs on a daemon thread:
+1. it loads every kernel in this process, refusing to compile (a numba compile event in that
+   thread aborts the load): with a warm cache that is all;
+2. on a cold cache it compiles in side processes, one per kernel module and all at once (no
+   GIL shared with the serving threads here, and a machine with several cores compiles them
+   in parallel), then loads their cache in this process.
+`Warmup.wait()` blocks until the kernels are loaded; the Rebalancer calls it before its first
+decision. A module named here is imported by name (the caller's choice, like the planner
+table) and must define `warm_up()`, which runs each of its kernels once on tiny inputs of the
+argument types the real calls use. Set EPLB_COMPILE_IN_PROCESS=1 to compile in this process
+instead of in side processes (a sandbox that forbids subprocesses).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import threading
+import time
+
+_SIDE_TIMEOUT_S = 1800.0
+"""A side process still compiling after this long is given up on (the thread then compiles here)."""
+
+
+class _ColdCache(Exception):
+    """A kernel had no cached machine code (raised inside numba's compile event)."""
+
+
+_probing: set[int] = set()
+_listener_installed = False
+_listener_lock = threading.Lock()
+
+
+def _install_listener() -> None:
+    """A numba compile-event listener that aborts compiles started by a probing thread."""
+    global _listener_installed
+    with _listener_lock:
+        if _listener_installed:
+            return
+        from numba.core import event
+
+        class _RefuseCompile(event.Listener):
+            def on_start(self, ev):
+                if threading.get_ident() in _probing:
+                    raise _ColdCache(ev.data["dispatcher"].py_func.__qualname__)
+
+            def on_end(self, ev):
+                pass
+
+        event.register("numba:compile", _RefuseCompile())
+        _listener_installed = True
+
+
+def _warm_up(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        importlib.import_module(name).warm_up()
+
+
+def load_cached(modules: tuple[str, ...]) -> bool:
+    """Load the kernels of `modules` from numba's cache in this thread without compiling any;
+    False when one is not cached yet (those before it stay loaded)."""
+    _install_listener()
+    me = threading.get_ident()
+    _probing.add(me)
+    try:
+        _warm_up(modules)
+        return True
+    except _ColdCache:
+        return False
+    finally:
+        _probing.discard(me)
+
+
+def compile_in_side_processes(modules: tuple[str, ...]) -> list[str]:
+    """Compile the kernels of each module in a process of its own (all at once) so that they
+    land in numba's cache; returns the failures (module: reason), empty when all compiled."""
+    env = dict(os.environ)
+    # The side processes import the same eplb (sys.path may have been extended at run time).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    procs = []
+    for name in modules:
+        code = f"import importlib; importlib.import_module({name!r}).warm_up()"
+        procs.append((name, subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    failed = []
+    for name, proc in procs:
+        try:
+            _, err = proc.communicate(timeout=_SIDE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failed.append(f"{name}: still compiling after {_SIDE_TIMEOUT_S:.0f} s")
+            continue
+        if proc.returncode != 0:
+            last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            failed.append(f"{name}: {last[0]}")
+    return failed
+
+
+class Warmup:
+    """Loading (and on a cold cache, compiling) a set of kernel modules on a daemon thread."""
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.modules = tuple(modules)
+        self.status = "not started"
+        """"loading", "compiling in side processes", "ready", or "failed: ..." (the kernels
+        then compile on first use, in the calling thread)."""
+        self.compiled = False
+        """True when the cache was cold and the kernels were compiled for this warm-up."""
+        self.seconds: float | None = None
+        """Wall time from start to ready (None until then)."""
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Warmup:
+        if self._thread is None:
+            self.status = "loading"
+            self._thread = threading.Thread(target=self._run, name="eplb-kernel-warmup", daemon=True)
+            self._t0 = time.perf_counter()
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            if not load_cached(self.modules):
+                self.compiled = True
+                failed = []
+                if os.environ.get("EPLB_COMPILE_IN_PROCESS", "") in ("", "0"):
+                    self.status = "compiling in side processes"
+                    failed = compile_in_side_processes(self.modules)
+                # Loads what the side processes cached; compiles here whatever they could not.
+                _warm_up(self.modules)
+                if failed:
+                    self.status = "ready (compiled in this process: " + "; ".join(failed) + ")"
+                    return
+            self.status = "ready"
+        except Exception as exc:  # the kernels then compile on first use, where the error shows
+            self.status = f"failed: {type(exc).__name__}: {exc}"
+        finally:
+            self.seconds = time.perf_counter() - self._t0
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the kernels are loaded (or the warm-up gave up); False on timeout."""
+        if self._thread is None:
+            self.start()
+        return self._done.wait(timeout)
+
+
+_warmups: dict[tuple[str, ...], Warmup] = {}
+_warmups_lock = threading.Lock()
+
+
+def warm_up_in_background(modules: tuple[str, ...]) -> Warmup:
+    """The process's warm-up of these kernel modules, started on first request (later calls
+    with the same modules return the same one)."""
+    key = tuple(modules)
+    with _warmups_lock:
+        w = _warmups.get(key)
+        if w is None:
+            w = _warmups[key] = Warmup(key).start()
+        return w

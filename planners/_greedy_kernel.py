@@ -1,0 +1,345 @@
+"""Compiled greedy planning (numba): replicate, pack and refine, one row at a time.
+
+Legend: R = rows (layers, or layers x nodes for node-local packing), E = logical experts,
+G = GPUs of a row, S = slots per GPU, P = G x S slots. Slot p of a row lives on GPU p // S.
+
+- `replicate`: replica counts per row, each next slot to the expert with the highest load per
+  replica (a heap; ties: fewer replicas, then the lower expert id);
+- `pack`: S rounds; round k hands the next G heaviest replicas, heaviest first, to the GPUs
+  in order of their load so far, lightest first (ties: lower GPU index). Every GPU gets one
+  replica per round, so the slot limit holds by construction; the one expert whose replicas
+  straddle two rounds takes the lightest GPUs that do not hold it yet;
+- `refine`: swaps of a replica on the busiest GPU with one on a lighter GPU, the swap that
+  leaves the pair's larger load lowest first, while one lowers the busiest GPU;
+- `plan`: the three in one call (what `GreedyPlanner` runs).
+The code is plain loops over scalars (no numpy sorting or slicing inside): numba compiles such
+code in a fraction of the time its array library takes, and only the first process after an
+install compiles (`cache=True`). Every kernel trusts its input (planners/greedy.py checks it)
+and releases the GIL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def _first(key, cnt, a, b):
+    """Does expert a get the next slot before b: higher load per replica, then fewer
+    replicas, then the lower id."""
+    if key[a] != key[b]:
+        return key[a] > key[b]
+    if cnt[a] != cnt[b]:
+        return cnt[a] < cnt[b]
+    return a < b
+
+
+@njit(cache=True, nogil=True)
+def _sift(key, cnt, heap, n, i):
+    """Restore the heap order of heap[:n] below position i (`_first` on top)."""
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n and _first(key, cnt, heap[c + 1], heap[c]):
+            c += 1
+        if not _first(key, cnt, heap[c], heap[i]):
+            return
+        x = heap[i]
+        heap[i] = heap[c]
+        heap[c] = x
+        i = c
+
+
+@njit(cache=True, nogil=True)
+def _replicate_row(load_E, P, G, cnt_E, key_E, heap):
+    """Replica counts of one row into cnt_E: sum P, 1 <= cnt <= G."""
+    E = load_E.size
+    for e in range(E):
+        cnt_E[e] = 1
+        key_E[e] = load_E[e]
+        heap[e] = e
+    n = E
+    for i in range(n // 2 - 1, -1, -1):
+        _sift(key_E, cnt_E, heap, n, i)
+    for _ in range(P - E):
+        e = heap[0]
+        cnt_E[e] += 1
+        if cnt_E[e] >= G:
+            n -= 1
+            heap[0] = heap[n]
+        else:
+            key_E[e] = load_E[e] / cnt_E[e]
+        _sift(key_E, cnt_E, heap, n, 0)
+
+
+@njit(cache=True, nogil=True)
+def replicate(load_RE, P, G):
+    """Replica counts int64 [R, E] (each row sums to P, 1 <= count <= G) minimising each
+    row's largest load per replica."""
+    R, E = load_RE.shape
+    cnt_RE = np.empty((R, E), dtype=np.int64)
+    key_E = np.empty(E)
+    heap = np.empty(E, dtype=np.int64)
+    for r in range(R):
+        _replicate_row(load_RE[r], P, G, cnt_RE[r], key_E, heap)
+    return cnt_RE
+
+
+@njit(cache=True, nogil=True)
+def _ties_by_id(key, order, n):
+    """Sort each run of equal keys in order[:n] by index (an unstable sort left them in any order)."""
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and key[order[j]] == key[order[i]]:
+            j += 1
+        for a in range(i + 1, j):
+            x = order[a]
+            b = a
+            while b > i and order[b - 1] > x:
+                order[b] = order[b - 1]
+                b -= 1
+            order[b] = x
+        i = j
+
+
+@njit(cache=True, nogil=True)
+def _sort_gpus(gl, gorder, G):
+    """Insertion-sort gorder[:G] by load ascending, lower index among ties (cheap when the order
+    is nearly right already)."""
+    for a in range(1, G):
+        g = gorder[a]
+        lg = gl[g]
+        b = a
+        while b > 0 and (gl[gorder[b - 1]] > lg or (gl[gorder[b - 1]] == lg and gorder[b - 1] > g)):
+            gorder[b] = gorder[b - 1]
+            b -= 1
+        gorder[b] = g
+
+
+@njit(cache=True, nogil=True)
+def pack(per_RE, cnt_RE, order_RE, G, S):
+    """phy2log int64 [R, P]: cnt_RE[r, e] replicas of load per_RE[r, e] each, in S rounds (see
+    the module docstring). order_RE: each row's experts by per_RE descending (any order among
+    ties: they are put in id order here). Each row's counts sum to P and none exceeds G (a
+    count of 0 places nothing)."""
+    R, E = per_RE.shape
+    P = G * S
+    phy = np.empty((R, P), dtype=np.int64)
+    order = np.empty(E, dtype=np.int64)
+    rep = np.empty(P, dtype=np.int64)
+    last = np.empty(E, dtype=np.int64)
+    gl = np.empty(G)
+    gorder = np.empty(G, dtype=np.int64)
+    chosen = np.empty(G, dtype=np.int64)
+    for r in range(R):
+        per_E = per_RE[r]
+        for i in range(E):
+            order[i] = order_RE[r, i]
+        _ties_by_id(per_E, order, E)
+        n = 0
+        for i in range(E):
+            e = order[i]
+            for _ in range(cnt_RE[r, e]):
+                rep[n] = e
+                n += 1
+        for e in range(E):
+            last[e] = -1
+        for g in range(G):
+            gl[g] = 0.0
+            gorder[g] = g
+        for k in range(S):
+            if k > 0:
+                # The lightest GPUs took the heaviest replicas: the reversed order is nearly sorted.
+                for j in range(G // 2):
+                    x = gorder[j]
+                    gorder[j] = gorder[G - 1 - j]
+                    gorder[G - 1 - j] = x
+                _sort_gpus(gl, gorder, G)
+            base = k * G
+            first = rep[base]
+            if k > 0 and last[first] == k - 1:
+                # Only the expert that opens round k can sit on a GPU already (from round k - 1):
+                # its m replicas here take the m lightest GPUs that do not hold it yet, and the
+                # other GPUs follow in their load order.
+                m = 0
+                while m < G and rep[base + m] == first:
+                    m += 1
+                free = 0
+                held = 0
+                for j in range(G):
+                    g = gorder[j]
+                    if free < m and phy[r, g * S + k - 1] != first:
+                        chosen[free] = g
+                        free += 1
+                    else:
+                        gorder[held] = g
+                        held += 1
+                for j in range(held - 1, -1, -1):
+                    gorder[free + j] = gorder[j]
+                for j in range(free):
+                    gorder[j] = chosen[j]
+            for j in range(G):
+                g = gorder[j]
+                e = rep[base + j]
+                phy[r, g * S + k] = e
+                gl[g] += per_E[e]
+                last[e] = k
+    return phy
+
+
+@njit(cache=True, nogil=True)
+def _place(order, pos, gl, g, G):
+    """Move GPU g to its place in order (ascending load, lower index among ties) after its
+    load changed; pos is the inverse of order."""
+    i = pos[g]
+    lg = gl[g]
+    while i > 0 and (gl[order[i - 1]] > lg or (gl[order[i - 1]] == lg and order[i - 1] > g)):
+        order[i] = order[i - 1]
+        pos[order[i]] = i
+        i -= 1
+    while i < G - 1 and (gl[order[i + 1]] < lg or (gl[order[i + 1]] == lg and order[i + 1] < g)):
+        order[i] = order[i + 1]
+        pos[order[i]] = i
+        i += 1
+    order[i] = g
+    pos[g] = i
+
+
+@njit(cache=True, nogil=True)
+def _sort_gpu_items(phy, per_E, g, S, srt, ws):
+    """srt[g S:(g + 1) S] = GPU g's slots by the load of their replica, ascending (ws: the loads)."""
+    o = g * S
+    for j in range(S):
+        p = o + j
+        w = per_E[phy[p]]
+        b = j
+        while b > 0 and ws[o + b - 1] > w:
+            srt[o + b] = srt[o + b - 1]
+            ws[o + b] = ws[o + b - 1]
+            b -= 1
+        srt[o + b] = p
+        ws[o + b] = w
+
+
+@njit(cache=True, nogil=True)
+def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
+    """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
+    (does the GPU hold the expert), gl, order, pos [G], srt, ws [P] (`_sort_gpu_items`)."""
+    E = per_E.size
+    P = G * S
+    for e in range(E):
+        for g in range(G):
+            holds[e, g] = False
+    total = 0.0
+    wmax = 0.0
+    for g in range(G):
+        gl[g] = 0.0
+    for p in range(P):
+        e = phy[p]
+        gl[p // S] += per_E[e]
+        holds[e, p // S] = True
+        total += per_E[e]
+        if per_E[e] > wmax:
+            wmax = per_E[e]
+    # No placement of these replicas has a busiest GPU below the mean or the heaviest one.
+    floor = max(total / G, wmax)
+    for g in range(G):
+        order[g] = g
+        pos[g] = g
+        _sort_gpu_items(phy, per_E, g, S, srt, ws)
+    for g in range(G):
+        _place(order, pos, gl, g, G)
+    swaps = 0
+    while swaps < max_swaps:
+        h = order[G - 1]
+        top = gl[h]
+        if top <= floor * (1.0 + 1e-12):
+            break
+        oh = h * S
+        # The best swap leaves max(top - d, lg + d) lowest, d = the load moved from h to g; it
+        # must lower the busiest GPU by more than rounding noise.
+        best = top * (1.0 - 1e-9)
+        ba = -1
+        bb = -1
+        for i in range(G - 1):
+            g = order[i]
+            lg = gl[g]
+            if 0.5 * (top + lg) >= best:
+                break                      # lighter GPUs came first: no later one can do better
+            og = g * S
+            if top - (ws[oh + S - 1] - ws[og]) >= best:
+                continue                   # even its lightest replica cannot take enough load
+            half = 0.5 * (top - lg)
+            j = 0
+            for ia in range(S):            # h's replicas, lightest first
+                a = srt[oh + ia]
+                if holds[phy[a], g]:
+                    continue
+                wa = ws[oh + ia]
+                t = wa - half              # the ideal partner's load: both GPUs end equal
+                while j < S and ws[og + j] < t:
+                    j += 1
+                # Partners at least as heavy as ideal: max = top - d, rising with their load.
+                for jj in range(j, S):
+                    wb = ws[og + jj]
+                    if wb >= wa or top - wa + wb >= best:
+                        break
+                    b = srt[og + jj]
+                    if not holds[phy[b], h]:
+                        best = top - wa + wb
+                        ba = a
+                        bb = b
+                        break
+                # Lighter partners: max = lg + d, rising as their load falls.
+                for jj in range(j - 1, -1, -1):
+                    wb = ws[og + jj]
+                    if lg + wa - wb >= best:
+                        break
+                    b = srt[og + jj]
+                    if not holds[phy[b], h]:
+                        best = lg + wa - wb
+                        ba = a
+                        bb = b
+                        break
+        if ba < 0:
+            break
+        ea = phy[ba]
+        eb = phy[bb]
+        g = bb // S
+        d = per_E[ea] - per_E[eb]
+        phy[ba] = eb
+        phy[bb] = ea
+        gl[h] -= d
+        gl[g] += d
+        holds[ea, h] = False
+        holds[eb, h] = True
+        holds[eb, g] = False
+        holds[ea, g] = True
+        _sort_gpu_items(phy, per_E, h, S, srt, ws)
+        _sort_gpu_items(phy, per_E, g, S, srt, ws)
+        _place(order, pos, gl, h, G)
+        _place(order, pos, gl, g, G)
+        swaps += 1
+    return swaps
+
+
+@njit(cache=True, nogil=True)
+def refine(phy_RP, per_RE, G, max_swaps):
+    """Lower each row's busiest GPU by replica swaps, in place (at most max_swaps per row);
+    returns the swaps made in all rows. Each replica of expert e carries per_RE[r, e]."""
+    R, P = phy_RP.shape
+    E = per_RE.shape[1]
+    S = P // G
+    holds = np.empty((E, G), dtype=np.bool_)
+    gl = np.empty(G)
+    order = np.empty(G, dtype=np.int64)
+    pos = np.empty(G, dtype=np.int64)
+    srt = np.empty(P, dtype=np.int64)
+    ws = np.empty(P)
+    swaps = 0
+    for r in range(R):
+        swaps += _refine_row(phy_RP[r], per_RE[r], G, S, max_swaps, holds, gl, order, pos, srt, ws)
+    return swaps

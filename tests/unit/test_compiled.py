@@ -1,0 +1,98 @@
+"""eplb.compiled: kernels load in the background, compile in side processes on a cold cache."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import eplb
+from eplb.compiled import compile_in_side_processes, load_cached, warm_up_in_background
+
+
+def test_background_warm_up_loads_the_greedy_and_migration_kernels():
+    w = warm_up_in_background(("planners.greedy", "eplb.migration.kernels"))
+    assert w.wait(900)
+    assert w.status == "ready" and w.seconds is not None
+    assert warm_up_in_background(("planners.greedy", "eplb.migration.kernels")) is w   # one per process
+
+
+def test_a_cold_kernel_is_not_compiled_in_process_but_in_a_side_process(tmp_path, monkeypatch):
+    """The probe refuses to compile; the side process compiles into numba's cache; the next
+    probe loads it from there."""
+    (tmp_path / "cold_kernel_mod.py").write_text(textwrap.dedent('''
+        import numpy as np
+        from numba import njit
+
+        @njit(cache=True)
+        def twice(a):
+            out = np.empty_like(a)
+            for i in range(a.size):
+                out[i] = 2 * a[i]
+            return out
+
+        def warm_up():
+            twice(np.arange(3.0))
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_cached(("cold_kernel_mod",)) is False
+    mod = sys.modules["cold_kernel_mod"]
+    assert mod.twice.signatures == []                        # the refused compile left nothing behind
+    assert compile_in_side_processes(("cold_kernel_mod",)) == []
+    assert load_cached(("cold_kernel_mod",)) is True
+    assert len(mod.twice.signatures) == 1 and sum(mod.twice.stats.cache_hits.values()) == 1
+    np.testing.assert_array_equal(mod.twice(np.arange(3.0)), [0.0, 2.0, 4.0])
+
+
+def test_a_failing_side_process_is_reported(tmp_path, monkeypatch):
+    (tmp_path / "broken_kernel_mod.py").write_text("raise ImportError('no such kernel here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    failed = compile_in_side_processes(("broken_kernel_mod",))
+    assert len(failed) == 1 and "no such kernel here" in failed[0]
+
+
+def test_rebalancer_starts_without_waiting_for_kernels():
+    rng = np.random.default_rng(0)
+    load = rng.gamma(0.5, 1.0, (2, 16)) * 100
+    rb = eplb.Rebalancer(eplb.plan(load, num_gpus=4).placement, min_improvement=0.0)
+    from eplb.rebalance import WARM_UP_MODULES
+
+    assert rb.warmup.modules == WARM_UP_MODULES and "eplb.migration.kernels" in WARM_UP_MODULES
+    rb.observe(load[:, ::-1].copy())
+    res = rb.rebalance()
+    assert rb.warmup.ready and res.info["kernel_wait_seconds"] >= 0.0
+
+
+def test_greedy_warm_up_compiles_the_only_kernel_versions_real_calls_use():
+    """Read-only traces, float32 and strided loads, hierarchical's node rows: all reach the
+    greedy kernels as the types warm_up compiled."""
+    from planners import _greedy_kernel as k
+    from planners import greedy
+
+    greedy.warm_up()
+    before = [len(f.signatures) for f in (k.replicate, k.pack, k.refine)]
+    rng = np.random.default_rng(3)
+    load = (rng.gamma(0.5, 1.0, (3, 64)) * 100).astype(np.float32)
+    load.flags.writeable = False
+    eplb.plan(load, num_gpus=8)
+    eplb.plan(np.asfortranarray(load.astype(np.float64)), num_gpus=8, num_nodes=2, planner="hierarchical",
+              num_expert_groups=8)
+    greedy.plan_greedy(load[:, ::2], 4, 9, refine_rounds=3)
+    assert [len(f.signatures) for f in (k.replicate, k.pack, k.refine)] == before
+
+
+@pytest.mark.parametrize("G, S", [(4, 9), (8, 5), (16, 3)])
+def test_greedy_refinement_never_raises_the_busiest_gpu(G, S):
+    rng = np.random.default_rng(G)
+    load = np.floor(rng.gamma(2.0, 100.0, (6, 32))) + 1
+    from planners.greedy import plan_greedy
+
+    packed = plan_greedy(load, G, S, refine_rounds=0)
+    refined = plan_greedy(load, G, S)
+    busiest = lambda phy: eplb.Placement(phy, G, 32).gpu_loads(load).max(axis=1)  # noqa: E731
+    assert (busiest(refined) <= busiest(packed) + 1e-9).all()
+    assert (busiest(refined) < busiest(packed) - 1e-9).any()
+    lb = eplb.stats.lower_bound(load, G, G * S)
+    assert (busiest(refined) >= lb - 1e-9).all()
