@@ -24,8 +24,8 @@ import numpy as np
 
 from eplb.capacity import ModelShape
 from eplb.cost import CostModel
-from eplb.errors import EplbError, reason
-from eplb.files import ZIP_ERRORS, atomic_output, check_npz
+from eplb.errors import EplbError
+from eplb.files import atomic_output, load_npz
 from eplb.hardware import Hardware
 
 
@@ -72,12 +72,7 @@ class ShimMeasurements:
 
     @classmethod
     def load(cls, path) -> ShimMeasurements:
-        check_npz(path)
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                d = {k: z[k] for k in z.files}
-        except ZIP_ERRORS as exc:
-            raise EplbError(f"{path}: not a readable measurements file ({reason(exc)})") from None
+        d = load_npz(path, "measurements file")
         D, F, E, K = (int(v) for v in d["dims"])
         return cls(tuple(str(n) for n in d["names"]), d["tokens_per_rank"], d["rows_CBLGS"], d["compute_s_CBLG"],
                    d["a2a_s_CBLG"], d["sent_CBLG"], d["received_CBLG"], D, F, E, K, str(d["text"][0]),

@@ -249,6 +249,17 @@ def check_npz(path: str | Path) -> dict[str, NpyHeader]:
     return out
 
 
+def load_npz(path: str | Path, what: str = ".npz file") -> dict[str, np.ndarray]:
+    """Every array of a .npz, checked first (`check_npz`), never unpickled; a damaged archive
+    is an EplbError naming the file as `what`."""
+    check_npz(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except ZIP_ERRORS as exc:
+        raise EplbError(f"{path}: not a readable {what} ({reason(exc)})") from None
+
+
 def check_archive(path: str | Path, what: str) -> list[str]:
     """Check a zip archive (a torch .pt) against the limit by its declared uncompressed size;
     returns its member names."""

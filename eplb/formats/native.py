@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, reason
-from eplb.files import ZIP_ERRORS, atomic_output, check_npz, parse_json, read_json, write_text
+from eplb.errors import EplbError
+from eplb.files import ZIP_ERRORS, atomic_output, load_npz, parse_json, read_json, write_text
 from eplb.placement import Placement
 from eplb.trace import Trace
 
@@ -55,12 +55,7 @@ def read_npz(path: str | Path) -> Trace:
 
     Every array's declared shape is checked against the input limit (eplb.files) first."""
     path = Path(path)
-    check_npz(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except ZIP_ERRORS as exc:
-        raise EplbError(f"{path}: not a readable .npz file ({reason(exc)})") from None
+    arrays = load_npz(path)
     missing = [k for k in TRACE_ARRAYS if k not in arrays]
     if missing:
         raise EplbError(f"{path}: missing array(s) {', '.join(missing)}; see traces/README.md for the schema")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError, reason
-from eplb.files import ZIP_ERRORS, atomic_output, check_npz, input_file, parse_json
+from eplb.errors import EplbError
+from eplb.files import atomic_output, input_file, load_npz, parse_json
 
 REQUIRED = ("phy2log_TLP", "weights_TLP", "counts_TLE", "window_T", "decided_T", "applied_T", "moves_T",
             "rounds_T", "policy_imbalance_RTL", "policy_balancedness_RT", "meta")
@@ -52,12 +52,7 @@ def read_replay(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     if not path.exists():
         raise EplbError(f"replay file {str(path)!r} does not exist (write one with eplb replay ... -o replay.npz)")
     input_file(path, "replay file")
-    check_npz(path)  # declared sizes within the input limit, no objects, nothing truncated
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except ZIP_ERRORS as exc:
-        raise EplbError(f"{path}: not a readable .npz file ({reason(exc)})") from None
+    arrays = load_npz(path)  # declared sizes within the input limit, no objects, nothing truncated
     missing = [k for k in REQUIRED if k not in arrays]
     if missing:
         raise EplbError(f"{path}: not an eplb replay file (missing {', '.join(missing)}); write one with "
