@@ -5,7 +5,9 @@ Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = 
 When no pending slot of a round may be written (each holds the only complete replica of its
 expert), the "waits for" links between pending slots form cycles; `stage` breaks each with
 one copy into a spare slot. `st` is the schedule's state (`_schedule_kernel._Slots`), `sg`
-this module's scratch (`_Staging`), `done` the round's transfer rows.
+this module's scratch (`_Staging`), `done` the round's transfer rows. Finding the cycles takes
+a pass over every pending slot, so the schedule calls `stage` only where `is_deadlock` or
+`may_deadlock` says it can find a deadlock (or nothing else moved).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ _Staging = namedtuple("_Staging", [
     "path", "cyc_buf", "cyc_start", "cyc_len", "send_busy", "recv_busy",
     "want_ptr", "want",   # slots by target: want[want_ptr[l * E + e]:want_ptr[l * E + e + 1]], by slot
     "seen",         # may_deadlock's walks: the walk that saw a slot last
-    "walks",        # [2] may_deadlock's walks so far; the cycles `_find_cycles` found last
+    "tally",        # [0] may_deadlock's walks so far, [1] the cycles `_find_cycles` found last
     "path_LP",      # [L, P] scratch of the schedule's chain order
 ])
 
@@ -116,7 +118,7 @@ def may_deadlock(st, sg, done, nd, S, P):
             m = k if many else (p if k == 0 else other)
             if m < 0 or cur[l, m] != o or not inpend[l, m]:
                 continue
-            sg.walks[0] += 1
+            sg.tally[0] += 1
             node = m
             while True:
                 x = cur[l, node]
@@ -135,9 +137,9 @@ def may_deadlock(st, sg, done, nd, S, P):
                         break
                 if nxt == m:
                     return True
-                if nxt < 0 or seen[l, nxt] == sg.walks[0]:
+                if nxt < 0 or seen[l, nxt] == sg.tally[0]:
                     break
-                seen[l, nxt] = sg.walks[0]
+                seen[l, nxt] = sg.tally[0]
                 node = nxt
     return False
 
@@ -222,8 +224,8 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
     """
     cur = st.cur
     if not again:                           # again: the cycles of this round's earlier call
-        sg.walks[1] = _find_cycles(st, sg, P)
-    ncyc = sg.walks[1]
+        sg.tally[1] = _find_cycles(st, sg, P)
+    ncyc = sg.tally[1]
     G = st.npend.size
     for g in range(G):
         sg.send_busy[g] = False
