@@ -26,7 +26,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from eplb.migration._stage_kernel import new_staging, stage
+from eplb.migration._stage_kernel import is_deadlock, may_deadlock, new_staging, stage
 
 NO_SOURCE = -2            # cand_src entry: this column (rank) holds no complete replica
 STATUS_OK = 0
@@ -40,6 +40,9 @@ _Slots = namedtuple("_Slots", [
     "pend", "npend",
     "ndist",        # experts held per layer, at round start + reloads (tight layers)
     "npl",          # pending slots per layer at round start (tight layers)
+    "hsum",         # sum of the slots holding each expert (cur): its holder where it has one
+    "ncur",         # slots holding each expert (cur, written or not)
+    "locc",         # [L, G, E] slots of each rank holding each expert (cur)
 ])
 _Round = namedtuple("_Round", ["cand", "cand_e", "cand_src", "ncand", "adj", "done"])
 
@@ -142,16 +145,20 @@ def _new_state(old_LP, new_LP, G, E):
     L, P = new_LP.shape
     S = P // G
     hc = np.zeros((L, E), dtype=np.int64)
+    hsum = np.zeros((L, E), dtype=np.int64)
+    locc = np.zeros((L, G, E), dtype=np.int32)
     for l in range(L):
         for p in range(P):
             if old_LP[l, p] >= 0:
                 hc[l, old_LP[l, p]] += 1
+                hsum[l, old_LP[l, p]] += p
+                locc[l, p // S, old_LP[l, p]] += 1
     return _Slots(
         old_LP.copy(), new_LP, hc, np.zeros((L, P), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
-        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64))
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), locc)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -265,80 +272,81 @@ def _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _chain_order(st, c0, c1, S, P, holder, depth, key, rin):
-    """Order each rank's pending slots by the chain each one heads, longest first, and raise
-    rin[d] to the longest chain on rank d (both bound the rounds left).
+def _chain_order(st, sg, S, P, depth, key, rin):
+    """At the start of a round: order each rank's pending slots by the chain each one heads,
+    longest first; rin[d] = the copies rank d must still receive over a link (its pending
+    slots whose target it holds in no slot), raised to the longest chain on rank d (both
+    bound the rounds left). Returns whether a deadlocked cycle of blocked slots (one that
+    `stage` would break) exists.
 
     Writing slot q lets the slot holding the last complete replica of q's target be written
     (it waits for that replica), and so on: chains of waits that unwind one copy per round.
-    A long chain left to the end of the queues leaves a tail of rounds with one copy each."""
-    for l in range(c0, c1):
-        for p in range(P):
-            e = st.cur[l, p]
-            if e >= 0 and not st.writing[l, p]:
-                holder[l, e] = p          # the only complete slot of e where hc[l, e] == 1
-    for d in range(st.npend.size):
-        for k in range(st.npend[d]):
-            code = st.pend[d, k]
-            depth[code // P, code % P] = -1
-    for d in range(st.npend.size):
-        for k in range(st.npend[d]):
-            code = st.pend[d, k]
+    A long chain left to the end of the queues leaves a tail of rounds with one copy each.
+    A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
+    (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
+    pend, npend, G = st.pend, st.npend, st.npend.size
+    E = st.hc.shape[1]
+    # Flat views (index l * P + p, l * E + e, (l * G + d) * E + e): the loops below visit every
+    # pending slot each round.
+    tgt, hc, hsum, locc = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1), st.locc.reshape(-1)
+    dep = depth.reshape(-1)
+    nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
+    for d in range(G):
+        remote = 0
+        for k in range(npend[d]):
+            code = pend[d, k]
             l = code // P
-            q = code % P
-            # Walk the chain from q to its end (or to a slot already measured), then set depths back.
+            dep[code] = -1
+            # At a round's start every replica is complete: e's only holder is hsum[l, e], and
+            # a slot that does not hold its target is pending.
+            e = tgt[code]
+            w = l * P + hsum[l * E + e] if hc[l * E + e] == 1 else -1
+            nxt[code] = w if w >= 0 and tgt[w] != e else -1
+            if locc[(l * G + d) * E + e] == 0:
+                remote += 1
+        rin[d] = remote
+    ncyc = 0                              # cycles closed, one slot of each in sg.cyc_start
+    for d in range(G):
+        for k in range(npend[d]):
+            code = pend[d, k]
+            # Walk the chain from code to its end (or to a slot already measured), then set depths back.
             n = 0
-            while q >= 0 and depth[l, q] == -1:
-                depth[l, q] = -2 - n      # on the walk, n steps from its start
+            q = code
+            while q >= 0 and dep[q] == -1:
+                dep[q] = -2 - n         # on the walk, n steps from its start
                 n += 1
-                e = st.tgt[l, q]
-                w = holder[l, e] if st.hc[l, e] == 1 else -1
-                q = w if w >= 0 and st.inpend[l, w] and st.cur[l, w] == e and st.tgt[l, w] != e else -1
-            end = depth[l, q] if q >= 0 and depth[l, q] >= 0 else 0
-            q = code % P
+                q = nxt[q]
+            if q >= 0 and dep[q] < -1:
+                sg.cyc_start[ncyc] = q
+                ncyc += 1
+            end = dep[q] if q >= 0 and dep[q] >= 0 else 0
+            q = code
             for t in range(n):
-                depth[l, q] = end + n - t
-                e = st.tgt[l, q]
-                w = holder[l, e] if st.hc[l, e] == 1 else -1
-                q = w if w >= 0 and st.inpend[l, w] and st.cur[l, w] == e and st.tgt[l, w] != e else -1
-                if q < 0 or depth[l, q] >= 0:
+                dep[q] = end + n - t
+                q = nxt[q]
+                if q < 0 or dep[q] >= 0:
                     break
-    for d in range(st.npend.size):
-        n = st.npend[d]
+    for d in range(G):
+        n = npend[d]
+        longest = 0
         for k in range(n):
-            code = st.pend[d, k]
-            key[k] = depth[code // P, code % P]
-            if key[k] > rin[d]:
-                rin[d] = key[k]
+            key[k] = dep[pend[d, k]]
+            longest = max(longest, key[k])
+        rin[d] = max(rin[d], longest)
         for a in range(1, n):             # insertion sort by depth, descending, stable
-            code = st.pend[d, a]
+            code = pend[d, a]
             v = key[a]
             b = a
             while b > 0 and key[b - 1] < v:
-                st.pend[d, b] = st.pend[d, b - 1]
+                pend[d, b] = pend[d, b - 1]
                 key[b] = key[b - 1]
                 b -= 1
-            st.pend[d, b] = code
+            pend[d, b] = code
             key[b] = v
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _remote_need(st, S, P, rin):
-    """rin[d] = rank d's pending slots whose target it holds in no complete slot (copies it
-    must still receive over a link, at least), at the start of a round."""
-    for d in range(st.npend.size):
-        rin[d] = 0
-        for k in range(st.npend[d]):
-            code = st.pend[d, k]
-            l = code // P
-            e = st.tgt[l, code % P]
-            here = False
-            for s in range(d * S, d * S + S):
-                if st.cur[l, s] == e and not st.writing[l, s]:
-                    here = True
-                    break
-            if not here:
-                rin[d] += 1
+    for c in range(ncyc):                 # in the queue order `stage` sees
+        if is_deadlock(st, sg, sg.cyc_start[c], S, P):
+            return True
+    return False
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -399,8 +407,16 @@ def _apply_round(st, done, nd, out, M, R):
         l = done[i, 0]
         p = done[i, 1]
         e = done[i, 2]
+        o = st.cur[l, p]
+        if o >= 0:
+            st.hsum[l, o] -= p
+            st.ncur[l, o] -= 1
+            st.locc[l, done[i, 5], o] -= 1
         st.cur[l, p] = e
         st.hc[l, e] += 1
+        st.hsum[l, e] += p
+        st.ncur[l, e] += 1
+        st.locc[l, done[i, 5], e] += 1
         st.writing[l, p] = False
         if done[i, 4] >= 0:
             st.sourcing[l, done[i, 4]] = False
@@ -457,11 +473,10 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 np.empty((G, per_rank, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64),
                 np.zeros((G, 2 * G), dtype=np.bool_),
                 np.empty((L * P + G, 7), dtype=np.int64))      # l, p, e, src rank, src, d, staging
-    sg = new_staging(L, P, E, G)
+    sg = new_staging(new_LP, E, G)
     rin = np.zeros(G, dtype=np.int64)
     rout = np.zeros(G, dtype=np.int64)
     fsrc = np.full((L, P), -1, dtype=np.int64)
-    holder = np.full((L, E), -1, dtype=np.int64)
     depth = np.zeros((L, P), dtype=np.int64)
     key = np.empty(L * S, dtype=np.int64)
     nh = np.zeros(E, dtype=np.int64)
@@ -486,19 +501,22 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
             if tight:
                 _count_room(st, c0, c1, E, P)
-            _remote_need(st, S, P, rin)
-            _chain_order(st, c0, c1, S, P, holder, depth, key, rin)
+            cyclic = _chain_order(st, sg, S, P, depth, key, rin)
             # Deadlocked cycles of blocked slots break as soon as they appear: first through
             # pending slots of their own ranks (free), before this round's copies take those;
             # then through the spares and links the round left; when nothing could move at
             # all, every cycle does.
             # (Not with as many slots as experts: there the few spare slots wait for reloads.)
-            ns = 0 if tight else stage(st, sg, rd.done, S, P, 0, 0, rin)
+            # A deadlock at the round's start closes a chain into a cycle; later in the round
+            # only through a replica this round's copies overwrite (`may_deadlock`).
+            staged = cyclic and not tight
+            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, False) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
             nd = _take_links(st, rd, nd, P, tight, rin, rout)
             n1 = nd
-            if nd == 0 or not tight:
-                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin)
+            if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
+                # (The queues and slot contents have not changed since stage 0: same cycles.)
+                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin, staged)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):
