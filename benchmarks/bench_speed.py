@@ -284,9 +284,9 @@ def main() -> int:
     text = "\n".join(out[:1] + summary + [""] + out[1:])
     print(text)
     if args.write_docs:
-        from eplb.hardware import write_text_atomic
+        from eplb.files import write_text
 
-        write_text_atomic(ROOT / "docs/results/speed.md", text)
+        write_text(ROOT / "docs/results/speed.md", text, what="the results page")
     return 0
 
 
