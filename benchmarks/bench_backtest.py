@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--planners", nargs="+", default=["contiguous", "deepseek", "greedy", "robust"])
-    ap.add_argument("--with-ilp", type=float, metavar="SECONDS_PER_LAYER",
-                    help="also run the ilp planner with this CP-SAT time limit per layer (slow)")
+    ap.add_argument("--with-ilp", type=float, metavar="SECONDS",
+                    help="also run the ilp planner with this time budget per plan (slow)")
     ap.add_argument("--quick", action="store_true", help="skip the exact LP split (even + resplit only)")
     ap.add_argument("--v2-gpus", type=int, default=8)
     ap.add_argument("--v2-window", type=int, default=4096, help="tokens per V2-Lite window")
