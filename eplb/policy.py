@@ -136,11 +136,19 @@ def window_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: 
 
 
 def _floats(a) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float64)
+    return _kernel_array(a, np.float64)
 
 
 def _ints(a) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return _kernel_array(a, np.int64)
+
+
+def _kernel_array(a, dtype) -> np.ndarray:
+    """C-contiguous and writable: numba compiles (or loads) one version per readonly flag, so a
+    readonly Placement map would miss the version warm_up loaded and load another at the first
+    decision (~80 ms)."""
+    out = np.ascontiguousarray(a, dtype=dtype)
+    return out if out.flags.writeable else out.copy()
 
 
 def _replica_counts(phy2log_LP: np.ndarray, num_logical_experts: int) -> np.ndarray:
