@@ -43,6 +43,7 @@ _Slots = namedtuple("_Slots", [
     "hsum",         # sum of the slots holding each expert (cur): its holder where it has one
     "ncur",         # slots holding each expert (cur, written or not)
     "locc",         # [L, G, E] slots of each rank holding each expert (cur)
+    "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
 ])
 _Round = namedtuple("_Round", ["cand", "cand_e", "cand_src", "ncand", "adj", "done"])
 
@@ -140,6 +141,30 @@ def pend_layer(pend, npend, P):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _hold(head, nxt, prv, he, code):
+    """Put slot code (l * P + p) at the front of the holders of he (l * E + e)."""
+    h = head[he]
+    nxt[code] = h
+    prv[code] = -1
+    if h >= 0:
+        prv[h] = code
+    head[he] = code
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unhold(head, nxt, prv, he, code):
+    """Take slot code out of the holders of he."""
+    a = prv[code]
+    b = nxt[code]
+    if a >= 0:
+        nxt[a] = b
+    else:
+        head[he] = b
+    if b >= 0:
+        prv[b] = a
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _new_state(old_LP, new_LP, G, E):
     """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
     L, P = new_LP.shape
@@ -147,18 +172,22 @@ def _new_state(old_LP, new_LP, G, E):
     hc = np.zeros((L, E), dtype=np.int64)
     hsum = np.zeros((L, E), dtype=np.int64)
     locc = np.zeros((L, G, E), dtype=np.int32)
+    hhead = np.full(L * E, -1, dtype=np.int64)
+    hnext = np.full(L * P, -1, dtype=np.int64)
+    hprev = np.full(L * P, -1, dtype=np.int64)
     for l in range(L):
         for p in range(P):
             if old_LP[l, p] >= 0:
                 hc[l, old_LP[l, p]] += 1
                 hsum[l, old_LP[l, p]] += p
                 locc[l, p // S, old_LP[l, p]] += 1
+                _hold(hhead, hnext, hprev, l * E + old_LP[l, p], l * P + p)
     return _Slots(
         old_LP.copy(), new_LP, hc, np.zeros((L, P), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
-        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), locc)
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), locc, hhead, hnext, hprev)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -196,8 +225,10 @@ def _scan(st, rd, S, P, tight, nd):
     already this round. Returns the copies taken so far."""
     G = st.npend.size
     K = rd.cand.shape[1]
+    E = st.hc.shape[1]
     cur, tgt, hc = st.cur, st.tgt, st.hc
     rd.ncand[:] = 0
+    rd.adj[:, :] = False
     for d in range(G):
         for k in range(st.npend[d]):
             code = st.pend[d, k]
@@ -214,12 +245,15 @@ def _scan(st, rd, S, P, tight, nd):
             if o >= 0 and hc[l, o] < 2:
                 continue                   # p holds the last complete replica of o
             if hc[l, e] > 0:
+                # The lowest complete slot holding e on each rank (a local one first).
                 local = -1
-                for j in range(S):
-                    s = d * S + j
-                    if cur[l, s] == e and not st.writing[l, s]:
-                        local = s
-                        break
+                if st.locc[l, d, e] > 0:
+                    h = st.hhead[l * E + e]
+                    while h >= 0:
+                        s = h - l * P
+                        if s // S == d and not st.writing[l, s] and (local < 0 or s < local):
+                            local = s
+                        h = st.hnext[h]
                 if local >= 0:
                     _commit(l, p, e, d, local, d, st, rd.done, nd)
                     nd += 1
@@ -229,9 +263,15 @@ def _scan(st, rd, S, P, tight, nd):
                     rd.cand[d, i] = code
                     rd.cand_e[d, i] = e
                     rd.cand_src[d, i, :] = NO_SOURCE
-                    for s in range(P):
-                        if cur[l, s] == e and not st.writing[l, s] and rd.cand_src[d, i, s // S] == NO_SOURCE:
-                            rd.cand_src[d, i, s // S] = s
+                    h = st.hhead[l * E + e]
+                    while h >= 0:
+                        s = h - l * P
+                        if not st.writing[l, s]:
+                            c = rd.cand_src[d, i, s // S]
+                            if c == NO_SOURCE or s < c:
+                                rd.cand_src[d, i, s // S] = s
+                                rd.adj[d, s // S] = True
+                        h = st.hnext[h]
                     rd.ncand[d] += 1
             elif st.inflight[l, e]:
                 continue                   # e's only copy is still being written
@@ -243,6 +283,7 @@ def _scan(st, rd, S, P, tight, nd):
                 rd.cand_e[d, i] = e
                 rd.cand_src[d, i, :] = NO_SOURCE
                 rd.cand_src[d, i, G + d] = -1
+                rd.adj[d, G + d] = True
                 rd.ncand[d] += 1
     return nd
 
@@ -356,14 +397,10 @@ def _take_links(st, rd, nd, P, tight, rin, rout):
     candidate that is still possible. Returns the copies of the round so far."""
     G = st.npend.size
     cur, hc = st.cur, st.hc
-    rd.adj[:, :] = False
-    any_edge = False
+    any_edge = False                   # (every candidate has a source: rd.adj has its links)
     for d in range(G):
-        for i in range(rd.ncand[d]):
-            for r in range(2 * G):
-                if rd.cand_src[d, i, r] != NO_SOURCE:
-                    rd.adj[d, r] = True
-                    any_edge = True
+        if rd.ncand[d] > 0:
+            any_edge = True
     if not any_edge:
         return nd
     match_row = _match(rd.adj, rin, rout, G)
@@ -403,6 +440,8 @@ def _apply_round(st, done, nd, out, M, R):
     """Write the nd copies of round R into the slots and as rows M.. of out (grown as needed);
     returns (out, new M)."""
     out = _grow(out, M + nd)
+    E = st.hc.shape[1]
+    P = st.cur.shape[1]
     for i in range(nd):
         l = done[i, 0]
         p = done[i, 1]
@@ -412,6 +451,8 @@ def _apply_round(st, done, nd, out, M, R):
             st.hsum[l, o] -= p
             st.ncur[l, o] -= 1
             st.locc[l, done[i, 5], o] -= 1
+            _unhold(st.hhead, st.hnext, st.hprev, l * E + o, l * P + p)
+        _hold(st.hhead, st.hnext, st.hprev, l * E + e, l * P + p)
         st.cur[l, p] = e
         st.hc[l, e] += 1
         st.hsum[l, e] += p

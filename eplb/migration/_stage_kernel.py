@@ -271,20 +271,23 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
                     bs = s
             if best < 0.0 or mode == 0 or sg.send_busy[r0]:
                 continue
-            for s in range(P):
-                rc = s // S
-                if rc == r0 or sg.recv_busy[rc] or cur[l, s] == cur[l, p]:
+            for rc in range(G):
+                # A slot of rank rc weighs rin[rc] + 1 at least: a rank that cannot beat best is skipped.
+                if rc == r0 or sg.recv_busy[rc] or rin[rc] + 1.0 >= best:
                     continue
-                if _spare(st, l, s, True):
-                    w = rin[rc] + 1.0
-                elif _spare(st, l, s, False):
-                    w = 2.0 * (rin[rc] + 1.0)
-                else:
-                    continue
-                if w < best:
-                    best = w
-                    bp = p
-                    bs = s
+                for s in range(rc * S, rc * S + S):
+                    if cur[l, s] == cur[l, p]:
+                        continue
+                    if _spare(st, l, s, True):
+                        w = rin[rc] + 1.0
+                    elif _spare(st, l, s, False):
+                        w = 2.0 * (rin[rc] + 1.0)
+                    else:
+                        continue
+                    if w < best:
+                        best = w
+                        bp = p
+                        bs = s
         if bp < 0:
             continue
         if bs // S != bp // S:
