@@ -178,6 +178,20 @@ def planner_settings(name: str) -> list[str]:
     return list(_settings_of(planner_class(name))[0])
 
 
+def setting_value(text: str) -> Any:
+    """A planner setting typed as text (`--set key=value`, an engine's environment variable):
+    int, then float, then true/false, else the text itself."""
+    text = text.strip()
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
 def get_planner(name: str, **settings: Any) -> Planner:
     """A planner by name, built with `settings` (unknown settings and bad values are EplbError)."""
     cls = planner_class(name)

@@ -28,7 +28,7 @@ from eplb.formats import load_history, load_placement
 from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
 from eplb.placement import contiguous_placement
-from eplb.planner_api import planner_names, planner_settings
+from eplb.planner_api import planner_names, planner_settings, setting_value
 from eplb.progress import Notice
 from eplb.simulate import simulate
 from eplb.stats import AGGREGATIONS, Aggregation, window_balancedness
@@ -107,16 +107,7 @@ def parse_settings(items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise EplbError(f"--set expects KEY=VALUE, got {item!r}")
-        value: object = text
-        for conv in (int, float):
-            try:
-                value = conv(text)
-                break
-            except ValueError:
-                pass
-        if text.lower() in ("true", "false"):
-            value = text.lower() == "true"
-        out[key.strip()] = value
+        out[key.strip()] = setting_value(text)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from eplb.errors import EplbError
+from eplb.planner_api import setting_value
 
 
 def check_version(engine: str, version: str, supported: tuple[str, ...], override_env: str) -> None:
@@ -40,14 +41,5 @@ def parse_spec(spec: str, env: str) -> tuple[str, dict]:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise EplbError(f"{env}={spec!r}: expected PLANNER,key=value,..., got {item!r}")
-        value: object = text.strip()
-        for conv in (int, float):
-            try:
-                value = conv(text)
-                break
-            except ValueError:
-                pass
-        if text.strip().lower() in ("true", "false"):
-            value = text.strip().lower() == "true"
-        settings[key.strip()] = value
+        settings[key.strip()] = setting_value(text)
     return parts[0], settings
