@@ -13,7 +13,7 @@ sglang==0.5.23`). Columns: median planning time (wall; and CPU time of this proc
 inflates less), time / greedy's, busiest/mean GPU and
 busiest GPU / lower bound (median and max over layers), and the mean number of nodes an
 expert group's replicas span (1 = every group on one node). Ends with the pass/fail checks:
-greedy < 5 ms per plan, >= 10x faster than the reference at equal or better max/bound.
+greedy < 5 ms of CPU per plan, >= 10x faster than the reference at equal or better max/bound.
 """
 
 from __future__ import annotations
@@ -133,21 +133,23 @@ def run(args) -> int:
             imb_L = stats.imbalance(gpu_LG)
             ratio_L = gpu_LG.max(axis=1) / lb_L
             span = group_span(phy, G, N, K, E).mean()
-            results[label] = (sec, ratio_L)
+            results[label] = (sec, cpu, ratio_L)
             print(f"| {label:<27} | {sec * 1e3:9.2f} | {cpu * 1e3:7.2f} | {sec / greedy_sec:8.1f} "
                   f"| {np.median(imb_L):12.4f} | {imb_L.max():12.4f} | {np.median(ratio_L):10.4f} "
                   f"| {ratio_L.max():10.4f} | {span:10.2f} |")
-        g_sec, g_ratio = results["greedy"]
-        checks.append((name, "greedy median < 5 ms", g_sec < 5e-3, f"{g_sec * 1e3:.2f} ms"))
+        g_sec, g_cpu, g_ratio = results["greedy"]
+        # CPU time: a loaded machine stretches wall time, not the work (the ratios below are wall,
+        # both sides in the same run).
+        checks.append((name, "greedy median < 5 ms CPU", g_cpu < 5e-3, f"{g_cpu * 1e3:.2f} ms"))
         for label in [lab for lab in results if lab.startswith("sglang ref")]:
-            r_sec, r_ratio = results[label]
+            r_sec, _, r_ratio = results[label]
             fast = r_sec / g_sec >= 10
             better = np.median(g_ratio) <= np.median(r_ratio) + 1e-12 and g_ratio.max() <= r_ratio.max() + 1e-12
             checks.append((name, f"greedy >= 10x faster than {label}", fast, f"{r_sec / g_sec:.0f}x"))
             checks.append((name, f"greedy /bound <= {label}'s (median and max)", better,
                            f"{np.median(g_ratio):.4f}/{g_ratio.max():.4f} vs "
                            f"{np.median(r_ratio):.4f}/{r_ratio.max():.4f}"))
-        h_sec, h_ratio = results[f"hierarchical ({N} nodes)"]
+        h_sec, _, h_ratio = results[f"hierarchical ({N} nodes)"]
         checks.append((name, "hierarchical max/bound within 1% of greedy (median and max)",
                        np.median(h_ratio) <= np.median(g_ratio) * 1.01 and h_ratio.max() <= g_ratio.max() * 1.01,
                        f"{np.median(h_ratio):.4f}/{h_ratio.max():.4f}"))
