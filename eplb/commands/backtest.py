@@ -6,9 +6,9 @@ import argparse
 
 from eplb.backtest import DISPATCH, backtest, leave_one_out
 from eplb.commands.common import (
-    REDUNDANT_HELP,
     add_command,
     add_output_flags,
+    add_topology_arguments,
     check_output_path,
     check_suffix,
     format_table,
@@ -32,11 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="trace files; several are stacked in order (or, with --leave-one-out, "
                         "are the workloads)")
-    p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
-    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
-    size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
+    add_topology_arguments(p)
     p.add_argument("--planner", "-p", action="append", choices=planner_names(), metavar="NAME",
                    help=f"planner to test, repeatable ({', '.join(planner_names())}; default greedy)")
     p.add_argument("--interval", type=positive_int,

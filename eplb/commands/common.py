@@ -126,3 +126,13 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     for r in body:
         lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
     return "\n".join(lines)
+
+
+def add_topology_arguments(p) -> None:
+    """--gpus, --nodes and one of --redundant / --slots-per-gpu, as `backtest` and `replay` take
+    them (`plan` has its own --slots-per-gpu, which also takes 'auto')."""
+    p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
+    size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from eplb.commands.common import (
-    REDUNDANT_HELP,
     add_command,
     add_output_flags,
+    add_topology_arguments,
     check_output_path,
     check_suffix,
     format_table,
@@ -30,11 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "eplb plot replay replay.npz -o replay.png")
     p.add_argument("trace", metavar="TRACE", help="trace file (windows in time order; per-token traces with "
                                                    "--tokens-per-window)")
-    p.add_argument("--gpus", "-g", type=positive_int, required=True, help="expert-parallel GPUs (ranks)")
-    p.add_argument("--nodes", type=positive_int, default=1, help="nodes the GPUs are spread over (default 1)")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--redundant", type=int, help=REDUNDANT_HELP)
-    size.add_argument("--slots-per-gpu", type=positive_int, help="physical slots per GPU (instead of --redundant)")
+    add_topology_arguments(p)
     p.add_argument("--tokens-per-window", type=positive_int, metavar="K",
                    help="cut the trace's per-token expert choices into windows of K tokens (default: its windows)")
     p.add_argument("--warmup", type=positive_int, metavar="W",
