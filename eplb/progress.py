@@ -8,6 +8,7 @@ A bar goes to stderr when stderr is a TTY and the caller did not ask for quiet; 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TextIO, TypeVar
@@ -82,8 +83,6 @@ class Notice:
 
     def __init__(self, message: str, *, after: float = 1.0, enabled: bool | None = None,
                  stream: TextIO | None = None):
-        import threading
-
         self.message = message
         self.after = after
         self.stream = stream if stream is not None else sys.stderr

@@ -416,15 +416,15 @@ class IlpPlanner:
         # Largest gap first; a layer whose hint meets the bound needs no search (solve_layer
         # returns at once), so it gets no share of the budget.
         hint_max_L = Placement(hint_LP, G, E).gpu_loads(load_LE).max(axis=1)
-        lb_hint_L = stats.lower_bound(load_LE, G, G * S)
-        gap_L = np.where(lb_hint_L > 0, hint_max_L / np.where(lb_hint_L > 0, lb_hint_L, 1.0) - 1.0, 0.0)
-        todo = [l for l in np.argsort(-gap_L, kind="stable").tolist() if int_LE[l].sum() > 0]
+        lb_L = stats.lower_bound(load_LE, G, G * S)
+        hint_gap_L = np.where(lb_L > 0, hint_max_L / np.where(lb_L > 0, lb_L, 1.0) - 1.0, 0.0)
+        todo = [l for l in np.argsort(-hint_gap_L, kind="stable").tolist() if int_LE[l].sum() > 0]
         for l in range(L):
             if int_LE[l].sum() == 0:
                 results[l] = {"status": "OPTIMAL", "phy2log_P": greedy_LP[l], "objective": 0, "bound": 0,
                               "seconds": 0.0, "hint_objective": 0, "lower": 0, "hint": "greedy"}
         deadline = started + self.time_limit
-        weight_L = np.maximum(gap_L, 1e-6)                 # a layer at the bound still runs its check
+        weight_L = np.maximum(hint_gap_L, 1e-6)            # a layer at the bound still runs its check
 
         def limit(l: int, waiting: list[int]) -> float:
             """Layer l's share of the time left: the jobs' time over the layers not yet done."""
@@ -492,7 +492,6 @@ class IlpPlanner:
             weights_LP = np.where(keep_greedy[:, None], greedy_w_LP, cand_w_LP)
         final_max_L = np.minimum(cand_max_L, greedy_max_L)
 
-        lb_L = stats.lower_bound(load_LE, G, G * S)
         status_L = [r["status"] for r in results]
         gap_L = []
         for r in results:
