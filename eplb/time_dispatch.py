@@ -23,6 +23,9 @@ It is the rule of `eplb.dispatch`'s Resplitter done for time instead of tokens: 
 in decode it keeps each expert's few rows on one replica. The rule is built with a cost
 model, so it is not in `eplb.dispatch.RULES` (whose rules take no arguments):
 `TimeDispatch(cost_model("deepseek-v3", "h200"))` is a DispatchRule like the others.
+The three steps run compiled (numba, eplb/_time_dispatch_kernel.py, loaded on the first batch
+from numba's cache; `warm_up()` loads or compiles it ahead); `TimeSolver.numpy` is the same
+rule in numpy, which the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.cost import CostModel, first_copy_LP, step_cost
+from eplb.capacity import DTYPE_BITS
+from eplb.cost import CostModel, cost_model, first_copy_LP, step_cost
 from eplb.errors import EplbError
 from eplb.placement import Placement
 
@@ -64,10 +68,13 @@ class TimeSolver:
     """Index tables for one placement, built once; call with a batch's counts [L, E].
 
     Experts with replicas on >= 2 GPUs are coloured so that experts of one colour share no GPU
-    (greedy colouring, most GPUs first): a colour's experts in every layer decide in one numpy
-    step, exactly as if one after another. Per colour the tables are [R, X]: R (layer, expert)
-    rows of that colour, X distinct-GPU replicas, padded with a dummy slot P and GPU G whose
-    busy time is +inf.
+    (greedy colouring, most GPUs first): they decide against the layer's busiest GPU as it
+    stood when their colour began, so that the order within a colour does not matter. A call
+    runs the compiled kernel (eplb/_time_dispatch_kernel.py: layer by layer, expert by expert);
+    `numpy` is the same rule with every layer of a colour in one numpy step (per colour the
+    tables are [R, X]: R (layer, expert) rows of that colour, X distinct-GPU replicas, padded
+    with a dummy slot P and GPU G whose busy time is +inf), the reference the kernel is tested
+    against.
     """
 
     def __init__(self, placement: Placement, cost: CostModel):
@@ -86,6 +93,12 @@ class TimeSolver:
         self.home_LE = log2phy_LEX[:, :, 0]                       # rows of a one-GPU expert go here
         self.multi_LE = n_gpus_LE >= 2
         groups = _colour(self.multi_LE, n_gpus_LE, gpu_LEX, use_LEX, G)
+        # The used replicas first (in slot order), so that an expert's n_gpus_LE GPUs are its
+        # first columns however many second copies it has.
+        front_LEX = np.argsort(~use_LEX, axis=2, kind="stable")
+        use_LEX = np.take_along_axis(use_LEX, front_LEX, axis=2)
+        gslot_LEX = np.where(use_LEX, np.take_along_axis(log2phy_LEX, front_LEX, axis=2), -1)
+        ggpu_LEX = np.where(use_LEX, np.take_along_axis(gpu_LEX, front_LEX, axis=2), -1)
         C = max((len(layer) for layer in groups), default=0)
         K = max((len(c) for layer in groups for c in layer), default=0)
         expert_LCK = np.zeros((L, C, K), dtype=np.int64)
@@ -94,28 +107,19 @@ class TimeSolver:
             for c, experts in enumerate(layer):
                 expert_LCK[l, c, :len(experts)] = experts
                 valid_LCK[l, c, :len(experts)] = True
-        r4, e4, x4 = np.arange(L)[:, None, None, None], expert_LCK[:, :, :, None], np.arange(X)
-        use_LCKX = use_LEX[r4, e4, x4] & valid_LCK[:, :, :, None]
-        slot_LCKX = np.where(use_LCKX, log2phy_LEX[r4, e4, x4], P)
-        gpu_LCKX = np.where(use_LCKX, gpu_LEX[r4, e4, x4], G)
-        # Per colour, only its real rows: flat indices into the [L, E] counts, the [L, P + 1]
-        # rows and [L, G + 1] busy-time buffers, and the layer of each row.
-        layer_LCK = np.broadcast_to(np.arange(L)[:, None, None], (L, C, K))
-        self._colours = []
-        for c in range(C):
-            ok = valid_LCK[:, c]
-            lay = layer_LCK[:, c][ok]
-            width = max(int(use_LCKX[:, c][ok].sum(axis=1).max()), 1)  # most GPUs of this colour's experts
-            self._colours.append((lay * E + expert_LCK[:, c][ok],
-                                  (lay * (P + 1))[:, None] + slot_LCKX[:, c][ok][:, :width],
-                                  (lay * (G + 1))[:, None] + gpu_LCKX[:, c][ok][:, :width], lay))
+        self._numpy_tables(gslot_LEX, ggpu_LEX, use_LEX, expert_LCK, valid_LCK)
+        # The kernel's table: one row per multi-GPU (layer, expert), by layer, colour, expert.
+        lay_R, col_R, _ = np.nonzero(valid_LCK)
+        exp_R = expert_LCK[valid_LCK]
+        self._rows = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in (
+            np.searchsorted(lay_R, np.arange(L + 1)), exp_R, col_R, n_gpus_LE[lay_R, exp_R],
+            gslot_LEX[lay_R, exp_R], ggpu_LEX[lay_R, exp_R]))
         self.num_colours, self.X = C, X
         # Step 1 and the shares as flat gathers: home slot of every expert, expert of every slot.
         self._home_flat = (np.arange(L)[:, None] * (P + 1) + self.home_LE).ravel()
         self._home_gpu_flat = (np.arange(L)[:, None] * G + gpu_P[self.home_LE]).ravel()
         self._phy_flat = (np.arange(L)[:, None] * E + placement.phy2log_LP).ravel()
         self._even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
-        self._ks = [np.arange(1, c[1].shape[1] + 1, dtype=np.float64) for c in self._colours]
         # The even split, for Step 3: replicas of each slot's expert, the slot's rank among them
         # (slot order), and the first copy on the same GPU that its rows are counted with.
         self._count_LP = np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
@@ -131,6 +135,38 @@ class TimeSolver:
         self._slope_mem = cost.row_bytes / hw.hbm_bytes_per_s
         self._slope_cmp = cost.flops_per_row / hw.flops(cost.expert_dtype)
         self._knee = cost.knee_rows()
+        D = cost.model.hidden_size
+        self._constants = np.array([
+            self._overhead, self._stream, self._slope_mem, self._slope_cmp, self._knee,
+            cost.flops_per_row / hw.flops(cost.expert_dtype), cost.weight_bytes, cost.row_bytes, hw.hbm_bytes_per_s,
+            D * DTYPE_BITS[cost.dispatch_dtype] / 8, D * DTYPE_BITS[cost.combine_dtype] / 8,
+            hw.nvlink_bytes_per_s, hw.internode_bytes_per_s, hw.a2a_latency_s, float(cost.overlap)])
+        self._first_LP = self._first_flat.reshape(L, P) - (np.arange(L) * P)[:, None]
+        # The kernel's arrays as writeable int64 copies: one compiled signature for every placement.
+        self._phy2log_LP = np.array(placement.phy2log_LP, dtype=np.int64)
+        self._home_LE = np.array(self.home_LE, dtype=np.int64)
+        self._kernel = None
+
+    def _numpy_tables(self, gslot_LEX, ggpu_LEX, use_LEX, expert_LCK, valid_LCK) -> None:
+        """Per colour, only its real rows: flat indices into the [L, E] counts, the [L, P + 1]
+        rows and [L, G + 1] busy-time buffers (padded with slot P and GPU G), and the layer of
+        each row; the numpy path's tables."""
+        L, C, _ = expert_LCK.shape
+        P, G, E = self.placement.num_slots, self.placement.num_gpus, self.placement.num_logical_experts
+        r4, e4 = np.arange(L)[:, None, None, None], expert_LCK[:, :, :, None]
+        use_LCKX = use_LEX[r4, e4, np.arange(use_LEX.shape[2])] & valid_LCK[:, :, :, None]
+        slot_LCKX = np.where(use_LCKX, gslot_LEX[r4, e4, np.arange(use_LEX.shape[2])], P)
+        gpu_LCKX = np.where(use_LCKX, ggpu_LEX[r4, e4, np.arange(use_LEX.shape[2])], G)
+        layer_LCK = np.broadcast_to(np.arange(L)[:, None, None], expert_LCK.shape)
+        self._colours = []
+        for c in range(C):
+            ok = valid_LCK[:, c]
+            lay = layer_LCK[:, c][ok]
+            width = max(int(use_LCKX[:, c][ok].sum(axis=1).max()), 1)  # most GPUs of this colour's experts
+            self._colours.append((lay * E + expert_LCK[:, c][ok],
+                                  (lay * (P + 1))[:, None] + slot_LCKX[:, c][ok][:, :width],
+                                  (lay * (G + 1))[:, None] + gpu_LCKX[:, c][ok][:, :width], lay))
+        self._ks = [np.arange(1, c[1].shape[1] + 1, dtype=np.float64) for c in self._colours]
 
     def _seconds(self, n):
         """cost.replica_seconds without its checks (the roofline of one replica)."""
@@ -138,16 +174,45 @@ class TimeSolver:
         return np.where(n > 0, busy, 0.0)
 
     def __call__(self, counts_LE) -> np.ndarray:
-        """Shares [L, P] (per expert they sum to 1) for this batch's counts [L, E]."""
+        """Shares [L, P] (per expert they sum to 1) for this batch's counts [L, E] (compiled)."""
+        counts = self._checked(counts_LE)
+        if self._kernel is None:
+            from eplb import _time_dispatch_kernel  # numba: imported on first use
+
+            self._kernel = _time_dispatch_kernel.shares
         p = self.placement
-        L, P = p.phy2log_LP.shape
-        G, E = p.num_gpus, p.num_logical_experts
-        counts = np.asarray(counts_LE, dtype=np.float64)
+        whole = bool(np.array_equal(counts, np.floor(counts)))
+        row_start_L, exp_R, col_R, width_R, slot_RX, gpu_RX = self._rows
+        if not counts.flags.writeable:                             # as above: one signature
+            counts = counts.copy()
+        return self._kernel(counts, whole, self._tokens(counts), p.num_gpus, p.slots_per_gpu,
+                            p.num_gpus // p.num_nodes, self._constants, self._home_LE, self.multi_LE,
+                            self._phy2log_LP, self._count_LP, self._even_LP, self._rank_LP, self._first_LP,
+                            row_start_L, exp_R, col_R, width_R, slot_RX, gpu_RX)
+
+    def _checked(self, counts_LE) -> np.ndarray:
+        p = self.placement
+        L, E = p.num_layers, p.num_logical_experts
+        counts = np.ascontiguousarray(counts_LE, dtype=np.float64)
         if counts.shape != (L, E):
             raise EplbError(f"counts have shape {counts.shape}, but the placement needs {(L, E)} "
                             f"[layers, logical experts]")
         if not np.all(np.isfinite(counts)) or (counts.size and counts.min() < 0):
             raise EplbError("counts must be finite and non-negative")
+        return counts
+
+    def _tokens(self, counts: np.ndarray) -> int:
+        """Tokens of the batch, from the first layer's rows (each token takes top-k of them)."""
+        return int(round(counts[0].sum() / self.cost.model.top_k)) if len(counts) else 0
+
+    def numpy(self, counts_LE) -> np.ndarray:
+        """The same shares computed with numpy, colour by colour over every layer at once,
+        Step 3 through `eplb.cost.step_cost`: the reference the compiled kernel is tested
+        against (equal to float rounding)."""
+        p = self.placement
+        L, P = p.phy2log_LP.shape
+        G = p.num_gpus
+        counts = self._checked(counts_LE)
         whole = bool(np.array_equal(counts, np.floor(counts)))
         flat_counts = counts.reshape(-1)
         # Step 1: experts on one GPU keep their rows there (one home slot each: no two share one).
@@ -193,7 +258,7 @@ class TimeSolver:
         # Rows gathered on fewer replicas also gather the all-to-all onto fewer GPUs: a layer
         # whose modeled step (expert compute and all-to-all, picks taken as independent) is
         # slower than the even split's keeps the even split too.
-        tokens = int(round(flat_counts[:E].sum() / self.cost.model.top_k)) if L else 0
+        tokens = self._tokens(counts)
         worse_L |= (step_cost(self.cost, p, rows_LP, tokens).layer_s_L
                     > step_cost(self.cost, p, even_LP, tokens).layer_s_L * (1 + 1e-12))
         return np.where(worse_L[:, None], self._even_LP, shares_LP)
@@ -260,3 +325,9 @@ def _colour(multi_LE, n_gpus_LE, gpu_LEX, use_LEX, num_gpus: int) -> list[list[l
                 taken_G[g].add(c)
         groups.append(layer)
     return groups
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel for the argument types real calls use."""
+    solver = TimeSolver(Placement(np.array([[0, 1, 0, 2]]), 2, 3), cost_model("deepseek-v3", "h200"))
+    solver(np.array([[3.0, 1.0, 0.0]]))

@@ -11,17 +11,17 @@ from eplb.dispatch import get_rule
 from eplb.errors import EplbError
 from eplb.placement import Placement
 from eplb.simulate import get_dispatch
-from eplb.time_dispatch import TimeDispatch
+from eplb.time_dispatch import TimeDispatch, TimeSolver
 from eplb.trace import Trace
 from planners.traffic import colocate_layer
 
 COST = cost_model("deepseek-v3", "h200")
 
 
-def _placement(seed=0, L=4, E=256, G=16, redundant=32):
+def _placement(seed=0, L=4, E=256, G=16, redundant=32, nodes=1):
     rng = np.random.default_rng(seed)
     load = np.floor(rng.pareto(1.0, (L, E)) * 100) + 1
-    return eplb.plan(load, num_gpus=G, num_redundant=redundant).placement, load
+    return eplb.plan(load, num_gpus=G, num_nodes=nodes, num_redundant=redundant).placement, load
 
 
 def _batches(load, B, n, seed=1, K=8):
@@ -144,9 +144,9 @@ def test_traffic_planner_without_tokens_says_it_fell_back():
         eplb.plan(np.ones((1, 8)), num_gpus=2, planner="traffic", settings={"tolerance": 2})
 
 
-@pytest.mark.parametrize("B", [1, 16, 256, 4096])
-def test_never_worse_than_the_even_split_in_any_layer(B):
-    p, load = _placement(seed=B, L=6, G=8, redundant=24)
+@pytest.mark.parametrize("B, nodes", [(1, 1), (16, 1), (16, 2), (256, 1), (256, 2), (4096, 1)])
+def test_never_worse_than_the_even_split_in_any_layer(B, nodes):
+    p, load = _placement(seed=B, L=6, G=8, redundant=24, nodes=nodes)
     td, even = TimeDispatch(COST).bind(p), get_rule("even").bind(p)
     for counts in _batches(load, B, 4, seed=B):
         t = step_cost(COST, p, slot_rows(p, counts, td(counts)), B)
@@ -155,3 +155,35 @@ def test_never_worse_than_the_even_split_in_any_layer(B):
         # ... and in the whole modeled step: rows gathered on fewer replicas gather the
         # all-to-all onto fewer GPUs, which can cost more than the weight streams saved.
         assert (t.layer_s_L <= e.layer_s_L * (1 + 1e-9)).all()
+
+
+def _shuffled_placement(seed, L=3, E=64, G=8, S=10, nodes=2):
+    """Random slots with second copies of an expert on one GPU (no planner makes these)."""
+    rng = np.random.default_rng(seed)
+    phy = np.stack([rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, G * S - E)]))
+                    for _ in range(L)])
+    return Placement(phy, G, E, num_nodes=nodes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_kernel_matches_the_numpy_reference(seed):
+    """The kernel (TimeSolver's call) and TimeSolver.numpy (Step 3 through eplb.cost.step_cost)
+    give the same shares, on planned and shuffled placements, one and two nodes, whole rows
+    from 1-token to prefill batches and fractional counts."""
+    rng = np.random.default_rng(seed)
+    cases = [_placement(seed=seed, L=5, G=16, redundant=32, nodes=1 + seed % 2)]
+    shuffled = _shuffled_placement(seed)
+    cases.append((shuffled, rng.gamma(0.3, 1.0, (3, 64)) + 0.01))
+    for p, load in cases:
+        solver = TimeSolver(p, COST)
+        for B in (1, 8, 32, 128, 4096):
+            for counts in _batches(load, B, 3, seed=seed + B):
+                for c in (counts, counts * 0.37):
+                    np.testing.assert_allclose(solver(c), solver.numpy(c), rtol=0, atol=1e-12)
+
+
+def test_a_second_copy_on_one_gpu_does_not_hide_the_expert_on_another():
+    """Expert 0 has two slots on GPU 0 and one on GPU 1: with GPU 0 busy, its row goes to GPU 1."""
+    p = Placement(np.array([[0, 0, 1, 2, 0, 3]]), 2, 4)
+    w = TimeDispatch(COST).bind(p)(np.array([[1.0, 200.0, 0.0, 0.0]]))
+    assert w[0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
