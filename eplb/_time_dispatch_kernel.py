@@ -82,8 +82,8 @@ def _layer_seconds(rows_P, G, S, per_node, B, c, comp_G, hit_G, node_N, log_T):
     """Modeled step of one layer from the rows of each slot (eplb.cost.step_cost's layer_s_L,
     the all-to-all expected under independent picks). log_T: log(1 - n / B) by whole row
     count n, filled on first use (NaN until then); empty when the rows are not whole."""
-    overhead, cmp, weight_bytes, row_bytes, hbm = c[0], c[5], c[6], c[7], c[8]
-    d_bytes, c_bytes, nvlink, internode, latency, overlap = c[9], c[10], c[11], c[12], c[13], c[14]
+    overhead, cmp, weight_bytes, row_bytes, hbm = c[0], c[3], c[5], c[6], c[7]
+    d_bytes, c_bytes, nvlink, internode, latency, overlap = c[8], c[9], c[10], c[11], c[12], c[13]
     N = G // per_node
     denom = float(max(B, 1))
     for m in range(N):
@@ -126,9 +126,9 @@ def shares(counts_LE, whole, tokens, G, S, per_node, c, home_LE, multi_LE, phy2l
            rank_LP, first_LP, row_start_L, row_expert_R, row_colour_R, row_width_R, slot_RX, gpu_RX):
     """Shares [L, P] of each slot in its expert's rows for one batch's counts [L, E].
 
-    c: float64 constants, [overhead, stream, slope_mem, slope_cmp, knee, compute seconds per row,
-    weight bytes, bytes per row, HBM bytes/s, dispatch bytes per token, combine bytes per token,
-    NVLink bytes/s, inter-node bytes/s, all-to-all latency, overlap (0 or 1)].
+    c: float64 constants, [overhead s, weight stream s, HBM s per row, compute s per row, knee rows,
+    weight bytes, HBM bytes per row, HBM bytes/s, dispatch bytes per token, combine bytes per token,
+    NVLink bytes/s, inter-node bytes/s, all-to-all latency s, overlap (0 or 1)].
     """
     L, E = counts_LE.shape
     P = G * S

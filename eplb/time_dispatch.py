@@ -138,7 +138,7 @@ class TimeSolver:
         D = cost.model.hidden_size
         self._constants = np.array([
             self._overhead, self._stream, self._slope_mem, self._slope_cmp, self._knee,
-            cost.flops_per_row / hw.flops(cost.expert_dtype), cost.weight_bytes, cost.row_bytes, hw.hbm_bytes_per_s,
+            cost.weight_bytes, cost.row_bytes, hw.hbm_bytes_per_s,
             D * DTYPE_BITS[cost.dispatch_dtype] / 8, D * DTYPE_BITS[cost.combine_dtype] / 8,
             hw.nvlink_bytes_per_s, hw.internode_bytes_per_s, hw.a2a_latency_s, float(cost.overlap)])
         self._first_LP = self._first_flat.reshape(L, P) - (np.arange(L) * P)[:, None]
