@@ -171,10 +171,12 @@ class ChangeDetector:
 
     kappa: float = 8.0
     floor: float = 0.02
+    MIN_WINDOWS = 4
+    """Windows it needs (the newest and three before it) to tell a shift from noise."""
 
     def flags(self, imbalance_ML: np.ndarray) -> np.ndarray:
         """bool [L]: the last row is a shift against the rows before it (needs >= 3 of them)."""
-        if self.kappa <= 0 or imbalance_ML.shape[0] < 4:
+        if self.kappa <= 0 or imbalance_ML.shape[0] < self.MIN_WINDOWS:
             return np.zeros(imbalance_ML.shape[1], dtype=bool)
         past_ML = imbalance_ML[:-1]
         med_L = np.median(past_ML, axis=0)
@@ -373,7 +375,7 @@ class AdaptivePolicy:
         if self._load_for is not None:
             self._load_for[self._mem.seen % self.memory] = 0           # its planning load is made below
         self._mem.push(counts_LE)
-        if len(self._mem) >= 4 and self.detector.kappa > 0:
+        if len(self._mem) >= self.detector.MIN_WINDOWS and self.detector.kappa > 0:
             busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G, placement.num_nodes), G)
             order = np.arange(self._mem.seen - len(self._mem), self._mem.seen) % self.memory
             # Flags last until the next decision: windows served while a migration is in
@@ -397,8 +399,14 @@ class AdaptivePolicy:
         # A layer changes only where the predicted gain pays for every replica it moves: a
         # share moves / P of the price of moving all of the layer's slots, plus the budget's.
         price = self.move_cost / P + budget.move_cost
-        if self.replan_gap > 0:
-            new_LP, cost_L2, moves_LG = self._replan(placement, windows, new_LP, cost_L2, moves_LG, price)
+        # A fresh plan is considered where the detector saw a shift, or everywhere while it
+        # cannot tell a shift from noise (too few windows, or off). Elsewhere what keeps the
+        # repair from a fresh plan is the memory's noise, which the repair hedges on purpose,
+        # and the check is not free (a plan and a scoring of every window).
+        check_L = flag_L if self.detector.kappa > 0 and len(self._mem) >= self.detector.MIN_WINDOWS \
+            else np.ones_like(flag_L)
+        if self.replan_gap > 0 and check_L.any():
+            new_LP, cost_L2, moves_LG = self._replan(placement, windows, new_LP, cost_L2, moves_LG, price, check_L)
         span = span_priced(placement.num_nodes, num_expert_groups, budget)
 
         def price_L(rows_LP, moves_L, layers):
@@ -422,9 +430,9 @@ class AdaptivePolicy:
         why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
         return Decision(new_LP, pays_L, np.where(pays_L, gain_L, 0.0), flag_L, why)
 
-    def _replan(self, placement, windows, new_LP, cost_L2, moves_LG, price):
-        """Offer a fresh greedy plan of the memory's sum to the layers the repair leaves far
-        (> replan_gap) above it; it replaces the repair where its net gain (gain - price x
+    def _replan(self, placement, windows, new_LP, cost_L2, moves_LG, price, check_L):
+        """Offer a fresh greedy plan of the memory's sum to the layers of check_L the repair
+        leaves far (> replan_gap) above it; it replaces the repair where its net gain (gain - price x
         moves) is higher. Returns (new_LP, cost_L2, moves_LG), changed rows only."""
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
         old_LP = placement.phy2log_LP
@@ -435,14 +443,19 @@ class AdaptivePolicy:
         share_MLE = normalise(windows, G)
         per_ML = np.maximum(1.0, (share_MLE / replicate(total_LE, P, G)).max(axis=2))
         bound_L = 0.5 * per_ML.mean(axis=0) + 0.5 * per_ML.max(axis=0)
-        cand = np.flatnonzero(bound_L < cost_L2[:, 1] - self.replan_gap)
+        cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap))
         if not cand.size:
             return new_LP, cost_L2, moves_LG
         # The plain packing (a few times quicker than greedy's refining swaps) decides which
         # layers take a fresh plan; only those are then planned in full.
         for rounds in (0, None):
             fresh_LP, cost_L = self._fresh(placement, windows, total_LE, cand, rounds)
-            far = cost_L < cost_L2[cand, 1] - self.replan_gap
+            net_rep = cost_L2[cand, 0] - cost_L2[cand, 1] - price * moves_LG[cand].sum(axis=1)
+            # Each replica an expert gains lands on a GPU that did not hold it: at least that
+            # many moves, known before the renaming.
+            gained = np.maximum(_replica_counts(fresh_LP, E) - _replica_counts(old_LP[cand], E), 0).sum(axis=1)
+            far = (cost_L < cost_L2[cand, 1] - self.replan_gap) & \
+                (cost_L2[cand, 0] - cost_L - price * gained > np.maximum(net_rep, 0.0))
             cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]
             if not cand.size:
                 return new_LP, cost_L2, moves_LG
