@@ -437,48 +437,42 @@ class AdaptivePolicy:
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
         old_LP = placement.phy2log_LP
         total_LE = windows.sum(axis=0)
-        # Greedy's replica counts bound its plan from below in each window (the busiest GPU
-        # holds at least the mean load and each expert's share per replica): only layers the
-        # repair leaves more than the gap above that bound are planned.
-        share_MLE = normalise(windows, G)
-        per_ML = np.maximum(1.0, (share_MLE / replicate(total_LE, P, G)).max(axis=2))
+        # Greedy's replica counts bound its plan from below, before it is made: in each window
+        # the busiest GPU holds at least the mean load and each expert's share per replica, and
+        # each replica an expert gains lands on a GPU that did not hold it (a move). Only the
+        # layers where the plan could still be far from the repair and pay for its moves are
+        # planned.
+        count_LE = replicate(total_LE, P, G)
+        per_ML = np.maximum(1.0, (normalise(windows, G) / count_LE).max(axis=2))
         bound_L = 0.5 * per_ML.mean(axis=0) + 0.5 * per_ML.max(axis=0)
-        cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap))
+        net_rep_L = cost_L2[:, 0] - cost_L2[:, 1] - price * moves_LG.sum(axis=1)
+        gained_L = np.maximum(count_LE - _replica_counts(old_LP, E), 0).sum(axis=1)
+        cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap)
+                              & (cost_L2[:, 0] - bound_L - price * gained_L > np.maximum(net_rep_L, 0.0)))
         if not cand.size:
             return new_LP, cost_L2, moves_LG
-        # The plain packing (a few times quicker than greedy's refining swaps) decides which
-        # layers take a fresh plan; only those are then planned in full.
-        for rounds in (0, None):
-            fresh_LP, cost_L = self._fresh(placement, windows, total_LE, cand, rounds)
-            net_rep = cost_L2[cand, 0] - cost_L2[cand, 1] - price * moves_LG[cand].sum(axis=1)
-            # Each replica an expert gains lands on a GPU that did not hold it: at least that
-            # many moves, known before the renaming.
-            gained = np.maximum(_replica_counts(fresh_LP, E) - _replica_counts(old_LP[cand], E), 0).sum(axis=1)
-            far = (cost_L < cost_L2[cand, 1] - self.replan_gap) & \
-                (cost_L2[cand, 0] - cost_L - price * gained > np.maximum(net_rep, 0.0))
-            cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]
-            if not cand.size:
-                return new_LP, cost_L2, moves_LG
-            rows_LP = renamed(old_LP[cand], fresh_LP, G, E, placement.num_nodes)
-            rows_LG = count_moves(old_LP[cand], rows_LP, G, E)
-            net_fresh = cost_L2[cand, 0] - cost_L - price * rows_LG.sum(axis=1)
-            net_rep = cost_L2[cand, 0] - cost_L2[cand, 1] - price * moves_LG[cand].sum(axis=1)
-            take = net_fresh > np.maximum(net_rep, 0.0)
-            cand = cand[take]
-            if not cand.size:
-                return new_LP, cost_L2, moves_LG
+        fresh_LP, cost_L = self._fresh(placement, windows, total_LE, cand)
+        far = cost_L < cost_L2[cand, 1] - self.replan_gap
+        cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]
+        if not cand.size:
+            return new_LP, cost_L2, moves_LG
+        rows_LP = renamed(old_LP[cand], fresh_LP, G, E, placement.num_nodes)
+        rows_LG = count_moves(old_LP[cand], rows_LP, G, E)
+        take = cost_L2[cand, 0] - cost_L - price * rows_LG.sum(axis=1) > np.maximum(net_rep_L[cand], 0.0)
+        if not take.any():
+            return new_LP, cost_L2, moves_LG
         new_LP, cost_L2, moves_LG = new_LP.copy(), cost_L2.copy(), moves_LG.copy()
-        new_LP[cand] = rows_LP[take]
-        cost_L2[cand, 1] = cost_L[take]
-        moves_LG[cand] = rows_LG[take]
+        layers = cand[take]
+        new_LP[layers] = rows_LP[take]
+        cost_L2[layers, 1] = cost_L[take]
+        moves_LG[layers] = rows_LG[take]
         return new_LP, cost_L2, moves_LG
 
     @staticmethod
-    def _fresh(placement, windows, total_LE, layers, refine_rounds):
+    def _fresh(placement, windows, total_LE, layers):
         """A greedy plan of the memory's sum for `layers`, [n, P], and its cost on the windows
         (half the mean, half the worst window of busiest / mean GPU), [n]."""
-        fresh_LP = get_planner("greedy", refine_rounds=refine_rounds).plan(
-            PlanRequest(total_LE[layers], placement.topology)).phy2log_LP
+        fresh_LP = get_planner("greedy").plan(PlanRequest(total_LE[layers], placement.topology)).phy2log_LP
         busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
         return fresh_LP, 0.5 * busiest_ML.mean(axis=0) + 0.5 * busiest_ML.max(axis=0)
 
