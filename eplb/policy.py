@@ -23,6 +23,10 @@ The default, `AdaptivePolicy` ("adaptive"):
   same memory pays for its moves: gain (half the mean, half the worst window of busiest /
   mean, in units of the layer's mean GPU load) > `move_cost` x moves. Layers that do not
   pay keep their replicas, so steady traffic costs no moves at all.
+- Replan on a switch: where the detector flagged a layer (or cannot judge yet: fewer than 4
+  windows), a fresh `greedy` plan of the memory's sum, renamed onto the placement in force
+  (`renamed`), replaces the repair if the repair stays more than `replan_gap` above it and the
+  plan's gain net of its moves' price is higher: a few swaps follow drift, not a new workload.
 
 `WindowPolicy` ("window") is the fixed-horizon rule the `Rebalancer` implements with
 `window=N`: plan on the sum of the newest N windows (all when None) with a planner, migration
