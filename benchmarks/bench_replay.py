@@ -36,6 +36,12 @@ machine load: global (one node, the replay's topology) and hierarchical (4 nodes
 SGLang's choice for a 4-node DeepSeek-V3). The Rebalancer's whole rebalance() (decision,
 scores, safe migration schedule) is timed on the same windows too.
 
+Static floors (issue 15, `--floors`, on by default, v2 only): even-split scores of static plans
+(robust and greedy) planned on the history, on the scored windows themselves (in sample) and
+across them (planned on the even-numbered scored windows, scored on the odd ones and the other
+way round), on the first half of v2 (10 windows of history, 11 scored: the selection data the
+policy's settings were chosen on) and on the reported split.
+
 Time in the loop (issue 14, `--time`, on by default): v2 and v3 replayed again with the
 policies and hindsight planning for modeled time (`objective=TimeObjective`, H200, FP8
 experts, decode at 128 tokens per GPU per step) and every served window scored in modeled MoE
@@ -222,6 +228,47 @@ def decision_speed(shared: Path) -> list[str]:
     return lines
 
 
+def static_floors(counts: np.ndarray, topo: Topology) -> list[str]:
+    """What a static plan can reach on v2 (see the module docstring): planned on the history, on
+    the scored windows themselves (in sample, a bound no policy can use) and across the scored
+    windows (planned on every other one, scored on the rest: the traffic's own distribution
+    known, its noise not)."""
+    from eplb.placement import Placement
+    from eplb.planning import plan
+    from eplb.stats import imbalance
+
+    T, L, E = counts.shape
+    G = topo.num_gpus
+    counts = counts.astype(np.float64)
+
+    def planned(windows, planner):
+        load = windows if planner == "robust" else windows.sum(axis=0)
+        return Placement(plan(load, topology=topo, planner=planner).solution.phy2log_LP, G, E)
+
+    def score(pl, windows):
+        imb = np.concatenate([imbalance(pl.gpu_loads(w)) for w in windows])
+        return f"{np.median(imb):.3f} ({np.percentile(imb, 95):.3f})"
+
+    lines = []
+    for label, hist, served in (("first half (selection data)", counts[:10], counts[10:T // 2]),
+                                ("whole trace (the reported split)", counts[:T // 2], counts[T // 2:])):
+        a, b = served[0::2], served[1::2]
+        rows = []
+        for planner in ("robust", "greedy"):
+            rows.append([planner, score(planned(hist, planner), served), score(planned(served, planner), served),
+                         f"{score(planned(a, planner), b)} / {score(planned(b, planner), a)}",
+                         f"{score(planned(hist, planner), b)} / {score(planned(hist, planner), a)}"])
+        lines.append(f"\n{label}: {len(hist)} windows of history, {len(served)} scored; even split, busiest / mean "
+                     f"GPU median (p95) over (scored window, layer)")
+        lines.append("```\n" + format_table(["planner", "history", "scored windows (in sample)",
+                                              "even -> odd / odd -> even", "history -> odd / -> even"], rows)
+                     + "\n```")
+    lines.append("in sample: planned on the very windows it is scored on; even -> odd: planned on the even-numbered "
+                 "scored windows, scored on the odd ones (and the other way); history -> odd / even: the history "
+                 "plan on the same halves, for comparison")
+    return lines
+
+
 def time_in_the_loop(shared: Path) -> list[str]:
     """Replays planned for and scored in modeled step time (see the module docstring)."""
     from eplb.cost import TimeObjective, cost_model
@@ -310,6 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--write-docs", action="store_true", help="write docs/results/replay.md")
     ap.add_argument("--no-speed", dest="speed", action="store_false",
                     help="skip the decision-speed part (DeepSeek-V3 shape against SGLang's plan)")
+    ap.add_argument("--no-floors", dest="floors", action="store_false",
+                    help="skip the static floors on v2 (plans from the history, the scored windows, across them)")
     ap.add_argument("--no-time", dest="time", action="store_false",
                     help="skip the time-in-the-loop part (replays planned for and scored in modeled step time)")
     args = ap.parse_args(argv)
@@ -333,6 +382,11 @@ def main(argv=None) -> int:
         say("\n## Targets (issue 15)")
         for line in targets(results):
             say(f"- {line}")
+    if args.floors:
+        for _, counts, topo, _ in load_traces(args.shared, ["v2"]):
+            say("\n## What a static plan can reach on v2 (issue 15: floors)")
+            for line in static_floors(counts, topo):
+                say(line)
     if args.time:
         say("\n## Time in the loop (issue 14: replays planned for and scored in modeled step time)")
         for line in time_in_the_loop(args.shared):

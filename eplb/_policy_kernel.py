@@ -439,3 +439,69 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
                 cost_L2[l, 1] = cost
         for p in range(P):
             was_EG[old_LP[l, p], p // S] = False
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
+    """For each layer, the GPU of new_LP to put at each old GPU's position, int [L, G]: pairs
+    of (new GPU, old GPU) sharing the most experts first, each GPU used once (a greedy
+    matching: the GPUs of a fresh plan are interchangeable, and this renaming is what keeps its
+    replicas in place; the optimal assignment keeps a few more for many times the time)."""
+    L, P = old_LP.shape
+    G = num_gpus
+    E = num_logical_experts
+    S = P // G
+    out_LG = np.empty((L, G), dtype=np.int64)
+    start_E = np.empty(E + 1, dtype=np.int64)
+    at_P = np.empty(P, dtype=np.int64)
+    fill_E = np.empty(E, dtype=np.int64)
+    overlap_GG = np.zeros((G, G), dtype=np.int64)
+    pair_h = np.empty(P * G, dtype=np.int64)
+    pair_g = np.empty(P * G, dtype=np.int64)
+    pair_v = np.empty(P * G, dtype=np.int64)
+    used_new = np.empty(G, dtype=np.bool_)
+    used_old = np.empty(G, dtype=np.bool_)
+    for l in range(L):
+        # Old GPUs holding each expert, as compressed rows.
+        start_E[:] = 0
+        for p in range(P):
+            start_E[old_LP[l, p] + 1] += 1
+        for e in range(E):
+            start_E[e + 1] += start_E[e]
+        fill_E[:] = start_E[:E]
+        for p in range(P):
+            e = old_LP[l, p]
+            at_P[fill_E[e]] = p // S
+            fill_E[e] += 1
+        n = 0
+        for p in range(P):
+            h = p // S
+            e = new_LP[l, p]
+            for i in range(start_E[e], start_E[e + 1]):
+                g = at_P[i]
+                if overlap_GG[h, g] == 0:
+                    pair_h[n] = h
+                    pair_g[n] = g
+                    n += 1
+                overlap_GG[h, g] += 1
+        for i in range(n):
+            pair_v[i] = -overlap_GG[pair_h[i], pair_g[i]]
+        order = np.argsort(pair_v[:n], kind="mergesort")
+        used_new[:] = False
+        used_old[:] = False
+        out_LG[l] = -1
+        for i in order:
+            h, g = pair_h[i], pair_g[i]
+            overlap_GG[h, g] = 0
+            if not used_new[h] and not used_old[g]:
+                used_new[h] = True
+                used_old[g] = True
+                out_LG[l, g] = h
+        h = 0
+        for g in range(G):
+            if out_LG[l, g] < 0:
+                while used_new[h]:
+                    h += 1
+                used_new[h] = True
+                out_LG[l, g] = h
+    return out_LG

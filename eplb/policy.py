@@ -23,6 +23,10 @@ The default, `AdaptivePolicy` ("adaptive"):
   same memory pays for its moves: gain (half the mean, half the worst window of busiest /
   mean, in units of the layer's mean GPU load) > `move_cost` x moves. Layers that do not
   pay keep their replicas, so steady traffic costs no moves at all.
+- Replan on a switch: where the detector flagged a layer (or cannot judge yet: fewer than 4
+  windows), a fresh `greedy` plan of the memory's sum, renamed onto the placement in force
+  (`renamed`), replaces the repair if the repair stays more than `replan_gap` above it and the
+  plan's gain net of its moves' price is higher: a few swaps follow drift, not a new workload.
 
 `WindowPolicy` ("window") is the fixed-horizon rule the `Rebalancer` implements with
 `window=N`: plan on the sum of the newest N windows (all when None) with a planner, migration
@@ -41,12 +45,13 @@ import numpy as np
 
 from eplb.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
-from eplb.migration import Budget, count_moves
+from eplb.migration import Budget, count_moves, keep_slots, relabel
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
-from eplb.planner_api import get_planner
+from eplb.planner_api import PlanRequest, get_planner
 from eplb.planning import plan
 from eplb.stats import group_span
+from planners.greedy import replicate
 from planners.robust import normalise_windows
 
 # Load estimate --------------------------------------------------------------------------------
@@ -170,10 +175,12 @@ class ChangeDetector:
 
     kappa: float = 8.0
     floor: float = 0.02
+    MIN_WINDOWS = 4
+    """Windows it needs (the newest and three before it) to tell a shift from noise."""
 
     def flags(self, imbalance_ML: np.ndarray) -> np.ndarray:
         """bool [L]: the last row is a shift against the rows before it (needs >= 3 of them)."""
-        if self.kappa <= 0 or imbalance_ML.shape[0] < 4:
+        if self.kappa <= 0 or imbalance_ML.shape[0] < self.MIN_WINDOWS:
             return np.zeros(imbalance_ML.shape[1], dtype=bool)
         past_ML = imbalance_ML[:-1]
         med_L = np.median(past_ML, axis=0)
@@ -231,6 +238,23 @@ def robust_repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int
                   partners=partners)[0]
 
 
+def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
+            num_nodes: int = 1) -> np.ndarray:
+    """new_LP with its GPUs renamed (and slots ordered) to keep the most replicas of old_LP in
+    place, [L, P]. One node: a compiled greedy matching of GPUs by shared experts (a few ms at
+    256 GPUs); more nodes: `eplb.migration.relabel` (nodes renamed as wholes)."""
+    if num_nodes > 1:
+        return np.take_along_axis(new_LP, relabel(old_LP, new_LP, num_gpus, num_logical_experts, num_nodes), axis=1)
+    from eplb import _policy_kernel  # numba: imported on first use
+
+    L, P = new_LP.shape
+    S = P // num_gpus
+    gsrc_LG = _policy_kernel.match_gpus(_ints(old_LP), _ints(new_LP), int(num_gpus), int(num_logical_experts))
+    base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
+    moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
+    return np.take_along_axis(moved_LP, keep_slots(old_LP, moved_LP, num_gpus), axis=1)
+
+
 def warm_up() -> float:
     """Load (or, after an install, compile) the adaptive policy's kernels now; returns seconds."""
     t0 = time.perf_counter()
@@ -239,6 +263,7 @@ def warm_up() -> float:
     window_imbalance(phy, win, 2)
     repair(phy, win, 2, rounds_L=np.array([2, 2]))
     repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
+    renamed(phy, phy[::-1].copy(), 2, 3)
     return time.perf_counter() - t0
 
 
@@ -298,7 +323,10 @@ class AdaptivePolicy:
     mean GPU, half mean and half worst window over the memory) that moving all of a layer's P
     slots must buy, so one move must buy move_cost / P; detect: change-detector threshold in
     median absolute deviations (0 = off); detect_floor: its smallest deviation; beta: sharpness
-    of the smooth maximum the swaps lower; partners: GPUs (the lightest) a swap may reach.
+    of the smooth maximum the swaps lower; partners: GPUs (the lightest) a swap may reach;
+    replan_gap: a layer whose repair stays more than this (busiest / mean GPU, on the same cost)
+    above a fresh `greedy` plan of the memory's sum is offered that plan, relabelled onto the
+    placement in force (a workload switch that a few swaps cannot follow); 0 = off.
     objective: "tokens", or an eplb.cost.TimeObjective: windows are then planned as each
     expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
@@ -307,7 +335,7 @@ class AdaptivePolicy:
 
     def __init__(self, memory: int = 16, swaps: int = 8, urgent_swaps: int = 16, move_cost: float = 0.3,
                  detect: float = 8.0, detect_floor: float = 0.02, beta: float = 50.0, partners: int = 8,
-                 objective: str | TimeObjective = "tokens"):
+                 replan_gap: float = 0.05, objective: str | TimeObjective = "tokens"):
         self.memory = whole_number("memory (windows)", memory, 1)
         self.swaps = whole_number("swaps", swaps, 0)
         self.urgent_swaps = whole_number("urgent_swaps", urgent_swaps, 0)
@@ -316,6 +344,7 @@ class AdaptivePolicy:
                                        finite_number("detect_floor", detect_floor, 0.0))
         self.beta = positive_number("beta", beta)
         self.partners = whole_number("partners", partners, 1)
+        self.replan_gap = finite_number("replan_gap", replan_gap, 0.0)
         self.objective = check_objective(objective)
         self._mem: WindowMemory | None = None
         self._load: WindowMemory | None = None      # planning loads (time objective), else None
@@ -350,7 +379,7 @@ class AdaptivePolicy:
         if self._load_for is not None:
             self._load_for[self._mem.seen % self.memory] = 0           # its planning load is made below
         self._mem.push(counts_LE)
-        if len(self._mem) >= 4 and self.detector.kappa > 0:
+        if len(self._mem) >= self.detector.MIN_WINDOWS and self.detector.kappa > 0:
             busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G, placement.num_nodes), G)
             order = np.arange(self._mem.seen - len(self._mem), self._mem.seen) % self.memory
             # Flags last until the next decision: windows served while a migration is in
@@ -374,6 +403,14 @@ class AdaptivePolicy:
         # A layer changes only where the predicted gain pays for every replica it moves: a
         # share moves / P of the price of moving all of the layer's slots, plus the budget's.
         price = self.move_cost / P + budget.move_cost
+        # A fresh plan is considered where the detector saw a shift, or everywhere while it
+        # cannot tell a shift from noise (too few windows, or off). Elsewhere what keeps the
+        # repair from a fresh plan is the memory's noise, which the repair hedges on purpose,
+        # and the check is not free (a plan and a scoring of every window).
+        check_L = flag_L if self.detector.kappa > 0 and len(self._mem) >= self.detector.MIN_WINDOWS \
+            else np.ones_like(flag_L)
+        if self.replan_gap > 0 and check_L.any():
+            new_LP, cost_L2, moves_LG = self._replan(placement, windows, new_LP, cost_L2, moves_LG, price, check_L)
         span = span_priced(placement.num_nodes, num_expert_groups, budget)
 
         def price_L(rows_LP, moves_L, layers):
@@ -396,6 +433,52 @@ class AdaptivePolicy:
         new_LP = np.where(pays_L[:, None], new_LP, old_LP)
         why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
         return Decision(new_LP, pays_L, np.where(pays_L, gain_L, 0.0), flag_L, why)
+
+    def _replan(self, placement, windows, new_LP, cost_L2, moves_LG, price, check_L):
+        """Offer a fresh greedy plan of the memory's sum to the layers of check_L the repair
+        leaves far (> replan_gap) above it; it replaces the repair where its net gain (gain - price x
+        moves) is higher. Returns (new_LP, cost_L2, moves_LG), changed rows only."""
+        G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
+        old_LP = placement.phy2log_LP
+        total_LE = windows.sum(axis=0)
+        # Greedy's replica counts bound its plan from below, before it is made: in each window
+        # the busiest GPU holds at least the mean load and each expert's share per replica, and
+        # each replica an expert gains lands on a GPU that did not hold it (a move). Only the
+        # layers where the plan could still be far from the repair and pay for its moves are
+        # planned.
+        count_LE = replicate(total_LE, P, G)
+        per_ML = np.maximum(1.0, (normalise(windows, G) / count_LE).max(axis=2))
+        bound_L = 0.5 * per_ML.mean(axis=0) + 0.5 * per_ML.max(axis=0)
+        net_rep_L = cost_L2[:, 0] - cost_L2[:, 1] - price * moves_LG.sum(axis=1)
+        gained_L = np.maximum(count_LE - _replica_counts(old_LP, E), 0).sum(axis=1)
+        cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap)
+                              & (cost_L2[:, 0] - bound_L - price * gained_L > np.maximum(net_rep_L, 0.0)))
+        if not cand.size:
+            return new_LP, cost_L2, moves_LG
+        fresh_LP, cost_L = self._fresh(placement, windows, total_LE, cand)
+        far = cost_L < cost_L2[cand, 1] - self.replan_gap
+        cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]
+        if not cand.size:
+            return new_LP, cost_L2, moves_LG
+        rows_LP = renamed(old_LP[cand], fresh_LP, G, E, placement.num_nodes)
+        rows_LG = count_moves(old_LP[cand], rows_LP, G, E)
+        take = cost_L2[cand, 0] - cost_L - price * rows_LG.sum(axis=1) > np.maximum(net_rep_L[cand], 0.0)
+        if not take.any():
+            return new_LP, cost_L2, moves_LG
+        new_LP, cost_L2, moves_LG = new_LP.copy(), cost_L2.copy(), moves_LG.copy()
+        layers = cand[take]
+        new_LP[layers] = rows_LP[take]
+        cost_L2[layers, 1] = cost_L[take]
+        moves_LG[layers] = rows_LG[take]
+        return new_LP, cost_L2, moves_LG
+
+    @staticmethod
+    def _fresh(placement, windows, total_LE, layers):
+        """A greedy plan of the memory's sum for `layers`, [n, P], and its cost on the windows
+        (half the mean, half the worst window of busiest / mean GPU), [n]."""
+        fresh_LP = get_planner("greedy").plan(PlanRequest(total_LE[layers], placement.topology)).phy2log_LP
+        busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
+        return fresh_LP, 0.5 * busiest_ML.mean(axis=0) + 0.5 * busiest_ML.max(axis=0)
 
     def _within_caps(self, placement, windows, budget, flag_L, pays_L, new_LP, gain_L, moves_LG, price_L, kw):
         """Keep the paying layers that fit Budget.max_moves / max_moves_per_gpu, best gain per

@@ -1,0 +1,83 @@
+"""The adaptive policy's replan path: a workload switch that a few swaps cannot follow gets a
+fresh plan, renamed onto the placement in force (eplb.policy.renamed)."""
+
+import numpy as np
+import pytest
+
+from eplb import EplbError, plan, stats
+from eplb.migration import count_moves, relabel
+from eplb.placement import Placement
+from eplb.policy import AdaptivePolicy, get_policy, renamed
+
+L, E, G, S = 2, 64, 64, 2
+
+
+def workload(seed, tokens=400_000):
+    """Skewed counts [L, E]: every layer's expert popularity drawn afresh from the seed."""
+    rng = np.random.default_rng(seed)
+    p = rng.lognormal(0.0, 1.2, (L, E))
+    p /= p.sum(axis=1, keepdims=True)
+    return np.stack([rng.multinomial(tokens, q) for q in p]).astype(float)
+
+
+def balance(placement, load_LE):
+    return float(np.median(stats.imbalance(placement.gpu_loads(load_LE))))
+
+
+def test_a_switch_gets_a_fresh_plan_within_one_percent_and_repair_alone_does_not():
+    a, b = workload(1), workload(2)
+    start = plan(a, num_gpus=G, slots_per_gpu=S).placement
+    fresh = balance(plan(b, num_gpus=G, slots_per_gpu=S).placement, b)
+    got = {}
+    for gap in (0.0, 0.05):
+        pol = AdaptivePolicy(replan_gap=gap)
+        pol.observe(b, start)
+        d = pol.decide(start)
+        assert d is not None
+        got[gap] = balance(Placement(d.phy2log_LP, G, E), b) / fresh
+    assert got[0.05] <= 1.01 < 1.05 < got[0.0]
+
+
+def test_replan_leaves_steady_traffic_alone():
+    rng = np.random.default_rng(3)
+    p = workload(4) / 400_000
+    hist = np.stack([np.stack([rng.multinomial(50_000, q) for q in p]) for _ in range(6)]).astype(float)
+    start = plan(hist, num_gpus=G, slots_per_gpu=S, planner="robust").placement
+    on, off = AdaptivePolicy(), AdaptivePolicy(replan_gap=0.0)
+    for c in hist:
+        on.observe(c, start)
+        off.observe(c, start)
+    d_on, d_off = on.decide(start), off.decide(start)
+    same = (d_on is None and d_off is None) or (d_on.phy2log_LP == d_off.phy2log_LP).all()
+    assert same
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_renamed_only_renames_gpus_and_keeps_replicas_in_their_slots(seed):
+    rng = np.random.default_rng(seed)
+    old = plan(workload(10 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
+    new = plan(workload(20 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
+    out = renamed(old, new, G, E)
+    # The same GPUs' contents, in another order of GPUs.
+    per_gpu = lambda x: sorted(map(tuple, np.sort(x.reshape(L, G, S), axis=2)[0]))  # noqa: E731
+    assert per_gpu(out) == per_gpu(new)
+    # An expert that stays on a GPU stays in its old slot there.
+    for l in range(L):
+        for p in range(G * S):
+            g = p // S
+            if old[l, p] in out[l, g * S:(g + 1) * S]:
+                assert out[l, p] == old[l, p]
+    # Near the optimal renaming, never worse than none.
+    m = count_moves(old, out, G, E).sum()
+    opt = count_moves(old, np.take_along_axis(new, relabel(old, new, G, E), axis=1), G, E).sum()
+    assert opt <= m <= min(count_moves(old, new, G, E).sum(), 1.15 * opt)
+    # GPUs permuted as wholes: nothing moves.
+    perm_G = rng.permutation(G)
+    shuffled = old.reshape(L, G, S)[:, perm_G].reshape(L, G * S)
+    assert count_moves(old, renamed(old, shuffled, G, E), G, E).sum() == 0
+
+
+def test_replan_gap_is_checked():
+    with pytest.raises(EplbError, match="replan_gap"):
+        get_policy("adaptive", {"replan_gap": -0.1})
+    assert get_policy("adaptive", {"replan_gap": 0}).replan_gap == 0.0
