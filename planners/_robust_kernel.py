@@ -1,18 +1,22 @@
-"""Compiled swap search of the robust planners (numba): `planners.robust.smooth_max_swaps`.
+"""Compiled packing and swap search of the robust planners (numba): `planners.robust`'s
+`pack_vector` and `smooth_max_swaps`.
 
-Legend: L = MoE layers, P = physical slots, T = history windows, G = GPUs, S = P / G slots per
-GPU, Q = the slots of the top_gpus busiest GPUs (the swap's first side). Slot p lives on GPU
-p // S.
+Legend: L = MoE layers, E = logical experts, P = physical slots, T = history windows, G = GPUs,
+S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on GPU p // S.
 
-The search is the one `smooth_max_swaps` describes (its docstring is the specification): per
-layer, while a swap lowers Z = sum over kept windows and GPUs of exp(beta (load - peak)), the
-best swap of a slot on one of the top_gpus busiest GPUs with any slot elsewhere is made. Layers
-are independent, so each runs its own rounds to the end here (numpy moves all layers in
-lock-step; the swaps are the same). The gain of a swap is the numpy version's factored form,
-sum over windows of two products per window; only that sum may be reassociated (fastmath
-"reassoc", which lets it vectorise), so gains agree with numpy's batched products to rounding
-and the argmax picks the same swap unless two gains tie to ~1e-15. Scratch arrays are reused
-across layers; `holds` is kept up to date on each swap instead of rebuilt per round.
+- `pack_vector`: S rounds, each an assignment of G replicas to the G GPUs (`_assign`: the
+  algorithm of scipy's linear_sum_assignment with its tie rules, so the pairing is scipy's);
+- `smooth_max_swaps`: the search `planners.robust.smooth_max_swaps_numpy` specifies. Per layer,
+  while a swap lowers Z = sum over kept windows and GPUs of exp(beta (load - peak)), the best
+  swap of a slot on one of the top_gpus busiest GPUs with any slot elsewhere is made. Layers
+  are independent, so each runs its own rounds to the end here (numpy moves all layers in
+  lock-step; the swaps are the same). Gains use numpy's factored form; loads and sums of
+  exponentials are added in numpy's order (`_pairwise`), the two products per window of a
+  gain are summed with reassociation ("reassoc": it vectorises; numpy's matrix products round
+  their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
+  whose gain bound cannot beat the best swap so far are skipped (`_layer`).
+Scratch arrays are reused across layers; `holds` is kept up to date on each swap. No
+function here recurses: numba's cache cannot load recursive functions.
 """
 
 from __future__ import annotations
@@ -37,6 +41,93 @@ def _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S):
             s2 += u_T[t] * y_T[t]
         c1_S[s] = s1
         c2_S[s] = s2
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(a, start, n, stride):
+    """numpy's pairwise sum of at most 128 terms a[start + i stride]: in order below 8 terms,
+    else eight running sums combined as a tree, then the remainder."""
+    if n < 8:
+        r = 0.0
+        for i in range(n):
+            r += a[start + i * stride]
+        return r
+    r0 = a[start]
+    r1 = a[start + stride]
+    r2 = a[start + 2 * stride]
+    r3 = a[start + 3 * stride]
+    r4 = a[start + 4 * stride]
+    r5 = a[start + 5 * stride]
+    r6 = a[start + 6 * stride]
+    r7 = a[start + 7 * stride]
+    i = 8
+    while i < n - n % 8:
+        o = start + i * stride
+        r0 += a[o]
+        r1 += a[o + stride]
+        r2 += a[o + 2 * stride]
+        r3 += a[o + 3 * stride]
+        r4 += a[o + 4 * stride]
+        r5 += a[o + 5 * stride]
+        r6 += a[o + 6 * stride]
+        r7 += a[o + 7 * stride]
+        i += 8
+    r = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        r += a[start + i * stride]
+        i += 1
+    return r
+
+
+@njit(cache=True, nogil=True)
+def _pairwise(a, start, n, stride):
+    """sum of a[start + i stride], i < n, added in numpy's order for a contiguous reduction
+    (blocks of 128 and below as `_block_sum`, larger runs split in halves of a multiple of 8
+    terms), so that sums agree to the bit with the numpy search's and near-tied swaps are
+    chosen alike. The halving runs on an explicit stack: numba's cache cannot load recursion."""
+    if n <= 128:
+        return _block_sum(a, start, n, stride)
+    depth = 64
+    f_start = np.empty(depth, dtype=np.int64)
+    f_n = np.empty(depth, dtype=np.int64)
+    f_stage = np.empty(depth, dtype=np.int64)   # 0: split next, 1: left half pending, 2: right half pending
+    f_left = np.empty(depth)
+    top = 0
+    f_start[0] = start
+    f_n[0] = n
+    f_stage[0] = 0
+    val = 0.0
+    have = False  # val holds the sum of the frame just finished
+    while True:
+        if have:
+            if top < 0:
+                return val
+            if f_stage[top] == 1:
+                f_left[top] = val
+                f_stage[top] = 2
+                half = f_n[top] // 2
+                half -= half % 8
+                top += 1
+                f_start[top] = f_start[top - 1] + half * stride
+                f_n[top] = f_n[top - 1] - half
+                f_stage[top] = 0
+                have = False
+            else:
+                val = f_left[top] + val
+                top -= 1
+            continue
+        if f_n[top] <= 128:
+            val = _block_sum(a, f_start[top], f_n[top], stride)
+            top -= 1
+            have = True
+            continue
+        half = f_n[top] // 2
+        half -= half % 8
+        f_stage[top] = 1
+        top += 1
+        f_start[top] = f_start[top - 1]
+        f_n[top] = half
+        f_stage[top] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -76,6 +167,8 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
             v_PT[p, t] = np.exp(min(beta * w_PT[p, t], 600.0))
     load_GT = np.empty((G, T))
     e_GT = np.empty((G, T))
+    w_flat = w_PT.reshape(P * T)  # views: slot loads and exponentials as flat rows for `_pairwise`
+    e_flat = e_GT.reshape(G * T)
     sum_G = np.empty(G)
     y_PT = np.empty((P, T))
     x_T = np.empty(T)
@@ -91,8 +184,12 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     taken_G = np.zeros(G, dtype=np.bool_)
     swaps = 0
     for _ in range(max_rounds):
-        # GPU loads per window, summed over the GPU's slots in slot order (as numpy's reduction).
+        # GPU loads per window, summed over the GPU's slots as numpy sums them: slot by slot
+        # across windows, or pairwise when there is one window (the slots are contiguous then).
         for g in range(G):
+            if T == 1:
+                load_GT[g, 0] = _pairwise(w_flat, g * S, S, 1)
+                continue
             for t in range(T):
                 load_GT[g, t] = w_PT[g * S, t]
             for s in range(1, S):
@@ -118,15 +215,11 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
                     bg = g
             src_K[k] = bg
             taken_G[bg] = True
-        z = 0.0
         for g in range(G):
-            s = 0.0
             for t in range(T):
-                e = np.exp(beta * (load_GT[g, t] - peak)) if kept_T[t] else 0.0
-                e_GT[g, t] = e
-                s += e
-            sum_G[g] = s
-            z += s
+                e_GT[g, t] = np.exp(beta * (load_GT[g, t] - peak)) if kept_T[t] else 0.0
+            sum_G[g] = _pairwise(e_flat, g * T, T, 1)
+        z = _pairwise(e_flat, 0, G * T, 1)
         for p in range(P):
             for t in range(T):
                 y_PT[p, t] = e_GT[p // S, t] / v_PT[p, t]

@@ -21,8 +21,10 @@ def _packed(seed, T, L, E, G, S, blend=1.0):
 
 
 # (seed, windows, layers, experts, GPUs, slots per GPU): many windows, one window (every
-# pairing of a round costs the same then, so the assignment's tie rules decide), one slot.
-CASES = [(0, 6, 4, 32, 4, 9), (1, 6, 4, 32, 8, 5), (2, 1, 4, 32, 8, 5), (3, 1, 3, 64, 32, 3), (4, 5, 3, 32, 32, 1)]
+# pairing of a round costs the same then, so the assignment's tie rules decide; with 8 or more
+# slots numpy sums a GPU's slots pairwise), one slot.
+CASES = [(0, 6, 4, 32, 4, 9), (1, 6, 4, 32, 8, 5), (2, 1, 4, 32, 8, 5), (3, 1, 3, 64, 32, 3), (4, 5, 3, 32, 32, 1),
+         (5, 1, 4, 64, 8, 9), (6, 12, 3, 32, 4, 9)]
 
 
 @pytest.mark.parametrize("seed,T,L,E,G,S", CASES)
@@ -86,3 +88,12 @@ def test_a_cold_cache_plans_in_numpy_while_the_kernels_compile_in_the_background
     assert cold.info["compiled"] is False and "numpy" in cold.message
     np.testing.assert_array_equal(cold.phy2log_LP, warm.phy2log_LP)
     assert len(started) == 1 and "planners._robust_kernel" in started[0][-1]  # one compile, however many calls
+
+
+def test_kernel_sums_add_in_numpys_order():
+    from planners import _robust_kernel
+
+    rng = np.random.default_rng(0)
+    for n in [1, 7, 8, 9, 16, 127, 128, 129, 300, 1000, 4099]:
+        a = rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)  # terms of many sizes: order shows
+        assert _robust_kernel._pairwise(a, 0, n, 1) == np.add.reduce(a)
