@@ -12,6 +12,8 @@ report away does not pay for them.
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -82,8 +84,8 @@ class PlanResult:
 
     @cached_property
     def lower_bound_L(self) -> np.ndarray:
-        """Lower bound on the busiest GPU's load per layer, [L]."""
-        return stats.lower_bound(self.load_LE, self.topology.num_gpus, self.topology.num_slots)
+        """Lower bound on the busiest GPU's load per layer, [L] (`stats.lower_bound`)."""
+        return lower_bound(self.load_LE, self.topology)
 
     def _score(self, placement: Placement, rule: DispatchRule | None = None) -> stats.LoadReport:
         weights_LP = (rule or self.dispatch).bind(placement)(self.load_LE)
@@ -112,7 +114,7 @@ class PlanResult:
     def before(self) -> stats.LoadReport:
         """The contiguous placement (no EPLB) on the same GPUs, scored the same way."""
         plain: Placement = self._plain  # type: ignore[attr-defined]
-        return self._score(contiguous_placement(plain.num_logical_experts, self.topology, plain.layer_ids))
+        return self._score(_contiguous(plain.num_logical_experts, self.topology, tuple(plain.layer_ids.tolist())))
 
     @cached_property
     def placement(self) -> Placement:
@@ -157,6 +159,28 @@ class PlanResult:
             "planned": self.planned.summary(),
             "info": self.info,
         }
+
+
+def lower_bound(load_LE: np.ndarray, topology: Topology) -> np.ndarray:
+    """`stats.lower_bound(load_LE, G, P)`, [L]; when greedy's compiled kernels are loaded in this
+    process, with its min-max replica counts from their `replicate` (the same problem, uncapped:
+    at most P replicas), which beats numpy's loop of P - E steps over the layers. The bound is
+    the problem's optimum, so either way gives it to the bit (ties only change which expert
+    attains it); a process without the kernels does not load numba for it."""
+    if "planners._greedy_kernel" not in sys.modules:
+        return stats.lower_bound(load_LE, topology.num_gpus, topology.num_slots)
+    from planners.greedy import replicate
+
+    P = topology.num_slots
+    count_LE = replicate(load_LE, P, P)
+    return np.maximum(load_LE.sum(axis=1) / topology.num_gpus, (load_LE / count_LE).max(axis=1))
+
+
+@functools.lru_cache(maxsize=16)
+def _contiguous(num_logical_experts: int, topology: Topology, layer_ids: tuple[int, ...]) -> Placement:
+    """The contiguous baseline `before` scores, kept for the next plan of the same shape (a
+    Placement is immutable; a serving loop plans one shape again and again)."""
+    return contiguous_placement(num_logical_experts, topology, np.array(layer_ids, dtype=np.int64))
 
 
 def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict]:

@@ -227,12 +227,9 @@ def _sort_gpu_items(phy, per_E, g, S, srt, ws):
 @njit(cache=True, nogil=True)
 def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
-    (does the GPU hold the expert), gl, order, pos [G], srt, ws [P] (`_sort_gpu_items`)."""
-    E = per_E.size
+    (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
+    ws [P] (`_sort_gpu_items`)."""
     P = G * S
-    for e in range(E):
-        for g in range(G):
-            holds[e, g] = False
     total = 0.0
     wmax = 0.0
     for g in range(G):
@@ -323,6 +320,8 @@ def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
         _place(order, pos, gl, h, G)
         _place(order, pos, gl, g, G)
         swaps += 1
+    for p in range(P):  # holds is all False again for the next row (cheaper than clearing [E, G])
+        holds[phy[p], p // S] = False
     return swaps
 
 
@@ -333,7 +332,7 @@ def refine(phy_RP, per_RE, G, max_swaps):
     R, P = phy_RP.shape
     E = per_RE.shape[1]
     S = P // G
-    holds = np.empty((E, G), dtype=np.bool_)
+    holds = np.zeros((E, G), dtype=np.bool_)
     gl = np.empty(G)
     order = np.empty(G, dtype=np.int64)
     pos = np.empty(G, dtype=np.int64)

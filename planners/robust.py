@@ -31,6 +31,11 @@ one swap search (benchmarks/bench_backtest.py times them).
 
 from __future__ import annotations
 
+import importlib
+import os
+import subprocess
+import sys
+
 import numpy as np
 
 from eplb.errors import EplbError, fraction, positive_number, whole_number
@@ -56,7 +61,8 @@ def robust_demand(share_TLE: np.ndarray, blend: float) -> np.ndarray:
     return mean_LE + blend * (share_TLE.max(axis=0) - mean_LE)
 
 
-def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
+def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int,
+                compiled: bool | None = None) -> np.ndarray:
     """Place replicas on GPUs against all windows at once; returns phy2log_LP.
 
     S rounds; round k gives each GPU one of the next G heaviest replicas (heaviest = largest
@@ -64,10 +70,10 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     cost of replica i on GPU g = max over windows of (GPU g's load + replica i's load), the
     GPU's new worst-window load; pairing with a GPU that already holds the expert is
     forbidden. Round k can meet an expert only if its replicas straddle rounds k-1 and k
-    (an expert has <= G replicas), so a feasible pairing always exists.
+    (an expert has <= G replicas), so a feasible pairing always exists. compiled: as in
+    `smooth_max_swaps` (the kernel's assignment is scipy's linear_sum_assignment, tie rules
+    included; False: numpy and scipy).
     """
-    from scipy.optimize import linear_sum_assignment
-
     T, L, E = share_TLE.shape
     G, S = num_gpus, slots_per_gpu
     P = G * S
@@ -75,10 +81,17 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     key_LE = w_TLE.max(axis=0) + 1e-12 * w_TLE.sum(axis=0)     # heaviest window first, then total
     order_LE = np.argsort(-key_LE, axis=1, kind="stable")
     rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
+    w_LET = np.moveaxis(w_TLE, 0, 2)
+    kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
+    if kernels is not None:
+        phy2log_LP, ok = kernels.pack_vector(np.ascontiguousarray(w_LET), rep_LP, G, S, _FORBIDDEN)
+        assert ok, "packing round had no feasible pairing"
+        return phy2log_LP
+    from scipy.optimize import linear_sum_assignment
+
     phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
     load_LGT = np.zeros((L, G, T))
     holds_LGE = np.zeros((L, G, E), dtype=bool)
-    w_LET = np.moveaxis(w_TLE, 0, 2)
     for l in range(L):
         for k in range(S):
             items_I = rep_LP[l, k * G:(k + 1) * G]
@@ -107,7 +120,7 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
     the per-window maximum (all windows when quantile is 1)."""
     peak_LT = load_LGT.max(axis=1)
     T = peak_LT.shape[1]
-    keep = int(np.ceil(quantile * T - 1e-9))  # 0.55 x 100 is 55.00000000000001 in floating point
+    keep = _kept_count(quantile, T)
     if keep >= T:
         return np.ones_like(peak_LT, dtype=bool)
     rank_LT = np.argsort(np.argsort(peak_LT, axis=1, kind="stable"), axis=1, kind="stable")
@@ -115,23 +128,101 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
 
 
 def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, *,
-                 beta: float, quantile: float, max_rounds: int, top_gpus: int = 2) -> np.ndarray:
+                 beta: float, quantile: float, max_rounds: int, top_gpus: int = 2,
+                 compiled: bool | None = None) -> np.ndarray:
     """Swap replicas between a busiest GPU and any other GPU while the smooth maximum of GPU
     loads over the kept windows drops (in place; returns phy2log_LP). Each replica carries
-    1 / count of its expert's share (an even split)."""
+    1 / count of its expert's share (an even split); compiled: see `smooth_max_swaps`."""
     w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
     slot_load_LPT = np.take_along_axis(w_LET, phy2log_LP[:, :, None], axis=1)
     smooth_max_swaps(phy2log_LP, slot_load_LPT, num_gpus, beta=beta, quantile=quantile, max_rounds=max_rounds,
-                     top_gpus=top_gpus)
+                     top_gpus=top_gpus, compiled=compiled)
     return phy2log_LP
 
 
 def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus: int, *, beta: float,
                      max_rounds: int, quantile: float = 1.0, top_gpus: int = 2, num_units: int = 1,
-                     bound_LP: np.ndarray | None = None) -> None:
+                     bound_LP: np.ndarray | None = None, compiled: bool | None = None) -> bool:
     """Swap slots between a busiest GPU and any other GPU while the smooth maximum of GPU
     loads over the kept windows drops; in place on phy2log_LP, slot_load_LPT (the load each
     slot carries in each window, which travels with its replica) and bound_LP.
+
+    The search is `smooth_max_swaps_numpy` (its docstring specifies it), run by its compiled
+    kernel (planners/_robust_kernel.py; tests hold the two to the same placements). compiled:
+    None uses the kernel when numba's cache has it and otherwise searches in numpy while the
+    kernel compiles in a background process for later runs (`robust_kernels`); True compiles here
+    if need be; False is numpy. Returns whether the kernel ran.
+    """
+    kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
+    if kernels is None:
+        smooth_max_swaps_numpy(phy2log_LP, slot_load_LPT, num_gpus, beta=beta, max_rounds=max_rounds,
+                               quantile=quantile, top_gpus=top_gpus, num_units=num_units, bound_LP=bound_LP)
+        return False
+    L, P, T = slot_load_LPT.shape
+    phy = _kernel_array(phy2log_LP, np.int64)
+    w = _kernel_array(slot_load_LPT, np.float64)
+    bound = np.zeros((L, P), dtype=np.bool_) if bound_LP is None else _kernel_array(bound_LP, np.bool_)
+    kernels.smooth_max_swaps(phy, w, bound, int(num_gpus), float(beta), int(max_rounds), _kept_count(quantile, T),
+                             int(top_gpus), int(num_gpus) // int(num_units))
+    for dst, src in ((phy2log_LP, phy), (slot_load_LPT, w), (bound_LP, bound)):
+        if dst is not None and dst is not src:
+            dst[...] = src
+    return True
+
+
+_KERNEL_MODULE = "planners._robust_kernel"
+_kernels = None
+_compiling: subprocess.Popen | None = None
+
+
+def robust_kernels(wait: bool = False):
+    """The compiled packing and swap search (the module planners._robust_kernel), or None while
+    they are not compiled yet.
+
+    A process loads them from numba's cache once (a fraction of a second). On a cold cache (the
+    first run after an install) this starts one background process that compiles them into the
+    cache (10-30 s on a small machine) and returns None: the planner meanwhile runs in numpy
+    and scipy, with the same result, and says so in its message. wait=True compiles here instead.
+    """
+    global _kernels, _compiling
+    if _kernels is None:
+        from eplb.compiled import load_cached
+
+        if wait or load_cached((_KERNEL_MODULE,)):
+            module = importlib.import_module(_KERNEL_MODULE)
+            module.warm_up()
+            _kernels = module
+        elif _compiling is None:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            _compiling = subprocess.Popen(
+                [sys.executable, "-c", f"import importlib; importlib.import_module({_KERNEL_MODULE!r}).warm_up()"],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+    return _kernels
+
+
+def _kernel_array(a: np.ndarray, dtype) -> np.ndarray:
+    """a itself when the kernel can work on it in place (writable, C-ordered, of dtype), else a copy."""
+    if a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, dtype=dtype, order="C")
+
+
+def _kept_count(quantile: float, T: int) -> int:
+    """How many of T windows the objective keeps (the lowest peaks): ceil(quantile x T)."""
+    return int(np.ceil(quantile * T - 1e-9))  # 0.55 x 100 is 55.00000000000001 in floating point
+
+
+def warm_up() -> None:
+    """Load (or, on a fresh install, compile) the robust kernels now (eplb.compiled runs this in
+    the background for a Rebalancer that plans with robust)."""
+    robust_kernels(wait=True)
+
+
+def smooth_max_swaps_numpy(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus: int, *, beta: float,
+                           max_rounds: int, quantile: float = 1.0, top_gpus: int = 2, num_units: int = 1,
+                           bound_LP: np.ndarray | None = None) -> None:
+    """`smooth_max_swaps` in numpy, all layers in lock-step: the specification of the search.
 
     Objective per layer: Z = sum over kept windows t and GPUs g of exp(beta (load_gt - m)),
     m the layer's current peak. A swap of slot a (GPU A) with slot b (GPU B) changes only A's
@@ -266,6 +357,7 @@ class RobustPlanner:
         best_score_L = np.full(L, np.inf)
         chosen_L = np.zeros(L)
         tried: list[np.ndarray] = []
+        compiled = robust_kernels() is not None
         for blend in self.blends:
             count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
             # Blends that give the same replica counts give the same plan (one window: the mean
@@ -273,10 +365,10 @@ class RobustPlanner:
             if any(np.array_equal(count_LE, c) for c in tried):
                 continue
             tried.append(count_LE)
-            phy2log_LP = pack_vector(share_TLE, count_LE, G, S)
+            phy2log_LP = pack_vector(share_TLE, count_LE, G, S, compiled=compiled)
             if self.refine_rounds:
                 refine_swaps(phy2log_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
-                             max_rounds=self.refine_rounds)
+                             max_rounds=self.refine_rounds, compiled=compiled)
             score_L = self._score(phy2log_LP, share_TLE, count_LE, G)
             better = score_L < best_score_L - 1e-12
             if best_phy2log_LP is None:
@@ -293,8 +385,13 @@ class RobustPlanner:
             "history_peak_max": float(np.max(best_score_L)),
             "blend_chosen": {str(b): int(np.sum(chosen_L == b)) for b in self.blends},
             "blends_planned": len(tried),
+                    # The same plan either way; numpy only on a cold numba cache, while the kernels compile.
+            "compiled": compiled,
         }
-        return Solution(best_phy2log_LP, message=f"balanced against {T} window(s)", info=info)
+        message = f"balanced against {T} window(s)"
+        if not compiled:
+            message += "; packed and refined in numpy (the compiled kernels are being cached in the background)"
+        return Solution(best_phy2log_LP, message=message, info=info)
 
     def _score(self, phy2log_LP, share_TLE, count_LE, num_gpus) -> np.ndarray:
         """The objective per layer: the worst busiest/mean GPU over the windows the swap search

@@ -1,0 +1,448 @@
+"""Compiled packing and swap search of the robust planners (numba): `planners.robust`'s
+`pack_vector` and `smooth_max_swaps`.
+
+Legend: L = MoE layers, E = logical experts, P = physical slots, T = history windows, G = GPUs,
+S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on GPU p // S.
+
+- `pack_vector`: S rounds, each an assignment of G replicas to the G GPUs (`_assign`: the
+  algorithm of scipy's linear_sum_assignment with its tie rules, so the pairing is scipy's);
+- `smooth_max_swaps`: the search `planners.robust.smooth_max_swaps_numpy` specifies. Per layer,
+  while a swap lowers Z = sum over kept windows and GPUs of exp(beta (load - peak)), the best
+  swap of a slot on one of the top_gpus busiest GPUs with any slot elsewhere is made. Layers
+  are independent, so each runs its own rounds to the end here (numpy moves all layers in
+  lock-step; the swaps are the same). Gains use numpy's factored form; loads and sums of
+  exponentials are added in numpy's order (`_pairwise`), the two products per window of a
+  gain are summed with reassociation ("reassoc": it vectorises; numpy's matrix products round
+  their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
+  whose gain bound cannot beat the best swap so far are skipped (`_layer`).
+Scratch arrays are reused across layers; `holds` is kept up to date on each swap. No
+function here recurses: numba's cache cannot load recursive functions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S):
+    """For the S slots b = o .. o + S - 1 of one GPU: c1_S = sum_t x_t v_bt and c2_S = sum_t
+    u_t y_bt, the new smooth-max terms of the two GPUs of a swap. Only these sums may be
+    reassociated (they vectorise); numpy's batched products round them their own way too."""
+    T = x_T.size
+    for s in range(S):
+        v_T = v_PT[o + s]
+        y_T = y_PT[o + s]
+        s1 = 0.0
+        s2 = 0.0
+        for t in range(T):
+            s1 += x_T[t] * v_T[t]
+            s2 += u_T[t] * y_T[t]
+        c1_S[s] = s1
+        c2_S[s] = s2
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(a, start, n, stride):
+    """numpy's pairwise sum of at most 128 terms a[start + i stride]: in order below 8 terms,
+    else eight running sums combined as a tree, then the remainder."""
+    if n < 8:
+        r = 0.0
+        for i in range(n):
+            r += a[start + i * stride]
+        return r
+    r0 = a[start]
+    r1 = a[start + stride]
+    r2 = a[start + 2 * stride]
+    r3 = a[start + 3 * stride]
+    r4 = a[start + 4 * stride]
+    r5 = a[start + 5 * stride]
+    r6 = a[start + 6 * stride]
+    r7 = a[start + 7 * stride]
+    i = 8
+    while i < n - n % 8:
+        o = start + i * stride
+        r0 += a[o]
+        r1 += a[o + stride]
+        r2 += a[o + 2 * stride]
+        r3 += a[o + 3 * stride]
+        r4 += a[o + 4 * stride]
+        r5 += a[o + 5 * stride]
+        r6 += a[o + 6 * stride]
+        r7 += a[o + 7 * stride]
+        i += 8
+    r = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        r += a[start + i * stride]
+        i += 1
+    return r
+
+
+@njit(cache=True, nogil=True)
+def _pairwise(a, start, n, stride):
+    """sum of a[start + i stride], i < n, added in numpy's order for a contiguous reduction
+    (blocks of 128 and below as `_block_sum`, larger runs split in halves of a multiple of 8
+    terms), so that sums agree to the bit with the numpy search's and near-tied swaps are
+    chosen alike. The halving runs on an explicit stack: numba's cache cannot load recursion."""
+    if n <= 128:
+        return _block_sum(a, start, n, stride)
+    depth = 64
+    f_start = np.empty(depth, dtype=np.int64)
+    f_n = np.empty(depth, dtype=np.int64)
+    f_stage = np.empty(depth, dtype=np.int64)   # 0: split next, 1: left half pending, 2: right half pending
+    f_left = np.empty(depth)
+    top = 0
+    f_start[0] = start
+    f_n[0] = n
+    f_stage[0] = 0
+    val = 0.0
+    have = False  # val holds the sum of the frame just finished
+    while True:
+        if have:
+            if top < 0:
+                return val
+            if f_stage[top] == 1:
+                f_left[top] = val
+                f_stage[top] = 2
+                half = f_n[top] // 2
+                half -= half % 8
+                top += 1
+                f_start[top] = f_start[top - 1] + half * stride
+                f_n[top] = f_n[top - 1] - half
+                f_stage[top] = 0
+                have = False
+            else:
+                val = f_left[top] + val
+                top -= 1
+            continue
+        if f_n[top] <= 128:
+            val = _block_sum(a, f_start[top], f_n[top], stride)
+            top -= 1
+            have = True
+            continue
+        half = f_n[top] // 2
+        half -= half % 8
+        f_stage[top] = 1
+        top += 1
+        f_start[top] = f_start[top - 1]
+        f_n[top] = half
+        f_stage[top] = 0
+
+
+@njit(cache=True, nogil=True)
+def _kept(load_GT, keep, kept_T, peak_T):
+    """kept_T[t]: window t is among the `keep` windows with the lowest peak (ties: lower index),
+    as `planners.robust.kept_windows` with a stable sort; all windows when keep >= T."""
+    G, T = load_GT.shape
+    for t in range(T):
+        m = load_GT[0, t]
+        for g in range(1, G):
+            if load_GT[g, t] > m:
+                m = load_GT[g, t]
+        peak_T[t] = m
+    for t in range(T):
+        if keep >= T:
+            kept_T[t] = True
+            continue
+        rank = 0
+        for u in range(T):
+            if peak_T[u] < peak_T[t] or (peak_T[u] == peak_T[t] and u < t):
+                rank += 1
+        kept_T[t] = rank < keep
+
+
+@njit(cache=True, nogil=True)
+def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_unit, E):
+    """The swap search on one layer, in place on phy_P, w_PT and bound_P; returns the swaps."""
+    P, T = w_PT.shape
+    S = P // G
+    K = min(top_gpus, G)
+    holds = np.zeros((G, E), dtype=np.bool_)
+    for p in range(P):
+        holds[p // S, phy_P[p]] = True
+    v_PT = np.empty((P, T))
+    for p in range(P):
+        for t in range(T):
+            v_PT[p, t] = np.exp(min(beta * w_PT[p, t], 600.0))
+    load_GT = np.empty((G, T))
+    e_GT = np.empty((G, T))
+    w_flat = w_PT.reshape(P * T)  # views: slot loads and exponentials as flat rows for `_pairwise`
+    e_flat = e_GT.reshape(G * T)
+    sum_G = np.empty(G)
+    y_PT = np.empty((P, T))
+    x_T = np.empty(T)
+    u_T = np.empty(T)
+    c1_S = np.empty(S)
+    c2_S = np.empty(S)
+    root_GT = np.empty((G, T))
+    cap_G = np.empty(G)
+    kept_T = np.empty(T, dtype=np.bool_)
+    peak_T = np.empty(T)
+    gpu_peak_G = np.empty(G)
+    src_K = np.empty(K, dtype=np.int64)
+    taken_G = np.zeros(G, dtype=np.bool_)
+    swaps = 0
+    for _ in range(max_rounds):
+        # GPU loads per window, summed over the GPU's slots as numpy sums them: slot by slot
+        # across windows, or pairwise when there is one window (the slots are contiguous then).
+        for g in range(G):
+            if T == 1:
+                load_GT[g, 0] = _pairwise(w_flat, g * S, S, 1)
+                continue
+            for t in range(T):
+                load_GT[g, t] = w_PT[g * S, t]
+            for s in range(1, S):
+                for t in range(T):
+                    load_GT[g, t] += w_PT[g * S + s, t]
+        _kept(load_GT, keep, kept_T, peak_T)
+        peak = -np.inf
+        for g in range(G):
+            gp = -np.inf
+            for t in range(T):
+                if kept_T[t] and load_GT[g, t] > gp:
+                    gp = load_GT[g, t]
+            gpu_peak_G[g] = gp
+            if gp > peak:
+                peak = gp
+        # The top_gpus GPUs by worst kept-window load, descending (ties: lower index first).
+        for g in range(G):
+            taken_G[g] = False
+        for k in range(K):
+            bg = -1
+            for g in range(G):
+                if not taken_G[g] and (bg < 0 or gpu_peak_G[g] > gpu_peak_G[bg]):
+                    bg = g
+            src_K[k] = bg
+            taken_G[bg] = True
+        for g in range(G):
+            for t in range(T):
+                e_GT[g, t] = np.exp(beta * (load_GT[g, t] - peak)) if kept_T[t] else 0.0
+            sum_G[g] = _pairwise(e_flat, g * T, T, 1)
+        z = _pairwise(e_flat, 0, G * T, 1)
+        for p in range(P):
+            for t in range(T):
+                y_PT[p, t] = e_GT[p // S, t] / v_PT[p, t]
+        for g in range(G):
+            for t in range(T):
+                root_GT[g, t] = np.sqrt(e_GT[g, t])
+        # A swap helps only if its gain beats 1e-9 z (else the search stops): start there.
+        best = 1e-9 * z
+        ba = -1
+        bb = -1
+        best_flat = 0
+        for k in range(K):
+            A = src_K[k]
+            # No swap between GPUs A and B gains more than sum_t (sqrt(e_At) - sqrt(e_Bt))^2 (by
+            # x v + u y >= 2 sqrt(x v u y) per window): GPUs are tried by that bound, highest
+            # first, and the rest skipped once it falls below the best gain (with a margin far
+            # above rounding, so the swap chosen is the one an exhaustive search chooses).
+            for g in range(G):
+                r = 0.0
+                for t in range(T):
+                    d = root_GT[A, t] - root_GT[g, t]
+                    r += d * d
+                cap_G[g] = r + 1e-12 * (sum_G[A] + sum_G[g])
+            cap_G[A] = -1.0
+            by_cap = np.argsort(-cap_G)
+            unit_a = A // gpus_per_unit
+            for sa in range(S):
+                a = A * S + sa
+                ea = phy_P[a]
+                q = k * S + sa
+                for t in range(T):
+                    u_T[t] = v_PT[a, t]
+                    x_T[t] = e_GT[A, t] / u_T[t]
+                for i in range(G - 1):
+                    B = by_cap[i]
+                    if cap_G[B] < best:
+                        break
+                    if holds[B, ea] or (bound_P[a] and B // gpus_per_unit != unit_a):
+                        continue
+                    o = B * S
+                    _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S)
+                    base = sum_G[A] + sum_G[B]
+                    for s in range(S):
+                        gain = base - c1_S[s] - c2_S[s]
+                        b = o + s
+                        # Ties go to the first swap in numpy's flat order (q, b).
+                        if gain > best or (gain == best and ba >= 0 and q * P + b < best_flat):
+                            if holds[A, phy_P[b]]:
+                                continue
+                            if bound_P[b] and B // gpus_per_unit != unit_a:
+                                continue
+                            best = gain
+                            ba = a
+                            bb = b
+                            best_flat = q * P + b
+        if ba < 0:
+            break
+        ea = phy_P[ba]
+        eb = phy_P[bb]
+        A = ba // S
+        B = bb // S
+        holds[A, ea] = False
+        holds[B, eb] = False
+        holds[A, eb] = True
+        holds[B, ea] = True
+        phy_P[ba] = eb
+        phy_P[bb] = ea
+        for t in range(T):
+            x = w_PT[ba, t]
+            w_PT[ba, t] = w_PT[bb, t]
+            w_PT[bb, t] = x
+            x = v_PT[ba, t]
+            v_PT[ba, t] = v_PT[bb, t]
+            v_PT[bb, t] = x
+        x = bound_P[ba]
+        bound_P[ba] = bound_P[bb]
+        bound_P[bb] = x
+        swaps += 1
+    return swaps
+
+
+@njit(cache=True, nogil=True)
+def smooth_max_swaps(phy_LP, w_LPT, bound_LP, G, beta, max_rounds, keep, top_gpus, gpus_per_unit):
+    """`planners.robust.smooth_max_swaps` on every layer, in place on phy_LP (int64 [L, P]),
+    w_LPT (float64 [L, P, T]) and bound_LP (bool [L, P]); keep: windows the objective covers
+    (the keep lowest peaks; >= T: all). Returns the swaps made."""
+    L = phy_LP.shape[0]
+    E = 0
+    for l in range(L):
+        for p in range(phy_LP.shape[1]):
+            if phy_LP[l, p] + 1 > E:
+                E = phy_LP[l, p] + 1
+    swaps = 0
+    for l in range(L):
+        swaps += _layer(phy_LP[l], w_LPT[l], bound_LP[l], G, beta, max_rounds, keep, top_gpus, gpus_per_unit, E)
+    return swaps
+
+
+def warm_up() -> None:
+    """Run the kernel once on tiny inputs of the argument types the real calls use (loads it
+    from numba's cache, or compiles it into the cache)."""
+    phy = np.array([[0, 1, 2, 0]], dtype=np.int64)
+    w = np.array([[[3.0], [1.0], [1.0], [2.0]]])
+    smooth_max_swaps(phy, w, np.zeros((1, 4), dtype=np.bool_), 2, 50.0, 2, 1, 2, 2)
+    pack_vector(np.ones((1, 3, 2)), np.array([[0, 1, 2, 0]], dtype=np.int64), 2, 2, 1e9)
+
+
+@njit(cache=True, nogil=True)
+def _assign(cost_IG, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, left_G):
+    """Minimum-cost perfect assignment of a square cost matrix into col_I (row i -> column
+    col_I[i]): shortest augmenting paths with dual potentials (Jonker-Volgenant, as Crouse
+    describes it and scipy's linear_sum_assignment implements it, down to its tie rules: the
+    columns are scanned from the last, and among equally short paths an unassigned column ends
+    the search), so the pairing equals scipy's. Returns False when no finite pairing exists."""
+    n = cost_IG.shape[0]
+    for i in range(n):
+        u_I[i] = 0.0
+        col_I[i] = -1
+    for j in range(n):
+        v_G[j] = 0.0
+        row_G[j] = -1
+    for cur in range(n):
+        for j in range(n):
+            short_G[j] = np.inf
+            path_G[j] = -1
+            seen_G[j] = False
+            left_G[j] = n - j - 1
+        for i in range(n):
+            seen_I[i] = False
+        num_left = n
+        low = 0.0
+        i = cur
+        sink = -1
+        while sink < 0:
+            seen_I[i] = True
+            best = np.inf
+            at = -1
+            for it in range(num_left):
+                j = left_G[it]
+                r = low + cost_IG[i, j] - u_I[i] - v_G[j]
+                if r < short_G[j]:
+                    path_G[j] = i
+                    short_G[j] = r
+                if short_G[j] < best or (short_G[j] == best and row_G[j] == -1):
+                    best = short_G[j]
+                    at = it
+            low = best
+            if low == np.inf:
+                return False
+            j = left_G[at]
+            if row_G[j] == -1:
+                sink = j
+            else:
+                i = row_G[j]
+            seen_G[j] = True
+            num_left -= 1
+            left_G[at] = left_G[num_left]
+        u_I[cur] += low
+        for i in range(n):
+            if seen_I[i] and i != cur:
+                u_I[i] += low - short_G[col_I[i]]
+        for j in range(n):
+            if seen_G[j]:
+                v_G[j] -= low - short_G[j]
+        j = sink
+        while True:
+            i = path_G[j]
+            row_G[j] = i
+            k = col_I[i]
+            col_I[i] = j
+            j = k
+            if i == cur:
+                break
+    return True
+
+
+@njit(cache=True, nogil=True)
+def pack_vector(w_LET, rep_LP, G, S, forbidden):
+    """`planners.robust.pack_vector`'s rounds: phy2log int64 [L, P] from per-replica loads
+    w_LET (float64 [L, E, T]) and the replicas in packing order rep_LP (int64 [L, P]); round k
+    assigns rep_LP[l, kG:(k + 1)G] to the G GPUs at least cost (the GPU's worst window after
+    it; `forbidden` for a GPU that holds the expert). Returns (phy, ok): ok False when a round
+    had no feasible pairing."""
+    L, E, T = w_LET.shape
+    P = G * S
+    phy = np.empty((L, P), dtype=np.int64)
+    load_GT = np.empty((G, T))
+    holds = np.empty((G, E), dtype=np.bool_)
+    cost = np.empty((G, G))
+    col_I = np.empty(G, dtype=np.int64)
+    u_I = np.empty(G)
+    v_G = np.empty(G)
+    short_G = np.empty(G)
+    path_G = np.empty(G, dtype=np.int64)
+    row_G = np.empty(G, dtype=np.int64)
+    seen_I = np.empty(G, dtype=np.bool_)
+    seen_G = np.empty(G, dtype=np.bool_)
+    left_G = np.empty(G, dtype=np.int64)
+    for l in range(L):
+        load_GT[:, :] = 0.0
+        holds[:, :] = False
+        for k in range(S):
+            for i in range(G):
+                e = rep_LP[l, k * G + i]
+                for g in range(G):
+                    if holds[g, e]:
+                        cost[i, g] = forbidden
+                        continue
+                    m = load_GT[g, 0] + w_LET[l, e, 0]
+                    for t in range(1, T):
+                        x = load_GT[g, t] + w_LET[l, e, t]
+                        if x > m:
+                            m = x
+                    cost[i, g] = m
+            if not _assign(cost, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, left_G):
+                return phy, False
+            for i in range(G):
+                g = col_I[i]
+                e = rep_LP[l, k * G + i]
+                if cost[i, g] >= forbidden:
+                    return phy, False
+                phy[l, g * S + k] = e
+                holds[g, e] = True
+                for t in range(T):
+                    load_GT[g, t] += w_LET[l, e, t]
+    return phy, True

@@ -1,0 +1,99 @@
+"""The robust planners' compiled kernels give the numpy search's placements, and a cold cache
+runs numpy (the same plan) while the kernels compile in the background."""
+
+import numpy as np
+import pytest
+
+import eplb.compiled
+from eplb.planner_api import PlanRequest
+from eplb.stats import replica_counts_minmax
+from eplb.topology import Topology
+from planners import robust
+from planners.robust import RobustPlanner, normalise_windows, pack_vector, robust_demand, smooth_max_swaps
+
+
+def _packed(seed, T, L, E, G, S, blend=1.0):
+    rng = np.random.default_rng(seed)
+    h = np.floor(rng.pareto(1.2, (T, L, E)) * 100) + 1
+    share = normalise_windows(h, G)
+    count = replica_counts_minmax(robust_demand(share, blend), G * S, max_replicas=G)
+    return share, count
+
+
+# (seed, windows, layers, experts, GPUs, slots per GPU): many windows, one window (every
+# pairing of a round costs the same then, so the assignment's tie rules decide; with 8 or more
+# slots numpy sums a GPU's slots pairwise), one slot.
+CASES = [(0, 6, 4, 32, 4, 9), (1, 6, 4, 32, 8, 5), (2, 1, 4, 32, 8, 5), (3, 1, 3, 64, 32, 3), (4, 5, 3, 32, 32, 1),
+         (5, 1, 4, 64, 8, 9), (6, 12, 3, 32, 4, 9)]
+
+
+@pytest.mark.parametrize("seed,T,L,E,G,S", CASES)
+def test_compiled_packing_is_the_scipy_assignment(seed, T, L, E, G, S):
+    share, count = _packed(seed, T, L, E, G, S)
+    np.testing.assert_array_equal(pack_vector(share, count, G, S, compiled=True),
+                                  pack_vector(share, count, G, S, compiled=False))
+
+
+@pytest.mark.parametrize("seed,T,L,E,G,S", CASES)
+@pytest.mark.parametrize("quantile,units", [(1.0, 1), (0.7, 1), (1.0, 2)])
+def test_compiled_swaps_are_the_numpy_swaps(seed, T, L, E, G, S, quantile, units):
+    share, count = _packed(seed, T, L, E, G, S)
+    phy = pack_vector(share, count, G, S, compiled=False)
+    w_LPT = np.take_along_axis(np.moveaxis(share / count[None], 0, 2), phy[:, :, None], axis=1)
+    bound = np.random.default_rng(seed).random(phy.shape) < 0.3 if units > 1 else None
+    runs = []
+    for compiled in (False, True):
+        p, w, b = phy.copy(), w_LPT.copy(), None if bound is None else bound.copy()
+        ran = smooth_max_swaps(p, w, G, beta=50.0, max_rounds=100, quantile=quantile, num_units=units, bound_LP=b,
+                               compiled=compiled)
+        assert ran is compiled
+        runs.append((p, w, b))
+    (p0, w0, b0), (p1, w1, b1) = runs
+    assert not np.array_equal(p0, phy) or S == 1  # the search did swap
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(w0, w1)  # slot loads travel with their replicas
+    if bound is not None:
+        np.testing.assert_array_equal(b0, b1)
+
+
+def test_kernels_work_on_arrays_they_cannot_write_in_place():
+    share, count = _packed(0, 4, 3, 32, 4, 9)
+    phy = pack_vector(share, count, 4, 9, compiled=False)
+    w_LPT = np.take_along_axis(np.moveaxis(share / count[None], 0, 2), phy[:, :, None], axis=1)
+    p0, w0 = phy.copy(), w_LPT.copy()
+    smooth_max_swaps(p0, w0, 4, beta=50.0, max_rounds=50, compiled=False)
+    p1, w1 = phy.astype(np.int32), np.asfortranarray(w_LPT)  # another dtype, another order: copied and back
+    smooth_max_swaps(p1, w1, 4, beta=50.0, max_rounds=50, compiled=True)
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(w0, w1)
+
+
+def test_a_cold_cache_plans_in_numpy_while_the_kernels_compile_in_the_background(monkeypatch):
+    share, _ = _packed(5, 4, 3, 32, 4, 9)
+    request = PlanRequest(share.sum(axis=0), Topology(4, 9), history_TLE=share)
+    warm = RobustPlanner().plan(request)
+    assert warm.info["compiled"] is True and "numpy" not in warm.message
+
+    started = []
+
+    class FakePopen:
+        def __init__(self, args, **kwargs):
+            started.append(args)
+
+    monkeypatch.setattr(robust, "_kernels", None)
+    monkeypatch.setattr(robust, "_compiling", None)
+    monkeypatch.setattr(eplb.compiled, "load_cached", lambda modules: False)
+    monkeypatch.setattr(robust.subprocess, "Popen", FakePopen)
+    cold = RobustPlanner().plan(request)
+    assert cold.info["compiled"] is False and "numpy" in cold.message
+    np.testing.assert_array_equal(cold.phy2log_LP, warm.phy2log_LP)
+    assert len(started) == 1 and "planners._robust_kernel" in started[0][-1]  # one compile, however many calls
+
+
+def test_kernel_sums_add_in_numpys_order():
+    from planners import _robust_kernel
+
+    rng = np.random.default_rng(0)
+    for n in [1, 7, 8, 9, 16, 127, 128, 129, 300, 1000, 4099]:
+        a = rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)  # terms of many sizes: order shows
+        assert _robust_kernel._pairwise(a, 0, n, 1) == np.add.reduce(a)
