@@ -141,3 +141,21 @@ def test_the_table_matches_docs_design():
     missing = [m for m in public if (ROOT / Path(*m.split("."))).with_suffix(".py").exists()
                and f"`{m.replace('.', '/')}" not in doc]
     assert not missing, f"modules in LAYERS but not in docs/design.md: {missing}"
+
+
+def test_the_facade_imports_nothing_until_used():
+    """`import planners.robust` first runs eplb/__init__.py (via eplb.errors): were the facade to
+    import the upper layers there, they would import the half-initialised planner (a cycle that
+    broke the kernels' side-process compiles). A fresh interpreter shows what it really loads."""
+    import subprocess
+    import sys
+
+    code = ("import sys, planners.robust, planners.greedy, eplb.migration\n"
+            "upper = sorted(m for m in sys.modules if m.startswith(('eplb.policy', 'eplb.rebalance',"
+            " 'eplb.replay', 'eplb.planning')))\n"
+            "assert not upper, upper\n"
+            "import eplb\n"
+            "assert sorted(eplb.__all__) == sorted(eplb._EXPORTS), 'eplb.__all__ and its export table differ'\n"
+            "assert eplb.Rebalancer.__module__ == 'eplb.rebalance'\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
