@@ -45,7 +45,7 @@ _Slots = namedtuple("_Slots", [
     "locc",         # [L, G, E] slots of each rank holding each expert (cur)
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
 ])
-_Round = namedtuple("_Round", ["cand", "cand_e", "cand_src", "ncand", "adj", "done"])
+_Round = namedtuple("_Round", ["cand", "cand_e", "cand_src", "ncand", "adj", "done", "pref", "npref"])
 
 
 @njit(cache=True, nogil=True)
@@ -59,7 +59,7 @@ def _grow(a, n):
 
 
 @njit(cache=True, nogil=True)
-def _match(adj, rin, rout, G):
+def _match(adj, pref, npref, rin, rout, G):
     """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
     G + d), rows with the most network copies still to receive first (they bound the
     rounds); then each source rank left out takes over a row from a source rank with fewer
@@ -79,8 +79,9 @@ def _match(adj, rin, rout, G):
         while head < tail and end < 0:
             u = queue[head]
             head += 1
-            for r in range(C):
-                if not adj[u, r] or seen[r]:
+            for j in range(npref[u]):
+                r = pref[u, j]
+                if seen[r]:
                     continue
                 seen[r] = True
                 parent[r] = u
@@ -342,6 +343,13 @@ def _chain_order(st, sg, S, P, depth, key, rin):
             # a slot that does not hold its target is pending.
             e = tgt[code]
             w = l * P + hsum[l * E + e] if hc[l * E + e] == 1 else -1
+            if hc[l * E + e] == 2:
+                # A staging slot holding e is freed only once code takes e: its chain waits on code.
+                h = st.hhead[l * E + e]
+                while h >= 0:
+                    if st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
+                        w = h
+                    h = st.hnext[h]
             nxt[code] = w if w >= 0 and tgt[w] != e else -1
             if locc[(l * G + d) * E + e] == 0:
                 remote += 1
@@ -391,6 +399,15 @@ def _chain_order(st, sg, S, P, depth, key, rin):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _send_key(r, d, rout, G):
+    """Order of source column r for destination rank d (lower first): sends only r can make, then
+    the distance from d round the ranks (the checkpoint column G + d last)."""
+    if r >= G:
+        return (G + 1) * (G + 1)
+    return rout[r] * (G + 1) + (r - d) % G
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _take_links(st, rd, nd, P, tight, rin, rout):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
@@ -403,7 +420,29 @@ def _take_links(st, rd, nd, P, tight, rin, rout):
             any_edge = True
     if not any_edge:
         return nd
-    match_row = _match(rd.adj, rin, rout, G)
+    pref, npref = rd.pref, rd.npref
+    C = rd.adj.shape[1]
+    for d in range(G):
+        npref[d] = 0
+        for i in range(rd.ncand[d]):
+            first = npref[d]
+            for r in range(C):
+                if rd.cand_src[d, i, r] != NO_SOURCE and rd.adj[d, r]:
+                    rd.adj[d, r] = False       # listed: the first candidate with a source there
+                    pref[d, npref[d]] = r
+                    npref[d] += 1
+            # A candidate's sources: the ranks with the fewest sends only they can make first, ties
+            # from rank d on (lowest indices first would pile the free sends on rank 0, 1, ...).
+            for a in range(first + 1, npref[d]):
+                r = pref[d, a]
+                b = a
+                while b > first and _send_key(pref[d, b - 1], d, rout, G) > _send_key(r, d, rout, G):
+                    pref[d, b] = pref[d, b - 1]
+                    b -= 1
+                pref[d, b] = r
+        for j in range(npref[d]):
+            rd.adj[d, pref[d, j]] = True
+    match_row = _match(rd.adj, pref, npref, rin, rout, G)
     for d in range(G):
         r = match_row[d]
         if r < 0:
@@ -513,7 +552,8 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     rd = _Round(np.empty((G, per_rank), dtype=np.int64), np.empty((G, per_rank), dtype=np.int64),
                 np.empty((G, per_rank, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64),
                 np.zeros((G, 2 * G), dtype=np.bool_),
-                np.empty((L * P + G, 7), dtype=np.int64))      # l, p, e, src rank, src, d, staging
+                np.empty((L * P + G, 7), dtype=np.int64),      # l, p, e, src rank, src, d, staging
+                np.empty((G, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64))
     sg = new_staging(new_LP, E, G)
     rin = np.zeros(G, dtype=np.int64)
     rout = np.zeros(G, dtype=np.int64)
@@ -551,13 +591,13 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
             # A deadlock at the round's start closes a chain into a cycle; later in the round
             # only through a replica this round's copies overwrite (`may_deadlock`).
             staged = cyclic and not tight
-            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, False) if staged else 0
+            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, False) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
             nd = _take_links(st, rd, nd, P, tight, rin, rout)
             n1 = nd
             if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
                 # (The queues and slot contents have not changed since stage 0: same cycles.)
-                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin, staged)
+                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin, depth, staged)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):

@@ -203,7 +203,7 @@ def _spare(st, l, s, pending):
 
 
 @njit(cache=True, nogil=True)
-def stage(st, sg, done, S, P, nd, mode, rin, again):
+def stage(st, sg, done, S, P, nd, mode, rin, depth, again):
     """Break cycles of blocked slots, one staging copy per cycle, as rows nd.. of done; returns
     the new row count (nd: no cycle could be broken).
 
@@ -235,6 +235,9 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
             if done[i, 4] >= 0:
                 sg.send_busy[done[i, 3]] = True
             sg.recv_busy[done[i, 5]] = True
+    rmax = 0
+    for g in range(G):
+        rmax = max(rmax, rin[g])
     for c in range(ncyc):
         l = sg.cyc_buf[sg.cyc_start[c]] // P
         if mode < 2:
@@ -251,6 +254,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
         bp = -1
         bs = -1
         best = np.inf
+        clen = sg.cyc_len[c]
         for t in range(sg.cyc_len[c]):
             p = sg.cyc_buf[sg.cyc_start[c] + t] % P
             if st.writing[l, p] or st.sourcing[l, p] or cur[l, p] < 0:
@@ -260,7 +264,12 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
                 if s == p or cur[l, s] == cur[l, p]:
                     continue
                 if _spare(st, l, s, True):
-                    w = -1.0
+                    # s's own copy waits for the cycle: free unless that makes its chain the longest wait.
+                    w = depth[l, s] + clen
+                    if w <= rmax:
+                        w = -1.0 / (1.0 + depth[l, s])
+                    elif mode == 0:
+                        continue
                 elif mode > 0 and _spare(st, l, s, False):
                     w = rin[r0] + 1.0
                 else:
@@ -279,7 +288,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
                     if cur[l, s] == cur[l, p]:
                         continue
                     if _spare(st, l, s, True):
-                        w = rin[rc] + 1.0
+                        w = max(rin[rc] + 1.0, depth[l, s] + clen)
                     elif _spare(st, l, s, False):
                         w = 2.0 * (rin[rc] + 1.0)
                     else:
