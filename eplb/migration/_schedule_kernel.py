@@ -224,6 +224,18 @@ def _count_room(st, c0, c1, E, P):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _kept(st, l, x, E, P):
+    """Does a slot in its final state hold expert x of layer l completely? (Then a staging copy of x
+    is not needed any more: the slot it staged for may be written without it.)"""
+    h = st.hhead[l * E + x]
+    while h >= 0:
+        if st.tgt[l, h - l * P] == x and not st.writing[l, h - l * P]:
+            return True
+        h = st.hnext[h]
+    return False
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _scan(st, rd, S, P, tight, nd):
     """Local copies are taken at once (no link); network and checkpoint candidates (at most
     K per destination rank) go to rd for the link matching. nd: rows of rd.done taken
@@ -244,7 +256,7 @@ def _scan(st, rd, S, P, tight, nd):
             if st.sourcing[l, p] or st.writing[l, p]:
                 continue
             if st.staged_blk[l, p] >= 0:
-                if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p]:
+                if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p] and not _kept(st, l, st.staged_exp[l, p], E, P):
                     continue               # its blocked slot still needs the copy
                 st.staged_blk[l, p] = -1
             o = cur[l, p]
