@@ -14,9 +14,12 @@ A round: `_scan` takes local copies at once and lists network and checkpoint can
 `_take_links` gives the links to a maximum matching of destination ranks to source ranks
 (augmenting paths, the ranks with the most copies left tried first: the reference asks
 scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
-are the last to wait; when nothing can move, `_stage_kernel.stage` breaks the cycles; `_apply_round`
-writes the round. Ties among replicas pick the lowest slot index. Releases the GIL: a
-serving thread keeps running while a side thread schedules.
+are the last to wait; each rank tries the sources of its candidates in its queue order (its
+longest chain first), each candidate's source ranks by the fewest sends (made, plus those
+only they can make), so that free copies do not pile onto a few senders; when nothing can
+move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. Ties among
+replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
+running while a side thread schedules.
 """
 
 from __future__ import annotations
@@ -349,6 +352,8 @@ def _chain_order(st, sg, S, P, depth, key, rin):
 
     Writing slot q lets the slot holding the last complete replica of q's target be written
     (it waits for that replica), and so on: chains of waits that unwind one copy per round.
+    A staging slot holding q's target (one of its two replicas) waits on q too: it is freed
+    only once q has taken the expert, so the chain it heads counts in q's depth.
     A long chain left to the end of the queues leaves a tail of rounds with one copy each.
     A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
     (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""

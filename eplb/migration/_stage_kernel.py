@@ -214,8 +214,11 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, again):
     the one that adds least to a busy rank's receiving: a pending slot on the member's own
     rank adds nothing (no link, and it changes anyway); a final slot there adds the copy
     that restores it later; a pending slot on another rank adds that rank's receive now (a
-    final one there, two). Each is weighed by the network copies the receiving rank still
-    needs (rin, `_schedule_kernel._remote_need`), which bound the rounds. Links
+    final one there, two). Each is weighed by the rounds the receiving rank still needs
+    (rin, see `_schedule_kernel._chain_order`), which bound the rounds. A pending spare's
+    own copy waits while it holds the staged expert, and so does the chain of slots waiting
+    on it (depth [L, P]: the chain lengths of `_chain_order`), so it is free only when that
+    chain plus the cycle fits in the longest wait (max rin), else it weighs their sum. Links
     already used this round are respected. mode 0: deadlocks only, through a pending slot on
     the member's rank only (free: run before the round's other copies take those slots);
     mode 1: deadlocks, any spare; mode 2 (nothing else moved this round): every cycle, any

@@ -19,9 +19,10 @@ def _group_loads():
 
 @pytest.mark.parametrize("a, b", [(0, 1), (2, 0)])
 def test_rounds_stay_within_ten_percent_of_the_round_bound(a, b):
-    """A's greedy plan to B's (relabelled) at 32 GPUs / 288 slots: long chains of blocked slots
-    and staged cycles in these layers used to leave a tail of one copy per round (1.12x and
-    1.16x the bound); the schedule must stay safe, end exact, and within 1.10x."""
+    """A's greedy plan to B's (relabelled) at 32 GPUs / 288 slots. These pairs hold long chains
+    of blocked slots (each waits for the one before) beside staged cycles: a schedule that
+    starts a chain late, or stages a cycle through a chain's head, ends in a tail of one copy
+    per round. It must stay safe, end exact, and take at most 1.10x the bound."""
     loads = _group_loads()
     G, P, E = 32, 288, 256
     old = plan(loads[a], num_gpus=G, num_redundant=P - E).placement.phy2log_LP
