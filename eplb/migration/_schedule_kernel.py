@@ -374,18 +374,18 @@ def _chain_order(st, sg, S, P, depth, key, rin):
             # a slot that does not hold its target is pending.
             e = tgt[code]
             w = l * P + hsum[l * E + e] if hc[l * E + e] == 1 else -1
-            if hc[l * E + e] == 2:
-                # A staging slot holding e is freed only once code takes e: its chain waits on code.
-                h = st.hhead[l * E + e]
-                while h >= 0:
-                    if st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
-                        w = h
-                    h = st.hnext[h]
-            nxt[code] = w if w >= 0 and tgt[w] != e else -1
+            local = False
             h = st.hhead[l * E + e]
-            while h >= 0 and (h - l * P) // S != d:
+            while h >= 0:
+                if (h - l * P) // S == d:
+                    local = True
+                # A staging slot holding e (of two replicas) is freed only once code takes e:
+                # its chain waits on code.
+                if hc[l * E + e] == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
+                    w = h
                 h = st.hnext[h]
-            if h < 0:
+            nxt[code] = w if w >= 0 and tgt[w] != e else -1
+            if not local:
                 remote += 1
         rin[d] = remote
     ncyc = 0                              # cycles closed, one slot of each in sg.cyc_start
