@@ -3,8 +3,11 @@
 Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = G x S slots,
 K = candidates per destination rank and round, M = transfers, R = rounds.
 
-The greedy rounds of the Python reference (tests/oracles/migration.py, held to the same
-replay in the tests), on flat arrays instead of dicts and sets, in three namedtuples:
+The greedy rounds of the Python reference (tests/oracles/migration_schedule.py, held to the
+same replay in the tests, not to equal rounds), on flat arrays instead of dicts and sets;
+the kernel alone orders links and sources by chain and send load and weighs staging slots by
+the chains behind them (docs/migration-internals.md, "Rounds against the round bound").
+Its state lives in namedtuples:
 - `_Slots`, the schedule's state: cur_LP (slot contents), hc_LE (each expert's *complete*
   replicas: slots that hold it and are not being written this round), the round's flags
   writing_LP, sourcing_LP, inflight_LE, and pend_GK, each rank's pending slots (code
