@@ -3,8 +3,11 @@
 Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = G x S slots,
 K = candidates per destination rank and round, M = transfers, R = rounds.
 
-The greedy rounds of the Python reference (tests/oracles/migration.py, held to the same
-replay in the tests), on flat arrays instead of dicts and sets, in three namedtuples:
+The greedy rounds of the Python reference (tests/oracles/migration_schedule.py, held to the
+same replay in the tests, not to equal rounds), on flat arrays instead of dicts and sets;
+the kernel alone orders links and sources by chain and send load and weighs staging slots by
+the chains behind them (docs/migration-internals.md, "Rounds against the round bound").
+Its state lives in namedtuples:
 - `_Slots`, the schedule's state: cur_LP (slot contents), hc_LE (each expert's *complete*
   replicas: slots that hold it and are not being written this round), the round's flags
   writing_LP, sourcing_LP, inflight_LE, and pend_GK, each rank's pending slots (code
@@ -14,9 +17,12 @@ A round: `_scan` takes local copies at once and lists network and checkpoint can
 `_take_links` gives the links to a maximum matching of destination ranks to source ranks
 (augmenting paths, the ranks with the most copies left tried first: the reference asks
 scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
-are the last to wait; when nothing can move, `_stage_kernel.stage` breaks the cycles; `_apply_round`
-writes the round. Ties among replicas pick the lowest slot index. Releases the GIL: a
-serving thread keeps running while a side thread schedules.
+are the last to wait; each rank tries the sources of its candidates in its queue order (its
+longest chain first), each candidate's source ranks by the fewest sends (made, plus those
+only they can make), so that free copies do not pile onto a few senders; when nothing can
+move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. Ties among
+replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
+running while a side thread schedules.
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from numba import njit
 
 from eplb.migration._stage_kernel import is_deadlock, may_deadlock, new_staging, stage
 
-NO_SOURCE = -2            # cand_src entry: this column (rank) holds no complete replica
 STATUS_OK = 0
 STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
 STATUS_NO_PROGRESS = -2   # the round guard ran out (a bug)
@@ -42,10 +47,17 @@ _Slots = namedtuple("_Slots", [
     "npl",          # pending slots per layer at round start (tight layers)
     "hsum",         # sum of the slots holding each expert (cur): its holder where it has one
     "ncur",         # slots holding each expert (cur, written or not)
-    "locc",         # [L, G, E] slots of each rank holding each expert (cur)
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
 ])
-_Round = namedtuple("_Round", ["cand", "cand_e", "cand_src", "ncand", "adj", "done"])
+_Round = namedtuple("_Round", [
+    "cand", "cand_e",     # [G, K] each rank's candidate slots (code l * P + p) and their targets
+    "ncand", "adj",       # [G] candidates per rank; [G, 2G] a rank's candidates have a source there
+    # Candidate i of rank d: for cstart[d, i] <= j < cstart[d, i + 1], a column cols[d, j] (ranks
+    # 0..G-1, checkpoint G + d) with a source and the lowest source slot there srcs[d, j] (-1: checkpoint).
+    "cols", "srcs", "cstart",
+    "done",               # the round's transfers: l, p, e, src rank, src, d, staging
+    "pref", "npref",      # [G, 2G] each rank's columns in the order its link matching tries them
+])
 
 
 @njit(cache=True, nogil=True)
@@ -59,7 +71,7 @@ def _grow(a, n):
 
 
 @njit(cache=True, nogil=True)
-def _match(adj, rin, rout, G):
+def _match(adj, pref, npref, rin, rout, G):
     """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
     G + d), rows with the most network copies still to receive first (they bound the
     rounds); then each source rank left out takes over a row from a source rank with fewer
@@ -79,8 +91,9 @@ def _match(adj, rin, rout, G):
         while head < tail and end < 0:
             u = queue[head]
             head += 1
-            for r in range(C):
-                if not adj[u, r] or seen[r]:
+            for j in range(npref[u]):
+                r = pref[u, j]
+                if seen[r]:
                     continue
                 seen[r] = True
                 parent[r] = u
@@ -171,7 +184,6 @@ def _new_state(old_LP, new_LP, G, E):
     S = P // G
     hc = np.zeros((L, E), dtype=np.int64)
     hsum = np.zeros((L, E), dtype=np.int64)
-    locc = np.zeros((L, G, E), dtype=np.int32)
     hhead = np.full(L * E, -1, dtype=np.int64)
     hnext = np.full(L * P, -1, dtype=np.int64)
     hprev = np.full(L * P, -1, dtype=np.int64)
@@ -180,14 +192,13 @@ def _new_state(old_LP, new_LP, G, E):
             if old_LP[l, p] >= 0:
                 hc[l, old_LP[l, p]] += 1
                 hsum[l, old_LP[l, p]] += p
-                locc[l, p // S, old_LP[l, p]] += 1
                 _hold(hhead, hnext, hprev, l * E + old_LP[l, p], l * P + p)
     return _Slots(
         old_LP.copy(), new_LP, hc, np.zeros((L, P), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
-        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), locc, hhead, hnext, hprev)
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -219,6 +230,18 @@ def _count_room(st, c0, c1, E, P):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _kept(st, l, x, E, P):
+    """Does a slot in its final state hold expert x of layer l completely? (Then a staging copy of x
+    is not needed any more: the slot it staged for may be written without it.)"""
+    h = st.hhead[l * E + x]
+    while h >= 0:
+        if st.tgt[l, h - l * P] == x and not st.writing[l, h - l * P]:
+            return True
+        h = st.hnext[h]
+    return False
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _scan(st, rd, S, P, tight, nd):
     """Local copies are taken at once (no link); network and checkpoint candidates (at most
     K per destination rank) go to rd for the link matching. nd: rows of rd.done taken
@@ -227,8 +250,10 @@ def _scan(st, rd, S, P, tight, nd):
     K = rd.cand.shape[1]
     E = st.hc.shape[1]
     cur, tgt, hc = st.cur, st.tgt, st.hc
-    rd.ncand[:] = 0
-    rd.adj[:, :] = False
+    for d in range(G):                     # last round's candidates' links, cleared
+        for j in range(rd.cstart[d, rd.ncand[d]]):
+            rd.adj[d, rd.cols[d, j]] = False
+        rd.ncand[d] = 0
     for d in range(G):
         for k in range(st.npend[d]):
             code = st.pend[d, k]
@@ -237,7 +262,7 @@ def _scan(st, rd, S, P, tight, nd):
             if st.sourcing[l, p] or st.writing[l, p]:
                 continue
             if st.staged_blk[l, p] >= 0:
-                if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p]:
+                if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p] and not _kept(st, l, st.staged_exp[l, p], E, P):
                     continue               # its blocked slot still needs the copy
                 st.staged_blk[l, p] = -1
             o = cur[l, p]
@@ -247,13 +272,12 @@ def _scan(st, rd, S, P, tight, nd):
             if hc[l, e] > 0:
                 # The lowest complete slot holding e on each rank (a local one first).
                 local = -1
-                if st.locc[l, d, e] > 0:
-                    h = st.hhead[l * E + e]
-                    while h >= 0:
-                        s = h - l * P
-                        if s // S == d and not st.writing[l, s] and (local < 0 or s < local):
-                            local = s
-                        h = st.hnext[h]
+                h = st.hhead[l * E + e]
+                while h >= 0:
+                    s = h - l * P
+                    if s // S == d and not st.writing[l, s] and (local < 0 or s < local):
+                        local = s
+                    h = st.hnext[h]
                 if local >= 0:
                     _commit(l, p, e, d, local, d, st, rd.done, nd)
                     nd += 1
@@ -262,16 +286,24 @@ def _scan(st, rd, S, P, tight, nd):
                     i = rd.ncand[d]
                     rd.cand[d, i] = code
                     rd.cand_e[d, i] = e
-                    rd.cand_src[d, i, :] = NO_SOURCE
+                    j0 = rd.cstart[d, i]
+                    j = j0
                     h = st.hhead[l * E + e]
                     while h >= 0:
                         s = h - l * P
                         if not st.writing[l, s]:
-                            c = rd.cand_src[d, i, s // S]
-                            if c == NO_SOURCE or s < c:
-                                rd.cand_src[d, i, s // S] = s
+                            t = j0
+                            while t < j and rd.cols[d, t] != s // S:
+                                t += 1
+                            if t == j:
+                                rd.cols[d, j] = s // S
+                                rd.srcs[d, j] = s
+                                j += 1
                                 rd.adj[d, s // S] = True
+                            elif s < rd.srcs[d, t]:
+                                rd.srcs[d, t] = s
                         h = st.hnext[h]
+                    rd.cstart[d, i + 1] = j
                     rd.ncand[d] += 1
             elif st.inflight[l, e]:
                 continue                   # e's only copy is still being written
@@ -281,8 +313,9 @@ def _scan(st, rd, S, P, tight, nd):
                 i = rd.ncand[d]
                 rd.cand[d, i] = code
                 rd.cand_e[d, i] = e
-                rd.cand_src[d, i, :] = NO_SOURCE
-                rd.cand_src[d, i, G + d] = -1
+                rd.cols[d, rd.cstart[d, i]] = G + d
+                rd.srcs[d, rd.cstart[d, i]] = -1
+                rd.cstart[d, i + 1] = rd.cstart[d, i] + 1
                 rd.adj[d, G + d] = True
                 rd.ncand[d] += 1
     return nd
@@ -322,6 +355,8 @@ def _chain_order(st, sg, S, P, depth, key, rin):
 
     Writing slot q lets the slot holding the last complete replica of q's target be written
     (it waits for that replica), and so on: chains of waits that unwind one copy per round.
+    A staging slot holding q's target (one of its two replicas) waits on q too: it is freed
+    only once q has taken the expert, so the chain it heads counts in q's depth.
     A long chain left to the end of the queues leaves a tail of rounds with one copy each.
     A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
     (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
@@ -329,7 +364,7 @@ def _chain_order(st, sg, S, P, depth, key, rin):
     E = st.hc.shape[1]
     # Flat views (index l * P + p, l * E + e, (l * G + d) * E + e): the loops below visit every
     # pending slot each round.
-    tgt, hc, hsum, locc = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1), st.locc.reshape(-1)
+    tgt, hc, hsum = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1)
     dep = depth.reshape(-1)
     nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
     for d in range(G):
@@ -342,8 +377,18 @@ def _chain_order(st, sg, S, P, depth, key, rin):
             # a slot that does not hold its target is pending.
             e = tgt[code]
             w = l * P + hsum[l * E + e] if hc[l * E + e] == 1 else -1
+            local = False
+            h = st.hhead[l * E + e]
+            while h >= 0:
+                if (h - l * P) // S == d:
+                    local = True
+                # A staging slot holding e (of two replicas) is freed only once code takes e:
+                # its chain waits on code.
+                if hc[l * E + e] == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
+                    w = h
+                h = st.hnext[h]
             nxt[code] = w if w >= 0 and tgt[w] != e else -1
-            if locc[(l * G + d) * E + e] == 0:
+            if not local:
                 remote += 1
         rin[d] = remote
     ncyc = 0                              # cycles closed, one slot of each in sg.cyc_start
@@ -391,7 +436,17 @@ def _chain_order(st, sg, S, P, depth, key, rin):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _take_links(st, rd, nd, P, tight, rin, rout):
+def _send_key(r, d, rout, sent, G):
+    """Order of source column r for destination rank d (lower first): r's sends so far plus those
+    only r can make (its least total), then the distance from d round the ranks (the checkpoint
+    column G + d last)."""
+    if r >= G:
+        return np.iinfo(np.int64).max
+    return (rout[r] + sent[r]) * (G + 1) + (r - d) % G
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _take_links(st, rd, nd, P, tight, rin, rout, sent):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
     candidate that is still possible. Returns the copies of the round so far."""
@@ -403,15 +458,40 @@ def _take_links(st, rd, nd, P, tight, rin, rout):
             any_edge = True
     if not any_edge:
         return nd
-    match_row = _match(rd.adj, rin, rout, G)
+    pref, npref = rd.pref, rd.npref
+    for d in range(G):
+        npref[d] = 0
+        for i in range(rd.ncand[d]):
+            first = npref[d]
+            for j in range(rd.cstart[d, i], rd.cstart[d, i + 1]):
+                r = rd.cols[d, j]
+                if rd.adj[d, r]:
+                    rd.adj[d, r] = False       # listed: the first candidate with a source there
+                    pref[d, npref[d]] = r
+                    npref[d] += 1
+            # A candidate's sources: the ranks with the fewest sends only they can make first, ties
+            # from rank d on (lowest indices first would pile the free sends on rank 0, 1, ...).
+            for a in range(first + 1, npref[d]):
+                r = pref[d, a]
+                b = a
+                while b > first and _send_key(pref[d, b - 1], d, rout, sent, G) > _send_key(r, d, rout, sent, G):
+                    pref[d, b] = pref[d, b - 1]
+                    b -= 1
+                pref[d, b] = r
+        for j in range(npref[d]):
+            rd.adj[d, pref[d, j]] = True
+    match_row = _match(rd.adj, pref, npref, rin, rout, G)
     for d in range(G):
         r = match_row[d]
         if r < 0:
             continue
         for i in range(rd.ncand[d]):
-            src = rd.cand_src[d, i, r]
-            if src == NO_SOURCE:
-                continue
+            t = rd.cstart[d, i]
+            while t < rd.cstart[d, i + 1] and rd.cols[d, t] != r:
+                t += 1
+            if t == rd.cstart[d, i + 1]:
+                continue                   # no source in column r
+            src = rd.srcs[d, t]
             code = rd.cand[d, i]
             l = code // P
             p = code % P
@@ -450,14 +530,12 @@ def _apply_round(st, done, nd, out, M, R):
         if o >= 0:
             st.hsum[l, o] -= p
             st.ncur[l, o] -= 1
-            st.locc[l, done[i, 5], o] -= 1
             _unhold(st.hhead, st.hnext, st.hprev, l * E + o, l * P + p)
         _hold(st.hhead, st.hnext, st.hprev, l * E + e, l * P + p)
         st.cur[l, p] = e
         st.hc[l, e] += 1
         st.hsum[l, e] += p
         st.ncur[l, e] += 1
-        st.locc[l, done[i, 5], e] += 1
         st.writing[l, p] = False
         if done[i, 4] >= 0:
             st.sourcing[l, done[i, 4]] = False
@@ -511,12 +589,15 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     S = P // G
     st = _new_state(old_LP, new_LP, G, E)
     rd = _Round(np.empty((G, per_rank), dtype=np.int64), np.empty((G, per_rank), dtype=np.int64),
-                np.empty((G, per_rank, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64),
-                np.zeros((G, 2 * G), dtype=np.bool_),
-                np.empty((L * P + G, 7), dtype=np.int64))      # l, p, e, src rank, src, d, staging
+                np.zeros(G, dtype=np.int64), np.zeros((G, 2 * G), dtype=np.bool_),
+                np.empty((G, per_rank * (G + 1)), dtype=np.int64), np.empty((G, per_rank * (G + 1)), dtype=np.int64),
+                np.zeros((G, per_rank + 1), dtype=np.int64),
+                np.empty((L * P + G, 7), dtype=np.int64),
+                np.empty((G, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64))
     sg = new_staging(new_LP, E, G)
     rin = np.zeros(G, dtype=np.int64)
     rout = np.zeros(G, dtype=np.int64)
+    sent = np.zeros(G, dtype=np.int64)     # network copies each rank has sent
     fsrc = np.full((L, P), -1, dtype=np.int64)
     depth = np.zeros((L, P), dtype=np.int64)
     key = np.empty(L * S, dtype=np.int64)
@@ -551,13 +632,13 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
             # A deadlock at the round's start closes a chain into a cycle; later in the round
             # only through a replica this round's copies overwrite (`may_deadlock`).
             staged = cyclic and not tight
-            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, False) if staged else 0
+            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, False) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
-            nd = _take_links(st, rd, nd, P, tight, rin, rout)
+            nd = _take_links(st, rd, nd, P, tight, rin, rout, sent)
             n1 = nd
             if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
                 # (The queues and slot contents have not changed since stage 0: same cycles.)
-                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin, staged)
+                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin, depth, staged)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):
@@ -565,6 +646,8 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                     st.staged_blk[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 4]
                     st.staged_exp[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 2]
             for i in range(nd):
+                if rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
+                    sent[rd.done[i, 3]] += 1
                 f = fsrc[rd.done[i, 0], rd.done[i, 1]]
                 if f >= 0:
                     rout[f] -= 1

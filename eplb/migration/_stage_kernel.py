@@ -203,7 +203,7 @@ def _spare(st, l, s, pending):
 
 
 @njit(cache=True, nogil=True)
-def stage(st, sg, done, S, P, nd, mode, rin, again):
+def stage(st, sg, done, S, P, nd, mode, rin, depth, again):
     """Break cycles of blocked slots, one staging copy per cycle, as rows nd.. of done; returns
     the new row count (nd: no cycle could be broken).
 
@@ -214,8 +214,11 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
     the one that adds least to a busy rank's receiving: a pending slot on the member's own
     rank adds nothing (no link, and it changes anyway); a final slot there adds the copy
     that restores it later; a pending slot on another rank adds that rank's receive now (a
-    final one there, two). Each is weighed by the network copies the receiving rank still
-    needs (rin, `_schedule_kernel._remote_need`), which bound the rounds. Links
+    final one there, two). Each is weighed by the rounds the receiving rank still needs
+    (rin, see `_schedule_kernel._chain_order`), which bound the rounds. A pending spare's
+    own copy waits while it holds the staged expert, and so does the chain of slots waiting
+    on it (depth [L, P]: the chain lengths of `_chain_order`), so it is free only when that
+    chain plus the cycle fits in the longest wait (max rin), else it weighs their sum. Links
     already used this round are respected. mode 0: deadlocks only, through a pending slot on
     the member's rank only (free: run before the round's other copies take those slots);
     mode 1: deadlocks, any spare; mode 2 (nothing else moved this round): every cycle, any
@@ -235,6 +238,9 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
             if done[i, 4] >= 0:
                 sg.send_busy[done[i, 3]] = True
             sg.recv_busy[done[i, 5]] = True
+    rmax = 0
+    for g in range(G):
+        rmax = max(rmax, rin[g])
     for c in range(ncyc):
         l = sg.cyc_buf[sg.cyc_start[c]] // P
         if mode < 2:
@@ -251,6 +257,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
         bp = -1
         bs = -1
         best = np.inf
+        clen = sg.cyc_len[c]
         for t in range(sg.cyc_len[c]):
             p = sg.cyc_buf[sg.cyc_start[c] + t] % P
             if st.writing[l, p] or st.sourcing[l, p] or cur[l, p] < 0:
@@ -260,7 +267,12 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
                 if s == p or cur[l, s] == cur[l, p]:
                     continue
                 if _spare(st, l, s, True):
-                    w = -1.0
+                    # s's own copy waits for the cycle: free unless that makes its chain the longest wait.
+                    w = depth[l, s] + clen
+                    if w <= rmax:
+                        w = -1.0 / (1.0 + depth[l, s])
+                    elif mode == 0:
+                        continue
                 elif mode > 0 and _spare(st, l, s, False):
                     w = rin[r0] + 1.0
                 else:
@@ -279,7 +291,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, again):
                     if cur[l, s] == cur[l, p]:
                         continue
                     if _spare(st, l, s, True):
-                        w = rin[rc] + 1.0
+                        w = max(rin[rc] + 1.0, depth[l, s] + clen)
                     elif _spare(st, l, s, False):
                         w = 2.0 * (rin[rc] + 1.0)
                     else:
