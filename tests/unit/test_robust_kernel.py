@@ -110,3 +110,18 @@ def test_one_window_packing_with_an_expert_on_every_gpu():
     for g in range(8):
         assert len(set(phy[0, g * 4:(g + 1) * 4])) == 4
     np.testing.assert_array_equal(np.bincount(phy[0], minlength=24), count[0])
+
+
+def test_swap_search_on_threads_is_the_numpy_search(monkeypatch):
+    # Blocks of layers searched on threads (views of the same arrays) make numpy's swaps.
+    share, count = _packed(7, 5, 7, 32, 8, 5)
+    phy = pack_vector(share, count, 8, 5, compiled=False)
+    w_LPT = np.take_along_axis(np.moveaxis(share / count[None], 0, 2), phy[:, :, None], axis=1)
+    p0, w0 = phy.copy(), w_LPT.copy()
+    smooth_max_swaps(p0, w0, 8, beta=50.0, max_rounds=100, compiled=False)
+    monkeypatch.setattr(robust, "_search_threads", lambda num_layers: 3)
+    p1, w1 = phy.copy(), w_LPT.copy()
+    assert smooth_max_swaps(p1, w1, 8, beta=50.0, max_rounds=100, compiled=True)
+    assert not np.array_equal(p0, phy)
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(w0, w1)
