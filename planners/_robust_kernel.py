@@ -324,7 +324,10 @@ def warm_up() -> None:
     phy = np.array([[0, 1, 2, 0]], dtype=np.int64)
     w = np.array([[[3.0], [1.0], [1.0], [2.0]]])
     smooth_max_swaps(phy, w, np.zeros((1, 4), dtype=np.bool_), 2, 50.0, 2, 1, 2, 2)
-    pack_vector(np.ones((1, 3, 2)), np.array([[0, 1, 2, 0]], dtype=np.int64), 2, 2, 1e9)
+    rep = np.array([[0, 1, 2, 0]], dtype=np.int64)
+    order = np.array([[[1, 0], [0, 1]]], dtype=np.int64)
+    pack_vector(np.ones((1, 3, 2)), rep, order, 2, 2, 1e9)
+    pack_vector(np.ones((1, 3, 1)), rep, order, 2, 2, 1e9)
 
 
 @njit(cache=True, nogil=True)
@@ -397,12 +400,40 @@ def _assign(cost_IG, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, le
 
 
 @njit(cache=True, nogil=True)
-def pack_vector(w_LET, rep_LP, G, S, forbidden):
+def _assign_in_order(order_G, items_I, holds, col_I, taken_G):
+    """One window: the items each take the first GPU of order_G left that does not hold their
+    expert, into col_I, as `planners.robust._assign_in_order`. Returns False when an item
+    finds no such GPU (which packing order rules out)."""
+    G = order_G.shape[0]
+    for g in range(G):
+        taken_G[g] = False
+    first = 0  # every GPU before it in order_G is taken
+    for i in range(items_I.shape[0]):
+        e = items_I[i]
+        while first < G and taken_G[order_G[first]]:
+            first += 1
+        found = -1
+        for j in range(first, G):
+            g = order_G[j]
+            if not taken_G[g] and not holds[g, e]:
+                found = g
+                break
+        if found < 0:
+            return False
+        taken_G[found] = True
+        col_I[i] = found
+    return True
+
+
+@njit(cache=True, nogil=True)
+def pack_vector(w_LET, rep_LP, order_LSG, G, S, forbidden):
     """`planners.robust.pack_vector`'s rounds: phy2log int64 [L, P] from per-replica loads
     w_LET (float64 [L, E, T]) and the replicas in packing order rep_LP (int64 [L, P]); round k
     assigns rep_LP[l, kG:(k + 1)G] to the G GPUs at least cost (the GPU's worst window after
-    it; `forbidden` for a GPU that holds the expert). Returns (phy, ok): ok False when a round
-    had no feasible pairing."""
+    it; `forbidden` for a GPU that holds the expert). With one window (T = 1) round k of layer
+    l pairs in the GPU order order_LSG[l, k] (int64 [L, S, G]; unread when T > 1) instead of
+    solving the assignment. Returns (phy, ok): ok False when a round had no
+    feasible pairing."""
     L, E, T = w_LET.shape
     P = G * S
     phy = np.empty((L, P), dtype=np.int64)
@@ -422,25 +453,32 @@ def pack_vector(w_LET, rep_LP, G, S, forbidden):
         load_GT[:, :] = 0.0
         holds[:, :] = False
         for k in range(S):
-            for i in range(G):
-                e = rep_LP[l, k * G + i]
-                for g in range(G):
-                    if holds[g, e]:
-                        cost[i, g] = forbidden
-                        continue
-                    m = load_GT[g, 0] + w_LET[l, e, 0]
-                    for t in range(1, T):
-                        x = load_GT[g, t] + w_LET[l, e, t]
-                        if x > m:
-                            m = x
-                    cost[i, g] = m
-            if not _assign(cost, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, left_G):
-                return phy, False
+            items_I = rep_LP[l, k * G:(k + 1) * G]
+            # One window: every feasible pairing costs the same sum (planners.robust.pack_vector).
+            if T == 1:
+                if not _assign_in_order(order_LSG[l, k], items_I, holds, col_I, seen_G):
+                    return phy, False
+            else:
+                for i in range(G):
+                    e = items_I[i]
+                    for g in range(G):
+                        if holds[g, e]:
+                            cost[i, g] = forbidden
+                            continue
+                        m = load_GT[g, 0] + w_LET[l, e, 0]
+                        for t in range(1, T):
+                            x = load_GT[g, t] + w_LET[l, e, t]
+                            if x > m:
+                                m = x
+                        cost[i, g] = m
+                if not _assign(cost, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, left_G):
+                    return phy, False
+                for i in range(G):
+                    if cost[i, col_I[i]] >= forbidden:
+                        return phy, False
             for i in range(G):
                 g = col_I[i]
-                e = rep_LP[l, k * G + i]
-                if cost[i, g] >= forbidden:
-                    return phy, False
+                e = items_I[i]
                 phy[l, g * S + k] = e
                 holds[g, e] = True
                 for t in range(T):

@@ -70,9 +70,18 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     cost of replica i on GPU g = max over windows of (GPU g's load + replica i's load), the
     GPU's new worst-window load; pairing with a GPU that already holds the expert is
     forbidden. Round k can meet an expert only if its replicas straddle rounds k-1 and k
-    (an expert has <= G replicas), so a feasible pairing always exists. compiled: as in
-    `smooth_max_swaps` (the kernel's assignment is scipy's linear_sum_assignment, tie rules
-    included; False: numpy and scipy).
+    (an expert has <= G replicas), so a feasible pairing always exists. With one window the
+    cost separates (GPU load + replica load), so every feasible pairing has the same total and
+    the assignment solver's worst case (O(G^3) a round) buys nothing: a round pairs the
+    replicas with the GPUs in a seeded random order (`one_window_orders`), skipping a GPU
+    that holds the expert. That never gets stuck: an expert's replicas are consecutive and at
+    most G, so only the round's first expert can be on a GPU already (r of its replicas in the
+    round before, at most G - r in this one), it is paired first, and every later expert is
+    new to all GPUs. (Pairing heaviest with lightest, LPT's rule, packs tighter but leaves the
+    swap search in worse local optima; scipy's pick among the tied pairings is decided by
+    rounding, in effect arbitrary, and a random one refines as well: docs/backtests.md.)
+    compiled: as in `smooth_max_swaps` (the kernel's assignment is scipy's
+    linear_sum_assignment, tie rules included; False: numpy and scipy).
     """
     T, L, E = share_TLE.shape
     G, S = num_gpus, slots_per_gpu
@@ -82,9 +91,10 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     order_LE = np.argsort(-key_LE, axis=1, kind="stable")
     rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
     w_LET = np.moveaxis(w_TLE, 0, 2)
+    order_LSG = one_window_orders(L, S, G) if T == 1 else np.zeros((L, S, G), dtype=np.int64)
     kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
     if kernels is not None:
-        phy2log_LP, ok = kernels.pack_vector(np.ascontiguousarray(w_LET), rep_LP, G, S, _FORBIDDEN)
+        phy2log_LP, ok = kernels.pack_vector(np.ascontiguousarray(w_LET), rep_LP, order_LSG, G, S, _FORBIDDEN)
         assert ok, "packing round had no feasible pairing"
         return phy2log_LP
     from scipy.optimize import linear_sum_assignment
@@ -96,14 +106,40 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
         for k in range(S):
             items_I = rep_LP[l, k * G:(k + 1) * G]
             w_IT = w_LET[l, items_I]                                            # [I, T]
-            cost_IG = (load_LGT[l][None, :, :] + w_IT[:, None, :]).max(axis=2)  # worst window after
-            cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
-            rows_I, gpu_I = linear_sum_assignment(cost_IG)
-            assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
+            rows_I = np.arange(G)
+            if T == 1:
+                gpu_I = _assign_in_order(order_LSG[l, k], items_I, holds_LGE[l])
+                assert gpu_I is not None, "packing round had no feasible pairing"
+            else:
+                cost_IG = (load_LGT[l][None, :, :] + w_IT[:, None, :]).max(axis=2)  # worst window after
+                cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
+                rows_I, gpu_I = linear_sum_assignment(cost_IG)
+                assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
             phy2log_LGS[l, gpu_I, k] = items_I[rows_I]
             load_LGT[l, gpu_I] += w_IT[rows_I]
             holds_LGE[l, gpu_I, items_I[rows_I]] = True
     return phy2log_LGS.reshape(L, P)
+
+
+def one_window_orders(L: int, S: int, G: int) -> np.ndarray:
+    """The GPU order of each one-window packing round, int64 [L, S, G]: a permutation of the
+    GPUs drawn from a fixed seed (the same plan every run)."""
+    return np.random.default_rng(0).permuted(np.broadcast_to(np.arange(G, dtype=np.int64), (L, S, G)), axis=2)
+
+
+def _assign_in_order(order_G: np.ndarray, items_I: np.ndarray, holds_GE: np.ndarray) -> np.ndarray | None:
+    """One window's packing round: the items each take the first GPU of order_G left that does
+    not hold their expert; the GPU of each item, or None when an item finds none left (which
+    packing order rules out: `pack_vector`)."""
+    free_G = np.ones(order_G.shape[0], dtype=bool)
+    gpu_I = np.empty(items_I.shape[0], dtype=np.int64)
+    for i, e in enumerate(items_I):
+        fits = order_G[free_G[order_G] & ~holds_GE[order_G, e]]
+        if fits.size == 0:
+            return None
+        gpu_I[i] = fits[0]
+        free_G[fits[0]] = False
+    return gpu_I
 
 
 def window_gpu_loads(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -162,8 +198,20 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
     phy = _kernel_array(phy2log_LP, np.int64)
     w = _kernel_array(slot_load_LPT, np.float64)
     bound = np.zeros((L, P), dtype=np.bool_) if bound_LP is None else _kernel_array(bound_LP, np.bool_)
-    kernels.smooth_max_swaps(phy, w, bound, int(num_gpus), float(beta), int(max_rounds), _kept_count(quantile, T),
-                             int(top_gpus), int(num_gpus) // int(num_units))
+    args = (int(num_gpus), float(beta), int(max_rounds), _kept_count(quantile, T), int(top_gpus),
+            int(num_gpus) // int(num_units))
+    # Layers are independent and the kernel releases the GIL: blocks of layers run on threads
+    # (row blocks of C-ordered arrays are C-ordered views, searched in place).
+    cuts = np.linspace(0, L, _search_threads(L) + 1).astype(int)
+    if len(cuts) <= 2:
+        kernels.smooth_max_swaps(phy, w, bound, *args)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(cuts) - 1) as pool:
+            for done in [pool.submit(kernels.smooth_max_swaps, phy[a:b], w[a:b], bound[a:b], *args)
+                         for a, b in zip(cuts[:-1], cuts[1:])]:
+                done.result()
     for dst, src in ((phy2log_LP, phy), (slot_load_LPT, w), (bound_LP, bound)):
         if dst is not None and dst is not src:
             dst[...] = src
@@ -199,6 +247,13 @@ def robust_kernels(wait: bool = False):
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True)
     return _kernels
+
+
+def _search_threads(num_layers: int) -> int:
+    """Threads for the compiled swap search: one per usable core, at most 8, and blocks of at
+    least 4 layers (a thread costs ~0.1 ms to start)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, 8, num_layers // 4))
 
 
 def _kernel_array(a: np.ndarray, dtype) -> np.ndarray:

@@ -21,7 +21,7 @@ def _packed(seed, T, L, E, G, S, blend=1.0):
 
 
 # (seed, windows, layers, experts, GPUs, slots per GPU): many windows, one window (every
-# pairing of a round costs the same then, so the assignment's tie rules decide; with 8 or more
+# pairing of a round costs the same then, so rounds pair in a seeded order; with 8 or more
 # slots numpy sums a GPU's slots pairwise), one slot.
 CASES = [(0, 6, 4, 32, 4, 9), (1, 6, 4, 32, 8, 5), (2, 1, 4, 32, 8, 5), (3, 1, 3, 64, 32, 3), (4, 5, 3, 32, 32, 1),
          (5, 1, 4, 64, 8, 9), (6, 12, 3, 32, 4, 9)]
@@ -97,3 +97,31 @@ def test_kernel_sums_add_in_numpys_order():
     for n in [1, 7, 8, 9, 16, 127, 128, 129, 300, 1000, 4099]:
         a = rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6, n)  # terms of many sizes: order shows
         assert _robust_kernel._pairwise(a, 0, n, 1) == np.add.reduce(a)
+
+
+def test_one_window_packing_with_an_expert_on_every_gpu():
+    # One expert takes a replica on each of the 8 GPUs, straddling rounds: the seeded in-order
+    # pairing must still keep replicas of one expert on distinct GPUs, compiled or not.
+    share = normalise_windows(np.array([[[400.0] + [1.0 + i for i in range(23)]]]), 8)
+    count = replica_counts_minmax(robust_demand(share, 0.0), 8 * 4, max_replicas=8)
+    assert count[0, 0] == 8
+    phy = pack_vector(share, count, 8, 4, compiled=True)
+    np.testing.assert_array_equal(phy, pack_vector(share, count, 8, 4, compiled=False))
+    for g in range(8):
+        assert len(set(phy[0, g * 4:(g + 1) * 4])) == 4
+    np.testing.assert_array_equal(np.bincount(phy[0], minlength=24), count[0])
+
+
+def test_swap_search_on_threads_is_the_numpy_search(monkeypatch):
+    # Blocks of layers searched on threads (views of the same arrays) make numpy's swaps.
+    share, count = _packed(7, 5, 7, 32, 8, 5)
+    phy = pack_vector(share, count, 8, 5, compiled=False)
+    w_LPT = np.take_along_axis(np.moveaxis(share / count[None], 0, 2), phy[:, :, None], axis=1)
+    p0, w0 = phy.copy(), w_LPT.copy()
+    smooth_max_swaps(p0, w0, 8, beta=50.0, max_rounds=100, compiled=False)
+    monkeypatch.setattr(robust, "_search_threads", lambda num_layers: 3)
+    p1, w1 = phy.copy(), w_LPT.copy()
+    assert smooth_max_swaps(p1, w1, 8, beta=50.0, max_rounds=100, compiled=True)
+    assert not np.array_equal(p0, phy)
+    np.testing.assert_array_equal(p0, p1)
+    np.testing.assert_array_equal(w0, w1)
