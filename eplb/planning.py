@@ -88,8 +88,18 @@ class PlanResult:
         return lower_bound(self.load_LE, self.topology)
 
     def _score(self, placement: Placement, rule: DispatchRule | None = None) -> stats.LoadReport:
-        weights_LP = (rule or self.dispatch).bind(placement)(self.load_LE)
-        return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
+        rule = rule or self.dispatch
+        if isinstance(rule, PlanWeights) and placement.dispatch_weights_LP is None:
+            # An even split, the common case (greedy, the contiguous baseline): the same products
+            # and sums as binding the rule and `stats.evaluate`, without their generic indexing;
+            # the load was checked when the plan was made.
+            gpu_LG = even_gpu_loads(placement, self.load_LE)
+        else:
+            weights_LP = rule.bind(placement)(self.load_LE)
+            return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
+        lb = self.lower_bound_L
+        ratio = np.where(lb > 0, gpu_LG.max(axis=1) / np.where(lb > 0, lb, 1), 1.0)
+        return stats.LoadReport(gpu_LG, stats.imbalance(gpu_LG), ratio, stats.balancedness(gpu_LG))
 
     @cached_property
     def after(self) -> stats.LoadReport:
@@ -130,7 +140,7 @@ class PlanResult:
         }
         if self.served is not None:  # the scores above are the engine's: say under which rule
             metrics["dispatch"] = self.dispatch.name
-        return replace(self._plain, metrics=metrics)  # type: ignore[attr-defined]
+        return self._plain.with_metrics(metrics)  # type: ignore[attr-defined]
 
     @property
     def objective_metrics(self) -> dict[str, str]:
@@ -174,6 +184,19 @@ def lower_bound(load_LE: np.ndarray, topology: Topology) -> np.ndarray:
     P = topology.num_slots
     count_LE = replicate(load_LE, P, P)
     return np.maximum(load_LE.sum(axis=1) / topology.num_gpus, (load_LE / count_LE).max(axis=1))
+
+
+def even_gpu_loads(placement: Placement, load_LE: np.ndarray) -> np.ndarray:
+    """Tokens per GPU [L, G] when every expert's tokens split evenly over its replicas: bit for
+    bit `placement.gpu_loads(load_LE)` (the same products, load x (1 / count), summed in slot
+    order), but each product made once per expert [L, E] and gathered through flat indices.
+    Trusts load_LE: float64 [L, E] of the placement's shape."""
+    phy_LP = placement.phy2log_LP
+    L, P = phy_LP.shape
+    E = placement.num_logical_experts
+    per_LE = load_LE * (1.0 / placement.replica_count_LE)
+    slot_LP = per_LE.ravel()[phy_LP + (np.arange(L) * E)[:, None]]
+    return slot_LP.reshape(L, placement.num_gpus, P // placement.num_gpus).sum(axis=-1)
 
 
 @functools.lru_cache(maxsize=16)

@@ -154,3 +154,19 @@ def test_backtests_take_a_topology_value(rng):
     a = backtest(counts, topology=Topology(2, 5), **kw).summary()
     b = backtest(counts, num_gpus=2, slots_per_gpu=5, **kw).summary()
     assert a["median"] == b["median"] and a["num_slots"] == 10
+
+
+def test_even_split_scores_are_the_generic_ones_to_the_bit(rng):
+    """PlanResult scores an even split through `planning.even_gpu_loads`: the same numbers as
+    binding the rule and `stats.evaluate` (the plan, and the contiguous baseline with repeats)."""
+    load = _load(rng, L=4, E=16)
+    for gpus, slots in ((4, 5), (8, 3), (3, 6)):
+        res = eplb.plan(load, num_gpus=gpus, slots_per_gpu=slots)
+        plain = Placement(res.solution.phy2log_LP, gpus, 16)
+        base = planning._contiguous(16, res.topology, tuple(range(4)))
+        for pl, report in ((plain, res.after), (base, res.before)):
+            np.testing.assert_array_equal(planning.even_gpu_loads(pl, res.load_LE), pl.gpu_loads(res.load_LE))
+            generic = stats.evaluate(pl, res.load_LE, pl.replica_weights())
+            np.testing.assert_array_equal(report.gpu_load_LG, generic.gpu_load_LG)
+            np.testing.assert_array_equal(report.bound_ratio_L, generic.bound_ratio_L)
+            assert report.balancedness == generic.balancedness
