@@ -15,6 +15,7 @@ Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 sl
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -93,7 +94,7 @@ class Placement:
         ids = np.arange(L) if self.layer_ids is None else np.asarray(self.layer_ids)
         if ids.shape != (L,) or not np.issubdtype(ids.dtype, np.integer):
             raise EplbError(f"layer_ids must be {L} integers, got shape {ids.shape} dtype {ids.dtype}")
-        if L and (ids.min() < 0 or len(np.unique(ids)) != L):
+        if self.layer_ids is not None and L and (ids.min() < 0 or len(np.unique(ids)) != L):
             raise EplbError(f"layer_ids must be distinct non-negative integers, got {ids.tolist()}")
         object.__setattr__(self, "layer_ids", readonly(ids.astype(np.int64)))
         if self.dispatch_weights_LP is not None:
@@ -185,6 +186,13 @@ class Placement:
         """Tokens each GPU serves, float64 [L, G], under `weights_LP` (the plan's shares if None)."""
         load_LE, w_LP = self._load_and_weights(load_LE, weights_LP)
         return gpu_loads(self.phy2log_LP, load_LE, self.num_gpus, w_LP)
+
+    def with_metrics(self, metrics: dict) -> Placement:
+        """This placement with other `metrics`: the map, shares and counts are shared, not checked
+        again (they are unchanged, and a frozen Placement's arrays cannot be written)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "metrics", dict(metrics))
+        return out
 
     def with_weights(self, dispatch_weights_LP: np.ndarray | None) -> Placement:
         return replace(self, dispatch_weights_LP=dispatch_weights_LP, metrics=dict(self.metrics))

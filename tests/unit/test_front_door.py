@@ -154,3 +154,44 @@ def test_backtests_take_a_topology_value(rng):
     a = backtest(counts, topology=Topology(2, 5), **kw).summary()
     b = backtest(counts, num_gpus=2, slots_per_gpu=5, **kw).summary()
     assert a["median"] == b["median"] and a["num_slots"] == 10
+
+
+def test_even_split_scores_are_the_generic_ones_to_the_bit(rng):
+    """PlanResult scores an even split through `planning.even_gpu_loads`: the same numbers as
+    binding the rule and `stats.evaluate` (the plan, and the contiguous baseline with repeats)."""
+    load = _load(rng, L=4, E=16)
+    for gpus, slots in ((4, 5), (8, 3), (3, 6)):
+        res = eplb.plan(load, num_gpus=gpus, slots_per_gpu=slots)
+        plain = Placement(res.solution.phy2log_LP, gpus, 16)
+        base = planning._contiguous(16, res.topology, tuple(range(4)))
+        for pl, report in ((plain, res.after), (base, res.before)):
+            np.testing.assert_array_equal(planning.even_gpu_loads(pl, res.load_LE), pl.gpu_loads(res.load_LE))
+            generic = stats.evaluate(pl, res.load_LE, pl.replica_weights())
+            np.testing.assert_array_equal(report.gpu_load_LG, generic.gpu_load_LG)
+            np.testing.assert_array_equal(report.bound_ratio_L, generic.bound_ratio_L)
+            assert report.balancedness == generic.balancedness
+
+
+def test_a_plans_own_optimal_counts_give_the_bound_to_the_bit():
+    """planning.lower_bound proves a plan's counts min-max optimal where it can and solves the
+    other layers: the same bound as stats, with greedy's counts, the uncapped optimum, random
+    counts, and all-zero or single-expert layers."""
+    from planners.greedy import replicate
+
+    rng = np.random.default_rng(3)
+    for case in range(300):
+        E = int(rng.integers(1, 20))
+        G = int(rng.integers(1, 8))
+        S = int(rng.integers(-(-E // G), E + 1))
+        load = [np.floor(rng.pareto(0.8, (4, E)) * 10), rng.integers(0, 3, (4, E)).astype(float),
+                rng.random((4, E))][case % 3]
+        load[0] = 0.0
+        topo = Topology(G, S)
+        want = stats.lower_bound(load, G, G * S)
+        random_LE = np.ones((4, E), dtype=np.int64)
+        for row in random_LE:
+            np.add.at(row, rng.integers(0, E, G * S - E), 1)
+        for count_LE in (replicate(load, G * S, G), replicate(load, G * S, G * S), random_LE):
+            np.testing.assert_array_equal(planning.lower_bound(load, topo, count_LE), want)
+    res = eplb.plan(_load(rng), num_gpus=4, slots_per_gpu=5)
+    np.testing.assert_array_equal(res.lower_bound_L, stats.lower_bound(res.load_LE, 4, 20))

@@ -197,3 +197,13 @@ def test_from_dict_layer_ids_must_be_whole():
     with pytest.raises(EplbError, match="layer_ids must be"):
         Placement.from_dict({**d, "layer_ids": ["a", 4]})
     assert Placement.from_dict({**d, "layer_ids": [3.0, 4]}).layer_ids.tolist() == [3, 4]
+
+
+def test_with_metrics_shares_the_checked_map():
+    p = Placement(PHY, 3, 4, layer_ids=np.array([3, 4]), planner="greedy", metrics={"a": 1.0})
+    q = p.with_metrics({"imbalance_max": 1.25})
+    assert q == p and q.metrics == {"imbalance_max": 1.25} and p.metrics == {"a": 1.0}
+    assert q.phy2log_LP is p.phy2log_LP and not q.phy2log_LP.flags.writeable
+    assert q.replica_count_LE.tolist() == p.replica_count_LE.tolist() and q.planner == "greedy"
+    with pytest.raises(EplbError, match="layer_ids must be distinct"):
+        Placement(PHY, 3, 4, layer_ids=np.array([3, 3]))
