@@ -10,8 +10,8 @@ G = GPUs of a row, S = slots per GPU, P = G x S slots. Slot p of a row lives on 
   replica per round, so the slot limit holds by construction; the one expert whose replicas
   straddle two rounds takes the lightest GPUs that do not hold it yet;
 - `refine`: swaps of a replica on the busiest GPU with one on a lighter GPU, the swap that
-  leaves the pair's larger load lowest first, while one lowers the busiest GPU;
-- `plan`: the three in one call (what `GreedyPlanner` runs).
+  leaves the pair's larger load lowest first, while one lowers the busiest GPU
+  (`GreedyPlanner` runs the three in turn, planners/greedy.py).
 The code is plain loops over scalars (no numpy sorting or slicing inside): numba compiles such
 code in a fraction of the time its array library takes, and only the first process after an
 install compiles (`cache=True`). Every kernel trusts its input (planners/greedy.py checks it)
