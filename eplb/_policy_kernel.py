@@ -90,14 +90,9 @@ def window_busiest(ring_MLE, phy2log_LP, num_gpus):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _targets(share_EM, blend, P, G, r_E, key_E, per_E, heap_E):
-    """Replica counts from a demand blending each expert's mean and worst share, as
-    `eplb.stats.replica_counts_minmax(demand, P, max_replicas=G)` sets them (same tie-break).
-
-    Each of the P - E extra slots goes to the expert with the highest demand per replica (the
-    lowest id among equals), taken from a binary heap of the experts in that order: a scan of
-    all E experts per slot cost 65,000 steps a layer at 256 GPUs.
-    """
+def _demand(share_EM, blend, key_E):
+    """Each expert's demand, blending its mean and worst share (with `_targets`' tie-break
+    bonus), into key_E."""
     E, M = share_EM.shape
     top = 0.0
     for e in range(E):
@@ -112,6 +107,19 @@ def _targets(share_EM, blend, P, G, r_E, key_E, per_E, heap_E):
     bonus = 1e-9 * max(top, 1.0)
     for e in range(E):
         key_E[e] = key_E[e] + bonus * (E - e) / E
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _targets(key_E, P, G, r_E, per_E, heap_E):
+    """Replica counts for the demand key_E (`_demand`), as
+    `eplb.stats.replica_counts_minmax(demand, P, max_replicas=G)` sets them (same tie-break).
+
+    Each of the P - E extra slots goes to the expert with the highest demand per replica (the
+    lowest id among equals), taken from a binary heap of the experts in that order: a scan of
+    all E experts per slot cost 65,000 steps a layer at 256 GPUs.
+    """
+    E = key_E.shape[0]
+    for e in range(E):
         r_E[e] = 1
         per_E[e] = -np.inf if G <= 1 else key_E[e]
         heap_E[e] = e
@@ -383,28 +391,30 @@ def _before(peak_G, a, b):
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _rank_ends(peak_G, order_G, n_top, n_bottom):
     """The first n_top and the last n_bottom entries of `_rank`'s order, the rest left as they
-    were: one scan of the GPUs per entry (a swap round reads only the two heaviest and the
-    `partners` lightest, and a full sort of 256 GPUs in every round cost more than the swaps)."""
+    were, in one pass over the GPUs (a swap round reads only the two heaviest and the `partners`
+    lightest, and a full sort of 256 GPUs in every round cost more than the swaps). A GPU joins
+    an end only if it beats that end's innermost entry, and is then put in its place there."""
     G = peak_G.shape[0]
     if n_top + n_bottom > G:
         _rank(peak_G, order_G)
         return
-    prev = -1
-    for i in range(n_top):
-        best = -1
-        for g in range(G):
-            if (prev < 0 or _before(peak_G, prev, g)) and (best < 0 or _before(peak_G, g, best)):
-                best = g
-        order_G[i] = best
-        prev = best
-    prev = -1
-    for j in range(n_bottom):
-        best = -1
-        for g in range(G):
-            if (prev < 0 or _before(peak_G, g, prev)) and (best < 0 or _before(peak_G, best, g)):
-                best = g
-        order_G[G - 1 - j] = best
-        prev = best
+    for g in range(G):
+        # Top: order_G[0] first; a GPU enters if it comes before order_G[n_top - 1].
+        n = min(g, n_top)
+        if n_top > 0 and (n < n_top or _before(peak_G, g, order_G[n - 1])):
+            j = n if n < n_top else n - 1
+            while j > 0 and _before(peak_G, g, order_G[j - 1]):
+                order_G[j] = order_G[j - 1]
+                j -= 1
+            order_G[j] = g
+        # Bottom: order_G[G - 1] last; a GPU enters if it comes after order_G[G - n_bottom].
+        n = min(g, n_bottom)
+        if n_bottom > 0 and (n < n_bottom or _before(peak_G, order_G[G - n], g)):
+            j = n if n < n_bottom else n - 1
+            while j > 0 and _before(peak_G, order_G[G - j], g):
+                order_G[G - 1 - j] = order_G[G - j]
+                j -= 1
+            order_G[G - 1 - j] = g
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -452,10 +462,11 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
     moved_B = np.zeros(B, dtype=np.int64)
     in_BG = np.zeros((B, G), dtype=np.int64)
     worst_B = np.empty(B)
-    key_E = np.empty(E)
+    key_BE = np.empty((B, E))
     per_E = np.empty(E)
     heap_E = np.empty(E, dtype=np.int64)
-    hold_EG = np.empty((E, G), dtype=np.int16)      # small enough to stay in the L1 cache
+    # Small enough to stay in the L1 cache; all zero between uses (`_hold`, `_unhold`).
+    hold_EG = np.zeros((E, G), dtype=np.int16)
     was_EG = np.zeros((E, G), dtype=np.bool_)
     in_G = np.empty(G, dtype=np.int64)
     phy_P = np.empty(P, dtype=np.int64)
@@ -475,25 +486,31 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
         # window (`swap_fills` of them), each blend whose targets differ from an earlier one's.
         nb = blends_B.shape[0]
         for k in range(nb):
-            _targets(share_EM, blends_B[k], P, G, target_BE[k], key_E, per_E, heap_E)
+            # A blend with the targets of an earlier one has its fill too: never swapped from,
+            # so not made. One window gives every blend the same demand, and its targets are
+            # not counted again either.
+            _demand(share_EM, blends_B[k], key_BE[k])
             same = False
             for j in range(k):
-                if (target_BE[j] == target_BE[k]).all():
+                if (key_BE[j] == key_BE[k]).all():
                     same = True
+                    target_BE[k] = target_BE[j]
+                    break
+            if not same:
+                _targets(key_BE[k], P, G, target_BE[k], per_E, heap_E)
+                for j in range(k):
+                    if (target_BE[j] == target_BE[k]).all():
+                        same = True
             if same:
-                # The same fill as an earlier blend's (one window: every blend's demand is the
-                # same): never swapped from, so not made.
                 worst_B[k] = np.inf
                 continue
             fill_BP[k] = old_LP[l]
             cnt_E[:] = 0
-            hold_EG[:] = 0
-            for p in range(P):
-                cnt_E[fill_BP[k, p]] += 1
-                hold_EG[fill_BP[k, p], p // S] += 1
+            _hold(fill_BP[k], S, hold_EG, cnt_E)
             in_G[:] = 0
             moved_B[k] = _fill(fill_BP[k], cnt_E, target_BE[k], share_EM, S, hold_EG, was_EG, in_G, 0, cap_total,
                                cap_G, load_GM, peak_G)
+            _unhold(fill_BP[k], S, hold_EG)
             in_BG[k] = in_G
             _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
             cost, worst_B[k] = _cost(load_GM, worst_weight)
@@ -507,14 +524,12 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
             worst_B[k] = np.inf
             phy_P[:] = fill_BP[k]
             cnt_E[:] = 0
-            hold_EG[:] = 0
-            for p in range(P):
-                cnt_E[phy_P[p]] += 1
-                hold_EG[phy_P[p], p // S] += 1
+            _hold(phy_P, S, hold_EG, cnt_E)
             in_G[:] = in_BG[k]
             if rounds_L[l] > 0:
                 _swaps(phy_P, cnt_E, share_EM, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
                        moved_B[k], load_GM, work)
+            _unhold(phy_P, S, hold_EG)
             _loads(phy_P, cnt_E, share_EM, S, load_GM)
             cost, worst = _cost(load_GM, worst_weight)
             if worst < best_worst - 1e-12:
@@ -523,6 +538,24 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
                 cost_L2[l, 1] = cost
         for p in range(P):
             was_EG[old_LP[l, p], p // S] = False
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _hold(phy_P, S, hold_EG, cnt_E):
+    """Count phy_P's replicas per expert (into cnt_E) and per expert and GPU (into hold_EG, all
+    zero before)."""
+    for p in range(phy_P.shape[0]):
+        cnt_E[phy_P[p]] += 1
+        hold_EG[phy_P[p], p // S] += 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _unhold(phy_P, S, hold_EG):
+    """Zero hold_EG again, given the map it counts (the fills and swaps keep it equal to their
+    map's holdings): P writes, where clearing all E x G entries for every use cost more than a
+    layer's repair at 256 GPUs."""
+    for p in range(phy_P.shape[0]):
+        hold_EG[phy_P[p], p // S] = 0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
