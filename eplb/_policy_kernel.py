@@ -115,8 +115,8 @@ def _targets(key_E, P, G, r_E, per_E, heap_E):
     `eplb.stats.replica_counts_minmax(demand, P, max_replicas=G)` sets them (same tie-break).
 
     Each of the P - E extra slots goes to the expert with the highest demand per replica (the
-    lowest id among equals), taken from a binary heap of the experts in that order: a scan of
-    all E experts per slot cost 65,000 steps a layer at 256 GPUs.
+    lowest id among equals), taken from a binary heap of the experts in that order (a scan of
+    all E experts per slot would be 65,000 steps a layer at 256 GPUs).
     """
     E = key_E.shape[0]
     for e in range(E):
@@ -392,7 +392,7 @@ def _before(peak_G, a, b):
 def _rank_ends(peak_G, order_G, n_top, n_bottom):
     """The first n_top and the last n_bottom entries of `_rank`'s order, the rest left as they
     were, in one pass over the GPUs (a swap round reads only the two heaviest and the `partners`
-    lightest, and a full sort of 256 GPUs in every round cost more than the swaps). A GPU joins
+    lightest; a full sort of 256 GPUs in every round would outweigh the swaps themselves). A GPU joins
     an end only if it beats that end's innermost entry, and is then put in its place there."""
     G = peak_G.shape[0]
     if n_top + n_bottom > G:
@@ -552,7 +552,7 @@ def _hold(phy_P, S, hold_EG, cnt_E):
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _unhold(phy_P, S, hold_EG):
     """Zero hold_EG again, given the map it counts (the fills and swaps keep it equal to their
-    map's holdings): P writes, where clearing all E x G entries for every use cost more than a
+    map's holdings): P writes, where clearing all E x G entries for every use would outweigh a
     layer's repair at 256 GPUs."""
     for p in range(phy_P.shape[0]):
         hold_EG[phy_P[p], p // S] = 0
