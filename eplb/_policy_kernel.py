@@ -5,14 +5,14 @@ P = G x S slots, B = demand blends, C = partner GPUs a swap may reach.
 
 - `window_busiest`: busiest / mean GPU of one placement on every window, [M, L] (even split);
 - `repair`: per layer, the placement in force changed a little to balance every window
-  (see `eplb.policy.robust_repair` for the steps), and its cost before and after.
+  (see `eplb.repair.robust_repair` for the steps), and its cost before and after.
 Windows arrive as they are kept (raw counts or planning loads, any order: every step here is
 a sum or a maximum over windows) and are normalised per (window, layer) inside, so the mean
 GPU load is 1 and a GPU's load reads as busiest / mean directly. Layers are independent: each
 is repaired on its own, one after another. Every kernel trusts its input (eplb.policy checks
 it), releases the GIL (a serving thread keeps running while a side thread decides) and is
 compiled with `cache=True`: only the first process after an install compiles
-(`eplb.policy.warm_up`). tests/oracles/policy.py is the plain numpy reference the tests compare
+(`eplb.repair.warm_up`). tests/oracles/policy.py is the plain numpy reference the tests compare
 the repair with, slot by slot.
 """
 
@@ -90,9 +90,9 @@ def window_busiest(ring_MLE, phy2log_LP, num_gpus):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _targets(share_EM, blend, P, G, r_E, key_E, per_E):
-    """Replica counts from a demand blending each expert's mean and worst share, as
-    `eplb.stats.replica_counts_minmax(demand, P, max_replicas=G)` sets them (same tie-break)."""
+def _demand(share_EM, blend, key_E):
+    """Each expert's demand, blending its mean and worst share (with `_targets`' tie-break
+    bonus), into key_E."""
     E, M = share_EM.shape
     top = 0.0
     for e in range(E):
@@ -107,15 +107,51 @@ def _targets(share_EM, blend, P, G, r_E, key_E, per_E):
     bonus = 1e-9 * max(top, 1.0)
     for e in range(E):
         key_E[e] = key_E[e] + bonus * (E - e) / E
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _targets(key_E, P, G, r_E, per_E, heap_E):
+    """Replica counts for the demand key_E (`_demand`), as
+    `eplb.stats.replica_counts_minmax(demand, P, max_replicas=G)` sets them (same tie-break).
+
+    Each of the P - E extra slots goes to the expert with the highest demand per replica (the
+    lowest id among equals), taken from a binary heap of the experts in that order (a scan of
+    all E experts per slot would be 65,000 steps a layer at 256 GPUs).
+    """
+    E = key_E.shape[0]
+    for e in range(E):
         r_E[e] = 1
         per_E[e] = -np.inf if G <= 1 else key_E[e]
+        heap_E[e] = e
+    for i in range(E // 2 - 1, -1, -1):
+        _sift_down(heap_E, per_E, i)
     for _ in range(P - E):
-        best = 0
-        for e in range(1, E):
-            if per_E[e] > per_E[best]:
-                best = e
+        best = heap_E[0]
         r_E[best] += 1
         per_E[best] = -np.inf if r_E[best] >= G else key_E[best] / r_E[best]
+        _sift_down(heap_E, per_E, 0)      # the root's value only fell
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _first(per_E, a, b):
+    """Is expert a taken before expert b (more demand per replica, or as much and a lower id)?"""
+    return per_E[a] > per_E[b] or (per_E[a] == per_E[b] and a < b)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _sift_down(heap_E, per_E, i):
+    """Restore the heap order below position i (the first expert at the root)."""
+    n = heap_E.shape[0]
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n and _first(per_E, heap_E[c + 1], heap_E[c]):
+            c += 1
+        if not _first(per_E, heap_E[c], heap_E[i]):
+            return
+        heap_E[i], heap_E[c] = heap_E[c], heap_E[i]
+        i = c
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -135,33 +171,33 @@ def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap
     """Replicas from experts above their target count to experts below it, one slot at a time:
     each new replica overwrites a slot of an expert with replicas to spare, on a GPU without
     the needy expert, the GPU whose worst window is lightest (first such slot on a tie).
-    Returns the moves made so far. load_GM is kept up to date (only the GPUs holding the two
-    experts whose replica counts change are touched)."""
+    Returns the moves made so far. load_GM and peak_G (each GPU's worst window) are kept up to
+    date: only the GPUs holding the two experts whose replica counts change are touched."""
     E = cnt_E.shape[0]
     G, M = load_GM.shape
-    P = phy_P.shape[0]
     capped = cap_total < np.inf or cap_G.min() < np.inf
     _loads(phy_P, cnt_E, share_EM, S, load_GM)
+    for g in range(G):
+        _peak(load_GM, g, peak_G)
     for e in range(E):
         while cnt_E[e] < target_E[e]:
-            for g in range(G):
-                peak_G[g] = 0.0
-                for m in range(M):
-                    peak_G[g] = max(peak_G[g], load_GM[g, m])
             best_p = -1
             best_v = np.inf
-            for p in range(P):
-                x = phy_P[p]
-                g = p // S
-                if cnt_E[x] <= target_E[x] or cnt_E[x] <= 1 or hold_EG[e, g] > 0:
+            for g in range(G):
+                # Every slot of a GPU has its worst window: a GPU that cannot win is not searched.
+                if hold_EG[e, g] > 0 or (best_p >= 0 and not peak_G[g] < best_v - _TIE * best_v):
                     continue
-                if capped:
-                    d = _arrival(e, g, hold_EG, was_EG) - _departure(x, g, hold_EG, was_EG)
-                    if moved + d > cap_total or in_G[g] + d > cap_G[g]:
+                for p in range(g * S, (g + 1) * S):
+                    x = phy_P[p]
+                    if cnt_E[x] <= target_E[x] or cnt_E[x] <= 1:
                         continue
-                if best_p < 0 or peak_G[g] < best_v - _TIE * best_v:
+                    if capped:
+                        d = _arrival(e, g, hold_EG, was_EG) - _departure(x, g, hold_EG, was_EG)
+                        if moved + d > cap_total or in_G[g] + d > cap_G[g]:
+                            continue
                     best_v = peak_G[g]
                     best_p = p
+                    break
             if best_p < 0:
                 break
             x = phy_P[best_p]
@@ -169,26 +205,44 @@ def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap
             d = _arrival(e, g, hold_EG, was_EG) - _departure(x, g, hold_EG, was_EG)
             in_G[g] += d
             moved += d
-            _shift(phy_P, cnt_E, share_EM, S, load_GM, x, e, -1.0)
+            _shift(hold_EG, cnt_E, share_EM, load_GM, x, e, -1.0, peak_G)
             phy_P[best_p] = e
             cnt_E[x] -= 1
             cnt_E[e] += 1
-            _shift(phy_P, cnt_E, share_EM, S, load_GM, x, e, 1.0)
             hold_EG[x, g] -= 1
             hold_EG[e, g] += 1
+            _shift(hold_EG, cnt_E, share_EM, load_GM, x, e, 1.0, peak_G)
     return moved
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _shift(phy_P, cnt_E, share_EM, S, load_GM, x, e, sign):
-    """Add (sign 1) or take out (-1) the loads of every replica of experts x and e."""
-    M = load_GM.shape[1]
-    for p in range(phy_P.shape[0]):
-        f = phy_P[p]
-        if f == x or f == e:
-            g = p // S
-            for m in range(M):
-                load_GM[g, m] += sign * (share_EM[f, m] / cnt_E[f])
+def _shift(hold_EG, cnt_E, share_EM, load_GM, x, e, sign, peak_G):
+    """Add (sign 1) or take out (-1) the loads of every replica of experts x and e, and refresh
+    the worst window of each GPU holding one (after adding: those GPUs include every GPU that
+    held one before)."""
+    G, M = load_GM.shape
+    for g in range(G):
+        hx = hold_EG[x, g]
+        he = hold_EG[e, g]
+        if hx == 0 and he == 0:
+            continue
+        for m in range(M):
+            v = load_GM[g, m]
+            for _ in range(hx):
+                v += sign * (share_EM[x, m] / cnt_E[x])
+            for _ in range(he):
+                v += sign * (share_EM[e, m] / cnt_E[e])
+            load_GM[g, m] = v
+        if sign > 0:
+            _peak(load_GM, g, peak_G)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _peak(load_GM, g, peak_G):
+    """GPU g's worst window."""
+    peak_G[g] = 0.0
+    for m in range(load_GM.shape[1]):
+        peak_G[g] = max(peak_G[g], load_GM[g, m])
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -225,7 +279,8 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, how, caps, moved, load_GM, work):
         z = 0.0
         for g in range(G):
             z += esum_G[g]
-        _rank(peak_G, order_G)             # heaviest worst window first, lower GPU on a tie
+        # Heaviest worst window first, lower GPU on a tie: only both ends of the order are read.
+        _rank_ends(peak_G, order_G, n_src, 0 if partners >= G else min(partners, G))
         nc = 0
         for j in range(min(partners, G)):
             # partners >= G: every GPU, in order; else the lightest (order_G from its end)
@@ -328,6 +383,41 @@ def _rank(peak_G, order_G):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _before(peak_G, a, b):
+    """Does GPU a come before GPU b in `_rank`'s order (heavier, or as heavy and lower)?"""
+    return peak_G[a] > peak_G[b] or (peak_G[a] == peak_G[b] and a < b)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _rank_ends(peak_G, order_G, n_top, n_bottom):
+    """The first n_top and the last n_bottom entries of `_rank`'s order, the rest left as they
+    were, in one pass over the GPUs (a swap round reads only the two heaviest and the `partners`
+    lightest; a full sort of 256 GPUs in every round would outweigh the swaps themselves). A GPU joins
+    an end only if it beats that end's innermost entry, and is then put in its place there."""
+    G = peak_G.shape[0]
+    if n_top + n_bottom > G:
+        _rank(peak_G, order_G)
+        return
+    for g in range(G):
+        # Top: order_G[0] first; a GPU enters if it comes before order_G[n_top - 1].
+        n = min(g, n_top)
+        if n_top > 0 and (n < n_top or _before(peak_G, g, order_G[n - 1])):
+            j = n if n < n_top else n - 1
+            while j > 0 and _before(peak_G, g, order_G[j - 1]):
+                order_G[j] = order_G[j - 1]
+                j -= 1
+            order_G[j] = g
+        # Bottom: order_G[G - 1] last; a GPU enters if it comes after order_G[G - n_bottom].
+        n = min(g, n_bottom)
+        if n_bottom > 0 and (n < n_bottom or _before(peak_G, order_G[G - n], g)):
+            j = n if n < n_bottom else n - 1
+            while j > 0 and _before(peak_G, order_G[G - j], g):
+                order_G[G - 1 - j] = order_G[G - j]
+                j -= 1
+            order_G[G - 1 - j] = g
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _gpu_terms(g, load_GM, top, beta, e_GM, peak_G, esum_G):
     """GPU g's worst window, its terms of Z and their sum."""
     M = load_GM.shape[1]
@@ -372,9 +462,11 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
     moved_B = np.zeros(B, dtype=np.int64)
     in_BG = np.zeros((B, G), dtype=np.int64)
     worst_B = np.empty(B)
-    key_E = np.empty(E)
+    key_BE = np.empty((B, E))
     per_E = np.empty(E)
-    hold_EG = np.empty((E, G), dtype=np.int16)      # small enough to stay in the L1 cache
+    heap_E = np.empty(E, dtype=np.int64)
+    # Small enough to stay in the L1 cache; all zero between uses (`_hold`, `_unhold`).
+    hold_EG = np.zeros((E, G), dtype=np.int16)
     was_EG = np.zeros((E, G), dtype=np.bool_)
     in_G = np.empty(G, dtype=np.int64)
     phy_P = np.empty(P, dtype=np.int64)
@@ -394,25 +486,34 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
         # window (`swap_fills` of them), each blend whose targets differ from an earlier one's.
         nb = blends_B.shape[0]
         for k in range(nb):
-            fill_BP[k] = old_LP[l]
-            cnt_E[:] = 0
-            hold_EG[:] = 0
-            for p in range(P):
-                cnt_E[fill_BP[k, p]] += 1
-                hold_EG[fill_BP[k, p], p // S] += 1
-            in_G[:] = 0
-            _targets(share_EM, blends_B[k], P, G, target_BE[k], key_E, per_E)
+            # A blend with the targets of an earlier one has its fill too: never swapped from,
+            # so not made. One window gives every blend the same demand, and its targets are
+            # not counted again either.
+            _demand(share_EM, blends_B[k], key_BE[k])
             same = False
             for j in range(k):
-                if (target_BE[j] == target_BE[k]).all():
+                if (key_BE[j] == key_BE[k]).all():
                     same = True
+                    target_BE[k] = target_BE[j]
+                    break
+            if not same:
+                _targets(key_BE[k], P, G, target_BE[k], per_E, heap_E)
+                for j in range(k):
+                    if (target_BE[j] == target_BE[k]).all():
+                        same = True
+            if same:
+                worst_B[k] = np.inf
+                continue
+            fill_BP[k] = old_LP[l]
+            cnt_E[:] = 0
+            _hold(fill_BP[k], S, hold_EG, cnt_E)
+            in_G[:] = 0
             moved_B[k] = _fill(fill_BP[k], cnt_E, target_BE[k], share_EM, S, hold_EG, was_EG, in_G, 0, cap_total,
                                cap_G, load_GM, peak_G)
+            _unhold(fill_BP[k], S, hold_EG)
             in_BG[k] = in_G
             _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
             cost, worst_B[k] = _cost(load_GM, worst_weight)
-            if same:
-                worst_B[k] = np.inf
         for _ in range(min(swap_fills, nb)):
             k = -1                          # the lightest fill left, the first of (near) equals
             for j in range(nb):
@@ -423,14 +524,12 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
             worst_B[k] = np.inf
             phy_P[:] = fill_BP[k]
             cnt_E[:] = 0
-            hold_EG[:] = 0
-            for p in range(P):
-                cnt_E[phy_P[p]] += 1
-                hold_EG[phy_P[p], p // S] += 1
+            _hold(phy_P, S, hold_EG, cnt_E)
             in_G[:] = in_BG[k]
             if rounds_L[l] > 0:
                 _swaps(phy_P, cnt_E, share_EM, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
                        moved_B[k], load_GM, work)
+            _unhold(phy_P, S, hold_EG)
             _loads(phy_P, cnt_E, share_EM, S, load_GM)
             cost, worst = _cost(load_GM, worst_weight)
             if worst < best_worst - 1e-12:
@@ -439,6 +538,24 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
                 cost_L2[l, 1] = cost
         for p in range(P):
             was_EG[old_LP[l, p], p // S] = False
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _hold(phy_P, S, hold_EG, cnt_E):
+    """Count phy_P's replicas per expert (into cnt_E) and per expert and GPU (into hold_EG, all
+    zero before)."""
+    for p in range(phy_P.shape[0]):
+        cnt_E[phy_P[p]] += 1
+        hold_EG[phy_P[p], p // S] += 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _unhold(phy_P, S, hold_EG):
+    """Zero hold_EG again, given the map it counts (the fills and swaps keep it equal to their
+    map's holdings): P writes, where clearing all E x G entries for every use would outweigh a
+    layer's repair at 256 GPUs."""
+    for p in range(phy_P.shape[0]):
+        hold_EG[phy_P[p], p // S] = 0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -1,5 +1,6 @@
-"""Online rebalancing policies: the load estimate, the change detector and the rule that decides
-whether a rebalance pays for its moves.
+"""Online rebalancing policies: the rule that decides whether a rebalance pays for its moves, on
+the load estimate and change detector of eplb.load_estimate and the compiled steps of eplb.repair
+(both re-exported here).
 
 Legend: M = windows kept in memory, B = buckets of a sliding sum, L = MoE layers, E = logical
 experts, G = GPUs, S = slots per GPU, P = G x S physical slots.
@@ -37,7 +38,6 @@ aware (`eplb.plan(previous=...)`, move_cost 0.001), at every decision. `StaticPo
 from __future__ import annotations
 
 import inspect
-import time
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -45,233 +45,32 @@ import numpy as np
 
 from eplb.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
-from eplb.migration import Budget, count_moves, keep_slots, relabel
+from eplb.load_estimate import BucketedSum, ChangeDetector, WindowMemory
+from eplb.migration import Budget, count_moves
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
-from eplb.planner_api import PlanRequest, get_planner
+from eplb.planner_api import get_planner
 from eplb.planning import plan
-from eplb.stats import group_span
-from planners.greedy import replicate
-from planners.robust import normalise_windows
+from eplb.repair import (
+    group_pairs,
+    normalise,
+    renamed,
+    repair,
+    replica_counts,
+    robust_repair,
+    warm_up,
+    window_imbalance,
+)
+from planners.greedy import pack_replicas, refine, replicate
 
-# Load estimate --------------------------------------------------------------------------------
-
-class WindowMemory:
-    """The newest `size` windows of logical counts, float64 [M, L, E], in a fixed ring.
-
-    Memory is size x L x E x 8 bytes whatever a window holds (DeepSeek-V3, 58 x 256, 16
-    windows: 1.9 MB).
-    """
-
-    def __init__(self, size: int, num_layers: int, num_logical_experts: int):
-        self.size = whole_number("memory (windows)", size, 1)
-        self._ring_MLE = np.zeros((self.size, num_layers, num_logical_experts))
-        self.seen = 0
-
-    def push(self, counts_LE: np.ndarray) -> None:
-        self._ring_MLE[self.seen % self.size] = counts_LE
-        self.seen += 1
-
-    def __len__(self) -> int:
-        return min(self.seen, self.size)
-
-    def windows(self) -> np.ndarray:
-        """Kept windows, oldest first, float64 [M, L, E] (a copy)."""
-        n = len(self)
-        idx = (np.arange(self.seen - n, self.seen)) % self.size
-        return self._ring_MLE[idx]
-
-    def total(self) -> np.ndarray:
-        """Sum of the kept windows, [L, E]."""
-        return self._ring_MLE.sum(axis=0) if self.seen >= self.size else self.windows().sum(axis=0)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._ring_MLE.nbytes)
-
-
-class BucketedSum:
-    """Sum of the newest `window` observations kept as at most `buckets` partial sums, [L, E].
-
-    Each bucket sums `width` = ceil(window / buckets) consecutive observations and window // width
-    buckets are kept (the one being filled among them), so the sum spans between
-    window - 2 x width + 2 and window of the newest observations (exactly `window` when
-    window <= buckets, where width is 1). Memory is
-    buckets x L x E x 8 bytes whatever the window (64 buckets at 58 x 256: 7.6 MB); a ring of
-    every observation would grow with the window (1,000 observations: 119 MB).
-    """
-
-    def __init__(self, window: int, num_layers: int, num_logical_experts: int, buckets: int = 64):
-        self.window = whole_number("window (observations)", window, 1)
-        self.width = -(-self.window // whole_number("buckets", buckets, 1))
-        self.num_buckets = self.window // self.width
-        self._ring_BLE = np.zeros((self.num_buckets, num_layers, num_logical_experts))
-        self.sum_LE = np.zeros((num_layers, num_logical_experts))
-        self._seen = 0
-
-    def add(self, counts_LE: np.ndarray) -> None:
-        b = (self._seen // self.width) % self.num_buckets
-        if self._seen % self.width == 0 and self._seen >= self.num_buckets * self.width:
-            # A bucket is reused: its observations leave the window.
-            self.sum_LE -= self._ring_BLE[b]
-            self._ring_BLE[b] = 0.0
-        self._ring_BLE[b] += counts_LE
-        self.sum_LE += counts_LE
-        self._seen += 1
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._ring_BLE.nbytes + self.sum_LE.nbytes)
-
-
-def normalise(windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Scale each window and layer so the mean GPU load is 1 (idle ones stay 0), [M, L, E]."""
-    return normalise_windows(windows_MLE, num_gpus)
-
-
-def window_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Busiest / mean GPU of a placement on each window under an even split, [M, L].
-
-    windows_MLE: loads per window (counts, planning loads or `normalise`d shares: each window
-    and layer is normalised so its mean GPU load is 1).
-    """
-    from eplb import _policy_kernel  # numba: imported on first use
-
-    return _policy_kernel.window_busiest(_floats(windows_MLE), _ints(phy2log_LP), int(num_gpus))
-
-
-def _floats(a) -> np.ndarray:
-    return _kernel_array(a, np.float64)
-
-
-def _ints(a) -> np.ndarray:
-    return _kernel_array(a, np.int64)
-
-
-def _kernel_array(a, dtype) -> np.ndarray:
-    """C-contiguous and writable: numba compiles (or loads) one version per readonly flag, so a
-    readonly Placement map would miss the version warm_up loaded and load another at the first
-    decision (~80 ms)."""
-    out = np.ascontiguousarray(a, dtype=dtype)
-    return out if out.flags.writeable else out.copy()
-
-
-def _replica_counts(phy2log_LP: np.ndarray, num_logical_experts: int) -> np.ndarray:
-    L = phy2log_LP.shape[0]
-    flat = (np.arange(L)[:, None] * num_logical_experts + phy2log_LP).ravel()
-    return np.bincount(flat, minlength=L * num_logical_experts).reshape(L, num_logical_experts)
-
-
-# Change detector -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ChangeDetector:
-    """Flags layers whose newest window is far outside what their placement usually does.
-
-    kappa: how many median absolute deviations above the median of the earlier windows the
-      newest window's busiest / mean GPU must be; floor: the smallest deviation used (in units
-      of the mean GPU load), so a layer that was perfectly steady does not fire on a tremor.
-    """
-
-    kappa: float = 8.0
-    floor: float = 0.02
-    MIN_WINDOWS = 4
-    """Windows it needs (the newest and three before it) to tell a shift from noise."""
-
-    def flags(self, imbalance_ML: np.ndarray) -> np.ndarray:
-        """bool [L]: the last row is a shift against the rows before it (needs >= 3 of them)."""
-        if self.kappa <= 0 or imbalance_ML.shape[0] < self.MIN_WINDOWS:
-            return np.zeros(imbalance_ML.shape[1], dtype=bool)
-        past_ML = imbalance_ML[:-1]
-        med_L = np.median(past_ML, axis=0)
-        mad_L = np.median(np.abs(past_ML - med_L), axis=0)
-        return imbalance_ML[-1] > med_L + self.kappa * np.maximum(mad_L, self.floor)
-
-
-# Repair: a few changes to the placement in force ---------------------------------------------------
-
-_SOURCES = 2           # GPUs with the heaviest worst window a swap may unload
-_SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of it
-
-
-def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
-           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1, worst_weight: float = 0.5,
-           max_moves: float = np.inf, max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The placement in force, changed a little to balance every window (compiled, per layer).
-
-    Step 1: target replica counts, as the `robust` planner sets them (demand blending each
-            expert's mean and worst share over the windows; each blend tried).
-    Step 2: fill the experts below target from those above it, one move each: the new replica
-            overwrites a slot of an expert with replicas to spare, on the GPU (without the
-            needy expert) whose worst window is lightest.
-    Step 3: from the `swap_fills` fills with the lightest worst window (one by default: the swaps
-            cost most, and swapping from both fills bought nothing measurable), at most
-            rounds_L[l] replica swaps in layer l between one of the two GPUs with the heaviest
-            worst window and one of the `partners` with the lightest, each lowering the smooth
-            maximum of GPU loads over all windows (sharpness `beta`) the most.
-    Per layer, the result with the lightest worst window is kept (the layer stays as it was
-    unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
-    onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`).
-    Returns (phy2log_LP, cost_L2): the new map and the cost of the old and the new placement per
-    layer, cost = (1 - worst_weight) x the mean + worst_weight x the worst window of busiest /
-    mean GPU (the adaptive policy's decision uses half and half).
-    """
-    from eplb import _policy_kernel  # numba: imported on first use
-
-    old = _ints(phy2log_LP)
-    G = int(num_gpus)
-    new_LP = np.empty_like(old)
-    cost_L2 = np.empty((old.shape[0], 2))
-    cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
-    _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G,
-                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
-                          float(max_moves), cap_G,
-                          new_LP, cost_L2)
-    return new_LP, cost_L2
-
-
-def robust_repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, swaps: int,
-                  beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8) -> np.ndarray:
-    """`repair` with `swaps` rounds in every layer and no move cap; returns phy2log_LP (new)."""
-    rounds_L = np.full(np.shape(phy2log_LP)[0], int(swaps))
-    return repair(phy2log_LP, windows_MLE, num_gpus, rounds_L=rounds_L, beta=beta, blends=blends,
-                  partners=partners)[0]
-
-
-def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
-            num_nodes: int = 1) -> np.ndarray:
-    """new_LP with its GPUs renamed (and slots ordered) to keep the most replicas of old_LP in
-    place, [L, P]. One node: a compiled greedy matching of GPUs by shared experts (a few ms at
-    256 GPUs); more nodes: `eplb.migration.relabel` (nodes renamed as wholes)."""
-    if num_nodes > 1:
-        return np.take_along_axis(new_LP, relabel(old_LP, new_LP, num_gpus, num_logical_experts, num_nodes), axis=1)
-    from eplb import _policy_kernel  # numba: imported on first use
-
-    L, P = new_LP.shape
-    S = P // num_gpus
-    gsrc_LG = _policy_kernel.match_gpus(_ints(old_LP), _ints(new_LP), int(num_gpus), int(num_logical_experts))
-    base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
-    moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
-    return np.take_along_axis(moved_LP, keep_slots(old_LP, moved_LP, num_gpus), axis=1)
-
-
-def warm_up() -> float:
-    """Load (or, after an install, compile) the adaptive policy's kernels now; returns seconds."""
-    t0 = time.perf_counter()
-    phy = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
-    win = np.array([[[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]]] * 4)
-    window_imbalance(phy, win, 2)
-    repair(phy, win, 2, rounds_L=np.array([2, 2]))
-    repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
-    renamed(phy, phy[::-1].copy(), 2, 3)
-    return time.perf_counter() - t0
-
-
-def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,
-                num_logical_experts: int) -> np.ndarray:
-    """(expert group, node) pairs holding a replica, per layer, int [L] (Budget.span_cost prices them)."""
-    return group_span(phy2log_LP, num_gpus, num_nodes, num_expert_groups, num_logical_experts).sum(axis=1)
-
+# The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
+# are importable from here too, and `warm_up` here is what the Rebalancer's background loading
+# finds (eplb.rebalance.kernel_modules).
+__all__ = [
+    "POLICIES", "AdaptivePolicy", "BucketedSum", "ChangeDetector", "Decision", "Policy", "StaticPolicy",
+    "WindowMemory", "WindowPolicy", "get_policy", "group_pairs", "normalise", "policy_settings", "renamed",
+    "repair", "robust_repair", "takes_budget", "warm_up", "window_imbalance",
+]
 
 # Decisions -------------------------------------------------------------------------------------
 
@@ -450,13 +249,17 @@ class AdaptivePolicy:
         per_ML = np.maximum(1.0, (normalise(windows, G) / count_LE).max(axis=2))
         bound_L = 0.5 * per_ML.mean(axis=0) + 0.5 * per_ML.max(axis=0)
         net_rep_L = cost_L2[:, 0] - cost_L2[:, 1] - price * moves_LG.sum(axis=1)
-        gained_L = np.maximum(count_LE - _replica_counts(old_LP, E), 0).sum(axis=1)
+        gained_L = np.maximum(count_LE - replica_counts(old_LP, E), 0).sum(axis=1)
         cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap)
                               & (cost_L2[:, 0] - bound_L - price * gained_L > np.maximum(net_rep_L, 0.0)))
         if not cand.size:
             return new_LP, cost_L2, moves_LG
-        fresh_LP, cost_L = self._fresh(placement, windows, total_LE, cand)
-        far = cost_L < cost_L2[cand, 1] - self.replan_gap
+        fresh_LP, cost_L = self._fresh(placement, windows, total_LE, count_LE, cand)
+        # The same bound on the moves with the plan's own cost in place of the bound on it (greedy
+        # never puts two replicas of an expert on one GPU, so every replica gained is a move
+        # whatever the renaming): the renaming is made only where the plan can still pay.
+        far = (cost_L < cost_L2[cand, 1] - self.replan_gap) \
+            & (cost_L2[cand, 0] - cost_L - price * gained_L[cand] > np.maximum(net_rep_L[cand], 0.0))
         cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]
         if not cand.size:
             return new_LP, cost_L2, moves_LG
@@ -473,10 +276,13 @@ class AdaptivePolicy:
         return new_LP, cost_L2, moves_LG
 
     @staticmethod
-    def _fresh(placement, windows, total_LE, layers):
+    def _fresh(placement, windows, total_LE, count_LE, layers):
         """A greedy plan of the memory's sum for `layers`, [n, P], and its cost on the windows
-        (half the mean, half the worst window of busiest / mean GPU), [n]."""
-        fresh_LP = get_planner("greedy").plan(PlanRequest(total_LE[layers], placement.topology)).phy2log_LP
+        (half the mean, half the worst window of busiest / mean GPU), [n]. count_LE: greedy's
+        replica counts of the sum (`replicate`, per layer), which the bound was made from."""
+        per_LE = total_LE[layers] / count_LE[layers]
+        fresh_LP = pack_replicas(per_LE, count_LE[layers], placement.num_gpus, placement.slots_per_gpu)
+        fresh_LP = refine(fresh_LP, None, None, placement.num_gpus, per_LE=per_LE)   # greedy's plan_greedy steps
         busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
         return fresh_LP, 0.5 * busiest_ML.mean(axis=0) + 0.5 * busiest_ML.max(axis=0)
 

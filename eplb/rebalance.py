@@ -42,12 +42,13 @@ from eplb.compiled import warm_up_in_background
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
+from eplb.load_estimate import BucketedSum
 from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner, planner_class
-from eplb.planning import plan
-from eplb.policy import BucketedSum, Policy, get_policy, takes_budget
+from eplb.planning import lower_bound, plan
+from eplb.policy import Policy, get_policy, takes_budget
 from eplb.stats import group_span
 from eplb.trace import MAX_COUNT
 
@@ -128,7 +129,7 @@ class Rebalancer:
 
     placement: what the engine serves now.
     window: keep the newest `window` observations (sliding sum, in at most 64 bucket sums:
-      exact up to 64, bounded memory beyond, see eplb.policy.BucketedSum); alpha: exponential
+      exact up to 64, bounded memory beyond, see eplb.load_estimate.BucketedSum); alpha: exponential
       moving average with this weight on each new observation; neither: sum of everything
       observed. This load is what failed-rank plans (and, with policy=None, every plan) use.
     policy: the online policy (eplb.policy name or object) that decides rebalances from windows
@@ -454,6 +455,8 @@ class Rebalancer:
         # Whole numbers only: int() would read rank 1.5 as rank 1 and plan without it.
         if not all(is_whole(r) for r in given):
             raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {failed_ranks!r}")
+        if not given:
+            return np.zeros(0, dtype=np.int64)
         failed = np.unique(np.asarray(given, dtype=np.int64))
         unknown = failed[~np.isin(failed, ranks)]
         if unknown.size:
@@ -527,14 +530,21 @@ class Rebalancer:
             decision = self.policy.decide(pl, **self._decide_kw)
         if decision is not None:
             self._check_caps(pl, decision.phy2log_LP)
-        new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
-                                                  planner=self.policy.name, metrics={})
-        before = stats.evaluate(pl, load, bound(load))
-        after = before if new is pl else stats.evaluate(new, load, self.dispatch.bind(new)(load))
-        new = replace(new, metrics={"imbalance_median": float(np.median(after.imbalance_L)),
-                                    "imbalance_max": float(np.max(after.imbalance_L)),
-                                    "bound_ratio_max": float(np.max(after.bound_ratio_L)),
-                                    "balancedness": after.balancedness})
+        # One bound for both scores (the same load on the same topology), from greedy's compiled counts.
+        lb_L = lower_bound(load, pl.topology)
+        before = stats.evaluate(pl, load, bound(load), lower_bound_L=lb_L)
+        if decision is None:
+            after = before
+            new = replace(pl, metrics={})
+        else:
+            new = replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name,
+                          metrics={})
+            after = stats.evaluate(new, load, self.dispatch.bind(new)(load), lower_bound_L=lb_L)
+        # Filled in place rather than by a second replace(): the placement is not out yet, and a
+        # Placement checks its whole map on construction.
+        new.metrics.update(imbalance_median=float(np.median(after.imbalance_L)),
+                           imbalance_max=float(np.max(after.imbalance_L)),
+                           bound_ratio_max=float(np.max(after.bound_ratio_L)), balancedness=after.balancedness)
         t1 = time.perf_counter()
         mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                        layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,

@@ -1,0 +1,141 @@
+"""The adaptive policy's compiled steps, called from Python: window scores, the repair of a
+placement in force, and the renaming of a fresh plan onto it (kernels in eplb/_policy_kernel.py).
+
+Legend: M = windows in memory, L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU,
+P = G x S physical slots.
+
+Every function here trusts its input (eplb.policy and the Rebalancer check it at the boundary)
+and imports numba on first use. eplb.policy re-exports every public name.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from eplb.migration import keep_slots, relabel
+from eplb.stats import group_span
+from planners.robust import normalise_windows
+
+
+def normalise(windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Scale each window and layer so the mean GPU load is 1 (idle ones stay 0), [M, L, E]."""
+    return normalise_windows(windows_MLE, num_gpus)
+
+
+def window_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Busiest / mean GPU of a placement on each window under an even split, [M, L].
+
+    windows_MLE: loads per window (counts, planning loads or `normalise`d shares: each window
+    and layer is normalised so its mean GPU load is 1).
+    """
+    from eplb import _policy_kernel  # numba: imported on first use
+
+    return _policy_kernel.window_busiest(_floats(windows_MLE), _ints(phy2log_LP), int(num_gpus))
+
+
+def _floats(a) -> np.ndarray:
+    return _kernel_array(a, np.float64)
+
+
+def _ints(a) -> np.ndarray:
+    return _kernel_array(a, np.int64)
+
+
+def _kernel_array(a, dtype) -> np.ndarray:
+    """C-contiguous and writable: numba compiles (or loads) one version per readonly flag, so a
+    readonly Placement map would miss the version warm_up loaded and load another at the first
+    decision (~80 ms)."""
+    out = np.ascontiguousarray(a, dtype=dtype)
+    return out if out.flags.writeable else out.copy()
+
+
+def replica_counts(phy2log_LP: np.ndarray, num_logical_experts: int) -> np.ndarray:
+    """Replicas of each expert per layer, int64 [L, E]."""
+    L = phy2log_LP.shape[0]
+    flat = (np.arange(L)[:, None] * num_logical_experts + phy2log_LP).ravel()
+    return np.bincount(flat, minlength=L * num_logical_experts).reshape(L, num_logical_experts)
+
+
+_SOURCES = 2           # GPUs with the heaviest worst window a swap may unload
+_SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of it
+
+
+def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
+           beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1, worst_weight: float = 0.5,
+           max_moves: float = np.inf, max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The placement in force, changed a little to balance every window (compiled, per layer).
+
+    Step 1: target replica counts, as the `robust` planner sets them (demand blending each
+            expert's mean and worst share over the windows; each blend tried).
+    Step 2: fill the experts below target from those above it, one move each: the new replica
+            overwrites a slot of an expert with replicas to spare, on the GPU (without the
+            needy expert) whose worst window is lightest.
+    Step 3: from the `swap_fills` fills with the lightest worst window (one by default: the swaps
+            cost most, and swapping from both fills bought nothing measurable), at most
+            rounds_L[l] replica swaps in layer l between one of the two GPUs with the heaviest
+            worst window and one of the `partners` with the lightest, each lowering the smooth
+            maximum of GPU loads over all windows (sharpness `beta`) the most.
+    Per layer, the result with the lightest worst window is kept (the layer stays as it was
+    unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
+    onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`).
+    Returns (phy2log_LP, cost_L2): the new map and the cost of the old and the new placement per
+    layer, cost = (1 - worst_weight) x the mean + worst_weight x the worst window of busiest /
+    mean GPU (the adaptive policy's decision uses half and half).
+    """
+    from eplb import _policy_kernel  # numba: imported on first use
+
+    old = _ints(phy2log_LP)
+    G = int(num_gpus)
+    new_LP = np.empty_like(old)
+    cost_L2 = np.empty((old.shape[0], 2))
+    cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
+    _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G,
+                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
+                          float(max_moves), cap_G,
+                          new_LP, cost_L2)
+    return new_LP, cost_L2
+
+
+def robust_repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, swaps: int,
+                  beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8) -> np.ndarray:
+    """`repair` with `swaps` rounds in every layer and no move cap; returns phy2log_LP (new)."""
+    rounds_L = np.full(np.shape(phy2log_LP)[0], int(swaps))
+    return repair(phy2log_LP, windows_MLE, num_gpus, rounds_L=rounds_L, beta=beta, blends=blends,
+                  partners=partners)[0]
+
+
+def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
+            num_nodes: int = 1) -> np.ndarray:
+    """new_LP with its GPUs renamed (and slots ordered) to keep the most replicas of old_LP in
+    place, [L, P]. One node: a compiled greedy matching of GPUs by shared experts (a few ms at
+    256 GPUs); more nodes: `eplb.migration.relabel` (nodes renamed as wholes)."""
+    if num_nodes > 1:
+        return np.take_along_axis(new_LP, relabel(old_LP, new_LP, num_gpus, num_logical_experts, num_nodes), axis=1)
+    from eplb import _policy_kernel  # numba: imported on first use
+
+    L, P = new_LP.shape
+    S = P // num_gpus
+    gsrc_LG = _policy_kernel.match_gpus(_ints(old_LP), _ints(new_LP), int(num_gpus), int(num_logical_experts))
+    base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
+    moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
+    return np.take_along_axis(moved_LP, keep_slots(old_LP, moved_LP, num_gpus), axis=1)
+
+
+def warm_up() -> float:
+    """Load (or, after an install, compile) the adaptive policy's kernels now; returns seconds."""
+    t0 = time.perf_counter()
+    phy = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
+    win = np.array([[[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]]] * 4)
+    window_imbalance(phy, win, 2)
+    repair(phy, win, 2, rounds_L=np.array([2, 2]))
+    repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
+    renamed(phy, phy[::-1].copy(), 2, 3)
+    return time.perf_counter() - t0
+
+
+def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,
+                num_logical_experts: int) -> np.ndarray:
+    """(expert group, node) pairs holding a replica, per layer, int [L] (Budget.span_cost prices them)."""
+    return group_span(phy2log_LP, num_gpus, num_nodes, num_expert_groups, num_logical_experts).sum(axis=1)
