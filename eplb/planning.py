@@ -93,13 +93,9 @@ class PlanResult:
             # An even split, the common case (greedy, the contiguous baseline): the same products
             # and sums as binding the rule and `stats.evaluate`, without their generic indexing;
             # the load was checked when the plan was made.
-            gpu_LG = even_gpu_loads(placement, self.load_LE)
-        else:
-            weights_LP = rule.bind(placement)(self.load_LE)
-            return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
-        lb = self.lower_bound_L
-        ratio = np.where(lb > 0, gpu_LG.max(axis=1) / np.where(lb > 0, lb, 1), 1.0)
-        return stats.LoadReport(gpu_LG, stats.imbalance(gpu_LG), ratio, stats.balancedness(gpu_LG))
+            return stats.load_report(even_gpu_loads(placement, self.load_LE), self.lower_bound_L)
+        weights_LP = rule.bind(placement)(self.load_LE)
+        return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
 
     @cached_property
     def after(self) -> stats.LoadReport:
@@ -131,10 +127,7 @@ class PlanResult:
         """The plan, with its scores in `metrics` (what `eplb plan -o` writes)."""
         after = self.after
         metrics = {
-            "imbalance_median": float(np.median(after.imbalance_L)),
-            "imbalance_max": float(np.max(after.imbalance_L)),
-            "bound_ratio_max": float(np.max(after.bound_ratio_L)),
-            "balancedness": after.balancedness,
+            **after.metrics(),
             "contiguous_imbalance_median": float(np.median(self.before.imbalance_L)),
             **self.objective_metrics,
         }

@@ -482,10 +482,7 @@ class Rebalancer:
                    objective=self.objective, dispatch=self.dispatch)
         sol, after = res.solution, res.after
         # The plan's own report, not PlanResult.placement: that one scores the contiguous baseline too.
-        metrics = {"imbalance_median": float(np.median(after.imbalance_L)),
-                   "imbalance_max": float(np.max(after.imbalance_L)),
-                   "bound_ratio_max": float(np.max(after.bound_ratio_L)), "balancedness": after.balancedness,
-                   **res.objective_metrics}
+        metrics = {**after.metrics(), **res.objective_metrics}
         new = replace(served, phy2log_LP=sol.phy2log_LP, dispatch_weights_LP=sol.dispatch_weights_LP,
                       planner=res.planner, metrics=metrics, partial=False)
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
@@ -534,17 +531,11 @@ class Rebalancer:
         lb_L = lower_bound(load, pl.topology)
         before = stats.evaluate(pl, load, bound(load), lower_bound_L=lb_L)
         if decision is None:
-            after = before
-            new = replace(pl, metrics={})
+            new, after = pl, before
         else:
-            new = replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name,
-                          metrics={})
+            new = replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name)
             after = stats.evaluate(new, load, self.dispatch.bind(new)(load), lower_bound_L=lb_L)
-        # Filled in place rather than by a second replace(): the placement is not out yet, and a
-        # Placement checks its whole map on construction.
-        new.metrics.update(imbalance_median=float(np.median(after.imbalance_L)),
-                           imbalance_max=float(np.max(after.imbalance_L)),
-                           bound_ratio_max=float(np.max(after.bound_ratio_L)), balancedness=after.balancedness)
+        new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
         t1 = time.perf_counter()
         mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                        layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,

@@ -244,6 +244,20 @@ class LoadReport:
         return {"imbalance": mmm(self.imbalance_L), "bound_ratio": mmm(self.bound_ratio_L),
                 "balancedness": self.balancedness}
 
+    def metrics(self) -> dict[str, float]:
+        """The scores a placement file carries in `metrics` (eplb plan -o, the Rebalancer)."""
+        return {"imbalance_median": float(np.median(self.imbalance_L)),
+                "imbalance_max": float(np.max(self.imbalance_L)),
+                "bound_ratio_max": float(np.max(self.bound_ratio_L)),
+                "balancedness": self.balancedness}
+
+
+def load_report(gpu_load_LG: np.ndarray, lower_bound_L: np.ndarray) -> LoadReport:
+    """The report of tokens per GPU [L, G] against the layers' lower bound [L]."""
+    lb = lower_bound_L
+    ratio = np.where(lb > 0, gpu_load_LG.max(axis=1) / np.where(lb > 0, lb, 1), 1.0)
+    return LoadReport(gpu_load_LG, imbalance(gpu_load_LG), ratio, balancedness(gpu_load_LG))
+
 
 def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
              lower_bound_L: np.ndarray | None = None) -> LoadReport:
@@ -257,6 +271,4 @@ def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
         raise EplbError("loads must be finite and non-negative token counts")
     gpu_LG = placement.gpu_loads(load, weights_LP)
     lb = lower_bound(load, placement.num_gpus, placement.num_slots) if lower_bound_L is None else lower_bound_L
-    mx = gpu_LG.max(axis=1)
-    ratio = np.where(lb > 0, mx / np.where(lb > 0, lb, 1), 1.0)
-    return LoadReport(gpu_LG, imbalance(gpu_LG), ratio, balancedness(gpu_LG))
+    return load_report(gpu_LG, lb)
