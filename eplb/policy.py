@@ -61,7 +61,7 @@ from eplb.repair import (
     warm_up,
     window_imbalance,
 )
-from planners.greedy import pack_replicas, refine, replicate
+from planners.greedy import plan_greedy, replicate
 
 # The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
 # are importable from here too, and `warm_up` here is what the Rebalancer's background loading
@@ -280,9 +280,8 @@ class AdaptivePolicy:
         """A greedy plan of the memory's sum for `layers`, [n, P], and its cost on the windows
         (half the mean, half the worst window of busiest / mean GPU), [n]. count_LE: greedy's
         replica counts of the sum (`replicate`, per layer), which the bound was made from."""
-        per_LE = total_LE[layers] / count_LE[layers]
-        fresh_LP = pack_replicas(per_LE, count_LE[layers], placement.num_gpus, placement.slots_per_gpu)
-        fresh_LP = refine(fresh_LP, None, None, placement.num_gpus, per_LE=per_LE)   # greedy's plan_greedy steps
+        fresh_LP = plan_greedy(total_LE[layers], placement.num_gpus, placement.slots_per_gpu,
+                               count_LE=count_LE[layers])
         busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
         return fresh_LP, 0.5 * busiest_ML.mean(axis=0) + 0.5 * busiest_ML.max(axis=0)
 

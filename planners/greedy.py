@@ -108,12 +108,15 @@ def check_shape(num_experts: int, num_gpus: int, slots_per_gpu: int) -> None:
                         f"{num_gpus} GPUs)")
 
 
-def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_rounds: int | None = None) -> np.ndarray:
+def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_rounds: int | None = None,
+                count_LE: np.ndarray | None = None) -> np.ndarray:
     """The whole greedy plan: replicate, pack, refine (refine_rounds: swaps per layer at most;
-    None: until no swap helps, 0: no refinement). Returns phy2log_LP."""
+    None: until no swap helps, 0: no refinement). Returns phy2log_LP. count_LE: `replicate`'s
+    counts [L, E] when the caller already has them (they are what this would compute)."""
     load_LE = _floats(load_LE)
     check_shape(load_LE.shape[1], num_gpus, slots_per_gpu)
-    count_LE = replicate(load_LE, num_gpus * slots_per_gpu, num_gpus)
+    if count_LE is None:
+        count_LE = replicate(load_LE, num_gpus * slots_per_gpu, num_gpus)
     per_LE = load_LE / count_LE
     phy2log_LP = pack_replicas(per_LE, count_LE, num_gpus, slots_per_gpu)
     return refine(phy2log_LP, None, None, num_gpus, refine_rounds, per_LE=per_LE)
