@@ -79,17 +79,25 @@ def load_cached(modules: tuple[str, ...]) -> bool:
         _probing.discard(me)
 
 
+def _start_compile(module: str, **popen_kw) -> subprocess.Popen:
+    """A process that runs `module.warm_up()`, compiling its kernels into numba's cache."""
+    # The side process imports the same eplb (sys.path may have been extended at run time).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = f"import importlib; importlib.import_module({module!r}).warm_up()"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, **popen_kw)
+
+
+def compile_detached(module: str) -> subprocess.Popen:
+    """Start compiling one module's kernels in a process of its own that nobody waits for and
+    that outlives this one (a command that runs in numpy meanwhile; its later runs load them)."""
+    return _start_compile(module, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def compile_in_side_processes(modules: tuple[str, ...]) -> list[str]:
     """Compile the kernels of each module in a process of its own (all at once) so that they
     land in numba's cache; returns the failures (module: reason), empty when all compiled."""
-    env = dict(os.environ)
-    # The side processes import the same eplb (sys.path may have been extended at run time).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    procs = []
-    for name in modules:
-        code = f"import importlib; importlib.import_module({name!r}).warm_up()"
-        procs.append((name, subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    procs = [(name, _start_compile(name, stderr=subprocess.PIPE)) for name in modules]
     failed = []
     for name, proc in procs:
         try:

@@ -34,10 +34,10 @@ from __future__ import annotations
 import importlib
 import os
 import subprocess
-import sys
 
 import numpy as np
 
+from eplb.compiled import compile_detached, load_cached
 from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
@@ -234,18 +234,12 @@ def robust_kernels(wait: bool = False):
     """
     global _kernels, _compiling
     if _kernels is None:
-        from eplb.compiled import load_cached
-
         if wait or load_cached((_KERNEL_MODULE,)):
             module = importlib.import_module(_KERNEL_MODULE)
             module.warm_up()
             _kernels = module
         elif _compiling is None:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            _compiling = subprocess.Popen(
-                [sys.executable, "-c", f"import importlib; importlib.import_module({_KERNEL_MODULE!r}).warm_up()"],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)
+            _compiling = compile_detached(_KERNEL_MODULE)
     return _kernels
 
 

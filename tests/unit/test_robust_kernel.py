@@ -82,8 +82,8 @@ def test_a_cold_cache_plans_in_numpy_while_the_kernels_compile_in_the_background
 
     monkeypatch.setattr(robust, "_kernels", None)
     monkeypatch.setattr(robust, "_compiling", None)
-    monkeypatch.setattr(eplb.compiled, "load_cached", lambda modules: False)
-    monkeypatch.setattr(robust.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(robust, "load_cached", lambda modules: False)
+    monkeypatch.setattr(eplb.compiled.subprocess, "Popen", FakePopen)
     cold = RobustPlanner().plan(request)
     assert cold.info["compiled"] is False and "numpy" in cold.message
     np.testing.assert_array_equal(cold.phy2log_LP, warm.phy2log_LP)
