@@ -7,9 +7,13 @@ A benchmark opts in with three lines (imported as a sibling module, like `worklo
     with results_page("greedy", "Greedy vs DeepSeek's EPLB", args.write_docs, argv):
         return run(args)                                  # everything printed goes to the page too
 
-or, for a script that builds its tables as strings, `write_page(name, title, text, argv)`.
+or, for a script that builds its tables as strings, `write_page(name, title, text, argv)`, or
+`write_results(name, text)` for a page the script lays out whole.
 The page starts with the exact command, the date, and the machine's core count and load
 average (timings on a shared machine are upper bounds), then the output in a code block.
+Paths of this machine are written as a reader's checkout sees them (`portable`): the shared
+data beside the checkout as `../shared/...`, the checkout itself as `.`, a site-packages or
+PYTHONPATH copy of SGLang from its package folder on (`sglang/srt/...`).
 It is written atomically through eplb.files (a temporary file, synced, then renamed), so a
 failed run never leaves half a page and a run that raises leaves the old page untouched.
 """
@@ -20,6 +24,7 @@ import contextlib
 import datetime
 import io
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -30,6 +35,19 @@ if str(ROOT) not in sys.path:  # the benchmarks put the checkout first; a lone i
     sys.path.insert(0, str(ROOT))
 
 from eplb.files import write_text  # noqa: E402
+
+
+def portable(text: str) -> str:
+    """`text` with this machine's absolute paths replaced by the ones a reader's checkout has."""
+    text = text.replace(str(ROOT.parent / "shared"), "../shared")
+    text = re.sub(r"(?<![\w.])/[^\s`'\"()]*?/(sglang/srt/)", r"\1", text)
+    return text.replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
+
+
+def write_results(name: str, text: str) -> Path:
+    """Write docs/results/<name>.md as given (after `portable`), atomically."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return write_text(RESULTS / f"{name}.md", portable(text), what="the results page")
 
 
 def add_write_docs(parser, name: str) -> None:
@@ -66,8 +84,7 @@ def write_page(name: str, title: str, text: str, argv=None, *, notes: str = "",
     if notes:
         body += notes.strip() + "\n\n"
     body += "```\n" + text.strip("\n") + "\n```\n"
-    out = RESULTS / f"{name}.md"
-    return write_text(out, body, what="the results page")
+    return write_results(name, body)
 
 
 class _Tee(io.TextIOBase):

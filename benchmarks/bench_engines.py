@@ -34,10 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench_engines_migration  # noqa: E402
+from _report import write_results  # noqa: E402  (benchmarks/_report.py)
 
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.dispatch import EvenSplit, engine_rule  # noqa: E402
-from eplb.files import write_text  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.planning import plan  # noqa: E402
 from eplb.stats import imbalance  # noqa: E402
@@ -126,19 +126,17 @@ def main(argv=None) -> int:
         cmd = "python benchmarks/bench_engines.py --part migration --write-docs" + (
             "" if args.traces == DEFAULT_TRACES else f" --traces {args.traces}")
         bench_engines_migration.main(args, workloads(Path(args.traces), ROOT / "traces" / "deepseek.npz"),
-                                     ROOT / "docs" / "results" / "engines-migration.md", cmd)
+                                     "engines-migration", cmd)
     if args.part == "migration":
         return 0
     table, setup = run(args)
     print(setup)
     print(table)
     if args.write_docs:
-        out = ROOT / "docs" / "results" / "engines.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
         cmd = "python benchmarks/bench_engines.py --part planners --write-docs" + (
             "" if args.traces == DEFAULT_TRACES else f" --traces {args.traces}")
-        write_text(
-            out,
+        out = write_results(
+            "engines",
             "# Engines: balance as planned and as served\n\n"
             f"Written by `{cmd}` ({setup}).\n\n"
             "Busiest / mean GPU per layer, median (max) over every workload and layer. Columns: the dispatch "

@@ -29,9 +29,9 @@ import time
 from collections import Counter
 
 import numpy as np
+from _report import write_results  # benchmarks/_report.py, a sibling like this module
 
 from eplb.commands.common import format_table
-from eplb.files import write_text
 from eplb.migration import Budget, count_moves, migrate
 from eplb.placement import Placement
 from eplb.planning import plan
@@ -101,8 +101,8 @@ def _table(out: dict) -> str:
     return format_table(header, rows)
 
 
-def main(args, data_source, docs_path, cmd: str) -> None:
-    """Run the part on data_source = (workloads, description); with args.write_docs write docs_path."""
+def main(args, data_source, page: str, cmd: str) -> None:
+    """Run the part on data_source = (workloads, description); with args.write_docs write docs/results/<page>.md."""
     data, source = data_source
     topo = dict(num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, num_expert_groups=8)
     setup = (f"{args.gpus} GPUs on {args.nodes} nodes, {args.redundant} redundant slots; {len(data)} workloads x "
@@ -117,9 +117,8 @@ def main(args, data_source, docs_path, cmd: str) -> None:
     if args.write_docs:
         body = "".join(f"SGLang static, {label} (`{rule.name}`, path `{rule.path}`):\n\n```\n{table}\n```\n\n"
                        for label, rule, table in tables)
-        out = docs_path
-        write_text(
-            out,
+        out = write_results(
+            page,
             "# Engines: planning from the placement served now, under SGLang's rules\n\n"
             f"Written by `{cmd}` ({setup}).\n\n"
             "For each workload, the rule-aware plan of the next workload is serving when traffic becomes this "

@@ -26,11 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import write_results  # noqa: E402  (benchmarks/_report.py)
 from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 import eplb  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.files import write_text  # noqa: E402
 from eplb.planner_api import PlanRequest, get_planner  # noqa: E402
 from eplb.topology import Topology  # noqa: E402
 
@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print(table)
     if args.write_docs:
-        out = ROOT / "docs" / "results" / "front_door.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(out, f"# Front-door overhead\n\nWritten by `python benchmarks/bench_front_door.py "
+        out = write_results("front_door", f"# Front-door overhead\n\nWritten by `python benchmarks/bench_front_door.py "
                         f"--repeats {args.repeats} --write-docs`.\n\n{head}\n\n```\n{table}\n```\n")
         print(f"wrote {out.relative_to(ROOT)}")
     return 0

@@ -63,8 +63,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import write_results  # noqa: E402  (benchmarks/_report.py)
+
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.files import write_text  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.replay import replay  # noqa: E402
 from eplb.synth import SynthSettings, generate, topic_shift_stats  # noqa: E402
@@ -399,12 +400,10 @@ def main(argv=None) -> int:
         "references); policy s: time the policy spent observing and deciding")
     say(f"\nbenchmark wall time {time.perf_counter() - t0:.0f} s")
     if args.write_docs:
-        out = ROOT / "docs" / "results" / "replay.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
         head = ("# Replay of drifting traffic (benchmarks/bench_replay.py)\n\n"
                 "Written by `python benchmarks/bench_replay.py --write-docs` on a 2-core machine shared with "
                 "other jobs (seconds are upper bounds). See docs/replay.md for what the policies do.\n\n")
-        write_text(out, head + "\n".join(text) + "\n", what="the results page")
+        out = write_results("replay", head + "\n".join(text) + "\n")
         print(f"wrote {out}")
     return 0
 

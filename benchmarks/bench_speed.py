@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _report import write_results  # noqa: E402
 from bench_greedy import load_reference  # noqa: E402
 from workloads import workloads  # noqa: E402
 
@@ -301,9 +302,7 @@ def main() -> int:
     text = "\n".join(out[:1] + summary + [""] + out[1:])
     print(text)
     if args.write_docs:
-        from eplb.files import write_text
-
-        write_text(ROOT / "docs/results/speed.md", text, what="the results page")
+        print(f"wrote {write_results('speed', text)}")
     return 0
 
 

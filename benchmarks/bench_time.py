@@ -40,11 +40,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import write_results  # noqa: E402  (benchmarks/_report.py)
+
 from eplb.calibration import fit_profile, measured_compute  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.cost import TimeObjective, cost_model  # noqa: E402
 from eplb.dispatch import Resplitter, get_rule  # noqa: E402
-from eplb.files import write_text  # noqa: E402
 from eplb.formats import load_trace, save_placement  # noqa: E402
 from eplb.planning import plan  # noqa: E402
 from eplb.simulate import cut_batches, score_batch, simulate  # noqa: E402
@@ -335,9 +336,7 @@ def main(argv=None) -> int:
         print("\n".join(out[n:]), flush=True)
     print(f"bench_time: {time.perf_counter() - t0:.0f} s")
     if args.write_docs:
-        path = ROOT / "docs" / "results" / "time.md"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text(path, "\n".join(out).rstrip() + "\n", what="the results page")
+        path = write_results("time", "\n".join(out).rstrip() + "\n")
         print(f"wrote {path}")
     return 0
 
