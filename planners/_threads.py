@@ -1,0 +1,70 @@
+"""Run a per-row kernel over blocks of rows on threads (the kernels release the GIL).
+
+Legend: R = rows (layers, or layers x nodes), P = physical slots of a row.
+
+Planning kernels work one row at a time and never look at another row, so splitting the rows
+into blocks and running the blocks at once gives the same answer to the bit. A call here lasts
+milliseconds, so the threads are kept between calls (starting one costs ~0.1 ms) and small
+inputs stay on the calling thread, which always runs the first block itself.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+MAX_THREADS = 8
+"""Most threads one call uses (the blocks of a 58-layer plan stop paying beyond a few)."""
+
+MIN_BLOCK_WORK = 2048
+"""Fewest row x slot cells a block is given: below it a handoff costs more than it saves."""
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def num_blocks(num_rows: int, num_slots: int) -> int:
+    """Blocks to split R rows of P slots into: one per usable core (at most MAX_THREADS), each
+    of at least MIN_BLOCK_WORK cells."""
+    return max(1, min(usable_cores(), MAX_THREADS, num_rows * num_slots // MIN_BLOCK_WORK, num_rows))
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    """The process's worker threads, made on first use; again in a forked child, which inherits
+    the pool object but none of its threads (work handed to it would never run)."""
+    global _pool, _pool_pid
+    with _lock:
+        if _pool is None or _pool_pid != os.getpid():
+            _pool = ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="eplb-rows")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def run_blocks(fn: Callable[[int, int], None], num_rows: int, num_slots: int) -> None:
+    """fn(start, stop) for consecutive blocks of rows covering 0..num_rows, at once on threads
+    (`num_blocks` of them; one block runs on the calling thread). fn must write only its own
+    rows; the first error any block raises is raised here, after every block has ended."""
+    n = num_blocks(num_rows, num_slots)
+    if n == 1:
+        fn(0, num_rows)
+        return
+    cuts = [num_rows * i // n for i in range(n + 1)]
+    pool = _shared_pool()
+    futures = [pool.submit(fn, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
+    try:
+        fn(cuts[0], cuts[1])
+    finally:
+        errors = [f.exception() for f in futures]  # waits for every block: none outlives the call
+    for exc in errors:
+        if exc is not None:
+            raise exc
