@@ -225,6 +225,27 @@ def _sort_gpu_items(phy, per_E, g, S, srt, ws):
 
 
 @njit(cache=True, nogil=True)
+def _resort_slot(phy, per_E, p, S, srt, ws):
+    """Move slot p to its place in its GPU's list srt (ascending load, lower slot among ties,
+    the order `_sort_gpu_items` makes) after its replica changed: O(S), not a fresh sort."""
+    o = (p // S) * S
+    i = 0
+    while srt[o + i] != p:
+        i += 1
+    w = per_E[phy[p]]
+    while i > 0 and (ws[o + i - 1] > w or (ws[o + i - 1] == w and srt[o + i - 1] > p)):
+        srt[o + i] = srt[o + i - 1]
+        ws[o + i] = ws[o + i - 1]
+        i -= 1
+    while i < S - 1 and (ws[o + i + 1] < w or (ws[o + i + 1] == w and srt[o + i + 1] < p)):
+        srt[o + i] = srt[o + i + 1]
+        ws[o + i] = ws[o + i + 1]
+        i += 1
+    srt[o + i] = p
+    ws[o + i] = w
+
+
+@njit(cache=True, nogil=True)
 def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
@@ -315,8 +336,8 @@ def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
         holds[eb, h] = True
         holds[eb, g] = False
         holds[ea, g] = True
-        _sort_gpu_items(phy, per_E, h, S, srt, ws)
-        _sort_gpu_items(phy, per_E, g, S, srt, ws)
+        _resort_slot(phy, per_E, ba, S, srt, ws)
+        _resort_slot(phy, per_E, bb, S, srt, ws)
         _place(order, pos, gl, h, G)
         _place(order, pos, gl, g, G)
         swaps += 1
