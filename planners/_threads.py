@@ -15,6 +15,12 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from eplb.errors import EplbError
+
+THREADS_ENV = "EPLB_NUM_THREADS"
+"""Environment variable capping the threads a plan uses (1: the calling thread only, e.g. in a
+serving process whose cores belong to the engine)."""
+
 MAX_THREADS = 8
 """Most threads one call uses (the blocks of a 58-layer plan stop paying beyond a few)."""
 
@@ -27,10 +33,16 @@ _pool_pid = -1
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """Cores this process may run on (its affinity mask where the OS has one), at most
+    EPLB_NUM_THREADS when that is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if not text:
+        return cores
+    if not text.isdigit() or int(text) < 1:
+        raise EplbError(f"{THREADS_ENV}={text!r}: give a whole number of threads >= 1 (1: no extra threads), "
+                        f"or unset it to use every usable core")
+    return min(cores, int(text))
 
 
 def num_blocks(num_rows: int, num_slots: int) -> int:

@@ -90,3 +90,19 @@ def test_a_forked_child_gets_its_own_threads(many_blocks):
     os.close(w)
     assert os.read(r, 1) == b"1"
     os.waitpid(pid, 0)
+
+
+def test_the_environment_caps_the_threads(monkeypatch):
+    monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    monkeypatch.delenv(_threads.THREADS_ENV, raising=False)
+    assert _threads.usable_cores() == 6
+    monkeypatch.setenv(_threads.THREADS_ENV, "2")
+    assert _threads.usable_cores() == 2 and _threads.num_blocks(58, 288) == 2
+    monkeypatch.setenv(_threads.THREADS_ENV, "64")
+    assert _threads.usable_cores() == 6
+    from eplb.errors import EplbError
+
+    for bad in ("0", "two", "-1", "1.5"):
+        monkeypatch.setenv(_threads.THREADS_ENV, bad)
+        with pytest.raises(EplbError, match=f"EPLB_NUM_THREADS='{bad}'"):
+            _threads.num_blocks(58, 288)
