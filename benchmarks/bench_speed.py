@@ -219,7 +219,10 @@ def part_greedy(args, out, loads, ref):
                 t_1.append(median_time(lambda w=w, G=G, R=P - E: plan(w, num_gpus=G, num_redundant=R).placement,
                                        args.repeats)[1])
             finally:
-                os.environ.pop(THREADS_ENV) if before is None else os.environ.update({THREADS_ENV: before})
+                if before is None:
+                    del os.environ[THREADS_ENV]
+                else:
+                    os.environ[THREADS_ENV] = before
             wt = torch.tensor(w)
             (phy, _, _), sec = median_time(lambda wt=wt, P=P, G=G: ref.rebalance_experts(wt, P, 1, 1, G, False), 3)
             phy = phy.numpy()
