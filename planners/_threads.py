@@ -5,7 +5,7 @@ Legend: R = rows (layers, or layers x nodes), P = physical slots of a row.
 Planning kernels work one row at a time and never look at another row, so splitting the rows
 into blocks and running the blocks at once gives the same answer to the bit. A call here lasts
 milliseconds, so the threads are kept between calls (starting one costs ~0.1 ms) and small
-inputs stay on the calling thread, which always runs the first block itself.
+inputs stay on the calling thread, which always works on blocks itself.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ MAX_THREADS = 8
 
 MIN_BLOCK_WORK = 2048
 """Fewest row x slot cells a block is given: below it a handoff costs more than it saves."""
+
+BLOCKS_PER_THREAD = 2
+"""Blocks a call is cut into per thread, at most (each of MIN_BLOCK_WORK cells at least)."""
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -63,20 +66,34 @@ def _shared_pool() -> ThreadPoolExecutor:
 
 
 def run_blocks(fn: Callable[[int, int], None], num_rows: int, num_slots: int) -> None:
-    """fn(start, stop) for consecutive blocks of rows covering 0..num_rows, at once on threads
-    (`num_blocks` of them; one block runs on the calling thread). fn must write only its own
-    rows; the first error any block raises is raised here, after every block has ended."""
+    """fn(start, stop) for consecutive blocks of rows covering 0..num_rows, on `num_blocks`
+    threads at once (the calling thread one of them). Each thread takes the next block until
+    none is left: rows differ in work, and another process may hold a core, so a fixed share
+    per thread would wait for the slowest. fn must write only its own rows; the first error
+    any block raises is raised here, after every thread has stopped."""
     n = num_blocks(num_rows, num_slots)
     if n == 1:
         fn(0, num_rows)
         return
-    cuts = [num_rows * i // n for i in range(n + 1)]
+    k = min(num_rows, BLOCKS_PER_THREAD * n, max(n, num_rows * num_slots // MIN_BLOCK_WORK))
+    cuts = [num_rows * i // k for i in range(k + 1)]
+    blocks = iter(list(zip(cuts[:-1], cuts[1:])))  # next() on a list iterator is atomic under the GIL
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        for a, b in blocks:
+            if failed:
+                return
+            try:
+                fn(a, b)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                failed.append(exc)
+                return
+
     pool = _shared_pool()
-    futures = [pool.submit(fn, a, b) for a, b in zip(cuts[1:-1], cuts[2:])]
-    try:
-        fn(cuts[0], cuts[1])
-    finally:
-        errors = [f.exception() for f in futures]  # waits for every block: none outlives the call
-    for exc in errors:
-        if exc is not None:
-            raise exc
+    futures = [pool.submit(work) for _ in range(n - 1)]
+    work()
+    for f in futures:  # every thread has stopped before the call returns
+        f.result()
+    if failed:
+        raise failed[0]
