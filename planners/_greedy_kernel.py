@@ -210,13 +210,15 @@ def _place(order, pos, gl, g, G):
 
 @njit(cache=True, nogil=True)
 def _sort_gpu_items(phy, per_E, g, S, srt, ws):
-    """srt[g S:(g + 1) S] = GPU g's slots by the load of their replica, ascending (ws: the loads)."""
+    """srt[g S:(g + 1) S] = GPU g's slots by the load of their replica, ascending, lower slot
+    among ties (ws: the loads). Inserted last slot first: `pack` fills a GPU's slots heaviest
+    first, so each insertion then ends at once."""
     o = g * S
-    for j in range(S):
-        p = o + j
+    for n in range(S):
+        p = o + S - 1 - n
         w = per_E[phy[p]]
-        b = j
-        while b > 0 and ws[o + b - 1] > w:
+        b = n                          # srt[o:o + n] holds the later slots, sorted
+        while b > 0 and (ws[o + b - 1] > w or (ws[o + b - 1] == w and srt[o + b - 1] > p)):
             srt[o + b] = srt[o + b - 1]
             ws[o + b] = ws[o + b - 1]
             b -= 1
