@@ -66,34 +66,45 @@ def _shared_pool() -> ThreadPoolExecutor:
 
 
 def run_blocks(fn: Callable[[int, int], None], num_rows: int, num_slots: int) -> None:
-    """fn(start, stop) for consecutive blocks of rows covering 0..num_rows, on `num_blocks`
-    threads at once (the calling thread one of them). Each thread takes the next block until
-    none is left: rows differ in work, and another process may hold a core, so a fixed share
-    per thread would wait for the slowest. fn must write only its own rows; the first error
-    any block raises is raised here, after every thread has stopped."""
+    """fn(start, stop) for consecutive blocks of rows covering 0..num_rows, on up to
+    `num_blocks` threads at once, the calling thread one of them. Each thread takes the next
+    block until none is left, and the call waits only for blocks some thread has taken: rows
+    differ in work, and on a busy machine a worker may wake late (or not before the caller has
+    done every block itself), so neither a fixed share nor the worker is waited for. fn must
+    write only its own rows; the first error any block raises is raised here, after every
+    block taken has ended (none is started after an error)."""
     n = num_blocks(num_rows, num_slots)
     if n == 1:
         fn(0, num_rows)
         return
     k = min(num_rows, BLOCKS_PER_THREAD * n, max(n, num_rows * num_slots // MIN_BLOCK_WORK))
     cuts = [num_rows * i // k for i in range(k + 1)]
-    blocks = iter(list(zip(cuts[:-1], cuts[1:])))  # next() on a list iterator is atomic under the GIL
+    cond = threading.Condition()
+    taken = done = 0
     failed: list[BaseException] = []
 
     def work() -> None:
-        for a, b in blocks:
-            if failed:
-                return
+        nonlocal taken, done
+        while True:
+            with cond:
+                if failed or taken == k:
+                    return
+                i = taken
+                taken += 1
             try:
-                fn(a, b)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                failed.append(exc)
-                return
+                fn(cuts[i], cuts[i + 1])
+            except BaseException as exc:  # handed to the caller below
+                with cond:
+                    failed.append(exc)
+            with cond:
+                done += 1
+                cond.notify_all()
 
     pool = _shared_pool()
-    futures = [pool.submit(work) for _ in range(n - 1)]
+    for _ in range(n - 1):
+        pool.submit(work)
     work()
-    for f in futures:  # every thread has stopped before the call returns
-        f.result()
+    with cond:  # the caller's loop ended: every block is taken (or one failed); wait for those taken
+        cond.wait_for(lambda: done == taken)
     if failed:
         raise failed[0]
