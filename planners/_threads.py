@@ -49,9 +49,13 @@ def usable_cores() -> int:
 
 
 def num_blocks(num_rows: int, num_slots: int) -> int:
-    """Blocks to split R rows of P slots into: one per usable core (at most MAX_THREADS), each
-    of at least MIN_BLOCK_WORK cells."""
-    return max(1, min(usable_cores(), MAX_THREADS, num_rows * num_slots // MIN_BLOCK_WORK, num_rows))
+    """Threads to run R rows of P slots on: the calling thread plus one per core idle on
+    average (`usable_cores` less the 1-minute load average: on a machine whose cores are busy a
+    second thread only waits for one), at most MAX_THREADS, each with MIN_BLOCK_WORK cells."""
+    cores = usable_cores()
+    if cores > 1 and hasattr(os, "getloadavg"):
+        cores = max(1, min(cores, int(cores - os.getloadavg()[0] + 1.0)))
+    return max(1, min(cores, MAX_THREADS, num_rows * num_slots // MIN_BLOCK_WORK, num_rows))
 
 
 def _shared_pool() -> ThreadPoolExecutor:

@@ -12,6 +12,12 @@ from planners import _threads
 from planners.greedy import pack, plan_greedy, refine, replicate
 
 
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """The tests' own machine may be busy: they say how idle it is."""
+    monkeypatch.setattr(_threads.os, "getloadavg", lambda: (0.0, 0.0, 0.0), raising=False)
+
+
 @pytest.fixture
 def many_blocks(monkeypatch):
     """Every call split into as many blocks as it has rows (up to MAX_THREADS), whatever the cores."""
@@ -47,6 +53,13 @@ def test_small_inputs_stay_on_the_calling_thread(monkeypatch):
     seen = set()
     _threads.run_blocks(lambda a, b: seen.add(threading.get_ident()), 2, 16)
     assert seen == {threading.get_ident()}
+
+
+def test_busy_cores_are_left_alone(monkeypatch):
+    monkeypatch.setattr(_threads, "usable_cores", lambda: 4)
+    for load, threads in ((0.0, 4), (1.0, 4), (2.5, 2), (3.2, 1), (9.0, 1)):
+        monkeypatch.setattr(_threads.os, "getloadavg", lambda load=load: (load, load, load), raising=False)
+        assert _threads.num_blocks(58, 288) == threads, load
 
 
 def test_blocks_cover_every_row_once_and_errors_reach_the_caller(many_blocks):
