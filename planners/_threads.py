@@ -53,8 +53,11 @@ def num_blocks(num_rows: int, num_slots: int) -> int:
     average (`usable_cores` less the 1-minute load average: on a machine whose cores are busy a
     second thread only waits for one), at most MAX_THREADS, each with MIN_BLOCK_WORK cells."""
     cores = usable_cores()
-    if cores > 1 and hasattr(os, "getloadavg"):
-        cores = max(1, min(cores, int(cores - os.getloadavg()[0] + 1.0)))
+    if cores > 1:
+        try:
+            cores = max(1, min(cores, int(cores - os.getloadavg()[0] + 1.0)))
+        except (AttributeError, OSError):  # no load average here (Windows): every usable core
+            pass
     return max(1, min(cores, MAX_THREADS, num_rows * num_slots // MIN_BLOCK_WORK, num_rows))
 
 
