@@ -210,18 +210,41 @@ def _place(order, pos, gl, g, G):
 
 @njit(cache=True, nogil=True)
 def _sort_gpu_items(phy, per_E, g, S, srt, ws):
-    """srt[g S:(g + 1) S] = GPU g's slots by the load of their replica, ascending (ws: the loads)."""
+    """srt[g S:(g + 1) S] = GPU g's slots by the load of their replica, ascending, lower slot
+    among ties (ws: the loads). Inserted last slot first: `pack` fills a GPU's slots heaviest
+    first, so each insertion then ends at once."""
     o = g * S
-    for j in range(S):
-        p = o + j
+    for n in range(S):
+        p = o + S - 1 - n
         w = per_E[phy[p]]
-        b = j
-        while b > 0 and ws[o + b - 1] > w:
+        b = n                          # srt[o:o + n] holds the later slots, sorted
+        while b > 0 and (ws[o + b - 1] > w or (ws[o + b - 1] == w and srt[o + b - 1] > p)):
             srt[o + b] = srt[o + b - 1]
             ws[o + b] = ws[o + b - 1]
             b -= 1
         srt[o + b] = p
         ws[o + b] = w
+
+
+@njit(cache=True, nogil=True)
+def _resort_slot(phy, per_E, p, S, srt, ws):
+    """Move slot p to its place in its GPU's list srt (ascending load, lower slot among ties,
+    the order `_sort_gpu_items` makes) after its replica changed: O(S), not a fresh sort."""
+    o = (p // S) * S
+    i = 0
+    while srt[o + i] != p:
+        i += 1
+    w = per_E[phy[p]]
+    while i > 0 and (ws[o + i - 1] > w or (ws[o + i - 1] == w and srt[o + i - 1] > p)):
+        srt[o + i] = srt[o + i - 1]
+        ws[o + i] = ws[o + i - 1]
+        i -= 1
+    while i < S - 1 and (ws[o + i + 1] < w or (ws[o + i + 1] == w and srt[o + i + 1] < p)):
+        srt[o + i] = srt[o + i + 1]
+        ws[o + i] = ws[o + i + 1]
+        i += 1
+    srt[o + i] = p
+    ws[o + i] = w
 
 
 @njit(cache=True, nogil=True)
@@ -315,8 +338,8 @@ def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
         holds[eb, h] = True
         holds[eb, g] = False
         holds[ea, g] = True
-        _sort_gpu_items(phy, per_E, h, S, srt, ws)
-        _sort_gpu_items(phy, per_E, g, S, srt, ws)
+        _resort_slot(phy, per_E, ba, S, srt, ws)
+        _resort_slot(phy, per_E, bb, S, srt, ws)
         _place(order, pos, gl, h, G)
         _place(order, pos, gl, g, G)
         swaps += 1

@@ -19,6 +19,7 @@ import numpy as np
 
 from eplb.errors import EplbError, whole_number
 from eplb.planner_api import PlanRequest, Solution
+from planners._threads import run_blocks
 
 
 def _kernel():
@@ -91,7 +92,9 @@ def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndar
     phy = _ints(phy2log_LP)
     cap = 4 * phy.shape[1] if max_rounds is None else int(max_rounds)
     if cap > 0:
-        _kernel().refine(phy, _floats(per_LE), int(num_gpus), cap)
+        per_LE = _floats(per_LE)
+        kernel = _kernel()
+        run_blocks(lambda a, b: kernel.refine(phy[a:b], per_LE[a:b], int(num_gpus), cap), *phy.shape)
     if phy is not phy2log_LP:
         phy2log_LP[...] = phy
     return phy2log_LP
@@ -114,12 +117,28 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     None: until no swap helps, 0: no refinement). Returns phy2log_LP. count_LE: `replicate`'s
     counts [L, E] when the caller already has them (they are what this would compute)."""
     load_LE = _floats(load_LE)
-    check_shape(load_LE.shape[1], num_gpus, slots_per_gpu)
-    if count_LE is None:
-        count_LE = replicate(load_LE, num_gpus * slots_per_gpu, num_gpus)
-    per_LE = load_LE / count_LE
-    phy2log_LP = pack_replicas(per_LE, count_LE, num_gpus, slots_per_gpu)
-    return refine(phy2log_LP, None, None, num_gpus, refine_rounds, per_LE=per_LE)
+    L, E = load_LE.shape
+    G, S = int(num_gpus), int(slots_per_gpu)
+    check_shape(E, G, S)
+    P = G * S
+    cap = 4 * P if refine_rounds is None else int(refine_rounds)
+    if count_LE is not None:
+        count_LE = _ints(count_LE)
+    kernel = _kernel()
+    phy2log_LP = np.empty((L, P), dtype=np.int64)
+
+    def rows(a: int, b: int) -> None:
+        # The three steps on layers a..b-1 (every step is per layer: blocks give the same plan).
+        load = load_LE[a:b]
+        count = kernel.replicate(load, P, G) if count_LE is None else count_LE[a:b]
+        per = load / count
+        phy = kernel.pack(per, count, np.argsort(-per, axis=1), G, S)
+        if cap > 0:
+            kernel.refine(phy, per, G, cap)
+        phy2log_LP[a:b] = phy
+
+    run_blocks(rows, L, P)
+    return phy2log_LP
 
 
 class GreedyPlanner:

@@ -1,0 +1,93 @@
+"""greedy's swap refinement (planners/_greedy_kernel.py `refine`): its kept orders are the fresh ones.
+
+The kernel keeps each GPU's replicas sorted and the GPUs sorted by load across swaps, updating
+only what a swap moves. Running k swaps at once must therefore equal k calls of one swap each
+(every call sorts from scratch), and each swap must be the best one: the lowest larger load of
+the pair, found here by trying every swap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planners import _greedy_kernel as kernel
+from planners.greedy import pack_replicas, replicate
+
+
+def _case(rng, L: int, G: int, S: int, E: int, ties: bool):
+    """(per_LE, phy2log_LP) packed by greedy. Each replica's load is a whole number, so every
+    sum is exact: the kernel's running GPU loads equal fresh sums, and any difference between
+    kept and fresh orders is an ordering bug, not rounding."""
+    load_LE = np.floor(rng.pareto(1.2, (L, E)) * 100) + 1
+    count_LE = replicate(load_LE, G * S, G)
+    per_LE = (rng.integers(1, 25, (L, E)) if ties else np.ceil(load_LE / count_LE)).astype(float)
+    return per_LE, pack_replicas(per_LE, count_LE, G, S)
+
+
+def _best_pair_max(phy_P: np.ndarray, per_E: np.ndarray, G: int, S: int) -> float:
+    """Lowest max(busiest - d, other + d) of any swap that lowers the busiest GPU (every pair
+    tried; S <= 8 slots, so numpy sums a GPU's loads in slot order, as the kernel does)."""
+    gpu_GS = phy_P.reshape(G, S)
+    load_G = per_E[gpu_GS].sum(axis=1)
+    h = G - 1 - int(np.argmax(load_G[::-1]))       # the kernel's busiest: the highest index among ties
+    best = load_G[h]
+    for g in range(G):
+        if g == h:
+            continue
+        for ea in gpu_GS[h]:
+            for eb in gpu_GS[g]:
+                d = per_E[ea] - per_E[eb]
+                if d <= 0 or eb in gpu_GS[h] or ea in gpu_GS[g]:
+                    continue
+                best = min(best, max(load_G[h] - d, load_G[g] + d))
+    return best
+
+
+@pytest.mark.parametrize("seed, G, S, E, ties", [(0, 8, 5, 32, False), (1, 8, 5, 32, True), (2, 6, 8, 40, True),
+                                                 (3, 16, 3, 40, False), (4, 5, 7, 30, True)])
+def test_k_swaps_at_once_are_k_single_swaps(seed, G, S, E, ties):
+    per_LE, phy_LP = _case(np.random.default_rng(seed), 8, G, S, E, ties)
+    at_once = phy_LP.copy()
+    made = kernel.refine(at_once, per_LE, G, 30)
+    assert made > 0
+    one_by_one = phy_LP.copy()
+    for _ in range(30):
+        kernel.refine(one_by_one, per_LE, G, 1)
+    np.testing.assert_array_equal(at_once, one_by_one)
+
+
+def test_kept_orders_hold_on_tie_heavy_shapes():
+    """Few distinct loads: many replicas weigh the same, and only the tie rules pick among them
+    (an order kept with a wrong tie rule shows in a few of these shapes)."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    while checked < 150:
+        E, G = int(rng.integers(4, 40)), int(rng.integers(2, 12))
+        if -(-E // G) > min(E, 12):
+            continue
+        S = int(rng.integers(-(-E // G), min(E, 12) + 1))
+        per_LE, phy_LP = _case(rng, 5, G, S, E, ties=True)
+        at_once, one_by_one = phy_LP.copy(), phy_LP.copy()
+        made = kernel.refine(at_once, per_LE, G, 4 * G * S)
+        for _ in range(made):
+            kernel.refine(one_by_one, per_LE, G, 1)
+        np.testing.assert_array_equal(at_once, one_by_one, err_msg=f"E={E} G={G} S={S}")
+        checked += 1
+
+
+@pytest.mark.parametrize("seed, ties", [(5, False), (6, True)])
+def test_each_swap_leaves_the_pair_lowest(seed, ties):
+    G, S, E = 6, 5, 24
+    per_LE, phy_LP = _case(np.random.default_rng(seed), 4, G, S, E, ties)
+    for layer in range(per_LE.shape[0]):
+        per_E, phy = per_LE[layer:layer + 1], phy_LP[layer:layer + 1].copy()
+        for _ in range(8):
+            load_G = per_E[0][phy[0].reshape(G, S)].sum(axis=1)
+            best = _best_pair_max(phy[0], per_E[0], G, S)
+            if kernel.refine(phy, per_E, G, 1) == 0:
+                assert best >= load_G.max() * (1 - 1e-9)   # no swap lowers the busiest GPU
+                break
+            after_G = per_E[0][phy[0].reshape(G, S)].sum(axis=1)
+            moved = np.flatnonzero(np.abs(after_G - load_G) > 1e-12)
+            assert len(moved) == 2 and after_G[moved].max() == pytest.approx(best, rel=1e-12)
