@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from eplb.migration import keep_slots, relabel
+from eplb.migration import count_moves, keep_slots, relabel
 from eplb.stats import group_span
 from planners.robust import normalise_windows
 
@@ -139,3 +139,34 @@ def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_exper
                 num_logical_experts: int) -> np.ndarray:
     """(expert group, node) pairs holding a replica, per layer, int [L] (Budget.span_cost prices them)."""
     return group_span(phy2log_LP, num_gpus, num_nodes, num_expert_groups, num_logical_experts).sum(axis=1)
+
+
+def within_caps(old_LP: np.ndarray, windows_L: list, num_gpus: int, num_logical_experts: int, budget,
+                rounds_L: np.ndarray, pays_L: np.ndarray, new_LP: np.ndarray, gain_L: np.ndarray, moves_LG: np.ndarray,
+                price_L, kw: dict):
+    """Keep the paying layers (pays_L) of a decision that fit Budget.max_moves / max_moves_per_gpu,
+    best gain per move first; a layer that does not fit whole is repaired again within what is
+    left, on its own windows (windows_L[l], [M, L, E]) with rounds_L[l] swaps, and kept if its gain
+    still beats price_L(rows, moves, layers). Returns (keep_L, new_LP, gain_L)."""
+    G, E = int(num_gpus), int(num_logical_experts)
+    left = np.inf if budget.max_moves is None else float(budget.max_moves)
+    left_G = np.full(G, np.inf if budget.max_moves_per_gpu is None else float(budget.max_moves_per_gpu))
+    moves_L = moves_LG.sum(axis=1)
+    keep_L = np.zeros_like(pays_L)
+    new_LP, gain_L = new_LP.copy(), gain_L.copy()
+    for l in sorted(np.flatnonzero(pays_L), key=lambda l: -gain_L[l] / moves_L[l]):
+        if left <= 0 or not (left_G > 0).any():
+            break
+        if moves_L[l] > left or (moves_LG[l] > left_G).any():
+            rows, cost = repair(old_LP[l:l + 1], windows_L[l][:, l:l + 1], G, rounds_L=rounds_L[l:l + 1],
+                                max_moves=left, max_moves_G=left_G, **kw)
+            m_G = count_moves(old_LP[l:l + 1], rows, G, E)[0]
+            gain = cost[0, 0] - cost[0, 1]
+            if m_G.sum() == 0 or not gain > price_L(rows, m_G.sum(keepdims=True), [l])[0]:
+                continue
+            assert m_G.sum() <= left and (m_G <= left_G).all(), "capped repair exceeded its caps"
+            new_LP[l], gain_L[l], moves_LG[l] = rows[0], gain, m_G
+        keep_L[l] = True
+        left -= moves_LG[l].sum()
+        left_G -= moves_LG[l]
+    return keep_L, new_LP, gain_L
