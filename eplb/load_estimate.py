@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, finite_number, whole_number
+from eplb.errors import EplbError, finite_number, is_whole, whole_number
 
 
 class WindowMemory:
@@ -116,18 +116,27 @@ class ChangeDetector:
         return imbalance_ML[-1] > med_L + self.kappa * np.maximum(mad_L, self.floor)
 
 
-def horizon_windows(windows_MLE: np.ndarray, order_M: np.ndarray, h: int, recent_weight: bool) -> np.ndarray:
-    """The windows a horizon of h plans on, [M_h, L, E]: the newest h of the kept windows (ring
-    rows `order_M` of windows_MLE, oldest first) alone, or with `recent_weight` every kept window
-    and the newest h again, repeated until they weigh about as much as the older ones; every
-    kept window, as kept, where h covers them all."""
+def horizon_windows(windows_MLE: np.ndarray, order_M: np.ndarray, h: int,
+                    recent_weight: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The windows a horizon of h plans on and their weights, ([M_h, L, E], [M_h]): the newest h
+    of the kept windows (ring rows `order_M` of windows_MLE, oldest first) alone, or with
+    `recent_weight` every kept window, the newest h counted 1 + round((n - h) / h) times so they
+    weigh about as much as the older ones; every kept window alike where h covers them all."""
     n = len(order_M)
     if h >= n:
-        return windows_MLE
-    newest_MLE = windows_MLE[order_M[n - h:]]
+        return windows_MLE, np.ones(len(windows_MLE))
     if not recent_weight:
-        return newest_MLE
-    return np.concatenate([windows_MLE] + [newest_MLE] * max(1, round((n - h) / h)))
+        return windows_MLE[order_M[n - h:]], np.ones(h)
+    w_M = np.ones(len(windows_MLE))
+    w_M[order_M[n - h:]] += max(1, round((n - h) / h))
+    return windows_MLE, w_M
+
+
+def true_or_false(name: str, v) -> bool:
+    """v as a bool if it is one (or 0 / 1); a setting typed as other text is refused, not read as True."""
+    if isinstance(v, (bool, np.bool_)) or (is_whole(v) and v in (0, 1)):
+        return bool(v)
+    raise EplbError(f"{name} must be true or false, got {v!r}")
 
 
 def parse_horizons(horizons, memory: int) -> tuple[int, ...]:
@@ -165,7 +174,7 @@ class HorizonChooser:
         self.horizons = np.asarray(horizons, dtype=np.int64)
         self.samples = whole_number("horizon_samples", samples, 1)
         self.margin = finite_number("horizon_margin", margin, 0.0)
-        self.per_layer = bool(per_layer)
+        self.per_layer = true_or_false("horizon_per_layer", per_layer)
         self._err_KHL = np.zeros((self.samples, len(horizons), num_layers))
         self._scored = 0
         self._pick_L = np.full(num_layers, len(horizons) - 1)       # index into horizons

@@ -55,6 +55,7 @@ from eplb.load_estimate import (
     WindowMemory,
     horizon_windows,
     parse_horizons,
+    true_or_false,
 )
 from eplb.migration import Budget, count_moves
 from eplb.migration.search import span_priced
@@ -170,7 +171,7 @@ class AdaptivePolicy:
         self.partners = whole_number("partners", partners, 1)
         self.replan_gap = finite_number("replan_gap", replan_gap, 0.0)
         self.horizons = parse_horizons(min(self.RECENT, self.memory) if horizons is None else horizons, self.memory)
-        self.recent_weight = bool(recent_weight)
+        self.recent_weight = true_or_false("recent_weight", recent_weight)
         self.horizon_moves = finite_number("horizon_moves", horizon_moves, 0.0)
         self._chooser_args = (horizon_samples, horizon_margin, horizon_per_layer)
         HorizonChooser(self.horizons, *self._chooser_args, num_layers=1)   # settings checked now
@@ -245,14 +246,14 @@ class AdaptivePolicy:
         # Each layer is planned on the windows of its horizon (every kept window without a chooser).
         horizon_L, win_H = self._horizon_windows(windows)
         if len(win_H) == 1:
-            new_LP, cost_L2, moves_LG = self._repair_rows(placement, old_LP, win_H[0], rounds_L, check_L, price, kw)
+            new_LP, cost_L2, moves_LG = self._repair_rows(placement, old_LP, *win_H[0], rounds_L, check_L, price, kw)
         else:
             new_LP, cost_L2 = np.empty_like(old_LP), np.empty((len(old_LP), 2))
             moves_LG = np.empty((len(old_LP), G), dtype=np.int64)
-            for h, win in enumerate(win_H):
+            for h, (win, w_M) in enumerate(win_H):
                 rows = np.flatnonzero(horizon_L == h)
                 new_LP[rows], cost_L2[rows], moves_LG[rows] = self._repair_rows(
-                    placement, old_LP[rows], win[:, rows], rounds_L[rows], check_L[rows], price, kw)
+                    placement, old_LP[rows], win[:, rows], w_M, rounds_L[rows], check_L[rows], price, kw)
         span = span_priced(placement.num_nodes, num_expert_groups, budget)
 
         def price_L(rows_LP, moves_L, layers):
@@ -290,8 +291,9 @@ class AdaptivePolicy:
             self.objective.planning_load(counts_LE, G, placement.num_nodes)[None]
         out = {}
         for h in sorted({min(int(h), n) for h in self.horizons}):
-            win = horizon_windows(windows, order, h, self.recent_weight)
-            new_LP, cost_L2 = repair(old_LP, win, G, rounds_L=rounds_L, beta=self.beta, partners=self.partners)
+            win, w_M = horizon_windows(windows, order, h, self.recent_weight)
+            new_LP, cost_L2 = repair(old_LP, win, G, rounds_L=rounds_L, beta=self.beta, partners=self.partners,
+                                     weights_M=w_M)
             moves_L = count_moves(old_LP, new_LP, G, E).sum(axis=1)
             pays_L = (moves_L > 0) & (cost_L2[:, 0] - cost_L2[:, 1] > self.move_cost / P * moves_L)
             busiest_L = window_imbalance(np.where(pays_L[:, None], new_LP, old_LP), now, G)[0]
@@ -299,8 +301,8 @@ class AdaptivePolicy:
         return np.stack([out[min(int(h), n)] for h in self.horizons])
 
     def _horizon_windows(self, windows):
-        """(horizon_L, win_H): which horizon each layer is planned on, int [L], and the kept windows of
-        each horizon in use, [M_h, L, E] (every kept window as kept where the horizon covers them)."""
+        """(horizon_L, win_H): which horizon each layer is planned on, int [L], and for each horizon
+        in use its windows and their weights, ([M_h, L, E], [M_h]) (`horizon_windows`)."""
         n = len(self._mem)
         h_L = np.full(len(self._flag_L), self.horizons[-1]) if self._chooser is None else self._chooser.choose()
         h_L = np.minimum(h_L, n)
@@ -308,24 +310,24 @@ class AdaptivePolicy:
         order = np.arange(self._mem.seen - n, self._mem.seen) % self.memory      # ring rows, oldest first
         return horizon_L.reshape(-1), [horizon_windows(windows, order, h, self.recent_weight) for h in used]
 
-    def _repair_rows(self, placement, old_LP, windows, rounds_L, check_L, price, kw):
+    def _repair_rows(self, placement, old_LP, windows, w_M, rounds_L, check_L, price, kw):
         """Repair (and, where check_L and replan_gap say so, replan) the layers of old_LP [n, P] on
-        windows [M, n, E]; returns (new_LP, cost_L2, moves_LG) for them."""
+        windows [M, n, E] weighted w_M [M]; returns (new_LP, cost_L2, moves_LG) for them."""
         G, E = placement.num_gpus, placement.num_logical_experts
-        new_LP, cost_L2 = repair(old_LP, windows, G, rounds_L=rounds_L, **kw)
+        new_LP, cost_L2 = repair(old_LP, windows, G, rounds_L=rounds_L, weights_M=w_M, **kw)
         moves_LG = count_moves(old_LP, new_LP, G, E)
         if self.replan_gap > 0 and check_L.any():
-            new_LP, cost_L2, moves_LG = self._replan(placement, old_LP, windows, new_LP, cost_L2, moves_LG, price,
-                                                     check_L)
+            new_LP, cost_L2, moves_LG = self._replan(placement, old_LP, windows, w_M, new_LP, cost_L2, moves_LG,
+                                                     price, check_L)
         return new_LP, cost_L2, moves_LG
 
-    def _replan(self, placement, old_LP, windows, new_LP, cost_L2, moves_LG, price, check_L):
-        """Offer a fresh greedy plan of the windows' sum to the layers of check_L the repair
-        leaves far (> replan_gap) above it; it replaces the repair where its net gain (gain - price x
-        moves) is higher. old_LP: the layers' rows in force, [n, P]; windows [M, n, E]. Returns
-        (new_LP, cost_L2, moves_LG), changed rows only."""
+    def _replan(self, placement, old_LP, windows, w_M, new_LP, cost_L2, moves_LG, price, check_L):
+        """Offer a fresh greedy plan of the windows' (weighted) sum to the layers of check_L the
+        repair leaves far (> replan_gap) above it; it replaces the repair where its net gain (gain -
+        price x moves) is higher. old_LP: the layers' rows in force, [n, P]; windows [M, n, E],
+        weighted w_M [M]. Returns (new_LP, cost_L2, moves_LG), changed rows only."""
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
-        total_LE = windows.sum(axis=0)
+        total_LE = np.tensordot(w_M, windows, axes=1)
         # Greedy's replica counts bound its plan from below, before it is made: in each window
         # the busiest GPU holds at least the mean load and each expert's share per replica, and
         # each replica an expert gains lands on a GPU that did not hold it (a move). Only the
@@ -333,14 +335,14 @@ class AdaptivePolicy:
         # planned.
         count_LE = replicate(total_LE, P, G)
         per_ML = np.maximum(1.0, (normalise(windows, G) / count_LE).max(axis=2))
-        bound_L = 0.5 * per_ML.mean(axis=0) + 0.5 * per_ML.max(axis=0)
+        bound_L = 0.5 * np.average(per_ML, axis=0, weights=w_M) + 0.5 * per_ML.max(axis=0)
         net_rep_L = cost_L2[:, 0] - cost_L2[:, 1] - price * moves_LG.sum(axis=1)
         gained_L = np.maximum(count_LE - replica_counts(old_LP, E), 0).sum(axis=1)
         cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap)
                               & (cost_L2[:, 0] - bound_L - price * gained_L > np.maximum(net_rep_L, 0.0)))
         if not cand.size:
             return new_LP, cost_L2, moves_LG
-        fresh_LP, cost_L = self._fresh(placement, windows, total_LE, count_LE, cand)
+        fresh_LP, cost_L = self._fresh(placement, windows, w_M, total_LE, count_LE, cand)
         # The same bound on the moves with the plan's own cost in place of the bound on it (greedy
         # never puts two replicas of an expert on one GPU, so every replica gained is a move
         # whatever the renaming): the renaming is made only where the plan can still pay.
@@ -362,14 +364,14 @@ class AdaptivePolicy:
         return new_LP, cost_L2, moves_LG
 
     @staticmethod
-    def _fresh(placement, windows, total_LE, count_LE, layers):
-        """A greedy plan of the memory's sum for `layers`, [n, P], and its cost on the windows
-        (half the mean, half the worst window of busiest / mean GPU), [n]. count_LE: greedy's
-        replica counts of the sum (`replicate`, per layer), which the bound was made from."""
+    def _fresh(placement, windows, w_M, total_LE, count_LE, layers):
+        """A greedy plan of the windows' sum for `layers`, [n, P], and its cost on the windows
+        (half the mean, weighted w_M, half the worst window of busiest / mean GPU), [n]. count_LE:
+        greedy's replica counts of the sum (`replicate`, per layer), which the bound was made from."""
         fresh_LP = plan_greedy(total_LE[layers], placement.num_gpus, placement.slots_per_gpu,
                                count_LE=count_LE[layers])
         busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
-        return fresh_LP, 0.5 * busiest_ML.mean(axis=0) + 0.5 * busiest_ML.max(axis=0)
+        return fresh_LP, 0.5 * np.average(busiest_ML, axis=0, weights=w_M) + 0.5 * busiest_ML.max(axis=0)
 
 
 class WindowPolicy:

@@ -59,6 +59,21 @@ def test_the_newest_windows_count_again_beside_every_kept_one(seed):
     assert (d.phy2log_LP == ref.phy2log_LP).all() and np.allclose(d.gain_L, ref.gain_L, rtol=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_window_weighed_k_times_is_the_window_counted_k_times(seed):
+    """The repair's window weights (means and smooth maximum) against the same windows repeated."""
+    from eplb.policy import repair
+
+    rng = np.random.default_rng(seed)
+    win = np.concatenate([draws(rng, shares(rng, (0,), 6.0), 4), draws(rng, shares(rng, (3, 9), 4.0), 2)])
+    start = plan(win[:4], num_gpus=G, slots_per_gpu=S, planner="greedy").placement.phy2log_LP
+    w_M = np.array([1.0, 1.0, 1.0, 1.0, 3.0, 3.0])
+    rounds_L = np.full(L, 8)
+    got, cost = repair(start, win, G, rounds_L=rounds_L, weights_M=w_M)
+    ref, ref_cost = repair(start, np.concatenate([win] + [win[4:]] * 2), G, rounds_L=rounds_L)
+    assert (got == ref).all() and np.allclose(cost, ref_cost, rtol=1e-12)
+
+
 def test_chooser_follows_the_trace_short_on_regimes_long_on_noise(rng):
     """Decisions on one window serve a trace whose hot expert changes every few windows best, and
     on the whole memory a trace of noise around one mean (moves free, so only the serving counts)."""
@@ -95,5 +110,10 @@ def test_horizon_settings_are_checked():
         get_policy("adaptive", {"horizons": 0})
     with pytest.raises(EplbError, match="horizon_margin"):
         get_policy("adaptive", {"horizon_margin": -0.5})
+    with pytest.raises(EplbError, match="recent_weight must be true or false, got 'yes'"):
+        get_policy("adaptive", {"recent_weight": "yes"})
+    with pytest.raises(EplbError, match="horizon_per_layer must be true or false"):
+        get_policy("adaptive", {"horizon_per_layer": "layer"})
+    assert get_policy("adaptive", {"recent_weight": False}).recent_weight is False
     with pytest.raises(EplbError, match="horizon_moves"):
         get_policy("adaptive", {"horizon_moves": -1})
