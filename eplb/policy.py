@@ -327,7 +327,7 @@ class AdaptivePolicy:
         price x moves) is higher. old_LP: the layers' rows in force, [n, P]; windows [M, n, E],
         weighted w_M [M]. Returns (new_LP, cost_L2, moves_LG), changed rows only."""
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
-        total_LE = np.tensordot(w_M, windows, axes=1)
+        total_LE = (windows * w_M[:, None, None]).sum(axis=0)
         # Greedy's replica counts bound its plan from below, before it is made: in each window
         # the busiest GPU holds at least the mean load and each expert's share per replica, and
         # each replica an expert gains lands on a GPU that did not hold it (a move). Only the

@@ -98,6 +98,28 @@ def test_chooser_follows_the_trace_short_on_regimes_long_on_noise(rng):
     assert (run(steady) == 8).all()
 
 
+def test_layers_on_different_horizons_decide_as_each_horizon_alone(rng):
+    """Per layer, each layer's row is the one a policy on that layer's horizon alone decides; under
+    a move cap the layers share it and the re-repair of a layer uses its own horizon's windows."""
+    from eplb.migration import Budget, count_moves
+
+    hist = np.concatenate([draws(rng, shares(rng, (0,), 6.0), 6), draws(rng, shares(rng, (0, 9), 6.0), 2)])
+    start = plan(hist[:4], num_gpus=G, slots_per_gpu=S, planner="robust").placement
+    kw = dict(memory=8, move_cost=0.0, detect=0, replan_gap=0)
+    per = AdaptivePolicy(horizons="1,8", horizon_per_layer=True, **kw)
+    alone = {h: AdaptivePolicy(horizons=h, **kw) for h in (1, 8)}
+    for c in hist:
+        for pol in (per, *alone.values()):
+            pol.observe(c, start)
+    for _ in range(per._chooser.samples):      # every kept error: layer 0 on 1 window, the rest on 8
+        per._chooser.record(np.array([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    assert list(per._chooser.choose()) == [1, 8, 8]
+    d, d1, d8 = per.decide(start), alone[1].decide(start), alone[8].decide(start)
+    assert (d.phy2log_LP[0] == d1.phy2log_LP[0]).all() and (d.phy2log_LP[1:] == d8.phy2log_LP[1:]).all()
+    capped = per.decide(start, Budget(max_moves=3))
+    assert capped is not None and 0 < count_moves(start.phy2log_LP, capped.phy2log_LP, G, E).sum() <= 3
+
+
 def test_horizon_settings_are_checked():
     assert AdaptivePolicy().horizons == (2,)
     assert AdaptivePolicy(memory=1).horizons == (1,)         # the default never exceeds the memory
