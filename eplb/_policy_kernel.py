@@ -50,19 +50,21 @@ def _loads(phy_P, cnt_E, share_EM, S, load_GM):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _cost(load_GM, worst_weight):
-    """(the mean and the worst window of the busiest GPU, weighted 1 - worst_weight and
-    worst_weight; the worst window's busiest)."""
+def _cost(load_GM, w_M, worst_weight):
+    """(the mean (windows weighted by w_M) and the worst window of the busiest GPU, weighted
+    1 - worst_weight and worst_weight; the worst window's busiest)."""
     G, M = load_GM.shape
     total = 0.0
+    wsum = 0.0
     worst = 0.0
     for m in range(M):
         top = 0.0
         for g in range(G):
             top = max(top, load_GM[g, m])
-        total += top
+        total += w_M[m] * top
+        wsum += w_M[m]
         worst = max(worst, top)
-    return (1.0 - worst_weight) * total / M + worst_weight * worst, worst
+    return (1.0 - worst_weight) * total / wsum + worst_weight * worst, worst
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -90,18 +92,21 @@ def window_busiest(ring_MLE, phy2log_LP, num_gpus):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _demand(share_EM, blend, key_E):
-    """Each expert's demand, blending its mean and worst share (with `_targets`' tie-break
-    bonus), into key_E."""
+def _demand(share_EM, w_M, blend, key_E):
+    """Each expert's demand, blending its mean (windows weighted by w_M) and worst share (with
+    `_targets`' tie-break bonus), into key_E."""
     E, M = share_EM.shape
+    wsum = 0.0
+    for m in range(M):
+        wsum += w_M[m]
     top = 0.0
     for e in range(E):
         s = 0.0
         mx = 0.0
         for m in range(M):
-            s += share_EM[e, m]
+            s += w_M[m] * share_EM[e, m]
             mx = max(mx, share_EM[e, m])
-        mean = s / M
+        mean = s / wsum
         key_E[e] = mean + blend * (mx - mean)
         top = max(top, key_E[e])
     bonus = 1e-9 * max(top, 1.0)
@@ -246,7 +251,7 @@ def _peak(load_GM, g, peak_G):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _swaps(phy_P, cnt_E, share_EM, S, rounds, how, caps, moved, load_GM, work):
+def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, work):
     """At most `rounds` swaps between a replica on one of the two GPUs with the heaviest worst
     window and a replica on one of the `partners` GPUs with the lightest, each the swap that
     lowers the smooth maximum Z = sum over (GPU, window) of exp(beta (load - top)) the most,
@@ -273,7 +278,7 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, how, caps, moved, load_GM, work):
         for m in range(M):
             top = max(top, load_GM[g, m])
     for g in range(G):
-        _gpu_terms(g, load_GM, top, beta, e_GM, peak_G, esum_G)
+        _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G)
     n_src = min(sources, G)
     for _ in range(rounds):
         z = 0.0
@@ -349,8 +354,8 @@ def _swaps(phy_P, cnt_E, share_EM, S, rounds, how, caps, moved, load_GM, work):
         for m in range(M):
             load_GM[A, m] += w_EM[eb, m] - w_EM[ea, m]
             load_GM[B, m] += w_EM[ea, m] - w_EM[eb, m]
-        _gpu_terms(A, load_GM, top, beta, e_GM, peak_G, esum_G)
-        _gpu_terms(B, load_GM, top, beta, e_GM, peak_G, esum_G)
+        _gpu_terms(A, load_GM, w_M, top, beta, e_GM, peak_G, esum_G)
+        _gpu_terms(B, load_GM, w_M, top, beta, e_GM, peak_G, esum_G)
     return moved
 
 
@@ -418,21 +423,22 @@ def _rank_ends(peak_G, order_G, n_top, n_bottom):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _gpu_terms(g, load_GM, top, beta, e_GM, peak_G, esum_G):
-    """GPU g's worst window, its terms of Z and their sum."""
+def _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G):
+    """GPU g's worst window, its terms of Z (each window's weighted by w_M) and their sum."""
     M = load_GM.shape[1]
     peak_G[g] = 0.0
     esum_G[g] = 0.0
     for m in range(M):
         peak_G[g] = max(peak_G[g], load_GM[g, m])
-        e_GM[g, m] = np.exp(beta * (load_GM[g, m] - top))
+        e_GM[g, m] = w_M[m] * np.exp(beta * (load_GM[g, m] - top))
         esum_G[g] += e_GM[g, m]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, worst_weight, cap_total, cap_G, new_LP,
-           cost_L2):
-    """Repair every layer of old_LP against the windows of ring_MLE (see the module docstring).
+def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, worst_weight, cap_total, cap_G,
+           new_LP, cost_L2):
+    """Repair every layer of old_LP against the windows of ring_MLE, window m weighted w_M[m] in
+    every mean and in the smooth maximum (see the module docstring).
 
     how: (beta, partners, sources, floor) of the swaps (`_swaps`).
     Per layer and blend: target replica counts (`_targets`), fill the experts below target
@@ -478,7 +484,7 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
         for p in range(P):
             cnt_E[old_LP[l, p]] += 1
         _loads(old_LP[l], cnt_E, share_EM, S, load_GM)
-        old_cost, best_worst = _cost(load_GM, worst_weight)
+        old_cost, best_worst = _cost(load_GM, w_M, worst_weight)
         new_LP[l] = old_LP[l]
         cost_L2[l, 0] = old_cost
         cost_L2[l, 1] = old_cost
@@ -489,7 +495,7 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
             # A blend with the targets of an earlier one has its fill too: never swapped from,
             # so not made. One window gives every blend the same demand, and its targets are
             # not counted again either.
-            _demand(share_EM, blends_B[k], key_BE[k])
+            _demand(share_EM, w_M, blends_B[k], key_BE[k])
             same = False
             for j in range(k):
                 if (key_BE[j] == key_BE[k]).all():
@@ -513,7 +519,7 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
             _unhold(fill_BP[k], S, hold_EG)
             in_BG[k] = in_G
             _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
-            cost, worst_B[k] = _cost(load_GM, worst_weight)
+            cost, worst_B[k] = _cost(load_GM, w_M, worst_weight)
         for _ in range(min(swap_fills, nb)):
             k = -1                          # the lightest fill left, the first of (near) equals
             for j in range(nb):
@@ -527,11 +533,11 @@ def repair(ring_MLE, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, wors
             _hold(phy_P, S, hold_EG, cnt_E)
             in_G[:] = in_BG[k]
             if rounds_L[l] > 0:
-                _swaps(phy_P, cnt_E, share_EM, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
+                _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
                        moved_B[k], load_GM, work)
             _unhold(phy_P, S, hold_EG)
             _loads(phy_P, cnt_E, share_EM, S, load_GM)
-            cost, worst = _cost(load_GM, worst_weight)
+            cost, worst = _cost(load_GM, w_M, worst_weight)
             if worst < best_worst - 1e-12:
                 best_worst = worst
                 new_LP[l] = phy_P

@@ -13,7 +13,10 @@ window before it is served.
 The default, `AdaptivePolicy` ("adaptive"):
 - Load estimate: the newest `memory` windows, each kept whole (a bounded ring, `WindowMemory`).
   Planning is robust against every one of them (as the `robust` planner is), not against their
-  sum, so regimes that alternate (prefill / decode) are hedged rather than chased.
+  sum, so regimes that alternate (prefill / decode) are hedged rather than chased; the newest
+  `horizons` windows (2) count again until they weigh about as much as the older ones, so the
+  mean follows drift while the worst-window hedge spans the whole memory. Given several
+  horizons, `HorizonChooser` picks the one whose decisions served the newest windows best.
 - Change detector (`ChangeDetector`): the placement in force is scored on the window it just
   served; a layer whose busiest / mean GPU is far above what the same placement does on the
   windows before it (median + `detect` median absolute deviations) has met traffic its
@@ -45,7 +48,15 @@ import numpy as np
 
 from eplb.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
-from eplb.load_estimate import BucketedSum, ChangeDetector, WindowMemory
+from eplb.load_estimate import (
+    BucketedSum,
+    ChangeDetector,
+    HorizonChooser,
+    WindowMemory,
+    horizon_windows,
+    parse_horizons,
+    true_or_false,
+)
 from eplb.migration import Budget, count_moves
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
@@ -60,6 +71,7 @@ from eplb.repair import (
     robust_repair,
     warm_up,
     window_imbalance,
+    within_caps,
 )
 from planners.greedy import plan_greedy, replicate
 
@@ -67,7 +79,8 @@ from planners.greedy import plan_greedy, replicate
 # are importable from here too, and `warm_up` here is what the Rebalancer's background loading
 # finds (eplb.rebalance.kernel_modules).
 __all__ = [
-    "POLICIES", "AdaptivePolicy", "BucketedSum", "ChangeDetector", "Decision", "Policy", "StaticPolicy",
+    "POLICIES", "AdaptivePolicy", "BucketedSum", "ChangeDetector", "Decision", "HorizonChooser", "Policy",
+    "StaticPolicy",
     "WindowMemory", "WindowPolicy", "get_policy", "group_pairs", "normalise", "policy_settings", "renamed",
     "repair", "robust_repair", "takes_budget", "warm_up", "window_imbalance",
 ]
@@ -126,15 +139,28 @@ class AdaptivePolicy:
     replan_gap: a layer whose repair stays more than this (busiest / mean GPU, on the same cost)
     above a fresh `greedy` plan of the memory's sum is offered that plan, relabelled onto the
     placement in force (a workload switch that a few swaps cannot follow); 0 = off.
+    horizons: the newest windows (at most `memory`; default RECENT, 2) a decision weighs most:
+    with `recent_weight` (default) it plans on every kept window and on these again, repeated
+    until they weigh about as much as the older ones (the worst-window hedge still spans the
+    whole memory, the mean follows drift); without it, on these windows alone; `memory` plans
+    on every kept window alike. Several horizons ("2,4,8,16"): each decision takes the one
+    whose decisions would have served the newest `horizon_samples` windows best
+    (`HorizonChooser`: busiest / mean GPU plus `horizon_moves` x the price of their moves),
+    switching only for a score lower by more than `horizon_margin` of the one in use, for the
+    whole model or per layer (`horizon_per_layer`).
     objective: "tokens", or an eplb.cost.TimeObjective: windows are then planned as each
     expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
 
     name = "adaptive"
+    RECENT = 2
+    """The default horizon (windows): the newest two count again beside every kept window."""
 
     def __init__(self, memory: int = 16, swaps: int = 8, urgent_swaps: int = 16, move_cost: float = 0.3,
                  detect: float = 8.0, detect_floor: float = 0.02, beta: float = 50.0, partners: int = 8,
-                 replan_gap: float = 0.05, objective: str | TimeObjective = "tokens"):
+                 replan_gap: float = 0.05, horizons: int | str | tuple | None = None, recent_weight: bool = True,
+                 horizon_samples: int = 8, horizon_margin: float = 0.1, horizon_moves: float = 1.0,
+                 horizon_per_layer: bool = False, objective: str | TimeObjective = "tokens"):
         self.memory = whole_number("memory (windows)", memory, 1)
         self.swaps = whole_number("swaps", swaps, 0)
         self.urgent_swaps = whole_number("urgent_swaps", urgent_swaps, 0)
@@ -144,6 +170,12 @@ class AdaptivePolicy:
         self.beta = positive_number("beta", beta)
         self.partners = whole_number("partners", partners, 1)
         self.replan_gap = finite_number("replan_gap", replan_gap, 0.0)
+        self.horizons = parse_horizons(min(self.RECENT, self.memory) if horizons is None else horizons, self.memory)
+        self.recent_weight = true_or_false("recent_weight", recent_weight)
+        self.horizon_moves = finite_number("horizon_moves", horizon_moves, 0.0)
+        self._chooser_args = (horizon_samples, horizon_margin, horizon_per_layer)
+        HorizonChooser(self.horizons, *self._chooser_args, num_layers=1)   # settings checked now
+        self._chooser: HorizonChooser | None = None
         self.objective = check_objective(objective)
         self._mem: WindowMemory | None = None
         self._load: WindowMemory | None = None      # planning loads (time objective), else None
@@ -152,7 +184,7 @@ class AdaptivePolicy:
 
     @property
     def memory_bytes(self) -> int:
-        return sum(0 if m is None else m.nbytes for m in (self._mem, self._load))
+        return sum(0 if m is None else m.nbytes for m in (self._mem, self._load, self._chooser))
 
     def _windows(self, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
         """The kept windows as planned on (raw, in ring order: every use sums or maximises over
@@ -172,11 +204,16 @@ class AdaptivePolicy:
         if self._mem is None:
             self._mem = WindowMemory(self.memory, L, E)
             self._flag_L = np.zeros(L, dtype=bool)
+            if len(self.horizons) > 1:
+                self._chooser = HorizonChooser(self.horizons, *self._chooser_args, num_layers=L)
             if self.objective != "tokens":
                 self._load = WindowMemory(self.memory, L, E)
                 self._load_for = np.zeros((self.memory, 2), dtype=np.int64)
         if self._load_for is not None:
             self._load_for[self._mem.seen % self.memory] = 0           # its planning load is made below
+        if self._chooser is not None and len(self._mem):
+            # Scored on the window before it joins the memory: a prediction from the past only.
+            self._chooser.record(self._horizon_errors(counts_LE, placement))
         self._mem.push(counts_LE)
         if len(self._mem) >= self.detector.MIN_WINDOWS and self.detector.kappa > 0:
             busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G, placement.num_nodes), G)
@@ -197,8 +234,6 @@ class AdaptivePolicy:
         self._flag_L[:] = False
         rounds_L = np.where(flag_L, self.urgent_swaps, self.swaps)
         kw = dict(beta=self.beta, partners=self.partners)
-        new_LP, cost_L2 = repair(old_LP, windows, G, rounds_L=rounds_L, **kw)
-        moves_LG = count_moves(old_LP, new_LP, G, E)
         # A layer changes only where the predicted gain pays for every replica it moves: a
         # share moves / P of the price of moving all of the layer's slots, plus the budget's.
         price = self.move_cost / P + budget.move_cost
@@ -208,8 +243,17 @@ class AdaptivePolicy:
         # and the check is not free (a plan and a scoring of every window).
         check_L = flag_L if self.detector.kappa > 0 and len(self._mem) >= self.detector.MIN_WINDOWS \
             else np.ones_like(flag_L)
-        if self.replan_gap > 0 and check_L.any():
-            new_LP, cost_L2, moves_LG = self._replan(placement, windows, new_LP, cost_L2, moves_LG, price, check_L)
+        # Each layer is planned on the windows of its horizon (every kept window without a chooser).
+        horizon_L, win_H = self._horizon_windows(windows)
+        if len(win_H) == 1:
+            new_LP, cost_L2, moves_LG = self._repair_rows(placement, old_LP, *win_H[0], rounds_L, check_L, price, kw)
+        else:
+            new_LP, cost_L2 = np.empty_like(old_LP), np.empty((len(old_LP), 2))
+            moves_LG = np.empty((len(old_LP), G), dtype=np.int64)
+            for h, (win, w_M) in enumerate(win_H):
+                rows = np.flatnonzero(horizon_L == h)
+                new_LP[rows], cost_L2[rows], moves_LG[rows] = self._repair_rows(
+                    placement, old_LP[rows], win[:, rows], w_M, rounds_L[rows], check_L[rows], price, kw)
         span = span_priced(placement.num_nodes, num_expert_groups, budget)
 
         def price_L(rows_LP, moves_L, layers):
@@ -225,21 +269,65 @@ class AdaptivePolicy:
         moves_L = moves_LG.sum(axis=1)
         pays_L = (moves_L > 0) & (gain_L > price_L(new_LP, moves_L, layers))
         if budget.max_moves is not None or budget.max_moves_per_gpu is not None:
-            pays_L, new_LP, gain_L = self._within_caps(placement, windows, budget, flag_L, pays_L, new_LP, gain_L,
-                                                       moves_LG, price_L, kw)
+            pays_L, new_LP, gain_L = within_caps(old_LP, [win_H[h] for h in horizon_L], G, E, budget, rounds_L,
+                                                 pays_L, new_LP, gain_L, moves_LG, price_L, kw)
         if not pays_L.any():
             return None
         new_LP = np.where(pays_L[:, None], new_LP, old_LP)
         why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
         return Decision(new_LP, pays_L, np.where(pays_L, gain_L, 0.0), flag_L, why)
 
-    def _replan(self, placement, windows, new_LP, cost_L2, moves_LG, price, check_L):
-        """Offer a fresh greedy plan of the memory's sum to the layers of check_L the repair
-        leaves far (> replan_gap) above it; it replaces the repair where its net gain (gain - price x
-        moves) is higher. Returns (new_LP, cost_L2, moves_LG), changed rows only."""
+    def _horizon_errors(self, counts_LE, placement):
+        """What a decision on each horizon's windows would have served on counts_LE [L, E] (the
+        repair, kept per layer where it pays for its moves): busiest / mean GPU above 1, plus
+        `horizon_moves` x the decision's price of the moves it makes, [H, L]."""
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
+        n = len(self._mem)
+        windows = self._windows(G, placement.num_nodes)
+        order = np.arange(self._mem.seen - n, self._mem.seen) % self.memory
         old_LP = placement.phy2log_LP
-        total_LE = windows.sum(axis=0)
+        rounds_L = np.full(old_LP.shape[0], self.swaps)
+        now = counts_LE[None] if self._load is None else \
+            self.objective.planning_load(counts_LE, G, placement.num_nodes)[None]
+        out = {}
+        for h in sorted({min(int(h), n) for h in self.horizons}):
+            win, w_M = horizon_windows(windows, order, h, self.recent_weight)
+            new_LP, cost_L2 = repair(old_LP, win, G, rounds_L=rounds_L, beta=self.beta, partners=self.partners,
+                                     weights_M=w_M)
+            moves_L = count_moves(old_LP, new_LP, G, E).sum(axis=1)
+            pays_L = (moves_L > 0) & (cost_L2[:, 0] - cost_L2[:, 1] > self.move_cost / P * moves_L)
+            busiest_L = window_imbalance(np.where(pays_L[:, None], new_LP, old_LP), now, G)[0]
+            out[h] = busiest_L - 1.0 + self.horizon_moves * self.move_cost / P * np.where(pays_L, moves_L, 0)
+        return np.stack([out[min(int(h), n)] for h in self.horizons])
+
+    def _horizon_windows(self, windows):
+        """(horizon_L, win_H): which horizon each layer is planned on, int [L], and for each horizon
+        in use its windows and their weights, ([M_h, L, E], [M_h]) (`horizon_windows`)."""
+        n = len(self._mem)
+        h_L = np.full(len(self._flag_L), self.horizons[-1]) if self._chooser is None else self._chooser.choose()
+        h_L = np.minimum(h_L, n)
+        used, horizon_L = np.unique(h_L, return_inverse=True)
+        order = np.arange(self._mem.seen - n, self._mem.seen) % self.memory      # ring rows, oldest first
+        return horizon_L.reshape(-1), [horizon_windows(windows, order, h, self.recent_weight) for h in used]
+
+    def _repair_rows(self, placement, old_LP, windows, w_M, rounds_L, check_L, price, kw):
+        """Repair (and, where check_L and replan_gap say so, replan) the layers of old_LP [n, P] on
+        windows [M, n, E] weighted w_M [M]; returns (new_LP, cost_L2, moves_LG) for them."""
+        G, E = placement.num_gpus, placement.num_logical_experts
+        new_LP, cost_L2 = repair(old_LP, windows, G, rounds_L=rounds_L, weights_M=w_M, **kw)
+        moves_LG = count_moves(old_LP, new_LP, G, E)
+        if self.replan_gap > 0 and check_L.any():
+            new_LP, cost_L2, moves_LG = self._replan(placement, old_LP, windows, w_M, new_LP, cost_L2, moves_LG,
+                                                     price, check_L)
+        return new_LP, cost_L2, moves_LG
+
+    def _replan(self, placement, old_LP, windows, w_M, new_LP, cost_L2, moves_LG, price, check_L):
+        """Offer a fresh greedy plan of the windows' (weighted) sum to the layers of check_L the
+        repair leaves far (> replan_gap) above it; it replaces the repair where its net gain (gain -
+        price x moves) is higher. old_LP: the layers' rows in force, [n, P]; windows [M, n, E],
+        weighted w_M [M]. Returns (new_LP, cost_L2, moves_LG), changed rows only."""
+        G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
+        total_LE = (windows * w_M[:, None, None]).sum(axis=0)
         # Greedy's replica counts bound its plan from below, before it is made: in each window
         # the busiest GPU holds at least the mean load and each expert's share per replica, and
         # each replica an expert gains lands on a GPU that did not hold it (a move). Only the
@@ -247,14 +335,14 @@ class AdaptivePolicy:
         # planned.
         count_LE = replicate(total_LE, P, G)
         per_ML = np.maximum(1.0, (normalise(windows, G) / count_LE).max(axis=2))
-        bound_L = 0.5 * per_ML.mean(axis=0) + 0.5 * per_ML.max(axis=0)
+        bound_L = 0.5 * np.average(per_ML, axis=0, weights=w_M) + 0.5 * per_ML.max(axis=0)
         net_rep_L = cost_L2[:, 0] - cost_L2[:, 1] - price * moves_LG.sum(axis=1)
         gained_L = np.maximum(count_LE - replica_counts(old_LP, E), 0).sum(axis=1)
         cand = np.flatnonzero(check_L & (bound_L < cost_L2[:, 1] - self.replan_gap)
                               & (cost_L2[:, 0] - bound_L - price * gained_L > np.maximum(net_rep_L, 0.0)))
         if not cand.size:
             return new_LP, cost_L2, moves_LG
-        fresh_LP, cost_L = self._fresh(placement, windows, total_LE, count_LE, cand)
+        fresh_LP, cost_L = self._fresh(placement, windows, w_M, total_LE, count_LE, cand)
         # The same bound on the moves with the plan's own cost in place of the bound on it (greedy
         # never puts two replicas of an expert on one GPU, so every replica gained is a move
         # whatever the renaming): the renaming is made only where the plan can still pay.
@@ -276,42 +364,14 @@ class AdaptivePolicy:
         return new_LP, cost_L2, moves_LG
 
     @staticmethod
-    def _fresh(placement, windows, total_LE, count_LE, layers):
-        """A greedy plan of the memory's sum for `layers`, [n, P], and its cost on the windows
-        (half the mean, half the worst window of busiest / mean GPU), [n]. count_LE: greedy's
-        replica counts of the sum (`replicate`, per layer), which the bound was made from."""
+    def _fresh(placement, windows, w_M, total_LE, count_LE, layers):
+        """A greedy plan of the windows' sum for `layers`, [n, P], and its cost on the windows
+        (half the mean, weighted w_M, half the worst window of busiest / mean GPU), [n]. count_LE:
+        greedy's replica counts of the sum (`replicate`, per layer), which the bound was made from."""
         fresh_LP = plan_greedy(total_LE[layers], placement.num_gpus, placement.slots_per_gpu,
                                count_LE=count_LE[layers])
         busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
-        return fresh_LP, 0.5 * busiest_ML.mean(axis=0) + 0.5 * busiest_ML.max(axis=0)
-
-    def _within_caps(self, placement, windows, budget, flag_L, pays_L, new_LP, gain_L, moves_LG, price_L, kw):
-        """Keep the paying layers that fit Budget.max_moves / max_moves_per_gpu, best gain per
-        move first; a layer that does not fit whole is repaired again within what is left."""
-        G, E = placement.num_gpus, placement.num_logical_experts
-        old_LP = placement.phy2log_LP
-        left = np.inf if budget.max_moves is None else float(budget.max_moves)
-        left_G = np.full(G, np.inf if budget.max_moves_per_gpu is None else float(budget.max_moves_per_gpu))
-        moves_L = moves_LG.sum(axis=1)
-        keep_L = np.zeros_like(pays_L)
-        new_LP, gain_L = new_LP.copy(), gain_L.copy()
-        for l in sorted(np.flatnonzero(pays_L), key=lambda l: -gain_L[l] / moves_L[l]):
-            if left <= 0 or not (left_G > 0).any():
-                break
-            if moves_L[l] > left or (moves_LG[l] > left_G).any():
-                rows, cost = repair(old_LP[l:l + 1], windows[:, l:l + 1], G,
-                                    rounds_L=np.where(flag_L[l:l + 1], self.urgent_swaps, self.swaps),
-                                    max_moves=left, max_moves_G=left_G, **kw)
-                m_G = count_moves(old_LP[l:l + 1], rows, G, E)[0]
-                gain = cost[0, 0] - cost[0, 1]
-                if m_G.sum() == 0 or not gain > price_L(rows, m_G.sum(keepdims=True), [l])[0]:
-                    continue
-                assert m_G.sum() <= left and (m_G <= left_G).all(), "capped repair exceeded its caps"
-                new_LP[l], gain_L[l], moves_LG[l] = rows[0], gain, m_G
-            keep_L[l] = True
-            left -= moves_LG[l].sum()
-            left_G -= moves_LG[l]
-        return keep_L, new_LP, gain_L
+        return fresh_LP, 0.5 * np.average(busiest_ML, axis=0, weights=w_M) + 0.5 * busiest_ML.max(axis=0)
 
 
 class WindowPolicy:

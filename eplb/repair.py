@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from eplb.migration import keep_slots, relabel
+from eplb.migration import count_moves, keep_slots, relabel
 from eplb.stats import group_span
 from planners.robust import normalise_windows
 
@@ -64,7 +64,8 @@ _SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of i
 
 def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
            beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1, worst_weight: float = 0.5,
-           max_moves: float = np.inf, max_moves_G: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           max_moves: float = np.inf, max_moves_G: np.ndarray | None = None,
+           weights_M: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The placement in force, changed a little to balance every window (compiled, per layer).
 
     Step 1: target replica counts, as the `robust` planner sets them (demand blending each
@@ -79,7 +80,9 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
             maximum of GPU loads over all windows (sharpness `beta`) the most.
     Per layer, the result with the lightest worst window is kept (the layer stays as it was
     unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
-    onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`).
+    onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`);
+    weights_M: each window's weight in the means and the smooth maximum (default 1 each:
+    weight k is the window counted k times), never in a worst window.
     Returns (phy2log_LP, cost_L2): the new map and the cost of the old and the new placement per
     layer, cost = (1 - worst_weight) x the mean + worst_weight x the worst window of busiest /
     mean GPU (the adaptive policy's decision uses half and half).
@@ -91,7 +94,8 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     new_LP = np.empty_like(old)
     cost_L2 = np.empty((old.shape[0], 2))
     cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
-    _policy_kernel.repair(_floats(windows_MLE), old, _floats(blends), _ints(rounds_L), G,
+    w_M = np.ones(np.shape(windows_MLE)[0]) if weights_M is None else _floats(weights_M)
+    _policy_kernel.repair(_floats(windows_MLE), w_M, old, _floats(blends), _ints(rounds_L), G,
                           (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
                           float(max_moves), cap_G,
                           new_LP, cost_L2)
@@ -131,6 +135,7 @@ def warm_up() -> float:
     window_imbalance(phy, win, 2)
     repair(phy, win, 2, rounds_L=np.array([2, 2]))
     repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
+    repair(phy, win, 2, rounds_L=np.array([2, 2]), weights_M=np.array([1.0, 1.0, 2.0, 2.0]))
     renamed(phy, phy[::-1].copy(), 2, 3)
     return time.perf_counter() - t0
 
@@ -139,3 +144,36 @@ def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_exper
                 num_logical_experts: int) -> np.ndarray:
     """(expert group, node) pairs holding a replica, per layer, int [L] (Budget.span_cost prices them)."""
     return group_span(phy2log_LP, num_gpus, num_nodes, num_expert_groups, num_logical_experts).sum(axis=1)
+
+
+def within_caps(old_LP: np.ndarray, windows_L: list, num_gpus: int, num_logical_experts: int, budget,
+                rounds_L: np.ndarray, pays_L: np.ndarray, new_LP: np.ndarray, gain_L: np.ndarray, moves_LG: np.ndarray,
+                price_L, kw: dict):
+    """Keep the paying layers (pays_L) of a decision that fit Budget.max_moves / max_moves_per_gpu,
+    best gain per move first; a layer that does not fit whole is repaired again within what is
+    left, on its own windows and their weights (windows_L[l]: [M, L, E], [M]) with rounds_L[l]
+    swaps, and kept if its gain still beats price_L(rows, moves, layers). Returns (keep_L, new_LP,
+    gain_L)."""
+    G, E = int(num_gpus), int(num_logical_experts)
+    left = np.inf if budget.max_moves is None else float(budget.max_moves)
+    left_G = np.full(G, np.inf if budget.max_moves_per_gpu is None else float(budget.max_moves_per_gpu))
+    moves_L = moves_LG.sum(axis=1)
+    keep_L = np.zeros_like(pays_L)
+    new_LP, gain_L = new_LP.copy(), gain_L.copy()
+    for l in sorted(np.flatnonzero(pays_L), key=lambda l: -gain_L[l] / moves_L[l]):
+        if left <= 0 or not (left_G > 0).any():
+            break
+        if moves_L[l] > left or (moves_LG[l] > left_G).any():
+            win_MLE, w_M = windows_L[l]
+            rows, cost = repair(old_LP[l:l + 1], win_MLE[:, l:l + 1], G, rounds_L=rounds_L[l:l + 1],
+                                max_moves=left, max_moves_G=left_G, weights_M=w_M, **kw)
+            m_G = count_moves(old_LP[l:l + 1], rows, G, E)[0]
+            gain = cost[0, 0] - cost[0, 1]
+            if m_G.sum() == 0 or not gain > price_L(rows, m_G.sum(keepdims=True), [l])[0]:
+                continue
+            assert m_G.sum() <= left and (m_G <= left_G).all(), "capped repair exceeded its caps"
+            new_LP[l], gain_L[l], moves_LG[l] = rows[0], gain, m_G
+        keep_L[l] = True
+        left -= moves_LG[l].sum()
+        left_G -= moves_LG[l]
+    return keep_L, new_LP, gain_L

@@ -31,7 +31,7 @@ def _end_order(peak_G, n_top, n_bottom):
 def _counts(share_EM, blend, P, G):
     E = share_EM.shape[0]
     key_E, r_E = np.empty(E), np.empty(E, dtype=np.int64)
-    kernel._demand(share_EM, blend, key_E)
+    kernel._demand(share_EM, np.ones(share_EM.shape[1]), blend, key_E)
     kernel._targets(key_E, P, G, r_E, np.empty(E), np.empty(E, dtype=np.int64))
     return r_E
 

@@ -243,6 +243,7 @@ def test_cli_replay_and_plot(trace_file, tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--warmup", "20"], "not more than the warmup (20)"),
     (["--set", "speed=2"], "policy 'adaptive' has no setting 'speed'"),
+    (["--set", "horizons=2,99"], "horizons [2, 99] must be 1 to memory (16) windows"),
     (["--tokens-per-window", "5000"], "per-token expert choices"),
     (["--rule", "nope"], "unknown dispatch rule 'nope'"),
 ])
