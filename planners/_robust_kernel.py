@@ -14,7 +14,8 @@ S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on 
   exponentials are added in numpy's order (`_pairwise`), the two products per window of a
   gain are summed with reassociation ("reassoc": it vectorises; numpy's matrix products round
   their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
-  whose gain bound cannot beat the best swap so far are skipped (`_layer`).
+  whose gain bound cannot beat the best swap so far are skipped (`_layer`); the gains of a
+  GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`).
 Scratch arrays are reused across layers; `holds` is kept up to date on each swap. No
 function here recurses: numba's cache cannot load recursive functions.
 """
@@ -24,23 +25,63 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+_TILE = 4
+"""Slots of the source GPU whose swaps with a target GPU's slots are scored together: each
+value of a target slot read then serves four products instead of one (the search is bound by
+reads; more rows, or two target slots at a time, run out of registers)."""
+
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S):
-    """For the S slots b = o .. o + S - 1 of one GPU: c1_S = sum_t x_t v_bt and c2_S = sum_t
-    u_t y_bt, the new smooth-max terms of the two GPUs of a swap. Only these sums may be
-    reassociated (they vectorise); numpy's batched products round them their own way too."""
-    T = x_T.size
+def _swap_costs(x_RT, u_RT, v_PT, y_PT, o, S, n, c1_RS, c2_RS):
+    """For source slots r < n (n <= _TILE) and the S slots b = o .. o + S - 1 of one GPU:
+    c1_RS[r, s] = sum_t x_rt v_bt and c2_RS[r, s] = sum_t u_rt y_bt, the new smooth-max terms
+    of the two GPUs of a swap. Only these sums may be reassociated (they vectorise); numpy's
+    batched products round them their own way too. The two stay apart, as numpy's gain
+    subtracts them one at a time (with one window, exact ties then break alike)."""
+    T = x_RT.shape[1]
+    if n < _TILE:  # the last rows of a GPU whose slots are not a multiple of the tile
+        for r in range(n):
+            for s in range(S):
+                v_T = v_PT[o + s]
+                y_T = y_PT[o + s]
+                p = 0.0
+                q = 0.0
+                for t in range(T):
+                    p += x_RT[r, t] * v_T[t]
+                    q += u_RT[r, t] * y_T[t]
+                c1_RS[r, s] = p
+                c2_RS[r, s] = q
+        return
     for s in range(S):
         v_T = v_PT[o + s]
         y_T = y_PT[o + s]
-        s1 = 0.0
-        s2 = 0.0
+        p0 = 0.0
+        p1 = 0.0
+        p2 = 0.0
+        p3 = 0.0
+        q0 = 0.0
+        q1 = 0.0
+        q2 = 0.0
+        q3 = 0.0
         for t in range(T):
-            s1 += x_T[t] * v_T[t]
-            s2 += u_T[t] * y_T[t]
-        c1_S[s] = s1
-        c2_S[s] = s2
+            v = v_T[t]
+            y = y_T[t]
+            p0 += x_RT[0, t] * v
+            p1 += x_RT[1, t] * v
+            p2 += x_RT[2, t] * v
+            p3 += x_RT[3, t] * v
+            q0 += u_RT[0, t] * y
+            q1 += u_RT[1, t] * y
+            q2 += u_RT[2, t] * y
+            q3 += u_RT[3, t] * y
+        c1_RS[0, s] = p0
+        c1_RS[1, s] = p1
+        c1_RS[2, s] = p2
+        c1_RS[3, s] = p3
+        c2_RS[0, s] = q0
+        c2_RS[1, s] = q1
+        c2_RS[2, s] = q2
+        c2_RS[3, s] = q3
 
 
 @njit(cache=True, nogil=True)
@@ -171,10 +212,11 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     e_flat = e_GT.reshape(G * T)
     sum_G = np.empty(G)
     y_PT = np.empty((P, T))
-    x_T = np.empty(T)
-    u_T = np.empty(T)
-    c1_S = np.empty(S)
-    c2_S = np.empty(S)
+    x_RT = np.empty((_TILE, T))
+    u_RT = np.empty((_TILE, T))
+    ok_R = np.empty(_TILE, dtype=np.bool_)
+    c1_RS = np.empty((_TILE, S))
+    c2_RS = np.empty((_TILE, S))
     root_GT = np.empty((G, T))
     cap_G = np.empty(G)
     kept_T = np.empty(T, dtype=np.bool_)
@@ -246,35 +288,46 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
             cap_G[A] = -1.0
             by_cap = np.argsort(-cap_G)
             unit_a = A // gpus_per_unit
-            for sa in range(S):
-                a = A * S + sa
-                ea = phy_P[a]
-                q = k * S + sa
-                for t in range(T):
-                    u_T[t] = v_PT[a, t]
-                    x_T[t] = e_GT[A, t] / u_T[t]
+            # A's slots in tiles of _TILE, each tile scored against all of B's slots at once.
+            for sa0 in range(0, S, _TILE):
+                n = min(_TILE, S - sa0)
+                for r in range(n):
+                    a = A * S + sa0 + r
+                    for t in range(T):
+                        u_RT[r, t] = v_PT[a, t]
+                        x_RT[r, t] = e_GT[A, t] / u_RT[r, t]
                 for i in range(G - 1):
                     B = by_cap[i]
                     if cap_G[B] < best:
                         break
-                    if holds[B, ea] or (bound_P[a] and B // gpus_per_unit != unit_a):
+                    some = False
+                    for r in range(n):
+                        a = A * S + sa0 + r
+                        ok_R[r] = not (holds[B, phy_P[a]] or (bound_P[a] and B // gpus_per_unit != unit_a))
+                        some = some or ok_R[r]
+                    if not some:
                         continue
                     o = B * S
-                    _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S)
+                    _swap_costs(x_RT, u_RT, v_PT, y_PT, o, S, n, c1_RS, c2_RS)
                     base = sum_G[A] + sum_G[B]
-                    for s in range(S):
-                        gain = base - c1_S[s] - c2_S[s]
-                        b = o + s
-                        # Ties go to the first swap in numpy's flat order (q, b).
-                        if gain > best or (gain == best and ba >= 0 and q * P + b < best_flat):
-                            if holds[A, phy_P[b]]:
-                                continue
-                            if bound_P[b] and B // gpus_per_unit != unit_a:
-                                continue
-                            best = gain
-                            ba = a
-                            bb = b
-                            best_flat = q * P + b
+                    for r in range(n):
+                        if not ok_R[r]:
+                            continue
+                        a = A * S + sa0 + r
+                        q = k * S + sa0 + r
+                        for s in range(S):
+                            gain = base - c1_RS[r, s] - c2_RS[r, s]
+                            b = o + s
+                            # Ties go to the first swap in numpy's flat order (q, b).
+                            if gain > best or (gain == best and ba >= 0 and q * P + b < best_flat):
+                                if holds[A, phy_P[b]]:
+                                    continue
+                                if bound_P[b] and B // gpus_per_unit != unit_a:
+                                    continue
+                                best = gain
+                                ba = a
+                                bb = b
+                                best_flat = q * P + b
         if ba < 0:
             break
         ea = phy_P[ba]
