@@ -16,7 +16,9 @@ S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on 
   their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
   whose gain bound cannot beat the best swap so far are skipped (`_layer`); the gains of a
   GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`).
-Scratch arrays are reused across layers; `holds` is kept up to date on each swap. No
+Scratch arrays are reused across layers; `holds` is kept up to date on each swap, and a round
+recomputes the loads and exponentials of the two GPUs the last swap changed only (of all GPUs
+when the peak or the kept windows moved), by the same arithmetic, so to the bit. No
 function here recurses: numba's cache cannot load recursive functions.
 """
 
@@ -224,11 +226,19 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     gpu_peak_G = np.empty(G)
     src_K = np.empty(K, dtype=np.int64)
     taken_G = np.zeros(G, dtype=np.bool_)
+    # A swap changes the loads of two GPUs only: each round recomputes the rows of GPUs whose
+    # loads (or, for e, y and root, the peak or the kept windows) changed, by the same
+    # arithmetic as a full pass, so the values are the same to the bit.
+    fresh_G = np.ones(G, dtype=np.bool_)   # loads of GPU g changed since last computed
+    last_kept_T = np.zeros(T, dtype=np.bool_)
+    last_peak = np.nan
     swaps = 0
     for _ in range(max_rounds):
         # GPU loads per window, summed over the GPU's slots as numpy sums them: slot by slot
         # across windows, or pairwise when there is one window (the slots are contiguous then).
         for g in range(G):
+            if not fresh_G[g]:
+                continue
             if T == 1:
                 load_GT[g, 0] = _pairwise(w_flat, g * S, S, 1)
                 continue
@@ -257,17 +267,24 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
                     bg = g
             src_K[k] = bg
             taken_G[bg] = True
+        same = peak == last_peak
+        for t in range(T):
+            same = same and kept_T[t] == last_kept_T[t]
+            last_kept_T[t] = kept_T[t]
+        last_peak = peak
         for g in range(G):
+            if same and not fresh_G[g]:
+                continue
             for t in range(T):
                 e_GT[g, t] = np.exp(beta * (load_GT[g, t] - peak)) if kept_T[t] else 0.0
             sum_G[g] = _pairwise(e_flat, g * T, T, 1)
-        z = _pairwise(e_flat, 0, G * T, 1)
-        for p in range(P):
-            for t in range(T):
-                y_PT[p, t] = e_GT[p // S, t] / v_PT[p, t]
-        for g in range(G):
+            for p in range(g * S, (g + 1) * S):
+                for t in range(T):
+                    y_PT[p, t] = e_GT[g, t] / v_PT[p, t]
             for t in range(T):
                 root_GT[g, t] = np.sqrt(e_GT[g, t])
+            fresh_G[g] = False
+        z = _pairwise(e_flat, 0, G * T, 1)
         # A swap helps only if its gain beats 1e-9 z (else the search stops): start there.
         best = 1e-9 * z
         ba = -1
@@ -350,6 +367,8 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
         x = bound_P[ba]
         bound_P[ba] = bound_P[bb]
         bound_P[bb] = x
+        fresh_G[A] = True
+        fresh_G[B] = True
         swaps += 1
     return swaps
 
