@@ -94,11 +94,9 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     order_LSG = one_window_orders(L, S, G) if T == 1 else np.zeros((L, S, G), dtype=np.int64)
     kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
     if kernels is not None:
-        w_LET = np.ascontiguousarray(w_LET)
-        blocks = _on_threads(lambda a, b: kernels.pack_vector(w_LET[a:b], rep_LP[a:b], order_LSG[a:b], G, S,
-                                                              _FORBIDDEN), L)
-        assert all(ok for _, ok in blocks), "packing round had no feasible pairing"
-        return np.concatenate([phy for phy, _ in blocks]) if len(blocks) > 1 else blocks[0][0]
+        phy2log_LP, ok = kernels.pack_vector(np.ascontiguousarray(w_LET), rep_LP, order_LSG, G, S, _FORBIDDEN)
+        assert ok, "packing round had no feasible pairing"
+        return phy2log_LP
     from scipy.optimize import linear_sum_assignment
 
     phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
@@ -236,8 +234,8 @@ def robust_kernels(wait: bool = False):
 
 
 def _search_threads(num_layers: int) -> int:
-    """Threads for the compiled packing and swap search: one per usable core, at most 8, and
-    at least 4 layers each (a thread costs ~0.1 ms to start)."""
+    """Threads for the compiled swap search: one per usable core, at most 8, and at least 4
+    layers each (a thread costs ~0.1 ms to start)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cores, 8, num_layers // 4))
 
@@ -245,7 +243,7 @@ def _search_threads(num_layers: int) -> int:
 def _on_threads(fn, num_layers: int) -> list:
     """[fn(a, b) for each block a:b of the layers], the blocks run on `_search_threads` threads.
 
-    Layers are independent and the kernels release the GIL. There are more blocks (of about 4
+    Layers are independent and the kernel releases the GIL. There are more blocks (of about 4
     layers) than threads, and a thread that is done takes the next: layers differ in how many
     swaps they make, so equal shares of the layers would leave one thread waiting for another."""
     threads = _search_threads(num_layers)

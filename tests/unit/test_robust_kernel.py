@@ -125,12 +125,3 @@ def test_swap_search_on_threads_is_the_numpy_search(monkeypatch):
     assert not np.array_equal(p0, phy)
     np.testing.assert_array_equal(p0, p1)
     np.testing.assert_array_equal(w0, w1)
-
-
-@pytest.mark.parametrize("T", [1, 4])
-def test_packing_on_threads_is_the_scipy_packing(monkeypatch, T):
-    # 12 layers on 2 threads: 3 blocks, so one thread packs two of them.
-    share, count = _packed(8, T, 12, 32, 8, 5)
-    monkeypatch.setattr(robust, "_search_threads", lambda num_layers: 2)
-    np.testing.assert_array_equal(pack_vector(share, count, 8, 5, compiled=True),
-                                  pack_vector(share, count, 8, 5, compiled=False))
