@@ -19,7 +19,8 @@ seeded synthetic Pareto loads, no real data of them exists here):
 - greedy: greedy through plan(): busiest GPU / lower bound (mean over layers) and time against
   SGLang's DeepSeek; robust at 256 GPUs / 768 slots against SGLang's time.
 - cli: wall time of `eplb plan traces/deepseek.npz --gpus 16` (robust, the CLI's default), beside
-  `-p greedy` in the same runs, and its first run on an empty numba cache.
+  `-p greedy` in the same runs, and its first run on an empty numba cache (bytecode compiled
+  first, as an install has it; benchmarks/bench_cli.py splits the time into phases).
 SGLang's DeepSeek is `deepseek.py` from the installed sglang wheel (see bench_greedy.py).
 """
 
@@ -264,6 +265,10 @@ def part_cli(args, out):
                               capture_output=True, check=True, text=True)
         return time.perf_counter() - t0, done.stdout
 
+    # Bytecode as an install has it (pip compiles it): with PYTHONDONTWRITEBYTECODE set and no
+    # __pycache__ in a checkout, every run would compile eplb's ~100 modules from source first.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "eplb"), str(ROOT / "planners")],
+                   check=True, capture_output=True)
     with tempfile.TemporaryDirectory() as d:
         times, greedy = [], []
         for _ in range(3):  # interleaved: the greedy run is the same process start, numba's load included

@@ -2,7 +2,8 @@
 
 Each command lives in `eplb/commands/<name>.py` with `add_parser(subparsers)` and
 `run(args) -> int`; command modules import heavy libraries (torch, matplotlib, OR-Tools)
-only inside `run`, so `eplb plan` starts fast. Errors are caught here, at one boundary:
+only inside `run`, and a command line that names its command imports only that command's
+module (`eplb --help` imports them all), so `eplb plan` starts fast. Errors are caught here, at one boundary:
 bad input (EplbError, or a path that cannot be read or
 written) prints one line and exits 2; a failure (PlanningError) exits 1; a reader that
 closes the pipe early (`eplb stats ... --json | head`) ends the command quietly with 0.
@@ -14,6 +15,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 
 from eplb._version import __version__
 from eplb.errors import EplbError, PlanningError
@@ -33,7 +35,8 @@ EPILOG = """examples:
 run `eplb COMMAND --help` for a command's options and an example."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The `eplb` parser with the subcommands `commands` (all by default)."""
     parser = argparse.ArgumentParser(
         prog="eplb",
         description="Expert-parallel load balancing for Mixture-of-Experts serving.",
@@ -42,15 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"eplb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in commands:
         module = importlib.import_module(f"eplb.commands.{name}")
         p = module.add_parser(sub)
         p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
+def commands_named(argv: Sequence[str]) -> Sequence[str]:
+    """The subcommands a parser for argv needs: the command argv starts with, or all of them
+    (for `eplb --help`, `--version`, a typo: the top-level parser lists or suggests them)."""
+    # The top-level parser has options (-h, --version) but none that take a value, so a
+    # command line that names a command names it first.
+    return [argv[0]] if argv and argv[0] in COMMANDS else COMMANDS
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(commands_named(argv))
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:

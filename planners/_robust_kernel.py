@@ -4,8 +4,8 @@
 Legend: L = MoE layers, E = logical experts, P = physical slots, T = history windows, G = GPUs,
 S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on GPU p // S.
 
-- `pack_vector`: S rounds, each an assignment of G replicas to the G GPUs (`_assign`: the
-  algorithm of scipy's linear_sum_assignment with its tie rules, so the pairing is scipy's);
+- `pack_vector` (in `planners/_robust_pack_kernel.py`, re-exported here): S rounds, each an
+  assignment of G replicas to the G GPUs, the pairing scipy's linear_sum_assignment makes;
 - `smooth_max_swaps`: the search `planners.robust.smooth_max_swaps_numpy` specifies. Per layer,
   while a swap lowers Z = sum over kept windows and GPUs of exp(beta (load - peak)), the best
   swap of a slot on one of the top_gpus busiest GPUs with any slot elsewhere is made. Layers
@@ -14,8 +14,11 @@ S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on 
   exponentials are added in numpy's order (`_pairwise`), the two products per window of a
   gain are summed with reassociation ("reassoc": it vectorises; numpy's matrix products round
   their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
-  whose gain bound cannot beat the best swap so far are skipped (`_layer`).
-Scratch arrays are reused across layers; `holds` is kept up to date on each swap. No
+  whose gain bound cannot beat the best swap so far are skipped (`_layer`); the gains of a
+  GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`).
+Scratch arrays are reused across layers; `holds` is kept up to date on each swap, and a round
+recomputes the loads and exponentials of the two GPUs the last swap changed only (of all GPUs
+when the peak or the kept windows moved), by the same arithmetic, so to the bit. No
 function here recurses: numba's cache cannot load recursive functions.
 """
 
@@ -24,23 +27,67 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from planners._robust_pack_kernel import pack_vector
+
+__all__ = ["pack_vector", "smooth_max_swaps", "warm_up"]
+
+_TILE = 4
+"""Slots of the source GPU whose swaps with a target GPU's slots are scored together: each
+value of a target slot read then serves four products instead of one (the search is bound by
+reads; more rows, or two target slots at a time, run out of registers)."""
+
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S):
-    """For the S slots b = o .. o + S - 1 of one GPU: c1_S = sum_t x_t v_bt and c2_S = sum_t
-    u_t y_bt, the new smooth-max terms of the two GPUs of a swap. Only these sums may be
-    reassociated (they vectorise); numpy's batched products round them their own way too."""
-    T = x_T.size
+def _swap_costs(x_RT, u_RT, v_PT, y_PT, o, S, n, c1_RS, c2_RS):
+    """For source slots r < n (n <= _TILE) and the S slots b = o .. o + S - 1 of one GPU:
+    c1_RS[r, s] = sum_t x_rt v_bt and c2_RS[r, s] = sum_t u_rt y_bt, the new smooth-max terms
+    of the two GPUs of a swap. Only these sums may be reassociated (they vectorise); numpy's
+    batched products round them their own way too. The two stay apart, as numpy's gain
+    subtracts them one at a time (with one window, exact ties then break alike)."""
+    T = x_RT.shape[1]
+    if n < _TILE:  # the last rows of a GPU whose slots are not a multiple of the tile
+        for r in range(n):
+            for s in range(S):
+                v_T = v_PT[o + s]
+                y_T = y_PT[o + s]
+                p = 0.0
+                q = 0.0
+                for t in range(T):
+                    p += x_RT[r, t] * v_T[t]
+                    q += u_RT[r, t] * y_T[t]
+                c1_RS[r, s] = p
+                c2_RS[r, s] = q
+        return
     for s in range(S):
         v_T = v_PT[o + s]
         y_T = y_PT[o + s]
-        s1 = 0.0
-        s2 = 0.0
+        p0 = 0.0
+        p1 = 0.0
+        p2 = 0.0
+        p3 = 0.0
+        q0 = 0.0
+        q1 = 0.0
+        q2 = 0.0
+        q3 = 0.0
         for t in range(T):
-            s1 += x_T[t] * v_T[t]
-            s2 += u_T[t] * y_T[t]
-        c1_S[s] = s1
-        c2_S[s] = s2
+            v = v_T[t]
+            y = y_T[t]
+            p0 += x_RT[0, t] * v
+            p1 += x_RT[1, t] * v
+            p2 += x_RT[2, t] * v
+            p3 += x_RT[3, t] * v
+            q0 += u_RT[0, t] * y
+            q1 += u_RT[1, t] * y
+            q2 += u_RT[2, t] * y
+            q3 += u_RT[3, t] * y
+        c1_RS[0, s] = p0
+        c1_RS[1, s] = p1
+        c1_RS[2, s] = p2
+        c1_RS[3, s] = p3
+        c2_RS[0, s] = q0
+        c2_RS[1, s] = q1
+        c2_RS[2, s] = q2
+        c2_RS[3, s] = q3
 
 
 @njit(cache=True, nogil=True)
@@ -171,10 +218,11 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     e_flat = e_GT.reshape(G * T)
     sum_G = np.empty(G)
     y_PT = np.empty((P, T))
-    x_T = np.empty(T)
-    u_T = np.empty(T)
-    c1_S = np.empty(S)
-    c2_S = np.empty(S)
+    x_RT = np.empty((_TILE, T))
+    u_RT = np.empty((_TILE, T))
+    ok_R = np.empty(_TILE, dtype=np.bool_)
+    c1_RS = np.empty((_TILE, S))
+    c2_RS = np.empty((_TILE, S))
     root_GT = np.empty((G, T))
     cap_G = np.empty(G)
     kept_T = np.empty(T, dtype=np.bool_)
@@ -182,11 +230,19 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     gpu_peak_G = np.empty(G)
     src_K = np.empty(K, dtype=np.int64)
     taken_G = np.zeros(G, dtype=np.bool_)
+    # A swap changes the loads of two GPUs only: each round recomputes the rows of GPUs whose
+    # loads (or, for e, y and root, the peak or the kept windows) changed, by the same
+    # arithmetic as a full pass, so the values are the same to the bit.
+    fresh_G = np.ones(G, dtype=np.bool_)   # loads of GPU g changed since last computed
+    last_kept_T = np.zeros(T, dtype=np.bool_)
+    last_peak = np.nan
     swaps = 0
     for _ in range(max_rounds):
         # GPU loads per window, summed over the GPU's slots as numpy sums them: slot by slot
         # across windows, or pairwise when there is one window (the slots are contiguous then).
         for g in range(G):
+            if not fresh_G[g]:
+                continue
             if T == 1:
                 load_GT[g, 0] = _pairwise(w_flat, g * S, S, 1)
                 continue
@@ -215,17 +271,24 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
                     bg = g
             src_K[k] = bg
             taken_G[bg] = True
+        same = peak == last_peak
+        for t in range(T):
+            same = same and kept_T[t] == last_kept_T[t]
+            last_kept_T[t] = kept_T[t]
+        last_peak = peak
         for g in range(G):
+            if same and not fresh_G[g]:
+                continue
             for t in range(T):
                 e_GT[g, t] = np.exp(beta * (load_GT[g, t] - peak)) if kept_T[t] else 0.0
             sum_G[g] = _pairwise(e_flat, g * T, T, 1)
-        z = _pairwise(e_flat, 0, G * T, 1)
-        for p in range(P):
-            for t in range(T):
-                y_PT[p, t] = e_GT[p // S, t] / v_PT[p, t]
-        for g in range(G):
+            for p in range(g * S, (g + 1) * S):
+                for t in range(T):
+                    y_PT[p, t] = e_GT[g, t] / v_PT[p, t]
             for t in range(T):
                 root_GT[g, t] = np.sqrt(e_GT[g, t])
+            fresh_G[g] = False
+        z = _pairwise(e_flat, 0, G * T, 1)
         # A swap helps only if its gain beats 1e-9 z (else the search stops): start there.
         best = 1e-9 * z
         ba = -1
@@ -246,35 +309,46 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
             cap_G[A] = -1.0
             by_cap = np.argsort(-cap_G)
             unit_a = A // gpus_per_unit
-            for sa in range(S):
-                a = A * S + sa
-                ea = phy_P[a]
-                q = k * S + sa
-                for t in range(T):
-                    u_T[t] = v_PT[a, t]
-                    x_T[t] = e_GT[A, t] / u_T[t]
+            # A's slots in tiles of _TILE, each tile scored against all of B's slots at once.
+            for sa0 in range(0, S, _TILE):
+                n = min(_TILE, S - sa0)
+                for r in range(n):
+                    a = A * S + sa0 + r
+                    for t in range(T):
+                        u_RT[r, t] = v_PT[a, t]
+                        x_RT[r, t] = e_GT[A, t] / u_RT[r, t]
                 for i in range(G - 1):
                     B = by_cap[i]
                     if cap_G[B] < best:
                         break
-                    if holds[B, ea] or (bound_P[a] and B // gpus_per_unit != unit_a):
+                    some = False
+                    for r in range(n):
+                        a = A * S + sa0 + r
+                        ok_R[r] = not (holds[B, phy_P[a]] or (bound_P[a] and B // gpus_per_unit != unit_a))
+                        some = some or ok_R[r]
+                    if not some:
                         continue
                     o = B * S
-                    _swap_costs(x_T, u_T, v_PT, y_PT, o, S, c1_S, c2_S)
+                    _swap_costs(x_RT, u_RT, v_PT, y_PT, o, S, n, c1_RS, c2_RS)
                     base = sum_G[A] + sum_G[B]
-                    for s in range(S):
-                        gain = base - c1_S[s] - c2_S[s]
-                        b = o + s
-                        # Ties go to the first swap in numpy's flat order (q, b).
-                        if gain > best or (gain == best and ba >= 0 and q * P + b < best_flat):
-                            if holds[A, phy_P[b]]:
-                                continue
-                            if bound_P[b] and B // gpus_per_unit != unit_a:
-                                continue
-                            best = gain
-                            ba = a
-                            bb = b
-                            best_flat = q * P + b
+                    for r in range(n):
+                        if not ok_R[r]:
+                            continue
+                        a = A * S + sa0 + r
+                        q = k * S + sa0 + r
+                        for s in range(S):
+                            gain = base - c1_RS[r, s] - c2_RS[r, s]
+                            b = o + s
+                            # Ties go to the first swap in numpy's flat order (q, b).
+                            if gain > best or (gain == best and ba >= 0 and q * P + b < best_flat):
+                                if holds[A, phy_P[b]]:
+                                    continue
+                                if bound_P[b] and B // gpus_per_unit != unit_a:
+                                    continue
+                                best = gain
+                                ba = a
+                                bb = b
+                                best_flat = q * P + b
         if ba < 0:
             break
         ea = phy_P[ba]
@@ -297,6 +371,8 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
         x = bound_P[ba]
         bound_P[ba] = bound_P[bb]
         bound_P[bb] = x
+        fresh_G[A] = True
+        fresh_G[B] = True
         swaps += 1
     return swaps
 
@@ -328,159 +404,3 @@ def warm_up() -> None:
     order = np.array([[[1, 0], [0, 1]]], dtype=np.int64)
     pack_vector(np.ones((1, 3, 2)), rep, order, 2, 2, 1e9)
     pack_vector(np.ones((1, 3, 1)), rep, order, 2, 2, 1e9)
-
-
-@njit(cache=True, nogil=True)
-def _assign(cost_IG, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, left_G):
-    """Minimum-cost perfect assignment of a square cost matrix into col_I (row i -> column
-    col_I[i]): shortest augmenting paths with dual potentials (Jonker-Volgenant, as Crouse
-    describes it and scipy's linear_sum_assignment implements it, down to its tie rules: the
-    columns are scanned from the last, and among equally short paths an unassigned column ends
-    the search), so the pairing equals scipy's. Returns False when no finite pairing exists."""
-    n = cost_IG.shape[0]
-    for i in range(n):
-        u_I[i] = 0.0
-        col_I[i] = -1
-    for j in range(n):
-        v_G[j] = 0.0
-        row_G[j] = -1
-    for cur in range(n):
-        for j in range(n):
-            short_G[j] = np.inf
-            path_G[j] = -1
-            seen_G[j] = False
-            left_G[j] = n - j - 1
-        for i in range(n):
-            seen_I[i] = False
-        num_left = n
-        low = 0.0
-        i = cur
-        sink = -1
-        while sink < 0:
-            seen_I[i] = True
-            best = np.inf
-            at = -1
-            for it in range(num_left):
-                j = left_G[it]
-                r = low + cost_IG[i, j] - u_I[i] - v_G[j]
-                if r < short_G[j]:
-                    path_G[j] = i
-                    short_G[j] = r
-                if short_G[j] < best or (short_G[j] == best and row_G[j] == -1):
-                    best = short_G[j]
-                    at = it
-            low = best
-            if low == np.inf:
-                return False
-            j = left_G[at]
-            if row_G[j] == -1:
-                sink = j
-            else:
-                i = row_G[j]
-            seen_G[j] = True
-            num_left -= 1
-            left_G[at] = left_G[num_left]
-        u_I[cur] += low
-        for i in range(n):
-            if seen_I[i] and i != cur:
-                u_I[i] += low - short_G[col_I[i]]
-        for j in range(n):
-            if seen_G[j]:
-                v_G[j] -= low - short_G[j]
-        j = sink
-        while True:
-            i = path_G[j]
-            row_G[j] = i
-            k = col_I[i]
-            col_I[i] = j
-            j = k
-            if i == cur:
-                break
-    return True
-
-
-@njit(cache=True, nogil=True)
-def _assign_in_order(order_G, items_I, holds, col_I, taken_G):
-    """One window: the items each take the first GPU of order_G left that does not hold their
-    expert, into col_I, as `planners.robust._assign_in_order`. Returns False when an item
-    finds no such GPU (which packing order rules out)."""
-    G = order_G.shape[0]
-    for g in range(G):
-        taken_G[g] = False
-    first = 0  # every GPU before it in order_G is taken
-    for i in range(items_I.shape[0]):
-        e = items_I[i]
-        while first < G and taken_G[order_G[first]]:
-            first += 1
-        found = -1
-        for j in range(first, G):
-            g = order_G[j]
-            if not taken_G[g] and not holds[g, e]:
-                found = g
-                break
-        if found < 0:
-            return False
-        taken_G[found] = True
-        col_I[i] = found
-    return True
-
-
-@njit(cache=True, nogil=True)
-def pack_vector(w_LET, rep_LP, order_LSG, G, S, forbidden):
-    """`planners.robust.pack_vector`'s rounds: phy2log int64 [L, P] from per-replica loads
-    w_LET (float64 [L, E, T]) and the replicas in packing order rep_LP (int64 [L, P]); round k
-    assigns rep_LP[l, kG:(k + 1)G] to the G GPUs at least cost (the GPU's worst window after
-    it; `forbidden` for a GPU that holds the expert). With one window (T = 1) round k of layer
-    l pairs in the GPU order order_LSG[l, k] (int64 [L, S, G]; unread when T > 1) instead of
-    solving the assignment. Returns (phy, ok): ok False when a round had no
-    feasible pairing."""
-    L, E, T = w_LET.shape
-    P = G * S
-    phy = np.empty((L, P), dtype=np.int64)
-    load_GT = np.empty((G, T))
-    holds = np.empty((G, E), dtype=np.bool_)
-    cost = np.empty((G, G))
-    col_I = np.empty(G, dtype=np.int64)
-    u_I = np.empty(G)
-    v_G = np.empty(G)
-    short_G = np.empty(G)
-    path_G = np.empty(G, dtype=np.int64)
-    row_G = np.empty(G, dtype=np.int64)
-    seen_I = np.empty(G, dtype=np.bool_)
-    seen_G = np.empty(G, dtype=np.bool_)
-    left_G = np.empty(G, dtype=np.int64)
-    for l in range(L):
-        load_GT[:, :] = 0.0
-        holds[:, :] = False
-        for k in range(S):
-            items_I = rep_LP[l, k * G:(k + 1) * G]
-            # One window: every feasible pairing costs the same sum (planners.robust.pack_vector).
-            if T == 1:
-                if not _assign_in_order(order_LSG[l, k], items_I, holds, col_I, seen_G):
-                    return phy, False
-            else:
-                for i in range(G):
-                    e = items_I[i]
-                    for g in range(G):
-                        if holds[g, e]:
-                            cost[i, g] = forbidden
-                            continue
-                        m = load_GT[g, 0] + w_LET[l, e, 0]
-                        for t in range(1, T):
-                            x = load_GT[g, t] + w_LET[l, e, t]
-                            if x > m:
-                                m = x
-                        cost[i, g] = m
-                if not _assign(cost, col_I, u_I, v_G, short_G, path_G, row_G, seen_I, seen_G, left_G):
-                    return phy, False
-                for i in range(G):
-                    if cost[i, col_I[i]] >= forbidden:
-                        return phy, False
-            for i in range(G):
-                g = col_I[i]
-                e = items_I[i]
-                phy[l, g * S + k] = e
-                holds[g, e] = True
-                for t in range(T):
-                    load_GT[g, t] += w_LET[l, e, t]
-    return phy, True

@@ -223,14 +223,22 @@ def test_usage_error_exits_2(capsys):
 
 
 def test_plan_does_not_import_heavy_libraries(files):
+    # Nor the modules of other commands (a command line that names its command builds only its parser).
+    others = [f"eplb.commands.{c}" for c in COMMANDS if c not in ("plan", "capacity", "simulate")]
     code = (
         "import sys; from eplb.cli import main\n"
         f"rc = main(['plan', {files['trace']!r}, '--gpus', '{G}', '--quiet'])\n"
-        "heavy = [m for m in ('torch', 'matplotlib', 'ortools') if m in sys.modules]\n"
+        f"heavy = [m for m in ('torch', 'matplotlib', 'ortools', 'eplb.policy', *{others!r}) if m in sys.modules]\n"
         "print(rc, ','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0"], f"eplb plan imported {out[1:]}"
+
+
+def test_a_typo_of_a_command_lists_every_command(capsys):
+    assert main(["plna", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'plna'" in err and all(c in err for c in COMMANDS)
 
 
 def test_unwritable_output_is_one_line(tmp_path, capsys):
