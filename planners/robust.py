@@ -32,7 +32,6 @@ one swap search (benchmarks/bench_backtest.py times them).
 from __future__ import annotations
 
 import importlib
-import os
 import subprocess
 
 import numpy as np
@@ -41,6 +40,7 @@ from eplb.compiled import compile_detached, load_cached
 from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
+from planners._threads import run_blocks
 
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
 
@@ -200,8 +200,9 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
     bound = np.zeros((L, P), dtype=np.bool_) if bound_LP is None else _kernel_array(bound_LP, np.bool_)
     args = (int(num_gpus), float(beta), int(max_rounds), _kept_count(quantile, T), int(top_gpus),
             int(num_gpus) // int(num_units))
-    # Row blocks of C-ordered arrays are C-ordered views: each block is searched in place.
-    _on_threads(lambda a, b: kernels.smooth_max_swaps(phy[a:b], w[a:b], bound[a:b], *args), L)
+    # Layers are independent and the kernel releases the GIL: blocks of layers (C-ordered views,
+    # searched in place) run on the planners' kept threads; a layer's cells are its slots x windows.
+    run_blocks(lambda a, b: kernels.smooth_max_swaps(phy[a:b], w[a:b], bound[a:b], *args), L, P * T)
     for dst, src in ((phy2log_LP, phy), (slot_load_LPT, w), (bound_LP, bound)):
         if dst is not None and dst is not src:
             dst[...] = src
@@ -231,29 +232,6 @@ def robust_kernels(wait: bool = False):
         elif _compiling is None:
             _compiling = compile_detached(_KERNEL_MODULE)
     return _kernels
-
-
-def _search_threads(num_layers: int) -> int:
-    """Threads for the compiled swap search: one per usable core, at most 8, and at least 4
-    layers each (a thread costs ~0.1 ms to start)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 8, num_layers // 4))
-
-
-def _on_threads(fn, num_layers: int) -> list:
-    """[fn(a, b) for each block a:b of the layers], the blocks run on `_search_threads` threads.
-
-    Layers are independent and the kernel releases the GIL. There are more blocks (of about 4
-    layers) than threads, and a thread that is done takes the next: layers differ in how many
-    swaps they make, so equal shares of the layers would leave one thread waiting for another."""
-    threads = _search_threads(num_layers)
-    if threads <= 1:
-        return [fn(0, num_layers)]
-    from concurrent.futures import ThreadPoolExecutor
-
-    cuts = np.linspace(0, num_layers, max(threads, num_layers // 4) + 1).astype(int)
-    with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(fn, cuts[:-1], cuts[1:]))
 
 
 def _kernel_array(a: np.ndarray, dtype) -> np.ndarray:

@@ -8,7 +8,7 @@ import eplb.compiled
 from eplb.planner_api import PlanRequest
 from eplb.stats import replica_counts_minmax
 from eplb.topology import Topology
-from planners import robust
+from planners import _threads, robust
 from planners.robust import RobustPlanner, normalise_windows, pack_vector, robust_demand, smooth_max_swaps
 
 
@@ -119,7 +119,7 @@ def test_swap_search_on_threads_is_the_numpy_search(monkeypatch):
     w_LPT = np.take_along_axis(np.moveaxis(share / count[None], 0, 2), phy[:, :, None], axis=1)
     p0, w0 = phy.copy(), w_LPT.copy()
     smooth_max_swaps(p0, w0, 8, beta=50.0, max_rounds=100, compiled=False)
-    monkeypatch.setattr(robust, "_search_threads", lambda num_layers: 3)
+    monkeypatch.setattr(_threads, "num_blocks", lambda num_rows, num_cells: 3)
     p1, w1 = phy.copy(), w_LPT.copy()
     assert smooth_max_swaps(p1, w1, 8, beta=50.0, max_rounds=100, compiled=True)
     assert not np.array_equal(p0, phy)
