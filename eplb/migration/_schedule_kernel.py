@@ -48,6 +48,7 @@ _Slots = namedtuple("_Slots", [
     "hsum",         # sum of the slots holding each expert (cur): its holder where it has one
     "ncur",         # slots holding each expert (cur, written or not)
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
+    "mayloc",       # [L, P] may another slot of its rank ever hold its target (a local source)?
 ])
 _Round = namedtuple("_Round", [
     "cand", "cand_e",     # [G, K] each rank's candidate slots (code l * P + p) and their targets
@@ -178,6 +179,25 @@ def _unhold(head, nxt, prv, he, code):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _may_local(old_LP, new_LP, S):
+    """[L, P]: may another slot of p's rank hold p's target at some point? A slot only ever
+    holds its old expert, its target or a staged expert (`_stage_rows` adds those), so where
+    no other slot of the rank starts with or ends with p's target, p never has a local
+    source: the scan and the chain order skip its holder walks (the busiest loops)."""
+    L, P = new_LP.shape
+    out = np.zeros((L, P), dtype=np.bool_)
+    for l in range(L):
+        for g0 in range(0, P, S):
+            for p in range(g0, g0 + S):
+                e = new_LP[l, p]
+                for q in range(g0, g0 + S):
+                    if q != p and (old_LP[l, q] == e or new_LP[l, q] == e):
+                        out[l, p] = True
+                        break
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _new_state(old_LP, new_LP, G, E):
     """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
     L, P = new_LP.shape
@@ -198,7 +218,8 @@ def _new_state(old_LP, new_LP, G, E):
         np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
-        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev)
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev,
+        _may_local(old_LP, new_LP, S))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -255,10 +276,15 @@ def _scan(st, rd, S, P, tight, nd):
             rd.adj[d, rd.cols[d, j]] = False
         rd.ncand[d] = 0
     for d in range(G):
+        lo = d * S
         for k in range(st.npend[d]):
             code = st.pend[d, k]
             l = code // P
             p = code % P
+            # With its rank's candidates listed, a slot without a local source and no staging
+            # mark to clear has nothing left to do here.
+            if rd.ncand[d] >= K and not st.mayloc[l, p] and st.staged_blk[l, p] < 0:
+                continue
             if st.sourcing[l, p] or st.writing[l, p]:
                 continue
             if st.staged_blk[l, p] >= 0:
@@ -272,10 +298,10 @@ def _scan(st, rd, S, P, tight, nd):
             if hc[l, e] > 0:
                 # The lowest complete slot holding e on each rank (a local one first).
                 local = -1
-                h = st.hhead[l * E + e]
+                h = st.hhead[l * E + e] if st.mayloc[l, p] else -1
                 while h >= 0:
                     s = h - l * P
-                    if s // S == d and not st.writing[l, s] and (local < 0 or s < local):
+                    if lo <= s < lo + S and not st.writing[l, s] and (local < 0 or s < local):
                         local = s
                     h = st.hnext[h]
                 if local >= 0:
@@ -367,6 +393,7 @@ def _chain_order(st, sg, S, P, depth, key, rin):
     tgt, hc, hsum = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1)
     dep = depth.reshape(-1)
     nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
+    mayloc = st.mayloc.reshape(-1)
     for d in range(G):
         remote = 0
         for k in range(npend[d]):
@@ -376,15 +403,19 @@ def _chain_order(st, sg, S, P, depth, key, rin):
             # At a round's start every replica is complete: e's only holder is hsum[l, e], and
             # a slot that does not hold its target is pending.
             e = tgt[code]
-            w = l * P + hsum[l * E + e] if hc[l * E + e] == 1 else -1
+            n_e = hc[l * E + e]
+            w = l * P + hsum[l * E + e] if n_e == 1 else -1
             local = False
-            h = st.hhead[l * E + e]
+            # The holders matter for a local source (only where one may exist) and for a
+            # staging slot among two replicas.
+            h = st.hhead[l * E + e] if mayloc[code] or n_e == 2 else -1
+            lo = l * P + d * S
             while h >= 0:
-                if (h - l * P) // S == d:
+                if lo <= h < lo + S:
                     local = True
                 # A staging slot holding e (of two replicas) is freed only once code takes e:
                 # its chain waits on code.
-                if hc[l * E + e] == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
+                if n_e == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
                     w = h
                 h = st.hnext[h]
             nxt[code] = w if w >= 0 and tgt[w] != e else -1
@@ -577,6 +608,21 @@ def _requeue(st, done, nd, S, P):
     return st.npend.sum()
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _stage_rows(st, done, i, S):
+    """Row i of the round is a staging copy: mark its slot, and let the slots of its rank
+    whose target it stages find a local source there."""
+    l = done[i, 0]
+    s = done[i, 1]
+    x = done[i, 2]
+    st.staged_blk[l, s] = done[i, 4]
+    st.staged_exp[l, s] = x
+    g0 = done[i, 5] * S
+    for q in range(g0, g0 + S):
+        if q != s and st.tgt[l, q] == x:
+            st.mayloc[l, q] = True
+
+
 @njit(cache=True, nogil=True)
 def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
@@ -643,8 +689,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):
                 if i < ns or i >= n1:
-                    st.staged_blk[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 4]
-                    st.staged_exp[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 2]
+                    _stage_rows(st, rd.done, i, S)
             for i in range(nd):
                 if rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
                     sent[rd.done[i, 3]] += 1
