@@ -43,7 +43,8 @@ from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
 from eplb.load_estimate import BucketedSum
-from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule
+from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent
+from eplb.migration.schedule import schedule_trusted
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner, planner_class
@@ -488,8 +489,9 @@ class Rebalancer:
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
         before = stats.evaluate(pl, load, bound(load), lower_bound_L=None if failed.size else res.lower_bound_L)
         t1 = time.perf_counter()
-        mig = schedule(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, layers_per_chunk=self.layers_per_chunk,
-                       rank_ids=ranks[alive], bytes_per_expert=self.budget.bytes_per_expert)
+        # Both maps are Placements' (checked when built): the schedule trusts them.
+        mig = schedule_trusted(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, self.layers_per_chunk,
+                               ranks[alive], self.budget.bytes_per_expert)
         t2 = time.perf_counter()
         info = dict(res.info.get("migration", {}))
         info.update(decision_seconds=t1 - t0, schedule_seconds=t2 - t1)
@@ -537,9 +539,8 @@ class Rebalancer:
             after = stats.evaluate(new, load, self.dispatch.bind(new)(load), lower_bound_L=lb_L)
         new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
         t1 = time.perf_counter()
-        mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
-                       layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
-                       bytes_per_expert=self.budget.bytes_per_expert)
+        mig = schedule_trusted(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
+                               self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
         info = {"decision_seconds": t1 - t0, "schedule_seconds": time.perf_counter() - t1,
                 "moves": mig.moves, "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
         if pl.num_nodes > 1 and self.num_expert_groups:
