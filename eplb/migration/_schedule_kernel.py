@@ -49,6 +49,7 @@ _Slots = namedtuple("_Slots", [
     "ncur",         # slots holding each expert (cur, written or not)
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
     "mayloc",       # [L, P] may another slot of its rank ever hold its target (a local source)?
+    "nstaged",      # [1] slots with a staging mark (staged_blk >= 0)
 ])
 _Round = namedtuple("_Round", [
     "cand", "cand_e",     # [G, K] each rank's candidate slots (code l * P + p) and their targets
@@ -219,7 +220,7 @@ def _new_state(old_LP, new_LP, G, E):
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
         np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev,
-        _may_local(old_LP, new_LP, S))
+        _may_local(old_LP, new_LP, S), np.zeros(1, dtype=np.int64))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -291,6 +292,7 @@ def _scan(st, rd, S, P, tight, nd):
                 if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p] and not _kept(st, l, st.staged_exp[l, p], E, P):
                     continue               # its blocked slot still needs the copy
                 st.staged_blk[l, p] = -1
+                st.nstaged[0] -= 1
             o = cur[l, p]
             e = tgt[l, p]
             if o >= 0 and hc[l, o] < 2:
@@ -394,6 +396,7 @@ def _chain_order(st, sg, S, P, depth, key, rin):
     dep = depth.reshape(-1)
     nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
     mayloc = st.mayloc.reshape(-1)
+    staging = st.nstaged[0] > 0
     for d in range(G):
         remote = 0
         for k in range(npend[d]):
@@ -408,7 +411,7 @@ def _chain_order(st, sg, S, P, depth, key, rin):
             local = False
             # The holders matter for a local source (only where one may exist) and for a
             # staging slot among two replicas.
-            h = st.hhead[l * E + e] if mayloc[code] or n_e == 2 else -1
+            h = st.hhead[l * E + e] if mayloc[code] or (n_e == 2 and staging) else -1
             lo = l * P + d * S
             while h >= 0:
                 if lo <= h < lo + S:
@@ -587,15 +590,16 @@ def _apply_round(st, done, nd, out, M, R):
 def _requeue(st, done, nd, S, P):
     """Drop the slots that reached their target from the queues; a staging copy makes its slot
     pending again (it must get its own expert back). Returns the slots still pending."""
+    cur, tgt, inpend = st.cur.reshape(-1), st.tgt.reshape(-1), st.inpend.reshape(-1)
     for d in range(st.npend.size):
         n = 0
         for k in range(st.npend[d]):
             code = st.pend[d, k]
-            if st.cur[code // P, code % P] != st.tgt[code // P, code % P]:
+            if cur[code] != tgt[code]:
                 st.pend[d, n] = code
                 n += 1
             else:
-                st.inpend[code // P, code % P] = False
+                inpend[code] = False
         st.npend[d] = n
     for i in range(nd):
         l = done[i, 0]
@@ -615,6 +619,8 @@ def _stage_rows(st, done, i, S):
     l = done[i, 0]
     s = done[i, 1]
     x = done[i, 2]
+    if st.staged_blk[l, s] < 0:
+        st.nstaged[0] += 1
     st.staged_blk[l, s] = done[i, 4]
     st.staged_exp[l, s] = x
     g0 = done[i, 5] * S
