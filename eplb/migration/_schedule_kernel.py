@@ -181,21 +181,29 @@ def _unhold(head, nxt, prv, he, code):
 
 @njit(cache=True, nogil=True, inline="always")
 def _may_local(old_LP, new_LP, S):
-    """[L, P]: may another slot of p's rank hold p's target at some point? A slot only ever
-    holds its old expert, its target or a staged expert (`_stage_rows` adds those), so where
-    no other slot of the rank starts with or ends with p's target, p never has a local
-    source: the scan and the chain order skip its holder walks (the busiest loops)."""
+    """[L, P]: may another slot of p's rank hold p's target while p is pending? A slot only
+    ever holds its old expert, its target or a staged expert (`_stage_rows` adds those, and
+    sets a slot staged out of its final state, pending from then on), so where no other slot
+    of the rank starts with or ends with p's target, p never has a local source: the scan and
+    the chain order skip its holder walks (their busiest loops)."""
     L, P = new_LP.shape
     out = np.zeros((L, P), dtype=np.bool_)
     for l in range(L):
-        for g0 in range(0, P, S):
-            for p in range(g0, g0 + S):
-                e = new_LP[l, p]
-                for q in range(g0, g0 + S):
-                    if q != p and (old_LP[l, q] == e or new_LP[l, q] == e):
-                        out[l, p] = True
-                        break
+        for p in range(P):
+            if old_LP[l, p] != new_LP[l, p]:
+                out[l, p] = _local_ahead(old_LP, new_LP, l, p, S)
     return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _local_ahead(cur_LP, new_LP, l, p, S):
+    """Does another slot of p's rank hold p's target now (cur_LP) or at the end (new_LP)?"""
+    e = new_LP[l, p]
+    g0 = p - p % S
+    for q in range(g0, g0 + S):
+        if q != p and (cur_LP[l, q] == e or new_LP[l, q] == e):
+            return True
+    return False
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -614,11 +622,13 @@ def _requeue(st, done, nd, S, P):
 
 @njit(cache=True, nogil=True, inline="always")
 def _stage_rows(st, done, i, S):
-    """Row i of the round is a staging copy: mark its slot, and let the slots of its rank
-    whose target it stages find a local source there."""
+    """Row i of the round is a staging copy: mark its slot (pending from now on, see
+    `_may_local`), and let the slots of its rank whose target it stages find a local source there."""
     l = done[i, 0]
     s = done[i, 1]
     x = done[i, 2]
+    if not st.mayloc[l, s]:
+        st.mayloc[l, s] = _local_ahead(st.cur, st.tgt, l, s, S)
     if st.staged_blk[l, s] < 0:
         st.nstaged[0] += 1
     st.staged_blk[l, s] = done[i, 4]

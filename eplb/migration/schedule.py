@@ -11,6 +11,9 @@ reference, held to the same replay in the tests, is in tests/oracles/migration.p
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from eplb.errors import EplbError
@@ -109,6 +112,34 @@ def schedule_trusted(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_
     chunk = max(L, 1) if layers_per_chunk is None else min(int(layers_per_chunk), max(L, 1))
     ranks = np.array(rank_ids_G, dtype=np.int64)    # the plan's own (it freezes it)
     return _scheduled(old_LP, new_LP, num_gpus, num_logical_experts, chunk, ranks, bytes_per_expert, True)
+
+
+class ScheduleThread:
+    """`schedule_trusted(*args)` on a side thread, started at once. Its kernel releases the GIL,
+    so the caller's own work (the Rebalancer scores the placements meanwhile) runs beside it on
+    another core. `result()` waits for the MigrationPlan, or raises what the schedule raised;
+    `seconds` is the schedule's own run time."""
+
+    def __init__(self, *args):
+        self.seconds = 0.0
+        self._out: tuple = (None, None)
+        self._thread = threading.Thread(target=self._run, args=args, name="eplb-schedule", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._out = (schedule_trusted(*args), None)
+        except BaseException as exc:  # handed to the caller's thread by result()
+            self._out = (None, exc)
+        self.seconds = time.perf_counter() - t0
+
+    def result(self) -> MigrationPlan:
+        self._thread.join()
+        plan, exc = self._out
+        if exc is not None:
+            raise exc
+        return plan
 
 
 def _scheduled(old_LP, new_LP, G: int, E: int, chunk: int, ranks_G, bytes_per_expert, trusted: bool) -> MigrationPlan:
