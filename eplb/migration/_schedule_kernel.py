@@ -78,15 +78,25 @@ def _match(adj, pref, npref, rin, rout, G):
     G + d), rows with the most network copies still to receive first (they bound the
     rounds); then each source rank left out takes over a row from a source rank with fewer
     copies only it can send (rout), so that the busiest senders send too (the matching stays
-    as large). match_row[d] = column or -1."""
+    as large). match_row[d] = column or -1.
+
+    A row whose search finds no augmenting path leaves every column it reached dead: they are
+    all matched, their rows reach only each other, and no later augmenting path can pass
+    through them (it could not leave them to end at a free column), so later searches skip
+    them. The paths found are the ones the full search finds: it reaches the same live
+    columns in the same order."""
     C = adj.shape[1]
     match_row = np.full(G, -1, dtype=np.int64)
     match_col = np.full(C, -1, dtype=np.int64)
     parent = np.empty(C, dtype=np.int64)
-    seen = np.empty(C, dtype=np.bool_)
+    seen = np.zeros(C, dtype=np.int64)      # the search (1, 2, ...) that reached a column last
+    dead = np.zeros(C, dtype=np.bool_)
+    reached = np.empty(C, dtype=np.int64)
     queue = np.empty(G, dtype=np.int64)
+    mark = 0
     for d in np.argsort(-rin, kind="mergesort"):
-        seen[:] = False
+        mark += 1
+        nreached = 0
         head, tail = 0, 1
         queue[0] = d
         end = -1
@@ -95,15 +105,20 @@ def _match(adj, pref, npref, rin, rout, G):
             head += 1
             for j in range(npref[u]):
                 r = pref[u, j]
-                if seen[r]:
+                if seen[r] == mark or dead[r]:
                     continue
-                seen[r] = True
+                seen[r] = mark
+                reached[nreached] = r
+                nreached += 1
                 parent[r] = u
                 if match_col[r] < 0:
                     end = r
                     break
                 queue[tail] = match_col[r]
                 tail += 1
+        if end < 0:
+            for i in range(nreached):
+                dead[reached[i]] = True
         r = end
         while r >= 0:                       # flip the augmenting path
             u = parent[r]
@@ -111,14 +126,31 @@ def _match(adj, pref, npref, rin, rout, G):
             match_row[u] = r
             match_col[r] = u
             r = nxt
+    # Rows by source column (ascending), for the takeovers: a rank's rows without a scan of all G.
+    cptr = np.zeros(G + 1, dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            if pref[d, j] < G:
+                cptr[pref[d, j] + 1] += 1
+    for c in range(G):
+        cptr[c + 1] += cptr[c]
+    fill = cptr[:G].copy()
+    rows = np.empty(cptr[G], dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            c = pref[d, j]
+            if c < G:
+                rows[fill[c]] = d
+                fill[c] += 1
     for c in np.argsort(-rout, kind="mergesort"):
         if rout[c] == 0:
             break
         if match_col[c] >= 0:
             continue
-        for d in range(G):
+        for i in range(cptr[c], cptr[c + 1]):
+            d = rows[i]
             c1 = match_row[d]
-            if adj[d, c] and 0 <= c1 < G and rout[c1] < rout[c]:
+            if 0 <= c1 < G and rout[c1] < rout[c]:
                 match_row[d] = c
                 match_col[c] = d
                 match_col[c1] = -1

@@ -10,6 +10,7 @@ first byte moves). `eplb.migration.schedule` builds them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,9 +173,10 @@ class MigrationPlan:
         """Copies read from the checkpoint (experts that lost every replica)."""
         return int((self.src_rank_M == CHECKPOINT).sum())
 
-    @property
+    @functools.cached_property
     def moves(self) -> int:
-        """Experts copied onto a GPU that did not hold them before (count_moves of old -> new)."""
+        """Experts copied onto a GPU that did not hold them before (count_moves of old -> new;
+        counted once, the maps are read-only)."""
         G = len(self.rank_ids_G)
         return int(count_moves(self.old_LP, self.new_LP, G, self.num_logical_experts).sum())
 

@@ -129,7 +129,9 @@ class ScheduleThread:
     def _run(self, *args) -> None:
         t0 = time.perf_counter()
         try:
-            self._out = (schedule_trusted(*args), None)
+            plan = schedule_trusted(*args)
+            _ = plan.moves              # counted here, off the caller's thread (cached)
+            self._out = (plan, None)
         except BaseException as exc:  # handed to the caller's thread by result()
             self._out = (None, exc)
         self.seconds = time.perf_counter() - t0
