@@ -13,8 +13,9 @@ Its state lives in namedtuples:
   writing_LP, sourcing_LP, inflight_LE, and pend_GK, each rank's pending slots (code
   l * P + p) in the reference's order;
 - `_Round`, one round's network candidates and its transfers so far (done rows).
-A round: `_scan` takes local copies at once and lists network and checkpoint candidates;
-`_take_links` gives the links to a maximum matching of destination ranks to source ranks
+A round: `_chain_kernel.chain_order` orders each rank's queue by the chains of waits; `_scan`
+takes local copies at once and lists network and checkpoint candidates;
+`_links_kernel.take_links` gives the links to a maximum matching of destination ranks to source ranks
 (augmenting paths, the ranks with the most copies left tried first: the reference asks
 scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
 are the last to wait; each rank tries the sources of its candidates in its queue order (its
@@ -32,7 +33,9 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from eplb.migration._stage_kernel import is_deadlock, may_deadlock, new_staging, stage
+from eplb.migration._chain_kernel import chain_order, forced_sources
+from eplb.migration._links_kernel import commit, take_links
+from eplb.migration._stage_kernel import may_deadlock, new_staging, stage
 
 STATUS_OK = 0
 STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
@@ -70,112 +73,6 @@ def _grow(a, n):
     b = np.empty((max(n, 2 * a.shape[0]),) + a.shape[1:], dtype=a.dtype)
     b[:a.shape[0]] = a
     return b
-
-
-@njit(cache=True, nogil=True)
-def _match(adj, pref, npref, rin, rout, G):
-    """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
-    G + d), rows with the most network copies still to receive first (they bound the
-    rounds); then each source rank left out takes over a row from a source rank with fewer
-    copies only it can send (rout), so that the busiest senders send too (the matching stays
-    as large). match_row[d] = column or -1.
-
-    A row whose search finds no augmenting path leaves every column it reached dead: they are
-    all matched, their rows reach only each other, and no later augmenting path can pass
-    through them (it could not leave them to end at a free column), so later searches skip
-    them. The paths found are the ones the full search finds: it reaches the same live
-    columns in the same order."""
-    C = adj.shape[1]
-    match_row = np.full(G, -1, dtype=np.int64)
-    match_col = np.full(C, -1, dtype=np.int64)
-    parent = np.empty(C, dtype=np.int64)
-    seen = np.zeros(C, dtype=np.int64)      # the search (1, 2, ...) that reached a column last
-    dead = np.zeros(C, dtype=np.bool_)
-    reached = np.empty(C, dtype=np.int64)
-    queue = np.empty(G, dtype=np.int64)
-    mark = 0
-    for d in np.argsort(-rin, kind="mergesort"):
-        mark += 1
-        nreached = 0
-        head, tail = 0, 1
-        queue[0] = d
-        end = -1
-        while head < tail and end < 0:
-            u = queue[head]
-            head += 1
-            for j in range(npref[u]):
-                r = pref[u, j]
-                if seen[r] == mark or dead[r]:
-                    continue
-                seen[r] = mark
-                reached[nreached] = r
-                nreached += 1
-                parent[r] = u
-                if match_col[r] < 0:
-                    end = r
-                    break
-                queue[tail] = match_col[r]
-                tail += 1
-        if end < 0:
-            for i in range(nreached):
-                dead[reached[i]] = True
-        r = end
-        while r >= 0:                       # flip the augmenting path
-            u = parent[r]
-            nxt = match_row[u]
-            match_row[u] = r
-            match_col[r] = u
-            r = nxt
-    # Rows by source column (ascending), for the takeovers: a rank's rows without a scan of all G.
-    cptr = np.zeros(G + 1, dtype=np.int64)
-    for d in range(G):
-        for j in range(npref[d]):
-            if pref[d, j] < G:
-                cptr[pref[d, j] + 1] += 1
-    for c in range(G):
-        cptr[c + 1] += cptr[c]
-    fill = cptr[:G].copy()
-    rows = np.empty(cptr[G], dtype=np.int64)
-    for d in range(G):
-        for j in range(npref[d]):
-            c = pref[d, j]
-            if c < G:
-                rows[fill[c]] = d
-                fill[c] += 1
-    for c in np.argsort(-rout, kind="mergesort"):
-        if rout[c] == 0:
-            break
-        if match_col[c] >= 0:
-            continue
-        for i in range(cptr[c], cptr[c + 1]):
-            d = rows[i]
-            c1 = match_row[d]
-            if 0 <= c1 < G and rout[c1] < rout[c]:
-                match_row[d] = c
-                match_col[c] = d
-                match_col[c1] = -1
-                break
-    return match_row
-
-
-@njit(cache=True, nogil=True)
-def _commit(l, p, e, src_rank, src, d, st, done, nd):
-    """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
-    checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""
-    o = st.cur[l, p]
-    if o >= 0:
-        st.hc[l, o] -= 1
-    st.writing[l, p] = True
-    if src >= 0:
-        st.sourcing[l, src] = True
-    st.inflight[l, e] = True
-    done[nd, 0] = l
-    done[nd, 1] = p
-    done[nd, 2] = e
-    done[nd, 3] = src_rank
-    done[nd, 4] = src
-    done[nd, 5] = d
-    done[nd, 6] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -347,7 +244,7 @@ def _scan(st, rd, S, P, tight, nd):
                         local = s
                     h = st.hnext[h]
                 if local >= 0:
-                    _commit(l, p, e, d, local, d, st, rd.done, nd)
+                    commit(l, p, e, d, local, d, st, rd.done, nd)
                     nd += 1
                     continue
                 if rd.ncand[d] < K:
@@ -386,206 +283,6 @@ def _scan(st, rd, S, P, tight, nd):
                 rd.cstart[d, i + 1] = rd.cstart[d, i] + 1
                 rd.adj[d, G + d] = True
                 rd.ncand[d] += 1
-    return nd
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
-    """For the chunk's pending slots whose expert only one rank holds (and not their own):
-    fsrc[l, p] = that rank, which must send it; rout counts them per rank (a priority of the
-    link matching, lowered as the copies land; replicas made meanwhile are not counted)."""
-    for g in range(rout.size):
-        rout[g] = 0
-    for l in range(c0, c1):
-        for e in range(nh.size):
-            nh[e] = 0
-        for p in range(P):
-            e = st.cur[l, p]
-            if e >= 0 and (nh[e] == 0 or hr[e] != p // S):
-                nh[e] += 1
-                hr[e] = p // S
-        for p in range(P):
-            fsrc[l, p] = -1
-            e = st.tgt[l, p]
-            if st.cur[l, p] == e or nh[e] != 1 or hr[e] == p // S:
-                continue
-            fsrc[l, p] = hr[e]
-            rout[hr[e]] += 1
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _chain_order(st, sg, S, P, depth, key, rin):
-    """At the start of a round: order each rank's pending slots by the chain each one heads,
-    longest first; rin[d] = the copies rank d must still receive over a link (its pending
-    slots whose target it holds in no slot), raised to the longest chain on rank d (both
-    bound the rounds left). Returns whether a deadlocked cycle of blocked slots (one that
-    `stage` would break) exists.
-
-    Writing slot q lets the slot holding the last complete replica of q's target be written
-    (it waits for that replica), and so on: chains of waits that unwind one copy per round.
-    A staging slot holding q's target (one of its two replicas) waits on q too: it is freed
-    only once q has taken the expert, so the chain it heads counts in q's depth.
-    A long chain left to the end of the queues leaves a tail of rounds with one copy each.
-    A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
-    (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
-    pend, npend, G = st.pend, st.npend, st.npend.size
-    E = st.hc.shape[1]
-    # Flat views (index l * P + p, l * E + e, (l * G + d) * E + e): the loops below visit every
-    # pending slot each round.
-    tgt, hc, hsum = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1)
-    dep = depth.reshape(-1)
-    nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
-    mayloc = st.mayloc.reshape(-1)
-    staging = st.nstaged[0] > 0
-    for d in range(G):
-        remote = 0
-        for k in range(npend[d]):
-            code = pend[d, k]
-            l = code // P
-            dep[code] = -1
-            # At a round's start every replica is complete: e's only holder is hsum[l, e], and
-            # a slot that does not hold its target is pending.
-            e = tgt[code]
-            n_e = hc[l * E + e]
-            w = l * P + hsum[l * E + e] if n_e == 1 else -1
-            local = False
-            # The holders matter for a local source (only where one may exist) and for a
-            # staging slot among two replicas.
-            h = st.hhead[l * E + e] if mayloc[code] or (n_e == 2 and staging) else -1
-            lo = l * P + d * S
-            while h >= 0:
-                if lo <= h < lo + S:
-                    local = True
-                # A staging slot holding e (of two replicas) is freed only once code takes e:
-                # its chain waits on code.
-                if n_e == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
-                    w = h
-                h = st.hnext[h]
-            nxt[code] = w if w >= 0 and tgt[w] != e else -1
-            if not local:
-                remote += 1
-        rin[d] = remote
-    ncyc = 0                              # cycles closed, one slot of each in sg.cyc_start
-    for d in range(G):
-        for k in range(npend[d]):
-            code = pend[d, k]
-            # Walk the chain from code to its end (or to a slot already measured), then set depths back.
-            n = 0
-            q = code
-            while q >= 0 and dep[q] == -1:
-                dep[q] = -2 - n         # on the walk, n steps from its start
-                n += 1
-                q = nxt[q]
-            if q >= 0 and dep[q] < -1:
-                sg.cyc_start[ncyc] = q
-                ncyc += 1
-            end = dep[q] if q >= 0 and dep[q] >= 0 else 0
-            q = code
-            for t in range(n):
-                dep[q] = end + n - t
-                q = nxt[q]
-                if q < 0 or dep[q] >= 0:
-                    break
-    for d in range(G):
-        n = npend[d]
-        longest = 0
-        for k in range(n):
-            key[k] = dep[pend[d, k]]
-            longest = max(longest, key[k])
-        rin[d] = max(rin[d], longest)
-        for a in range(1, n):             # insertion sort by depth, descending, stable
-            code = pend[d, a]
-            v = key[a]
-            b = a
-            while b > 0 and key[b - 1] < v:
-                pend[d, b] = pend[d, b - 1]
-                key[b] = key[b - 1]
-                b -= 1
-            pend[d, b] = code
-            key[b] = v
-    for c in range(ncyc):                 # in the queue order `stage` sees
-        if is_deadlock(st, sg, sg.cyc_start[c], S, P):
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _send_key(r, d, rout, sent, G):
-    """Order of source column r for destination rank d (lower first): r's sends so far plus those
-    only r can make (its least total), then the distance from d round the ranks (the checkpoint
-    column G + d last)."""
-    if r >= G:
-        return np.iinfo(np.int64).max
-    return (rout[r] + sent[r]) * (G + 1) + (r - d) % G
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _take_links(st, rd, nd, P, tight, rin, rout, sent):
-    """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
-    source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
-    candidate that is still possible. Returns the copies of the round so far."""
-    G = st.npend.size
-    cur, hc = st.cur, st.hc
-    any_edge = False                   # (every candidate has a source: rd.adj has its links)
-    for d in range(G):
-        if rd.ncand[d] > 0:
-            any_edge = True
-    if not any_edge:
-        return nd
-    pref, npref = rd.pref, rd.npref
-    for d in range(G):
-        npref[d] = 0
-        for i in range(rd.ncand[d]):
-            first = npref[d]
-            for j in range(rd.cstart[d, i], rd.cstart[d, i + 1]):
-                r = rd.cols[d, j]
-                if rd.adj[d, r]:
-                    rd.adj[d, r] = False       # listed: the first candidate with a source there
-                    pref[d, npref[d]] = r
-                    npref[d] += 1
-            # A candidate's sources: the ranks with the fewest sends only they can make first, ties
-            # from rank d on (lowest indices first would pile the free sends on rank 0, 1, ...).
-            for a in range(first + 1, npref[d]):
-                r = pref[d, a]
-                b = a
-                while b > first and _send_key(pref[d, b - 1], d, rout, sent, G) > _send_key(r, d, rout, sent, G):
-                    pref[d, b] = pref[d, b - 1]
-                    b -= 1
-                pref[d, b] = r
-        for j in range(npref[d]):
-            rd.adj[d, pref[d, j]] = True
-    match_row = _match(rd.adj, pref, npref, rin, rout, G)
-    for d in range(G):
-        r = match_row[d]
-        if r < 0:
-            continue
-        for i in range(rd.ncand[d]):
-            t = rd.cstart[d, i]
-            while t < rd.cstart[d, i + 1] and rd.cols[d, t] != r:
-                t += 1
-            if t == rd.cstart[d, i + 1]:
-                continue                   # no source in column r
-            src = rd.srcs[d, t]
-            code = rd.cand[d, i]
-            l = code // P
-            p = code % P
-            e = rd.cand_e[d, i]
-            if st.sourcing[l, p] or st.writing[l, p]:
-                continue
-            o = cur[l, p]
-            if o >= 0 and hc[l, o] < 2:
-                continue               # an earlier pick this round took o's spare
-            if src >= 0 and (cur[l, src] != e or st.writing[l, src]):
-                continue               # the source is being written this round
-            if src < 0 and st.inflight[l, e]:
-                continue
-            if src < 0 and tight:
-                if P - st.ndist[l] < 2 and st.npl[l] > 1:
-                    continue           # another reload this round took the room
-                st.ndist[l] += 1
-            _commit(l, p, e, -1 if src < 0 else r, src, d, st, rd.done, nd)
-            nd += 1
-            break
     return nd
 
 
@@ -709,7 +406,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
         c1 = min(L, c0 + chunk)
         left = _queue_chunk(st, c0, c1, S, P)
-        _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
+        forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
         guard = 4 * (left + (c1 - c0) * P) + 8
         while left > 0:
             guard -= 1
@@ -717,7 +414,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
             if tight:
                 _count_room(st, c0, c1, E, P)
-            cyclic = _chain_order(st, sg, S, P, depth, key, rin)
+            cyclic = chain_order(st, sg, S, P, depth, key, rin)
             # Deadlocked cycles of blocked slots break as soon as they appear: first through
             # pending slots of their own ranks (free), before this round's copies take those;
             # then through the spares and links the round left; when nothing could move at
@@ -728,7 +425,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
             staged = cyclic and not tight
             ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, False) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
-            nd = _take_links(st, rd, nd, P, tight, rin, rout, sent)
+            nd = take_links(st, rd, nd, P, tight, rin, rout, sent)
             n1 = nd
             if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
                 # (The queues and slot contents have not changed since stage 0: same cycles.)
