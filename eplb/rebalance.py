@@ -43,7 +43,8 @@ from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
 from eplb.load_estimate import BucketedSum
-from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent, schedule
+from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent
+from eplb.migration.schedule import ScheduleThread
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner, planner_class
@@ -98,9 +99,10 @@ class RebalanceResult:
     step: int = 0
     """Observations seen when the rebalance was planned."""
     seconds: float = 0.0
-    """Wall time of planning + scheduling (info has "decision_seconds" for the placement and
-    its predicted metrics, "schedule_seconds" for the migration schedule, and
-    "kernel_wait_seconds" for the wait, first decision only, for kernels still loading)."""
+    """Wall time of planning + scheduling (info has "decision_seconds" for the placement,
+    "schedule_seconds" for the migration schedule, which runs on a side thread beside the
+    scoring of both placements, and "kernel_wait_seconds" for the wait, first decision only,
+    for kernels still loading)."""
     message: str = ""
     """How the plan was made (planner status, budget, fallbacks)."""
     info: dict = field(default_factory=dict)
@@ -485,14 +487,16 @@ class Rebalancer:
         metrics = {**after.metrics(), **res.objective_metrics}
         new = replace(served, phy2log_LP=sol.phy2log_LP, dispatch_weights_LP=sol.dispatch_weights_LP,
                       planner=res.planner, metrics=metrics, partial=False)
+        t1 = time.perf_counter()
+        # Both maps are Placements' (checked when built): the schedule trusts them, and runs
+        # beside the scoring of the placement that was serving.
+        side = ScheduleThread(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, self.layers_per_chunk,
+                              ranks[alive], self.budget.bytes_per_expert)
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
         before = stats.evaluate(pl, load, bound(load), lower_bound_L=None if failed.size else res.lower_bound_L)
-        t1 = time.perf_counter()
-        mig = schedule(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, layers_per_chunk=self.layers_per_chunk,
-                       rank_ids=ranks[alive], bytes_per_expert=self.budget.bytes_per_expert)
-        t2 = time.perf_counter()
+        mig = side.result()
         info = dict(res.info.get("migration", {}))
-        info.update(decision_seconds=t1 - t0, schedule_seconds=t2 - t1)
+        info.update(decision_seconds=t1 - t0, schedule_seconds=side.seconds)
         message = f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else "")
         lost: tuple[tuple[int, int], ...] = ()
         if failed.size:
@@ -527,20 +531,21 @@ class Rebalancer:
             decision = self.policy.decide(pl, **self._decide_kw)
         if decision is not None:
             self._check_caps(pl, decision.phy2log_LP)
+        new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
+                                                  planner=self.policy.name)
+        t1 = time.perf_counter()
+        # Both maps are Placements' (checked when built): the schedule trusts them, and runs
+        # beside the scoring below.
+        side = ScheduleThread(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
+                              self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
         # One bound for both scores (the same load on the same topology), from greedy's compiled counts.
         lb_L = lower_bound(load, pl.topology)
         before = stats.evaluate(pl, load, bound(load), lower_bound_L=lb_L)
-        if decision is None:
-            new, after = pl, before
-        else:
-            new = replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name)
-            after = stats.evaluate(new, load, self.dispatch.bind(new)(load), lower_bound_L=lb_L)
+        after = before if decision is None else stats.evaluate(new, load, self.dispatch.bind(new)(load),
+                                                               lower_bound_L=lb_L)
         new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
-        t1 = time.perf_counter()
-        mig = schedule(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
-                       layers_per_chunk=self.layers_per_chunk, rank_ids=ranks,
-                       bytes_per_expert=self.budget.bytes_per_expert)
-        info = {"decision_seconds": t1 - t0, "schedule_seconds": time.perf_counter() - t1,
+        mig = side.result()
+        info = {"decision_seconds": t1 - t0, "schedule_seconds": side.seconds,
                 "moves": mig.moves, "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
         if pl.num_nodes > 1 and self.num_expert_groups:
             for k, m in (("before", pl), ("after", new)):

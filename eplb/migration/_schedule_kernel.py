@@ -13,8 +13,9 @@ Its state lives in namedtuples:
   writing_LP, sourcing_LP, inflight_LE, and pend_GK, each rank's pending slots (code
   l * P + p) in the reference's order;
 - `_Round`, one round's network candidates and its transfers so far (done rows).
-A round: `_scan` takes local copies at once and lists network and checkpoint candidates;
-`_take_links` gives the links to a maximum matching of destination ranks to source ranks
+A round: `_chain_kernel.chain_order` orders each rank's queue by the chains of waits; `_scan`
+takes local copies at once and lists network and checkpoint candidates;
+`_links_kernel.take_links` gives the links to a maximum matching of destination ranks to source ranks
 (augmenting paths, the ranks with the most copies left tried first: the reference asks
 scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
 are the last to wait; each rank tries the sources of its candidates in its queue order (its
@@ -32,7 +33,9 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from eplb.migration._stage_kernel import is_deadlock, may_deadlock, new_staging, stage
+from eplb.migration._chain_kernel import chain_order, forced_sources
+from eplb.migration._links_kernel import commit, take_links
+from eplb.migration._stage_kernel import may_deadlock, new_staging, stage
 
 STATUS_OK = 0
 STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
@@ -48,6 +51,8 @@ _Slots = namedtuple("_Slots", [
     "hsum",         # sum of the slots holding each expert (cur): its holder where it has one
     "ncur",         # slots holding each expert (cur, written or not)
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
+    "mayloc",       # [L, P] may another slot of its rank ever hold its target (a local source)?
+    "nstaged",      # [1] slots with a staging mark (staged_blk >= 0)
 ])
 _Round = namedtuple("_Round", [
     "cand", "cand_e",     # [G, K] each rank's candidate slots (code l * P + p) and their targets
@@ -68,80 +73,6 @@ def _grow(a, n):
     b = np.empty((max(n, 2 * a.shape[0]),) + a.shape[1:], dtype=a.dtype)
     b[:a.shape[0]] = a
     return b
-
-
-@njit(cache=True, nogil=True)
-def _match(adj, pref, npref, rin, rout, G):
-    """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
-    G + d), rows with the most network copies still to receive first (they bound the
-    rounds); then each source rank left out takes over a row from a source rank with fewer
-    copies only it can send (rout), so that the busiest senders send too (the matching stays
-    as large). match_row[d] = column or -1."""
-    C = adj.shape[1]
-    match_row = np.full(G, -1, dtype=np.int64)
-    match_col = np.full(C, -1, dtype=np.int64)
-    parent = np.empty(C, dtype=np.int64)
-    seen = np.empty(C, dtype=np.bool_)
-    queue = np.empty(G, dtype=np.int64)
-    for d in np.argsort(-rin, kind="mergesort"):
-        seen[:] = False
-        head, tail = 0, 1
-        queue[0] = d
-        end = -1
-        while head < tail and end < 0:
-            u = queue[head]
-            head += 1
-            for j in range(npref[u]):
-                r = pref[u, j]
-                if seen[r]:
-                    continue
-                seen[r] = True
-                parent[r] = u
-                if match_col[r] < 0:
-                    end = r
-                    break
-                queue[tail] = match_col[r]
-                tail += 1
-        r = end
-        while r >= 0:                       # flip the augmenting path
-            u = parent[r]
-            nxt = match_row[u]
-            match_row[u] = r
-            match_col[r] = u
-            r = nxt
-    for c in np.argsort(-rout, kind="mergesort"):
-        if rout[c] == 0:
-            break
-        if match_col[c] >= 0:
-            continue
-        for d in range(G):
-            c1 = match_row[d]
-            if adj[d, c] and 0 <= c1 < G and rout[c1] < rout[c]:
-                match_row[d] = c
-                match_col[c] = d
-                match_col[c1] = -1
-                break
-    return match_row
-
-
-@njit(cache=True, nogil=True)
-def _commit(l, p, e, src_rank, src, d, st, done, nd):
-    """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
-    checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""
-    o = st.cur[l, p]
-    if o >= 0:
-        st.hc[l, o] -= 1
-    st.writing[l, p] = True
-    if src >= 0:
-        st.sourcing[l, src] = True
-    st.inflight[l, e] = True
-    done[nd, 0] = l
-    done[nd, 1] = p
-    done[nd, 2] = e
-    done[nd, 3] = src_rank
-    done[nd, 4] = src
-    done[nd, 5] = d
-    done[nd, 6] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -178,6 +109,33 @@ def _unhold(head, nxt, prv, he, code):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _may_local(old_LP, new_LP, S):
+    """[L, P]: may another slot of p's rank hold p's target while p is pending? A slot only
+    ever holds its old expert, its target or a staged expert (`_stage_rows` adds those, and
+    sets a slot staged out of its final state, pending from then on), so where no other slot
+    of the rank starts with or ends with p's target, p never has a local source: the scan and
+    the chain order skip its holder walks (their busiest loops)."""
+    L, P = new_LP.shape
+    out = np.zeros((L, P), dtype=np.bool_)
+    for l in range(L):
+        for p in range(P):
+            if old_LP[l, p] != new_LP[l, p]:
+                out[l, p] = _local_ahead(old_LP, new_LP, l, p, S)
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _local_ahead(cur_LP, new_LP, l, p, S):
+    """Does another slot of p's rank hold p's target now (cur_LP) or at the end (new_LP)?"""
+    e = new_LP[l, p]
+    g0 = p - p % S
+    for q in range(g0, g0 + S):
+        if q != p and (cur_LP[l, q] == e or new_LP[l, q] == e):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _new_state(old_LP, new_LP, G, E):
     """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
     L, P = new_LP.shape
@@ -198,7 +156,8 @@ def _new_state(old_LP, new_LP, G, E):
         np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
-        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev)
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev,
+        _may_local(old_LP, new_LP, S), np.zeros(1, dtype=np.int64))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -255,16 +214,22 @@ def _scan(st, rd, S, P, tight, nd):
             rd.adj[d, rd.cols[d, j]] = False
         rd.ncand[d] = 0
     for d in range(G):
+        lo = d * S
         for k in range(st.npend[d]):
             code = st.pend[d, k]
             l = code // P
             p = code % P
+            # With its rank's candidates listed, a slot without a local source and no staging
+            # mark to clear has nothing left to do here.
+            if rd.ncand[d] >= K and not st.mayloc[l, p] and st.staged_blk[l, p] < 0:
+                continue
             if st.sourcing[l, p] or st.writing[l, p]:
                 continue
             if st.staged_blk[l, p] >= 0:
                 if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p] and not _kept(st, l, st.staged_exp[l, p], E, P):
                     continue               # its blocked slot still needs the copy
                 st.staged_blk[l, p] = -1
+                st.nstaged[0] -= 1
             o = cur[l, p]
             e = tgt[l, p]
             if o >= 0 and hc[l, o] < 2:
@@ -272,14 +237,14 @@ def _scan(st, rd, S, P, tight, nd):
             if hc[l, e] > 0:
                 # The lowest complete slot holding e on each rank (a local one first).
                 local = -1
-                h = st.hhead[l * E + e]
+                h = st.hhead[l * E + e] if st.mayloc[l, p] else -1
                 while h >= 0:
                     s = h - l * P
-                    if s // S == d and not st.writing[l, s] and (local < 0 or s < local):
+                    if lo <= s < lo + S and not st.writing[l, s] and (local < 0 or s < local):
                         local = s
                     h = st.hnext[h]
                 if local >= 0:
-                    _commit(l, p, e, d, local, d, st, rd.done, nd)
+                    commit(l, p, e, d, local, d, st, rd.done, nd)
                     nd += 1
                     continue
                 if rd.ncand[d] < K:
@@ -318,200 +283,6 @@ def _scan(st, rd, S, P, tight, nd):
                 rd.cstart[d, i + 1] = rd.cstart[d, i] + 1
                 rd.adj[d, G + d] = True
                 rd.ncand[d] += 1
-    return nd
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
-    """For the chunk's pending slots whose expert only one rank holds (and not their own):
-    fsrc[l, p] = that rank, which must send it; rout counts them per rank (a priority of the
-    link matching, lowered as the copies land; replicas made meanwhile are not counted)."""
-    for g in range(rout.size):
-        rout[g] = 0
-    for l in range(c0, c1):
-        for e in range(nh.size):
-            nh[e] = 0
-        for p in range(P):
-            e = st.cur[l, p]
-            if e >= 0 and (nh[e] == 0 or hr[e] != p // S):
-                nh[e] += 1
-                hr[e] = p // S
-        for p in range(P):
-            fsrc[l, p] = -1
-            e = st.tgt[l, p]
-            if st.cur[l, p] == e or nh[e] != 1 or hr[e] == p // S:
-                continue
-            fsrc[l, p] = hr[e]
-            rout[hr[e]] += 1
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _chain_order(st, sg, S, P, depth, key, rin):
-    """At the start of a round: order each rank's pending slots by the chain each one heads,
-    longest first; rin[d] = the copies rank d must still receive over a link (its pending
-    slots whose target it holds in no slot), raised to the longest chain on rank d (both
-    bound the rounds left). Returns whether a deadlocked cycle of blocked slots (one that
-    `stage` would break) exists.
-
-    Writing slot q lets the slot holding the last complete replica of q's target be written
-    (it waits for that replica), and so on: chains of waits that unwind one copy per round.
-    A staging slot holding q's target (one of its two replicas) waits on q too: it is freed
-    only once q has taken the expert, so the chain it heads counts in q's depth.
-    A long chain left to the end of the queues leaves a tail of rounds with one copy each.
-    A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
-    (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
-    pend, npend, G = st.pend, st.npend, st.npend.size
-    E = st.hc.shape[1]
-    # Flat views (index l * P + p, l * E + e, (l * G + d) * E + e): the loops below visit every
-    # pending slot each round.
-    tgt, hc, hsum = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1)
-    dep = depth.reshape(-1)
-    nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
-    for d in range(G):
-        remote = 0
-        for k in range(npend[d]):
-            code = pend[d, k]
-            l = code // P
-            dep[code] = -1
-            # At a round's start every replica is complete: e's only holder is hsum[l, e], and
-            # a slot that does not hold its target is pending.
-            e = tgt[code]
-            w = l * P + hsum[l * E + e] if hc[l * E + e] == 1 else -1
-            local = False
-            h = st.hhead[l * E + e]
-            while h >= 0:
-                if (h - l * P) // S == d:
-                    local = True
-                # A staging slot holding e (of two replicas) is freed only once code takes e:
-                # its chain waits on code.
-                if hc[l * E + e] == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
-                    w = h
-                h = st.hnext[h]
-            nxt[code] = w if w >= 0 and tgt[w] != e else -1
-            if not local:
-                remote += 1
-        rin[d] = remote
-    ncyc = 0                              # cycles closed, one slot of each in sg.cyc_start
-    for d in range(G):
-        for k in range(npend[d]):
-            code = pend[d, k]
-            # Walk the chain from code to its end (or to a slot already measured), then set depths back.
-            n = 0
-            q = code
-            while q >= 0 and dep[q] == -1:
-                dep[q] = -2 - n         # on the walk, n steps from its start
-                n += 1
-                q = nxt[q]
-            if q >= 0 and dep[q] < -1:
-                sg.cyc_start[ncyc] = q
-                ncyc += 1
-            end = dep[q] if q >= 0 and dep[q] >= 0 else 0
-            q = code
-            for t in range(n):
-                dep[q] = end + n - t
-                q = nxt[q]
-                if q < 0 or dep[q] >= 0:
-                    break
-    for d in range(G):
-        n = npend[d]
-        longest = 0
-        for k in range(n):
-            key[k] = dep[pend[d, k]]
-            longest = max(longest, key[k])
-        rin[d] = max(rin[d], longest)
-        for a in range(1, n):             # insertion sort by depth, descending, stable
-            code = pend[d, a]
-            v = key[a]
-            b = a
-            while b > 0 and key[b - 1] < v:
-                pend[d, b] = pend[d, b - 1]
-                key[b] = key[b - 1]
-                b -= 1
-            pend[d, b] = code
-            key[b] = v
-    for c in range(ncyc):                 # in the queue order `stage` sees
-        if is_deadlock(st, sg, sg.cyc_start[c], S, P):
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _send_key(r, d, rout, sent, G):
-    """Order of source column r for destination rank d (lower first): r's sends so far plus those
-    only r can make (its least total), then the distance from d round the ranks (the checkpoint
-    column G + d last)."""
-    if r >= G:
-        return np.iinfo(np.int64).max
-    return (rout[r] + sent[r]) * (G + 1) + (r - d) % G
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _take_links(st, rd, nd, P, tight, rin, rout, sent):
-    """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
-    source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
-    candidate that is still possible. Returns the copies of the round so far."""
-    G = st.npend.size
-    cur, hc = st.cur, st.hc
-    any_edge = False                   # (every candidate has a source: rd.adj has its links)
-    for d in range(G):
-        if rd.ncand[d] > 0:
-            any_edge = True
-    if not any_edge:
-        return nd
-    pref, npref = rd.pref, rd.npref
-    for d in range(G):
-        npref[d] = 0
-        for i in range(rd.ncand[d]):
-            first = npref[d]
-            for j in range(rd.cstart[d, i], rd.cstart[d, i + 1]):
-                r = rd.cols[d, j]
-                if rd.adj[d, r]:
-                    rd.adj[d, r] = False       # listed: the first candidate with a source there
-                    pref[d, npref[d]] = r
-                    npref[d] += 1
-            # A candidate's sources: the ranks with the fewest sends only they can make first, ties
-            # from rank d on (lowest indices first would pile the free sends on rank 0, 1, ...).
-            for a in range(first + 1, npref[d]):
-                r = pref[d, a]
-                b = a
-                while b > first and _send_key(pref[d, b - 1], d, rout, sent, G) > _send_key(r, d, rout, sent, G):
-                    pref[d, b] = pref[d, b - 1]
-                    b -= 1
-                pref[d, b] = r
-        for j in range(npref[d]):
-            rd.adj[d, pref[d, j]] = True
-    match_row = _match(rd.adj, pref, npref, rin, rout, G)
-    for d in range(G):
-        r = match_row[d]
-        if r < 0:
-            continue
-        for i in range(rd.ncand[d]):
-            t = rd.cstart[d, i]
-            while t < rd.cstart[d, i + 1] and rd.cols[d, t] != r:
-                t += 1
-            if t == rd.cstart[d, i + 1]:
-                continue                   # no source in column r
-            src = rd.srcs[d, t]
-            code = rd.cand[d, i]
-            l = code // P
-            p = code % P
-            e = rd.cand_e[d, i]
-            if st.sourcing[l, p] or st.writing[l, p]:
-                continue
-            o = cur[l, p]
-            if o >= 0 and hc[l, o] < 2:
-                continue               # an earlier pick this round took o's spare
-            if src >= 0 and (cur[l, src] != e or st.writing[l, src]):
-                continue               # the source is being written this round
-            if src < 0 and st.inflight[l, e]:
-                continue
-            if src < 0 and tight:
-                if P - st.ndist[l] < 2 and st.npl[l] > 1:
-                    continue           # another reload this round took the room
-                st.ndist[l] += 1
-            _commit(l, p, e, -1 if src < 0 else r, src, d, st, rd.done, nd)
-            nd += 1
-            break
     return nd
 
 
@@ -556,15 +327,16 @@ def _apply_round(st, done, nd, out, M, R):
 def _requeue(st, done, nd, S, P):
     """Drop the slots that reached their target from the queues; a staging copy makes its slot
     pending again (it must get its own expert back). Returns the slots still pending."""
+    cur, tgt, inpend = st.cur.reshape(-1), st.tgt.reshape(-1), st.inpend.reshape(-1)
     for d in range(st.npend.size):
         n = 0
         for k in range(st.npend[d]):
             code = st.pend[d, k]
-            if st.cur[code // P, code % P] != st.tgt[code // P, code % P]:
+            if cur[code] != tgt[code]:
                 st.pend[d, n] = code
                 n += 1
             else:
-                st.inpend[code // P, code % P] = False
+                inpend[code] = False
         st.npend[d] = n
     for i in range(nd):
         l = done[i, 0]
@@ -575,6 +347,25 @@ def _requeue(st, done, nd, S, P):
             st.npend[g] += 1
             st.inpend[l, p] = True
     return st.npend.sum()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _stage_rows(st, done, i, S):
+    """Row i of the round is a staging copy: mark its slot (pending from now on, see
+    `_may_local`), and let the slots of its rank whose target it stages find a local source there."""
+    l = done[i, 0]
+    s = done[i, 1]
+    x = done[i, 2]
+    if not st.mayloc[l, s]:
+        st.mayloc[l, s] = _local_ahead(st.cur, st.tgt, l, s, S)
+    if st.staged_blk[l, s] < 0:
+        st.nstaged[0] += 1
+    st.staged_blk[l, s] = done[i, 4]
+    st.staged_exp[l, s] = x
+    g0 = done[i, 5] * S
+    for q in range(g0, g0 + S):
+        if q != s and st.tgt[l, q] == x:
+            st.mayloc[l, q] = True
 
 
 @njit(cache=True, nogil=True)
@@ -615,7 +406,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
         c1 = min(L, c0 + chunk)
         left = _queue_chunk(st, c0, c1, S, P)
-        _forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
+        forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
         guard = 4 * (left + (c1 - c0) * P) + 8
         while left > 0:
             guard -= 1
@@ -623,7 +414,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
             if tight:
                 _count_room(st, c0, c1, E, P)
-            cyclic = _chain_order(st, sg, S, P, depth, key, rin)
+            cyclic = chain_order(st, sg, S, P, depth, key, rin)
             # Deadlocked cycles of blocked slots break as soon as they appear: first through
             # pending slots of their own ranks (free), before this round's copies take those;
             # then through the spares and links the round left; when nothing could move at
@@ -634,7 +425,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
             staged = cyclic and not tight
             ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, False) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
-            nd = _take_links(st, rd, nd, P, tight, rin, rout, sent)
+            nd = take_links(st, rd, nd, P, tight, rin, rout, sent)
             n1 = nd
             if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
                 # (The queues and slot contents have not changed since stage 0: same cycles.)
@@ -643,8 +434,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):
                 if i < ns or i >= n1:
-                    st.staged_blk[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 4]
-                    st.staged_exp[rd.done[i, 0], rd.done[i, 1]] = rd.done[i, 2]
+                    _stage_rows(st, rd.done, i, S)
             for i in range(nd):
                 if rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
                     sent[rd.done[i, 3]] += 1

@@ -79,7 +79,7 @@ def _first_waiting(st, sg, l, o, S, P):
 @njit(cache=True, nogil=True)
 def is_deadlock(st, sg, code, S, P):
     """Is the cycle of chain links through pending slot code = l * P + q (sg.path_LP: the slot
-    each pending slot waits on, as such codes, see `_schedule_kernel._chain_order`) a
+    each pending slot waits on, as such codes, see `_chain_kernel.chain_order`) a
     deadlock `stage` breaks, at a round's start? Each member holds the only replica of the
     target of the member before it, so all are blocked; `_find_cycles` follows the cycle
     backwards when each member is the first slot in queue order waiting for the next one's
@@ -215,9 +215,9 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, again):
     rank adds nothing (no link, and it changes anyway); a final slot there adds the copy
     that restores it later; a pending slot on another rank adds that rank's receive now (a
     final one there, two). Each is weighed by the rounds the receiving rank still needs
-    (rin, see `_schedule_kernel._chain_order`), which bound the rounds. A pending spare's
+    (rin, see `_chain_kernel.chain_order`), which bound the rounds. A pending spare's
     own copy waits while it holds the staged expert, and so does the chain of slots waiting
-    on it (depth [L, P]: the chain lengths of `_chain_order`), so it is free only when that
+    on it (depth [L, P]: the chain lengths of `_chain_kernel.chain_order`), so it is free only when that
     chain plus the cycle fits in the longest wait (max rin), else it weighs their sum. Links
     already used this round are respected. mode 0: deadlocks only, through a pending slot on
     the member's rank only (free: run before the round's other copies take those slots);

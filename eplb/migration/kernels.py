@@ -13,7 +13,7 @@ so each kernel has one compiled version; `warm_up` makes it exist before the fir
 The stages a kernel is written in (`_scan`, `_price_swaps`, ...) are `inline="always"`: numba
 then compiles each entry point as one function. A separately compiled helper is optimised on
 its own and again inside its caller, which makes the first compile markedly longer; helpers
-with several callers (`_apply`, `price_layer`, `_commit`, `stage`) stay separate so that
+with several callers (`_apply`, `price_layer`, `commit`, `stage`) stay separate so that
 their code is compiled once.
 """
 

@@ -10,6 +10,7 @@ first byte moves). `eplb.migration.schedule` builds them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,17 +105,39 @@ class MigrationPlan:
             raise EplbError("transfers must be sorted by round, from round 0")
         if len(self.chunk_R) != (int(rnd[-1]) + 1 if M else 0):
             raise EplbError(f"chunk_R has {len(self.chunk_R)} entries for {int(rnd[-1]) + 1 if M else 0} rounds")
-        for name in _INT_FIELDS:
-            object.__setattr__(self, name, readonly(np.asarray(getattr(self, name), dtype=np.int64)))
-        object.__setattr__(self, "staging_M", readonly(np.asarray(self.staging_M, dtype=bool)))
-        object.__setattr__(self, "old_LP", readonly(old.astype(np.int64)))
-        object.__setattr__(self, "new_LP", readonly(new.astype(np.int64)))
+        self._freeze()
         # Link limits: per round, each rank sends <= 1 and receives <= 1 over the network.
         net = self.network_mask
         for ranks in (self.src_rank_M[net], self.dst_rank_M[net]):
             key = rnd[net] * (len(self.rank_ids_G) + 1) + ranks
             if len(np.unique(key)) != len(key):
                 raise EplbError("a rank sends or receives more than one expert in one round")
+
+    @classmethod
+    def trusted(cls, **fields) -> MigrationPlan:
+        """A plan from fields known to be valid (the schedule kernel's rows on checked maps):
+        the same value as `MigrationPlan(**fields)`, without its checks (a few ms at 256 GPUs,
+        paid on every rebalance). Maps that are read-only int64 already are kept, not copied."""
+        plan = object.__new__(cls)
+        object.__setattr__(plan, "bytes_per_expert", None)
+        for name, value in fields.items():
+            object.__setattr__(plan, name, value)
+        for name in ("old_LP", "new_LP"):
+            a = fields[name]
+            if not (a.dtype == np.int64 and a.flags.c_contiguous and not a.flags.writeable):
+                object.__setattr__(plan, name, readonly(a.astype(np.int64)))
+        plan._freeze(maps=False)
+        return plan
+
+    def _freeze(self, maps: bool = True) -> None:
+        """Every array field as a C-ordered read-only array of its dtype (int64, bool for
+        staging_M); maps: copy old_LP and new_LP too."""
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, readonly(np.asarray(getattr(self, name), dtype=np.int64)))
+        object.__setattr__(self, "staging_M", readonly(np.asarray(self.staging_M, dtype=bool)))
+        if maps:
+            object.__setattr__(self, "old_LP", readonly(np.asarray(self.old_LP).astype(np.int64)))
+            object.__setattr__(self, "new_LP", readonly(np.asarray(self.new_LP).astype(np.int64)))
 
     def _check_indices(self, shape: tuple[int, int], S: int, E: int) -> None:
         """Every index in range (serving, check and the engine index slots by them), and each
@@ -150,9 +173,10 @@ class MigrationPlan:
         """Copies read from the checkpoint (experts that lost every replica)."""
         return int((self.src_rank_M == CHECKPOINT).sum())
 
-    @property
+    @functools.cached_property
     def moves(self) -> int:
-        """Experts copied onto a GPU that did not hold them before (count_moves of old -> new)."""
+        """Experts copied onto a GPU that did not hold them before (count_moves of old -> new;
+        counted once, the maps are read-only)."""
         G = len(self.rank_ids_G)
         return int(count_moves(self.old_LP, self.new_LP, G, self.num_logical_experts).sum())
 

@@ -11,6 +11,9 @@ reference, held to the same replay in the tests, is in tests/oracles/migration.p
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from eplb.errors import EplbError
@@ -51,10 +54,11 @@ def check_schedule_input(old_LP, new_LP, num_gpus: int, num_logical_experts: int
 
 
 def plan_from_rows(old_LP, new_LP, num_gpus: int, num_logical_experts: int, rows_M8: np.ndarray, chunk_R,
-                   rank_ids_G: np.ndarray, bytes_per_expert: int | None) -> MigrationPlan:
+                   rank_ids_G: np.ndarray, bytes_per_expert: int | None, *, trusted: bool = False) -> MigrationPlan:
     """The MigrationPlan of transfer rows int64 [M, 8] (round, layer, expert, src rank, src slot,
-    dst rank, dst slot, staging) and the layer chunk of each round, chunk_R [R]."""
-    return MigrationPlan(
+    dst rank, dst slot, staging) and the layer chunk of each round, chunk_R [R]. trusted: the
+    rows are the kernel's on checked maps (MigrationPlan.trusted: no checks)."""
+    fields = dict(
         old_LP=old_LP, new_LP=new_LP, slots_per_gpu=old_LP.shape[1] // num_gpus,
         num_logical_experts=num_logical_experts,
         round_M=rows_M8[:, 0], layer_M=rows_M8[:, 1], expert_M=rows_M8[:, 2], src_rank_M=rows_M8[:, 3],
@@ -62,6 +66,7 @@ def plan_from_rows(old_LP, new_LP, num_gpus: int, num_logical_experts: int, rows
         staging_M=rows_M8[:, 7].astype(bool), chunk_R=np.asarray(chunk_R, dtype=np.int64),
         rank_ids_G=rank_ids_G, bytes_per_expert=bytes_per_expert,
     )
+    return MigrationPlan.trusted(**fields) if trusted else MigrationPlan(**fields)
 
 
 def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int, *,
@@ -93,11 +98,62 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_
     """
     old_LP, new_LP, chunk, ranks = check_schedule_input(old_LP, new_LP, num_gpus, num_logical_experts,
                                                         layers_per_chunk, rank_ids)
+    return _scheduled(old_LP, new_LP, num_gpus, num_logical_experts, chunk, ranks, bytes_per_expert, False)
+
+
+def schedule_trusted(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
+                     layers_per_chunk: int | None, rank_ids_G: np.ndarray,
+                     bytes_per_expert: int | None) -> MigrationPlan:
+    """`schedule` for callers that hold checked values: the maps of two Placements of one
+    topology (int64 [L, P], every expert of old_LP present in new_LP), layers_per_chunk a whole
+    number >= 1 or None, rank_ids_G int64 [G]. The same plan, without the input checks and
+    MigrationPlan's (the Rebalancer's path: its maps are validated when they are built)."""
+    L = old_LP.shape[0]
+    chunk = max(L, 1) if layers_per_chunk is None else min(int(layers_per_chunk), max(L, 1))
+    ranks = np.array(rank_ids_G, dtype=np.int64)    # the plan's own (it freezes it)
+    return _scheduled(old_LP, new_LP, num_gpus, num_logical_experts, chunk, ranks, bytes_per_expert, True)
+
+
+class ScheduleThread:
+    """`schedule_trusted(*args)` on a side thread, started at once. Its kernel releases the GIL,
+    so the caller's own work (the Rebalancer scores the placements meanwhile) runs beside it on
+    another core. `result()` waits for the MigrationPlan, or raises what the schedule raised;
+    `seconds` is the schedule's own run time."""
+
+    def __init__(self, *args):
+        self.seconds = 0.0
+        self._out: tuple = (None, None)
+        self._thread = threading.Thread(target=self._run, args=args, name="eplb-schedule", daemon=True)
+        self._thread.start()
+
+    def _run(self, *args) -> None:
+        t0 = time.perf_counter()
+        try:
+            plan = schedule_trusted(*args)
+            _ = plan.moves              # counted here, off the caller's thread (cached)
+            self._out = (plan, None)
+        except BaseException as exc:  # handed to the caller's thread by result()
+            self._out = (None, exc)
+        self.seconds = time.perf_counter() - t0
+
+    def result(self) -> MigrationPlan:
+        self._thread.join()
+        plan, exc = self._out
+        if exc is not None:
+            raise exc
+        return plan
+
+
+def _scheduled(old_LP, new_LP, G: int, E: int, chunk: int, ranks_G, bytes_per_expert, trusted: bool) -> MigrationPlan:
+    """The kernel's plan for checked input; identical maps need no kernel (no rows, no rounds)."""
+    if np.array_equal(old_LP, new_LP):
+        return plan_from_rows(old_LP, new_LP, G, E, np.zeros((0, 8), dtype=np.int64), np.zeros(0, dtype=np.int64),
+                              ranks_G, bytes_per_expert, trusted=trusted)
     from eplb.migration import _schedule_kernel  # numba: imported on first use, `eplb plan` starts fast
 
     rows, chunk_R, status, layer = _schedule_kernel.schedule(
-        kernel_ints(old_LP), kernel_ints(new_LP), num_gpus, num_logical_experts, chunk, CANDIDATES_PER_RANK)
+        kernel_ints(old_LP), kernel_ints(new_LP), G, E, chunk, CANDIDATES_PER_RANK)
     if status == _schedule_kernel.STATUS_NO_SPARE:
         raise EplbError(f"{NO_SAFE_MIGRATION} (layer index {layer})")
     assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
-    return plan_from_rows(old_LP, new_LP, num_gpus, num_logical_experts, rows, chunk_R, ranks, bytes_per_expert)
+    return plan_from_rows(old_LP, new_LP, G, E, rows, chunk_R, ranks_G, bytes_per_expert, trusted=trusted)

@@ -34,3 +34,31 @@ def test_rounds_stay_within_ten_percent_of_the_round_bound(a, b):
     assert np.array_equal(m.state_before(m.num_rounds), new)
     assert bound > 100
     assert m.num_rounds <= 1.10 * bound, (m.num_rounds, bound)
+
+
+def test_trusted_schedule_is_the_checked_one():
+    """The Rebalancer's path (schedule_trusted: no input or MigrationPlan checks) gives the very
+    plan `schedule` gives, field by field, with layer chunks and engine rank ids; identical maps
+    give an empty plan without running the kernel."""
+    from eplb.migration.schedule import schedule_trusted
+
+    loads = _group_loads()
+    G, P, E = 32, 288, 256
+    old = plan(loads[0], num_gpus=G, num_redundant=P - E).placement.phy2log_LP
+    target = plan(loads[1], num_gpus=G, num_redundant=P - E).placement.phy2log_LP
+    new = np.take_along_axis(target, mg.relabel(old, target, G, E), axis=1)
+    ranks = np.arange(G) + 5
+    for chunk in (None, 7):
+        a = mg.schedule(old, new, G, E, layers_per_chunk=chunk, rank_ids=ranks, bytes_per_expert=3)
+        b = schedule_trusted(old, new, G, E, chunk, ranks, 3)
+        assert a.num_transfers > 0
+        for name in a.__dataclass_fields__:
+            x, y = getattr(a, name), getattr(b, name)
+            if isinstance(x, np.ndarray):
+                assert x.dtype == y.dtype and np.array_equal(x, y) and not y.flags.writeable, name
+            else:
+                assert x == y, name
+    assert ranks.flags.writeable                      # the caller's array is not frozen
+    same = schedule_trusted(old, old, G, E, None, ranks, None)
+    assert (same.num_rounds, same.num_transfers, same.moves) == (0, 0, 0)
+    assert np.array_equal(same.state_before(0), old)

@@ -1,0 +1,139 @@
+"""Compiled round-start priorities of the migration schedule (numba): chains and senders.
+
+Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = G x S slots.
+
+Stages of `_schedule_kernel.schedule`, inlined into it:
+- `forced_sources`: pending slots whose target only one other rank holds (that rank must
+  send it), counted per rank: a priority of the link matching (`_links_kernel`);
+- `chain_order`: a slot holding the last replica of its expert waits until that expert has
+  landed where it goes; such waits form chains that unwind one copy per round. Each rank's
+  queue is ordered by the chain its slots head, longest first.
+`st` is the schedule's state (`_schedule_kernel._Slots`), `sg` the staging scratch
+(`_stage_kernel._Staging`).
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from eplb.migration._stage_kernel import is_deadlock
+
+
+@njit(cache=True, nogil=True, inline="always")
+def forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
+    """For the chunk's pending slots whose expert only one rank holds (and not their own):
+    fsrc[l, p] = that rank, which must send it; rout counts them per rank (a priority of the
+    link matching, lowered as the copies land; replicas made meanwhile are not counted)."""
+    for g in range(rout.size):
+        rout[g] = 0
+    for l in range(c0, c1):
+        for e in range(nh.size):
+            nh[e] = 0
+        for p in range(P):
+            e = st.cur[l, p]
+            if e >= 0 and (nh[e] == 0 or hr[e] != p // S):
+                nh[e] += 1
+                hr[e] = p // S
+        for p in range(P):
+            fsrc[l, p] = -1
+            e = st.tgt[l, p]
+            if st.cur[l, p] == e or nh[e] != 1 or hr[e] == p // S:
+                continue
+            fsrc[l, p] = hr[e]
+            rout[hr[e]] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def chain_order(st, sg, S, P, depth, key, rin):
+    """At the start of a round: order each rank's pending slots by the chain each one heads,
+    longest first; rin[d] = the copies rank d must still receive over a link (its pending
+    slots whose target it holds in no slot), raised to the longest chain on rank d (both
+    bound the rounds left). Returns whether a deadlocked cycle of blocked slots (one that
+    `stage` would break) exists.
+
+    Writing slot q lets the slot holding the last complete replica of q's target be written
+    (it waits for that replica), and so on: chains of waits that unwind one copy per round.
+    A staging slot holding q's target (one of its two replicas) waits on q too: it is freed
+    only once q has taken the expert, so the chain it heads counts in q's depth.
+    A long chain left to the end of the queues leaves a tail of rounds with one copy each.
+    A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
+    (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
+    pend, npend, G = st.pend, st.npend, st.npend.size
+    E = st.hc.shape[1]
+    # Flat views (index l * P + p, l * E + e, (l * G + d) * E + e): the loops below visit every
+    # pending slot each round.
+    tgt, hc, hsum = st.tgt.reshape(-1), st.hc.reshape(-1), st.hsum.reshape(-1)
+    dep = depth.reshape(-1)
+    nxt = sg.path_LP.reshape(-1)          # the slot each pending slot waits on, or -1
+    mayloc = st.mayloc.reshape(-1)
+    staging = st.nstaged[0] > 0
+    for d in range(G):
+        remote = 0
+        for k in range(npend[d]):
+            code = pend[d, k]
+            l = code // P
+            dep[code] = -1
+            # At a round's start every replica is complete: e's only holder is hsum[l, e], and
+            # a slot that does not hold its target is pending.
+            e = tgt[code]
+            n_e = hc[l * E + e]
+            w = l * P + hsum[l * E + e] if n_e == 1 else -1
+            local = False
+            # The holders matter for a local source (only where one may exist) and for a
+            # staging slot among two replicas.
+            h = st.hhead[l * E + e] if mayloc[code] or (n_e == 2 and staging) else -1
+            lo = l * P + d * S
+            while h >= 0:
+                if lo <= h < lo + S:
+                    local = True
+                # A staging slot holding e (of two replicas) is freed only once code takes e:
+                # its chain waits on code.
+                if n_e == 2 and st.staged_exp[l, h - l * P] == e and st.staged_blk[l, h - l * P] >= 0:
+                    w = h
+                h = st.hnext[h]
+            nxt[code] = w if w >= 0 and tgt[w] != e else -1
+            if not local:
+                remote += 1
+        rin[d] = remote
+    ncyc = 0                              # cycles closed, one slot of each in sg.cyc_start
+    for d in range(G):
+        for k in range(npend[d]):
+            code = pend[d, k]
+            # Walk the chain from code to its end (or to a slot already measured), then set depths back.
+            n = 0
+            q = code
+            while q >= 0 and dep[q] == -1:
+                dep[q] = -2 - n         # on the walk, n steps from its start
+                n += 1
+                q = nxt[q]
+            if q >= 0 and dep[q] < -1:
+                sg.cyc_start[ncyc] = q
+                ncyc += 1
+            end = dep[q] if q >= 0 and dep[q] >= 0 else 0
+            q = code
+            for t in range(n):
+                dep[q] = end + n - t
+                q = nxt[q]
+                if q < 0 or dep[q] >= 0:
+                    break
+    for d in range(G):
+        n = npend[d]
+        longest = 0
+        for k in range(n):
+            key[k] = dep[pend[d, k]]
+            longest = max(longest, key[k])
+        rin[d] = max(rin[d], longest)
+        for a in range(1, n):             # insertion sort by depth, descending, stable
+            code = pend[d, a]
+            v = key[a]
+            b = a
+            while b > 0 and key[b - 1] < v:
+                pend[d, b] = pend[d, b - 1]
+                key[b] = key[b - 1]
+                b -= 1
+            pend[d, b] = code
+            key[b] = v
+    for c in range(ncyc):                 # in the queue order `stage` sees
+        if is_deadlock(st, sg, sg.cyc_start[c], S, P):
+            return True
+    return False

@@ -1,0 +1,202 @@
+"""Compiled link matching of the migration schedule (numba): which copies cross the network.
+
+Legend: G = ranks, S = slots per rank, P = G x S slots, K = candidates per destination rank.
+
+Stages of `_schedule_kernel.schedule`: in every round each rank receives at most one and
+sends at most one expert over the network. `take_links` (inlined into the schedule) matches
+destination ranks to source columns (ranks 0..G-1, checkpoint G + d) with `_match` and
+takes, per matched rank, its first candidate still possible; `commit` records one copy (the
+scan takes local copies with it too). `st` is the schedule's state (`_schedule_kernel._Slots`),
+`rd` the round's candidates (`_schedule_kernel._Round`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def _match(adj, pref, npref, rin, rout, G):
+    """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
+    G + d), rows with the most network copies still to receive first (they bound the
+    rounds); then each source rank left out takes over a row from a source rank with fewer
+    copies only it can send (rout), so that the busiest senders send too (the matching stays
+    as large). match_row[d] = column or -1.
+
+    A row whose search finds no augmenting path leaves every column it reached dead: they are
+    all matched, their rows reach only each other, and no later augmenting path can pass
+    through them (it could not leave them to end at a free column), so later searches skip
+    them. The paths found are the ones the full search finds: it reaches the same live
+    columns in the same order."""
+    C = adj.shape[1]
+    match_row = np.full(G, -1, dtype=np.int64)
+    match_col = np.full(C, -1, dtype=np.int64)
+    parent = np.empty(C, dtype=np.int64)
+    seen = np.zeros(C, dtype=np.int64)      # the search (1, 2, ...) that reached a column last
+    dead = np.zeros(C, dtype=np.bool_)
+    reached = np.empty(C, dtype=np.int64)
+    queue = np.empty(G, dtype=np.int64)
+    mark = 0
+    for d in np.argsort(-rin, kind="mergesort"):
+        mark += 1
+        nreached = 0
+        head, tail = 0, 1
+        queue[0] = d
+        end = -1
+        while head < tail and end < 0:
+            u = queue[head]
+            head += 1
+            for j in range(npref[u]):
+                r = pref[u, j]
+                if seen[r] == mark or dead[r]:
+                    continue
+                seen[r] = mark
+                reached[nreached] = r
+                nreached += 1
+                parent[r] = u
+                if match_col[r] < 0:
+                    end = r
+                    break
+                queue[tail] = match_col[r]
+                tail += 1
+        if end < 0:
+            for i in range(nreached):
+                dead[reached[i]] = True
+        r = end
+        while r >= 0:                       # flip the augmenting path
+            u = parent[r]
+            nxt = match_row[u]
+            match_row[u] = r
+            match_col[r] = u
+            r = nxt
+    # Rows by source column (ascending), for the takeovers: a rank's rows without a scan of all G.
+    cptr = np.zeros(G + 1, dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            if pref[d, j] < G:
+                cptr[pref[d, j] + 1] += 1
+    for c in range(G):
+        cptr[c + 1] += cptr[c]
+    fill = cptr[:G].copy()
+    rows = np.empty(cptr[G], dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            c = pref[d, j]
+            if c < G:
+                rows[fill[c]] = d
+                fill[c] += 1
+    for c in np.argsort(-rout, kind="mergesort"):
+        if rout[c] == 0:
+            break
+        if match_col[c] >= 0:
+            continue
+        for i in range(cptr[c], cptr[c + 1]):
+            d = rows[i]
+            c1 = match_row[d]
+            if 0 <= c1 < G and rout[c1] < rout[c]:
+                match_row[d] = c
+                match_col[c] = d
+                match_col[c1] = -1
+                break
+    return match_row
+
+
+@njit(cache=True, nogil=True)
+def commit(l, p, e, src_rank, src, d, st, done, nd):
+    """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
+    checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""
+    o = st.cur[l, p]
+    if o >= 0:
+        st.hc[l, o] -= 1
+    st.writing[l, p] = True
+    if src >= 0:
+        st.sourcing[l, src] = True
+    st.inflight[l, e] = True
+    done[nd, 0] = l
+    done[nd, 1] = p
+    done[nd, 2] = e
+    done[nd, 3] = src_rank
+    done[nd, 4] = src
+    done[nd, 5] = d
+    done[nd, 6] = 0
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _send_key(r, d, rout, sent, G):
+    """Order of source column r for destination rank d (lower first): r's sends so far plus those
+    only r can make (its least total), then the distance from d round the ranks (the checkpoint
+    column G + d last)."""
+    if r >= G:
+        return np.iinfo(np.int64).max
+    return (rout[r] + sent[r]) * (G + 1) + (r - d) % G
+
+
+@njit(cache=True, nogil=True, inline="always")
+def take_links(st, rd, nd, P, tight, rin, rout, sent):
+    """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
+    source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
+    candidate that is still possible. Returns the copies of the round so far."""
+    G = st.npend.size
+    cur, hc = st.cur, st.hc
+    any_edge = False                   # (every candidate has a source: rd.adj has its links)
+    for d in range(G):
+        if rd.ncand[d] > 0:
+            any_edge = True
+    if not any_edge:
+        return nd
+    pref, npref = rd.pref, rd.npref
+    for d in range(G):
+        npref[d] = 0
+        for i in range(rd.ncand[d]):
+            first = npref[d]
+            for j in range(rd.cstart[d, i], rd.cstart[d, i + 1]):
+                r = rd.cols[d, j]
+                if rd.adj[d, r]:
+                    rd.adj[d, r] = False       # listed: the first candidate with a source there
+                    pref[d, npref[d]] = r
+                    npref[d] += 1
+            # A candidate's sources: the ranks with the fewest sends only they can make first, ties
+            # from rank d on (lowest indices first would pile the free sends on rank 0, 1, ...).
+            for a in range(first + 1, npref[d]):
+                r = pref[d, a]
+                b = a
+                while b > first and _send_key(pref[d, b - 1], d, rout, sent, G) > _send_key(r, d, rout, sent, G):
+                    pref[d, b] = pref[d, b - 1]
+                    b -= 1
+                pref[d, b] = r
+        for j in range(npref[d]):
+            rd.adj[d, pref[d, j]] = True
+    match_row = _match(rd.adj, pref, npref, rin, rout, G)
+    for d in range(G):
+        r = match_row[d]
+        if r < 0:
+            continue
+        for i in range(rd.ncand[d]):
+            t = rd.cstart[d, i]
+            while t < rd.cstart[d, i + 1] and rd.cols[d, t] != r:
+                t += 1
+            if t == rd.cstart[d, i + 1]:
+                continue                   # no source in column r
+            src = rd.srcs[d, t]
+            code = rd.cand[d, i]
+            l = code // P
+            p = code % P
+            e = rd.cand_e[d, i]
+            if st.sourcing[l, p] or st.writing[l, p]:
+                continue
+            o = cur[l, p]
+            if o >= 0 and hc[l, o] < 2:
+                continue               # an earlier pick this round took o's spare
+            if src >= 0 and (cur[l, src] != e or st.writing[l, src]):
+                continue               # the source is being written this round
+            if src < 0 and st.inflight[l, e]:
+                continue
+            if src < 0 and tight:
+                if P - st.ndist[l] < 2 and st.npl[l] > 1:
+                    continue           # another reload this round took the room
+                st.ndist[l] += 1
+            commit(l, p, e, -1 if src < 0 else r, src, d, st, rd.done, nd)
+            nd += 1
+            break
+    return nd
