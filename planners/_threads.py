@@ -50,12 +50,14 @@ def usable_cores() -> int:
 
 def num_blocks(num_rows: int, num_slots: int) -> int:
     """Threads to run R rows of P slots on: the calling thread plus one per core idle on
-    average (`usable_cores` less the 1-minute load average: on a machine whose cores are busy a
-    second thread only waits for one), at most MAX_THREADS, each with MIN_BLOCK_WORK cells."""
+    average (`usable_cores` less the 1-minute load average, rounded: on a machine whose cores
+    are busy a second thread only waits for one), at most MAX_THREADS, each with MIN_BLOCK_WORK
+    cells. The load average counts the caller itself while it runs (a process that plans
+    continuously holds it near 1 on its own), so a core less than half busy counts as idle."""
     cores = usable_cores()
     if cores > 1:
         try:
-            cores = max(1, min(cores, int(cores - os.getloadavg()[0] + 1.0)))
+            cores = max(1, min(cores, int(cores - os.getloadavg()[0] + 1.5)))
         except (AttributeError, OSError):  # no load average here (Windows): every usable core
             pass
     return max(1, min(cores, MAX_THREADS, num_rows * num_slots // MIN_BLOCK_WORK, num_rows))

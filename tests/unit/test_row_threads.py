@@ -57,7 +57,7 @@ def test_small_inputs_stay_on_the_calling_thread(monkeypatch):
 
 def test_busy_cores_are_left_alone(monkeypatch):
     monkeypatch.setattr(_threads, "usable_cores", lambda: 4)
-    for load, threads in ((0.0, 4), (1.0, 4), (2.5, 2), (3.2, 1), (9.0, 1)):
+    for load, threads in ((0.0, 4), (1.0, 4), (1.4, 4), (2.5, 3), (3.2, 2), (4.6, 1), (9.0, 1)):
         monkeypatch.setattr(_threads.os, "getloadavg", lambda load=load: (load, load, load), raising=False)
         assert _threads.num_blocks(58, 288) == threads, load
 
