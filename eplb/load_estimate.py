@@ -151,7 +151,7 @@ def parse_horizons(horizons, memory: int) -> tuple[int, ...]:
                             f"got {horizons!r}") from None
     elif np.ndim(horizons) == 0:
         horizons = [horizons]
-    out = sorted({whole_number("horizon (windows)", h, 1) for h in horizons})
+    out = sorted({whole_number("each of horizons (windows)", h, 1) for h in horizons})
     if not out or out[-1] > memory:
         raise EplbError(f"horizons {out} must be 1 to memory ({memory}) windows: raise memory or drop the longer ones")
     return tuple(out)
