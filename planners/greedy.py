@@ -72,11 +72,18 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
     round (the slot limit holds by construction), and this is what longest-processing-time
     with a slot limit does on skewed loads.
     """
-    per_LE = _floats(per_LE)
-    count_LE = _ints(count_LE)
+    return _pack_rows(_kernel(), _floats(per_LE), _ints(count_LE), int(num_gpus), int(slots_per_gpu))
+
+
+def _pack_rows(kernel, per_LE: np.ndarray, count_LE: np.ndarray, G: int, S: int) -> np.ndarray:
+    """The packing kernel on kernel-typed arrays (see `pack_replicas`)."""
     # Heaviest first; numpy's sort is quicker than a compiled one, and the kernel orders ties by id.
-    order_LE = np.argsort(-per_LE, axis=1)
-    return _kernel().pack(per_LE, count_LE, order_LE, int(num_gpus), int(slots_per_gpu))
+    return kernel.pack(per_LE, count_LE, np.argsort(-per_LE, axis=1), G, S)
+
+
+def _swap_cap(num_slots: int, max_rounds: int | None) -> int:
+    """Swaps per row at most: max_rounds, or 4 x P when None (until no swap helps)."""
+    return 4 * int(num_slots) if max_rounds is None else int(max_rounds)
 
 
 def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndarray | None, num_gpus: int,
@@ -90,7 +97,7 @@ def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndar
     if per_LE is None:
         per_LE = load_LE / count_LE
     phy = _ints(phy2log_LP)
-    cap = 4 * phy.shape[1] if max_rounds is None else int(max_rounds)
+    cap = _swap_cap(phy.shape[1], max_rounds)
     if cap > 0:
         per_LE = _floats(per_LE)
         kernel = _kernel()
@@ -121,7 +128,7 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     G, S = int(num_gpus), int(slots_per_gpu)
     check_shape(E, G, S)
     P = G * S
-    cap = 4 * P if refine_rounds is None else int(refine_rounds)
+    cap = _swap_cap(P, refine_rounds)
     if count_LE is not None:
         count_LE = _ints(count_LE)
     kernel = _kernel()
@@ -132,7 +139,7 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
         load = load_LE[a:b]
         count = kernel.replicate(load, P, G) if count_LE is None else count_LE[a:b]
         per = load / count
-        phy = kernel.pack(per, count, np.argsort(-per, axis=1), G, S)
+        phy = _pack_rows(kernel, per, count, G, S)
         if cap > 0:
             kernel.refine(phy, per, G, cap)
         phy2log_LP[a:b] = phy
