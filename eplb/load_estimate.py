@@ -43,11 +43,13 @@ class WindowMemory:
     def __len__(self) -> int:
         return min(self.seen, self.size)
 
+    def order(self) -> np.ndarray:
+        """Ring rows of the kept windows, oldest first, int [M]."""
+        return np.arange(self.seen - len(self), self.seen) % self.size
+
     def windows(self) -> np.ndarray:
         """Kept windows, oldest first, float64 [M, L, E] (a copy)."""
-        n = len(self)
-        idx = (np.arange(self.seen - n, self.seen)) % self.size
-        return self._ring_MLE[idx]
+        return self._ring_MLE[self.order()]
 
     def total(self) -> np.ndarray:
         """Sum of the kept windows, [L, E]."""

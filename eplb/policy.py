@@ -217,7 +217,7 @@ class AdaptivePolicy:
         self._mem.push(counts_LE)
         if len(self._mem) >= self.detector.MIN_WINDOWS and self.detector.kappa > 0:
             busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G, placement.num_nodes), G)
-            order = np.arange(self._mem.seen - len(self._mem), self._mem.seen) % self.memory
+            order = self._mem.order()
             # Flags last until the next decision: windows served while a migration is in
             # flight are not lost.
             self._flag_L |= self.detector.flags(busiest_ML[order])
@@ -284,7 +284,7 @@ class AdaptivePolicy:
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
         n = len(self._mem)
         windows = self._windows(G, placement.num_nodes)
-        order = np.arange(self._mem.seen - n, self._mem.seen) % self.memory
+        order = self._mem.order()
         old_LP = placement.phy2log_LP
         rounds_L = np.full(old_LP.shape[0], self.swaps)
         now = counts_LE[None] if self._load is None else \
@@ -307,7 +307,7 @@ class AdaptivePolicy:
         h_L = np.full(len(self._flag_L), self.horizons[-1]) if self._chooser is None else self._chooser.choose()
         h_L = np.minimum(h_L, n)
         used, horizon_L = np.unique(h_L, return_inverse=True)
-        order = np.arange(self._mem.seen - n, self._mem.seen) % self.memory      # ring rows, oldest first
+        order = self._mem.order()      # ring rows, oldest first
         return horizon_L.reshape(-1), [horizon_windows(windows, order, h, self.recent_weight) for h in used]
 
     def _repair_rows(self, placement, old_LP, windows, w_M, rounds_L, check_L, price, kw):
