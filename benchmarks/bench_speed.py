@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -216,15 +217,9 @@ def part_greedy(args, out, loads, ref):
             t_u.append(median_time(lambda w=w, G=G, R=P - E: plan(w, num_gpus=G, num_redundant=R).solution.phy2log_LP,
                                    args.repeats)[1])
             # The scored plan on the calling thread alone (what the threads buy, same run).
-            before, os.environ[THREADS_ENV] = os.environ.get(THREADS_ENV), "1"
-            try:
+            with mock.patch.dict(os.environ, {THREADS_ENV: "1"}):
                 t_1.append(median_time(lambda w=w, G=G, R=P - E: plan(w, num_gpus=G, num_redundant=R).placement,
                                        args.repeats)[1])
-            finally:
-                if before is None:
-                    del os.environ[THREADS_ENV]
-                else:
-                    os.environ[THREADS_ENV] = before
             wt = torch.tensor(w)
             (phy, _, _), sec = median_time(lambda wt=wt, P=P, G=G: ref.rebalance_experts(wt, P, 1, 1, G, False), 3)
             phy = phy.numpy()
