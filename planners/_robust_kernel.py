@@ -15,10 +15,10 @@ S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on 
   gain are summed with reassociation ("reassoc": it vectorises; numpy's matrix products round
   their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
   whose gain bound cannot beat the best swap so far are skipped (`_best_swap`); the gains of a
-  GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`). A round
-  that keeps the peak and the kept windows (as a swap off a GPU other than the busiest does)
-  rescores only the GPU pairs the last swap changed: the other pairs' gains are the same to
-  the bit, so their best swaps are kept from the round that scored them.
+  GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`). A GPU
+  pair the last swap did not change keeps the best swap it had when last scored: at the same
+  peak that is its best swap now (the same to the bit), at another peak its gain, scaled,
+  bounds the pair's gains now, so only the pairs that bound can still win are rescored.
 Scratch arrays are reused across layers; `holds` is kept up to date on each swap, and a round
 recomputes the loads and exponentials of the two GPUs the last swap changed only (of all GPUs
 when the peak or the kept windows moved), by the same arithmetic, so to the bit. No
@@ -203,11 +203,13 @@ def _kept(load_GT, keep, kept_T, peak_T):
 
 
 @njit(cache=True, nogil=True)
-def _best_swap(src_K, threshold, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum_G, root_GT, v_PT, y_PT,
-               known_GG, pair_gain_GG, pair_a_GG, pair_b_GG, scratch):
+def _best_swap(src_K, threshold, peak, beta, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum_G, root_GT, v_PT,
+               y_PT, pairs, scratch):
     """One round of `_layer`'s search: the best swap (a, b) of a slot on a GPU of src_K with a
-    slot elsewhere whose gain beats `threshold` ((-1, -1): none). Scores the GPU pairs not in
-    known_GG and records those it scored in full there."""
+    slot elsewhere whose gain beats `threshold` ((-1, -1): none), the exponentials e_GT taken
+    at `peak`. `pairs` holds the best swap of GPU pairs scored in an earlier round (`_layer`);
+    the pairs this round scores in full are recorded there."""
+    known_GG, pair_gain_GG, pair_a_GG, pair_b_GG, pair_peak_GG, pair_base_GG = pairs
     u_RT, x_RT, ok_R, c1_RS, c2_RS, cap_G, pg_G, pa_G, pb_G, whole_G = scratch
     G, T = e_GT.shape
     P = phy_P.shape[0]
@@ -219,8 +221,8 @@ def _best_swap(src_K, threshold, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum
     best_flat = 0
     for k in range(K):
         A = src_K[k]
-        for B in range(G):  # pairs scored in an earlier round
-            if B != A and known_GG[A, B] and pair_a_GG[A, B] >= 0:
+        for B in range(G):  # pairs scored at this peak in an earlier round: their best swap as it was
+            if B != A and known_GG[A, B] and pair_peak_GG[A, B] == peak and pair_a_GG[A, B] >= 0:
                 gain = pair_gain_GG[A, B]
                 flat = (k * S + pair_a_GG[A, B] - A * S) * P + pair_b_GG[A, B]
                 if gain > best or (gain == best and ba >= 0 and flat < best_flat):
@@ -231,7 +233,10 @@ def _best_swap(src_K, threshold, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum
         # No swap between GPUs A and B gains more than sum_t (sqrt(e_At) - sqrt(e_Bt))^2 (by
         # x v + u y >= 2 sqrt(x v u y) per window): GPUs are tried by that bound, highest
         # first, and the rest skipped once it falls below the best gain (with a margin far
-        # above rounding, so the swap chosen is the one an exhaustive search chooses).
+        # above rounding, so the swap chosen is the one an exhaustive search chooses). A pair
+        # scored at another peak m0 has every gain scaled by exp(beta (m0 - peak)) since (all
+        # its exponentials are), so its best gain then, scaled, bounds its gains now (the
+        # margin covers the rounding of either round's sums).
         for g in range(G):
             r = 0.0
             for t in range(T):
@@ -241,7 +246,15 @@ def _best_swap(src_K, threshold, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum
             pg_G[g] = -np.inf
             pa_G[g] = -1
             pb_G[g] = -1
-            whole_G[g] = not known_GG[A, g]
+            whole_G[g] = not (known_GG[A, g] and pair_peak_GG[A, g] == peak)
+            if known_GG[A, g] and pair_peak_GG[A, g] != peak:
+                if pair_a_GG[A, g] < 0:
+                    cap_G[g] = -np.inf  # no swap of the pair is allowed: none will be while neither changes
+                else:
+                    was = pair_gain_GG[A, g]
+                    scaled = np.exp(beta * (pair_peak_GG[A, g] - peak)) * (1.0 + 1e-12) * (
+                        was + 1e-10 * (pair_base_GG[A, g] + abs(was)))
+                    cap_G[g] = min(cap_G[g], scaled)
         cap_G[A] = -1.0
         whole_G[A] = False
         by_cap = np.argsort(-cap_G)
@@ -256,7 +269,7 @@ def _best_swap(src_K, threshold, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum
                     x_RT[r, t] = e_GT[A, t] / u_RT[r, t]
             for i in range(G - 1):
                 B = by_cap[i]
-                if known_GG[A, B]:
+                if known_GG[A, B] and pair_peak_GG[A, B] == peak:
                     continue
                 if cap_G[B] < best:
                     for j in range(i, G - 1):
@@ -308,6 +321,8 @@ def _best_swap(src_K, threshold, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum
                 pair_gain_GG[A, B] = pg_G[B]
                 pair_a_GG[A, B] = pa_G[B]
                 pair_b_GG[A, B] = pb_G[B]
+                pair_peak_GG[A, B] = peak
+                pair_base_GG[A, B] = sum_G[A] + sum_G[B]
     return ba, bb
 
 
@@ -342,13 +357,14 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     fresh_G = np.ones(G, dtype=np.bool_)   # loads of GPU g changed since last computed
     last_kept_T = np.zeros(T, dtype=np.bool_)
     last_peak = np.nan
-    # Best swap of each GPU pair (source A, target B) from the round that scored it: it holds
-    # while neither GPU changed and the peak and kept windows stayed (their gains are then the
-    # same to the bit), so such a round rescores only the pairs of the two GPUs last swapped.
+    # Best swap of each GPU pair (source A, target B) from the round that scored it, with the
+    # peak and the two GPUs' sums of exponentials then. It holds while neither GPU changes and
+    # the kept windows stay: at the same peak the pair's gains are the same to the bit, at
+    # another one they are scaled (`_best_swap` bounds them with it), so a round rescores the
+    # pairs of the two GPUs last swapped and those whose bound can still win.
     known_GG = np.zeros((G, G), dtype=np.bool_)
-    pair_gain_GG = np.empty((G, G))
-    pair_a_GG = np.empty((G, G), dtype=np.int64)
-    pair_b_GG = np.empty((G, G), dtype=np.int64)
+    pairs = (known_GG, np.empty((G, G)), np.empty((G, G), dtype=np.int64), np.empty((G, G), dtype=np.int64),
+             np.empty((G, G)), np.empty((G, G)))
     # `_best_swap`'s scratch: a tile of source slots, their swaps' sums, and per-GPU bounds and pair bests.
     scratch = (np.empty((_TILE, T)), np.empty((_TILE, T)), np.empty(_TILE, dtype=np.bool_), np.empty((_TILE, S)),
                np.empty((_TILE, S)), np.empty(G), np.empty(G), np.empty(G, dtype=np.int64),
@@ -388,13 +404,14 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
                     bg = g
             src_K[k] = bg
             taken_G[bg] = True
-        same = peak == last_peak
+        same_kept = True
         for t in range(T):
-            same = same and kept_T[t] == last_kept_T[t]
+            same_kept = same_kept and kept_T[t] == last_kept_T[t]
             last_kept_T[t] = kept_T[t]
+        same = same_kept and peak == last_peak
         last_peak = peak
         for g in range(G):
-            if not same:
+            if not same_kept:
                 known_GG[g, :] = False
             elif fresh_G[g]:
                 known_GG[g, :] = False
@@ -413,8 +430,8 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
             fresh_G[g] = False
         z = _pairwise(e_flat, 0, G * T, 1)
         # A swap helps only if its gain beats 1e-9 z (else the search stops): start there.
-        ba, bb = _best_swap(src_K, 1e-9 * z, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum_G, root_GT, v_PT, y_PT,
-                            known_GG, pair_gain_GG, pair_a_GG, pair_b_GG, scratch)
+        ba, bb = _best_swap(src_K, 1e-9 * z, peak, beta, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum_G, root_GT,
+                            v_PT, y_PT, pairs, scratch)
         if ba < 0:
             break
         ea = phy_P[ba]
