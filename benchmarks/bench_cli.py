@@ -7,10 +7,12 @@ Each repeat runs, in fresh processes (the numba cache warm, bytecode compiled as
 it), `python -m eplb plan TRACE --gpus 16 -o FILE` (wall, process start included), the same with
 `-p greedy` (their CPU time too: user + system, all threads; less swayed by other jobs than
 the wall), `python -c pass` (the interpreter's own start), and one run under the phase timer:
-a driver that calls `eplb.cli.main` with the same arguments and times each phase with
-`time.perf_counter` by wrapping the functions named below (inclusive times; indented phases are
-part of the phase above them). With --compare, the same runs of another checkout are interleaved
-with this one's (A/B in one run: the machine's load drifts, the ratio holds). Medians.
+a driver that runs `eplb.cli.main()` on the same command line (as `eplb` does: the process
+ends after it) and times each phase with `time.perf_counter` by wrapping the functions named
+below (inclusive times; indented phases are part of the phase above them), and the process's
+shutdown: from main's return to the process's end (wall clock). With --compare, the same runs
+of another checkout are interleaved with this one's (A/B in one run: the machine's load drifts,
+the ratio holds). Medians.
 Data: the trace given (default the shipped synthetic traces/deepseek.npz, 58 x 256, 32 windows).
 """
 
@@ -78,10 +80,12 @@ def build_then_patch(*a, **k):
     return parser
 eplb.cli.build_parser = build_then_patch
 import io, contextlib
+sys.argv = ["eplb"] + sys.argv[2:]  # main() then runs as `eplb ...` does, the process ending after it
 with contextlib.redirect_stdout(io.StringIO()):
-    rc = eplb.cli.main(sys.argv[2:])
+    rc = eplb.cli.main()
 took["total in-process"] = time.perf_counter() - t0
-print(json.dumps(took))
+took["_returned"] = time.time()
+print(json.dumps(took), flush=True)
 sys.exit(rc)
 """
 
@@ -116,7 +120,9 @@ def measure(checkout: Path, trace: str, workdir: str) -> dict:
     done = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(phases)] + plan[3:], env=env, cwd=workdir,
                           capture_output=True, text=True, check=True)
     out["phase-timed run"] = time.perf_counter() - t0
+    ended = time.time()
     out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    out["shutdown (after main returns)"] = ended - out.pop("_returned")
     return out
 
 
@@ -133,7 +139,7 @@ def run(args) -> int:
                 runs[name].append(measure(path, trace, d))
     labels = ["eplb plan (robust)", "eplb plan (robust), CPU s", "eplb plan -p greedy", "eplb plan -p greedy, CPU s",
               "python -c pass", "phase-timed run",
-              "total in-process"] + [label for label, *_ in PHASES]
+              "total in-process"] + [label for label, *_ in PHASES] + ["shutdown (after main returns)"]
     depth = {label: d for label, _, _, d in PHASES}
     header = f"| phase (s, median of {args.repeats}) | {' | '.join(n for n, _ in checkouts)} |"
     print(f"`eplb plan {shown} --gpus 16`, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}\n")

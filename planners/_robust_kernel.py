@@ -14,8 +14,11 @@ S = P / G slots per GPU, I = replicas of a packing round (= G). Slot p lives on 
   exponentials are added in numpy's order (`_pairwise`), the two products per window of a
   gain are summed with reassociation ("reassoc": it vectorises; numpy's matrix products round
   their own way), so the argmax picks numpy's swap unless two gains tie to ~1e-15. GPU pairs
-  whose gain bound cannot beat the best swap so far are skipped (`_layer`); the gains of a
-  GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`).
+  whose gain bound cannot beat the best swap so far are skipped (`_best_swap`); the gains of a
+  GPU pair are computed for four of the source GPU's slots at a time (`_swap_costs`). A GPU
+  pair the last swap did not change keeps the best swap it had when last scored: at the same
+  peak that is its best swap now (the same to the bit), at another peak its gain, scaled,
+  bounds the pair's gains now, so only the pairs that bound can still win are rescored.
 Scratch arrays are reused across layers; `holds` is kept up to date on each swap, and a round
 recomputes the loads and exponentials of the two GPUs the last swap changed only (of all GPUs
 when the peak or the kept windows moved), by the same arithmetic, so to the bit. No
@@ -200,6 +203,130 @@ def _kept(load_GT, keep, kept_T, peak_T):
 
 
 @njit(cache=True, nogil=True)
+def _best_swap(src_K, threshold, peak, beta, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum_G, root_GT, v_PT,
+               y_PT, pairs, scratch):
+    """One round of `_layer`'s search: the best swap (a, b) of a slot on a GPU of src_K with a
+    slot elsewhere whose gain beats `threshold` ((-1, -1): none), the exponentials e_GT taken
+    at `peak`. `pairs` holds the best swap of GPU pairs scored in an earlier round (`_layer`);
+    the pairs this round scores in full are recorded there."""
+    known_GG, pair_gain_GG, pair_a_GG, pair_b_GG, pair_peak_GG, pair_base_GG = pairs
+    u_RT, x_RT, ok_R, c1_RS, c2_RS, cap_G, pg_G, pa_G, pb_G, whole_G = scratch
+    G, T = e_GT.shape
+    P = phy_P.shape[0]
+    S = P // G
+    K = src_K.shape[0]
+    best = threshold
+    ba = -1
+    bb = -1
+    best_flat = 0
+    for k in range(K):
+        A = src_K[k]
+        for B in range(G):  # pairs scored at this peak in an earlier round: their best swap as it was
+            if B != A and known_GG[A, B] and pair_peak_GG[A, B] == peak and pair_a_GG[A, B] >= 0:
+                gain = pair_gain_GG[A, B]
+                flat = (k * S + pair_a_GG[A, B] - A * S) * P + pair_b_GG[A, B]
+                if gain > best or (gain == best and ba >= 0 and flat < best_flat):
+                    best = gain
+                    ba = pair_a_GG[A, B]
+                    bb = pair_b_GG[A, B]
+                    best_flat = flat
+        # No swap between GPUs A and B gains more than sum_t (sqrt(e_At) - sqrt(e_Bt))^2 (by
+        # x v + u y >= 2 sqrt(x v u y) per window): GPUs are tried by that bound, highest
+        # first, and the rest skipped once it falls below the best gain (with a margin far
+        # above rounding, so the swap chosen is the one an exhaustive search chooses). A pair
+        # scored at another peak m0 has every gain scaled by exp(beta (m0 - peak)) since (all
+        # its exponentials are), so its best gain then, scaled, bounds its gains now (the
+        # margin covers the rounding of either round's sums).
+        for g in range(G):
+            r = 0.0
+            for t in range(T):
+                d = root_GT[A, t] - root_GT[g, t]
+                r += d * d
+            cap_G[g] = r + 1e-12 * (sum_G[A] + sum_G[g])
+            pg_G[g] = -np.inf
+            pa_G[g] = -1
+            pb_G[g] = -1
+            whole_G[g] = not (known_GG[A, g] and pair_peak_GG[A, g] == peak)
+            if known_GG[A, g] and pair_peak_GG[A, g] != peak:
+                if pair_a_GG[A, g] < 0:
+                    cap_G[g] = -np.inf  # no swap of the pair is allowed: none will be while neither changes
+                else:
+                    was = pair_gain_GG[A, g]
+                    scaled = np.exp(beta * (pair_peak_GG[A, g] - peak)) * (1.0 + 1e-12) * (
+                        was + 1e-10 * (pair_base_GG[A, g] + abs(was)))
+                    cap_G[g] = min(cap_G[g], scaled)
+        cap_G[A] = -1.0
+        whole_G[A] = False
+        by_cap = np.argsort(-cap_G)
+        unit_a = A // gpus_per_unit
+        # A's slots in tiles of _TILE, each tile scored against all of B's slots at once.
+        for sa0 in range(0, S, _TILE):
+            n = min(_TILE, S - sa0)
+            for r in range(n):
+                a = A * S + sa0 + r
+                for t in range(T):
+                    u_RT[r, t] = v_PT[a, t]
+                    x_RT[r, t] = e_GT[A, t] / u_RT[r, t]
+            for i in range(G - 1):
+                B = by_cap[i]
+                if known_GG[A, B] and pair_peak_GG[A, B] == peak:
+                    continue
+                if cap_G[B] < best:
+                    for j in range(i, G - 1):
+                        whole_G[by_cap[j]] = False  # not all of its tiles scored: not kept
+                    break
+                some = False
+                for r in range(n):
+                    a = A * S + sa0 + r
+                    ok_R[r] = not (holds[B, phy_P[a]] or (bound_P[a] and B // gpus_per_unit != unit_a))
+                    some = some or ok_R[r]
+                if not some:
+                    continue
+                o = B * S
+                _swap_costs(x_RT, u_RT, v_PT, y_PT, o, S, n, c1_RS, c2_RS)
+                base = sum_G[A] + sum_G[B]
+                # The pair's best swap, the first in numpy's flat order (q, b) among ties.
+                g_best = pg_G[B]
+                g_a = -1
+                g_b = -1
+                for r in range(n):
+                    if not ok_R[r]:
+                        continue
+                    a = A * S + sa0 + r
+                    for s in range(S):
+                        gain = base - c1_RS[r, s] - c2_RS[r, s]
+                        if gain > g_best:
+                            b = o + s
+                            if holds[A, phy_P[b]]:
+                                continue
+                            if bound_P[b] and B // gpus_per_unit != unit_a:
+                                continue
+                            g_best = gain
+                            g_a = a
+                            g_b = b
+                if g_a < 0:
+                    continue
+                pg_G[B] = g_best
+                pa_G[B] = g_a
+                pb_G[B] = g_b
+                flat = (k * S + g_a - A * S) * P + g_b
+                if g_best > best or (g_best == best and ba >= 0 and flat < best_flat):
+                    best = g_best
+                    ba = g_a
+                    bb = g_b
+                    best_flat = flat
+        for B in range(G):
+            if whole_G[B]:
+                known_GG[A, B] = True
+                pair_gain_GG[A, B] = pg_G[B]
+                pair_a_GG[A, B] = pa_G[B]
+                pair_b_GG[A, B] = pb_G[B]
+                pair_peak_GG[A, B] = peak
+                pair_base_GG[A, B] = sum_G[A] + sum_G[B]
+    return ba, bb
+
+
+@njit(cache=True, nogil=True)
 def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_unit, E):
     """The swap search on one layer, in place on phy_P, w_PT and bound_P; returns the swaps."""
     P, T = w_PT.shape
@@ -218,13 +345,7 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     e_flat = e_GT.reshape(G * T)
     sum_G = np.empty(G)
     y_PT = np.empty((P, T))
-    x_RT = np.empty((_TILE, T))
-    u_RT = np.empty((_TILE, T))
-    ok_R = np.empty(_TILE, dtype=np.bool_)
-    c1_RS = np.empty((_TILE, S))
-    c2_RS = np.empty((_TILE, S))
     root_GT = np.empty((G, T))
-    cap_G = np.empty(G)
     kept_T = np.empty(T, dtype=np.bool_)
     peak_T = np.empty(T)
     gpu_peak_G = np.empty(G)
@@ -236,6 +357,18 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
     fresh_G = np.ones(G, dtype=np.bool_)   # loads of GPU g changed since last computed
     last_kept_T = np.zeros(T, dtype=np.bool_)
     last_peak = np.nan
+    # Best swap of each GPU pair (source A, target B) from the round that scored it, with the
+    # peak and the two GPUs' sums of exponentials then. It holds while neither GPU changes and
+    # the kept windows stay: at the same peak the pair's gains are the same to the bit, at
+    # another one they are scaled (`_best_swap` bounds them with it), so a round rescores the
+    # pairs of the two GPUs last swapped and those whose bound can still win.
+    known_GG = np.zeros((G, G), dtype=np.bool_)
+    pairs = (known_GG, np.empty((G, G)), np.empty((G, G), dtype=np.int64), np.empty((G, G), dtype=np.int64),
+             np.empty((G, G)), np.empty((G, G)))
+    # `_best_swap`'s scratch: a tile of source slots, their swaps' sums, and per-GPU bounds and pair bests.
+    scratch = (np.empty((_TILE, T)), np.empty((_TILE, T)), np.empty(_TILE, dtype=np.bool_), np.empty((_TILE, S)),
+               np.empty((_TILE, S)), np.empty(G), np.empty(G), np.empty(G, dtype=np.int64),
+               np.empty(G, dtype=np.int64), np.empty(G, dtype=np.bool_))
     swaps = 0
     for _ in range(max_rounds):
         # GPU loads per window, summed over the GPU's slots as numpy sums them: slot by slot
@@ -271,11 +404,18 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
                     bg = g
             src_K[k] = bg
             taken_G[bg] = True
-        same = peak == last_peak
+        same_kept = True
         for t in range(T):
-            same = same and kept_T[t] == last_kept_T[t]
+            same_kept = same_kept and kept_T[t] == last_kept_T[t]
             last_kept_T[t] = kept_T[t]
+        same = same_kept and peak == last_peak
         last_peak = peak
+        for g in range(G):
+            if not same_kept:
+                known_GG[g, :] = False
+            elif fresh_G[g]:
+                known_GG[g, :] = False
+                known_GG[:, g] = False
         for g in range(G):
             if same and not fresh_G[g]:
                 continue
@@ -290,65 +430,8 @@ def _layer(phy_P, w_PT, bound_P, G, beta, max_rounds, keep, top_gpus, gpus_per_u
             fresh_G[g] = False
         z = _pairwise(e_flat, 0, G * T, 1)
         # A swap helps only if its gain beats 1e-9 z (else the search stops): start there.
-        best = 1e-9 * z
-        ba = -1
-        bb = -1
-        best_flat = 0
-        for k in range(K):
-            A = src_K[k]
-            # No swap between GPUs A and B gains more than sum_t (sqrt(e_At) - sqrt(e_Bt))^2 (by
-            # x v + u y >= 2 sqrt(x v u y) per window): GPUs are tried by that bound, highest
-            # first, and the rest skipped once it falls below the best gain (with a margin far
-            # above rounding, so the swap chosen is the one an exhaustive search chooses).
-            for g in range(G):
-                r = 0.0
-                for t in range(T):
-                    d = root_GT[A, t] - root_GT[g, t]
-                    r += d * d
-                cap_G[g] = r + 1e-12 * (sum_G[A] + sum_G[g])
-            cap_G[A] = -1.0
-            by_cap = np.argsort(-cap_G)
-            unit_a = A // gpus_per_unit
-            # A's slots in tiles of _TILE, each tile scored against all of B's slots at once.
-            for sa0 in range(0, S, _TILE):
-                n = min(_TILE, S - sa0)
-                for r in range(n):
-                    a = A * S + sa0 + r
-                    for t in range(T):
-                        u_RT[r, t] = v_PT[a, t]
-                        x_RT[r, t] = e_GT[A, t] / u_RT[r, t]
-                for i in range(G - 1):
-                    B = by_cap[i]
-                    if cap_G[B] < best:
-                        break
-                    some = False
-                    for r in range(n):
-                        a = A * S + sa0 + r
-                        ok_R[r] = not (holds[B, phy_P[a]] or (bound_P[a] and B // gpus_per_unit != unit_a))
-                        some = some or ok_R[r]
-                    if not some:
-                        continue
-                    o = B * S
-                    _swap_costs(x_RT, u_RT, v_PT, y_PT, o, S, n, c1_RS, c2_RS)
-                    base = sum_G[A] + sum_G[B]
-                    for r in range(n):
-                        if not ok_R[r]:
-                            continue
-                        a = A * S + sa0 + r
-                        q = k * S + sa0 + r
-                        for s in range(S):
-                            gain = base - c1_RS[r, s] - c2_RS[r, s]
-                            b = o + s
-                            # Ties go to the first swap in numpy's flat order (q, b).
-                            if gain > best or (gain == best and ba >= 0 and q * P + b < best_flat):
-                                if holds[A, phy_P[b]]:
-                                    continue
-                                if bound_P[b] and B // gpus_per_unit != unit_a:
-                                    continue
-                                best = gain
-                                ba = a
-                                bb = b
-                                best_flat = q * P + b
+        ba, bb = _best_swap(src_K, 1e-9 * z, peak, beta, phy_P, bound_P, holds, gpus_per_unit, e_GT, sum_G, root_GT,
+                            v_PT, y_PT, pairs, scratch)
         if ba < 0:
             break
         ea = phy_P[ba]

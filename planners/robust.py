@@ -94,8 +94,18 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     order_LSG = one_window_orders(L, S, G) if T == 1 else np.zeros((L, S, G), dtype=np.int64)
     kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
     if kernels is not None:
-        phy2log_LP, ok = kernels.pack_vector(np.ascontiguousarray(w_LET), rep_LP, order_LSG, G, S, _FORBIDDEN)
-        assert ok, "packing round had no feasible pairing"
+        w_LET = np.ascontiguousarray(w_LET)
+        phy2log_LP = np.empty((L, P), dtype=np.int64)
+        feasible: list[bool] = []
+
+        def pack_block(a: int, b: int) -> None:
+            # Layers pack independently: blocks of them on the planners' threads (the kernel
+            # releases the GIL); a layer's cells are its slots x windows.
+            phy2log_LP[a:b], ok = kernels.pack_vector(w_LET[a:b], rep_LP[a:b], order_LSG[a:b], G, S, _FORBIDDEN)
+            feasible.append(ok)
+
+        run_blocks(pack_block, L, P * T)
+        assert all(feasible), "packing round had no feasible pairing"
         return phy2log_LP
     from scipy.optimize import linear_sum_assignment
 
@@ -123,8 +133,10 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
 
 def one_window_orders(L: int, S: int, G: int) -> np.ndarray:
     """The GPU order of each one-window packing round, int64 [L, S, G]: a permutation of the
-    GPUs drawn from a fixed seed (the same plan every run)."""
-    return np.random.default_rng(0).permuted(np.broadcast_to(np.arange(G, dtype=np.int64), (L, S, G)), axis=2)
+    GPUs drawn from a fixed seed (the same plan every run). C-ordered: the packing kernel's one
+    compiled signature (the warm-up's) takes C-ordered arrays; numpy's permuted returns strides."""
+    orders_LSG = np.random.default_rng(0).permuted(np.broadcast_to(np.arange(G, dtype=np.int64), (L, S, G)), axis=2)
+    return np.ascontiguousarray(orders_LSG)
 
 
 def _assign_in_order(order_G: np.ndarray, items_I: np.ndarray, holds_GE: np.ndarray) -> np.ndarray | None:

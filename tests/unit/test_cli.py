@@ -235,6 +235,22 @@ def test_plan_does_not_import_heavy_libraries(files):
     assert out == ["0"], f"eplb plan imported {out[1:]}"
 
 
+def test_the_program_freezes_its_objects_before_the_process_ends(monkeypatch, capsys):
+    # main() runs this process's command line and the process ends after it: its objects are
+    # frozen so that the shutdown's collections skip them. main([...]) (tests, callers) does not.
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    assert main(["--version"]) == 0 and gc.get_freeze_count() == 0
+    monkeypatch.setattr(sys, "argv", ["eplb", "--version"])
+    try:
+        assert main() == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert "eplb" in capsys.readouterr().out
+
+
 def test_a_typo_of_a_command_lists_every_command(capsys):
     assert main(["plna", "x"]) == 2
     err = capsys.readouterr().err

@@ -125,3 +125,38 @@ def test_swap_search_on_threads_is_the_numpy_search(monkeypatch):
     assert not np.array_equal(p0, phy)
     np.testing.assert_array_equal(p0, p1)
     np.testing.assert_array_equal(w0, w1)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_packing_on_threads_is_the_scipy_packing(monkeypatch, T):
+    # Blocks of layers packed on threads, each block's placements written into its rows.
+    share, count = _packed(8, T, 7, 32, 8, 5)
+    expected = pack_vector(share, count, 8, 5, compiled=False)
+    monkeypatch.setattr(_threads, "num_blocks", lambda num_rows, num_cells: 3)
+    np.testing.assert_array_equal(pack_vector(share, count, 8, 5, compiled=True), expected)
+
+
+def test_swaps_reuse_no_stale_pair_on_many_gpus():
+    # 16 GPUs and top_gpus = 2: many rounds keep the peak, and the kernel then reuses the best
+    # swaps of GPU pairs that did not change; the swaps must still be numpy's, round by round.
+    share, count = _packed(9, 8, 3, 64, 16, 5)
+    phy = pack_vector(share, count, 16, 5, compiled=False)
+    w_LPT = np.take_along_axis(np.moveaxis(share / count[None], 0, 2), phy[:, :, None], axis=1)
+    for rounds in (3, 10, 100):  # a search cut short ends where numpy's does
+        p0, w0, p1, w1 = phy.copy(), w_LPT.copy(), phy.copy(), w_LPT.copy()
+        smooth_max_swaps(p0, w0, 16, beta=50.0, max_rounds=rounds, compiled=False)
+        smooth_max_swaps(p1, w1, 16, beta=50.0, max_rounds=rounds, compiled=True)
+        np.testing.assert_array_equal(p0, p1)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_planning_calls_the_kernels_with_the_warm_ups_signature(T):
+    # The warm-up loads one signature per kernel, of C-ordered arrays: a plan that called one
+    # with other strides would compile it (seconds) in the middle of a command or a decision.
+    from planners import _robust_kernel
+
+    share, _ = _packed(10, T, 3, 32, 4, 9)
+    RobustPlanner().plan(PlanRequest(share.sum(axis=0), Topology(4, 9), history_TLE=share))
+    for kernel in (_robust_kernel.pack_vector, _robust_kernel.smooth_max_swaps):
+        for signature in kernel.signatures:
+            assert all(getattr(arg, "layout", "C") == "C" for arg in signature), (kernel, signature)
