@@ -371,7 +371,7 @@ class Rebalancer:
             return False
         pl = self.placement
         cur_L = pl.gpu_loads(load, self._bound(load)).max(axis=1)
-        lb_L = lower_bound(load, pl.topology)  # stats.lower_bound's bits, compiled once greedy's kernels are loaded
+        lb_L = lower_bound(load, pl.topology, pl.replica_count_LE)  # stats.lower_bound's bits
         gain = 1.0 - lb_L.sum() / cur_L.sum()
         due = gain >= self.min_improvement
         self.last_check = {"step": self.step, "due": bool(due), "predicted_improvement": float(gain),
@@ -539,8 +539,10 @@ class Rebalancer:
         # beside the scoring below.
         side = ScheduleThread(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                               self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
-        # One bound for both scores (the same load on the same topology), from greedy's compiled counts.
-        lb_L = lower_bound(load, pl.topology)
+        # One bound for both scores (the same load on the same topology): proven from the new
+        # placement's counts in the layers where they are min-max optimal for this load, solved
+        # (greedy's compiled counts) in the others.
+        lb_L = lower_bound(load, pl.topology, new.replica_count_LE)
         before = self._score(pl, load, lb_L, bound)
         after = before if decision is None else self._score(new, load, lb_L)
         new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
