@@ -24,7 +24,7 @@ import numpy as np
 
 from eplb import migration, stats
 from eplb.cost import TimeObjective, check_objective
-from eplb.dispatch import DispatchRule, PlanWeights, get_rule
+from eplb.dispatch import DispatchRule, EvenSplit, PlanWeights, get_rule
 from eplb.errors import EplbError, number_array, whole_number
 from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.migration import Budget, layout_dependent
@@ -85,17 +85,11 @@ class PlanResult:
     @cached_property
     def lower_bound_L(self) -> np.ndarray:
         """Lower bound on the busiest GPU's load per layer, [L] (`stats.lower_bound`)."""
+        _scoring_a_plan()
         return lower_bound(self.load_LE, self.topology, self._plain.replica_count_LE)  # type: ignore[attr-defined]
 
     def _score(self, placement: Placement, rule: DispatchRule | None = None) -> stats.LoadReport:
-        rule = rule or self.dispatch
-        if isinstance(rule, PlanWeights) and placement.dispatch_weights_LP is None:
-            # An even split, the common case (greedy, the contiguous baseline): the same products
-            # and sums as binding the rule and `stats.evaluate`, without their generic indexing;
-            # the load was checked when the plan was made.
-            return stats.load_report(even_gpu_loads(placement, self.load_LE), self.lower_bound_L)
-        weights_LP = rule.bind(placement)(self.load_LE)
-        return stats.evaluate(placement, self.load_LE, weights_LP, lower_bound_L=self.lower_bound_L)
+        return score(placement, self.load_LE, rule or self.dispatch, self.lower_bound_L)
 
     @cached_property
     def after(self) -> stats.LoadReport:
@@ -128,7 +122,7 @@ class PlanResult:
         after = self.after
         metrics = {
             **after.metrics(),
-            "contiguous_imbalance_median": float(np.median(self.before.imbalance_L)),
+            "contiguous_imbalance_median": stats.median(self.before.imbalance_L),
             **self.objective_metrics,
         }
         if self.served is not None:  # the scores above are the engine's: say under which rule
@@ -166,60 +160,54 @@ class PlanResult:
 
 def lower_bound(load_LE: np.ndarray, topology: Topology, count_LE: np.ndarray | None = None) -> np.ndarray:
     """`stats.lower_bound(load_LE, G, P)`, [L]. count_LE: a plan's replica counts [L, E] (sum P
-    per layer); the layers where `_minmax_layers` proves them min-max optimal take their largest
-    load per replica as the bound's second term. The other layers (all of them without counts)
-    are solved: with greedy's compiled `replicate` (the same problem, uncapped: at most P
-    replicas) when its kernels are loaded in this process, which beats numpy's loop of P - E
+    per layer); the layers where `stats.proven_bound` proves them min-max optimal take their
+    largest load per replica as the bound's second term. The other layers (all of them without
+    counts) are solved: with greedy's compiled `replicate` (the same problem, uncapped: at most
+    P replicas) when its kernels are loaded in this process, which beats numpy's loop of P - E
     steps, else by stats. The optimum is unique, so every way gives it to the bit (ties only
     change which expert attains it); a process without the kernels does not load numba for it."""
-    P = topology.num_slots
-    mean_L = load_LE.sum(axis=1) / topology.num_gpus
+    G, P = topology.num_gpus, topology.num_slots
     if count_LE is not None:
-        top_L = (load_LE / count_LE).max(axis=1)
-        todo = ~_minmax_layers(load_LE, count_LE, top_L, P)
-        if not todo.any():
-            return np.maximum(mean_L, top_L)
-        top_L[todo] = lower_bound(load_LE[todo], topology)
-        return np.maximum(mean_L, top_L)
+        bound_L, proven_L = stats.proven_bound(load_LE, count_LE, G, P)
+        if not proven_L.all():
+            bound_L[~proven_L] = lower_bound(load_LE[~proven_L], topology)
+        return bound_L
     if "planners._greedy_kernel" not in sys.modules:
-        return stats.lower_bound(load_LE, topology.num_gpus, P)
+        return stats.lower_bound(load_LE, G, P)
     from planners.greedy import replicate
 
-    return np.maximum(mean_L, (load_LE / replicate(load_LE, P, P)).max(axis=1))
+    # Optimal counts: their largest load per replica is the optimum, proven or not.
+    return stats.proven_bound(load_LE, replicate(load_LE, P, P), G, P)[0]
 
 
-def _minmax_layers(load_LE: np.ndarray, count_LE: np.ndarray, top_L: np.ndarray, num_slots: int) -> np.ndarray:
-    """Layers [L] (bool) whose counts are proven to minimise the largest load per replica top_L.
-
-    Expert e needs n_e = the fewest replicas with load_e / n_e below top (as floats: rounded
-    division is monotone in n); when the n_e sum to more than P, no counts of sum P put every
-    expert below top, so top is the optimum. Layers whose top is 0 are optimal too."""
-    top_LE = top_L[:, None]
-    live_LE = top_LE > 0
-    n_LE = np.floor(load_LE / np.where(live_LE, top_LE, 1.0)) + 1.0
-    for _ in range(4):  # the float quotient is within an ulp: n moves by one at most, once
-        up = (load_LE / n_LE >= top_LE) & live_LE
-        down = (n_LE > 1) & (load_LE / np.maximum(n_LE - 1, 1) < top_LE)
-        if not (up.any() or down.any()):
-            break
-        n_LE += up
-        n_LE -= down
-    else:
-        return top_L <= 0  # not settled (never seen): prove nothing, solve those layers
-    return (n_LE.sum(axis=1) > num_slots) | (top_L <= 0)
+def even_split(rule: DispatchRule, placement: Placement) -> bool:
+    """Does `rule` split every expert's tokens evenly among its replicas in `placement`: the
+    rule "even", or "plan" for a placement without dispatch weights."""
+    return isinstance(rule, EvenSplit) or (isinstance(rule, PlanWeights) and placement.dispatch_weights_LP is None)
 
 
-def even_gpu_loads(placement: Placement, load_LE: np.ndarray) -> np.ndarray:
-    """Tokens per GPU [L, G] when every expert's tokens split evenly over its replicas: bit for
-    bit `placement.gpu_loads(load_LE)` (the same products, load x (1 / count), summed in slot
-    order), but each product made once per expert [L, E] and gathered through flat indices.
-    Trusts load_LE: float64 [L, E] of the placement's shape."""
-    phy_LP = placement.phy2log_LP
-    L, P = phy_LP.shape
-    E = placement.num_logical_experts
-    per_LE = load_LE * (1.0 / placement.replica_count_LE)
-    slot_LP = per_LE.ravel()[phy_LP + (np.arange(L) * E)[:, None]]
-    return slot_LP.reshape(L, placement.num_gpus, P // placement.num_gpus).sum(axis=-1)
+def score(placement: Placement, load_LE: np.ndarray, rule: DispatchRule, lower_bound_L: np.ndarray) -> stats.LoadReport:
+    """`stats.evaluate(placement, load_LE, rule.bind(placement)(load_LE), lower_bound_L=...)`:
+    the placement scored on load_LE [L, E] (float64 of its shape, checked) under the dispatch
+    rule. An even split (the rule "even", or "plan" without dispatch weights: greedy, the
+    contiguous baseline) goes through `stats.even_report`, the same bits without binding the
+    rule or gathering per-slot shares."""
+    if even_split(rule, placement):
+        return stats.even_report(placement, load_LE, lower_bound_L)
+    return stats.evaluate(placement, load_LE, rule.bind(placement)(load_LE), lower_bound_L=lower_bound_L)
+
+
+_plans_scored = 0
+
+
+def _scoring_a_plan() -> None:
+    """Count the plans this process scores: from the second on it is a loop (serving, a
+    backtest, a benchmark) and loads the compiled scores (`stats.load_score_kernel`); a one-shot
+    command scores its one plan in numpy, cheaper than loading them."""
+    global _plans_scored
+    _plans_scored += 1
+    if _plans_scored >= 2:
+        stats.load_score_kernel()
 
 
 @functools.lru_cache(maxsize=16)

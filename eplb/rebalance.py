@@ -48,7 +48,7 @@ from eplb.migration.schedule import ScheduleThread
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner, planner_class
-from eplb.planning import lower_bound, plan
+from eplb.planning import even_split, lower_bound, plan
 from eplb.policy import Policy, get_policy, takes_budget
 from eplb.stats import group_span
 from eplb.trace import MAX_COUNT
@@ -56,6 +56,7 @@ from eplb.trace import MAX_COUNT
 WARM_UP_MODULES = (
     "planners.greedy",          # the migration step's fallback and most policies' planner
     "eplb.migration.kernels",   # relabel, budgeted search, schedule
+    "eplb._score_kernel",       # the lower bound and the even-split reports of both placements
 )
 """The kernel modules every Rebalancer loads (or compiles) in the background at construction
 (eplb.compiled); each defines `warm_up()`. A new numba kernel module on the decision path is
@@ -370,7 +371,7 @@ class Rebalancer:
             return False
         pl = self.placement
         cur_L = pl.gpu_loads(load, self._bound(load)).max(axis=1)
-        lb_L = stats.lower_bound(load, pl.num_gpus, pl.num_slots)
+        lb_L = lower_bound(load, pl.topology, pl.replica_count_LE)  # stats.lower_bound's bits
         gain = 1.0 - lb_L.sum() / cur_L.sum()
         due = gain >= self.min_improvement
         self.last_check = {"step": self.step, "due": bool(due), "predicted_improvement": float(gain),
@@ -493,7 +494,7 @@ class Rebalancer:
         side = ScheduleThread(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, self.layers_per_chunk,
                               ranks[alive], self.budget.bytes_per_expert)
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
-        before = stats.evaluate(pl, load, bound(load), lower_bound_L=None if failed.size else res.lower_bound_L)
+        before = self._score(pl, load, lower_bound(load, pl.topology) if failed.size else res.lower_bound_L, bound)
         mig = side.result()
         info = dict(res.info.get("migration", {}))
         info.update(decision_seconds=t1 - t0, schedule_seconds=side.seconds)
@@ -538,11 +539,12 @@ class Rebalancer:
         # beside the scoring below.
         side = ScheduleThread(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
                               self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
-        # One bound for both scores (the same load on the same topology), from greedy's compiled counts.
-        lb_L = lower_bound(load, pl.topology)
-        before = stats.evaluate(pl, load, bound(load), lower_bound_L=lb_L)
-        after = before if decision is None else stats.evaluate(new, load, self.dispatch.bind(new)(load),
-                                                               lower_bound_L=lb_L)
+        # One bound for both scores (the same load on the same topology): proven from the new
+        # placement's counts in the layers where they are min-max optimal for this load, solved
+        # (greedy's compiled counts) in the others.
+        lb_L = lower_bound(load, pl.topology, new.replica_count_LE)
+        before = self._score(pl, load, lb_L, bound)
+        after = before if decision is None else self._score(new, load, lb_L)
         new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
         mig = side.result()
         info = {"decision_seconds": t1 - t0, "schedule_seconds": side.seconds,
@@ -555,6 +557,14 @@ class Rebalancer:
                                                 else decision.reason)
         return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
                                message=msg, info=info)
+
+    def _score(self, pl: Placement, load: np.ndarray, lb_L: np.ndarray, bound=None) -> stats.LoadReport:
+        """pl scored on the window load [L, E] (checked when observed) under the served rule
+        (`bound`: the rule bound to pl, bound here when None), against the lower bound lb_L [L].
+        An even split skips the rule: `stats.even_report` gives `stats.evaluate`'s bits."""
+        if even_split(self.dispatch, pl):
+            return stats.even_report(pl, load, lb_L)
+        return stats.evaluate(pl, load, (bound or self.dispatch.bind(pl))(load), lower_bound_L=lb_L)
 
     def _check_caps(self, pl: Placement, new_LP: np.ndarray) -> None:
         """A policy's decision must keep the budget's move caps (a policy object could ignore them)."""

@@ -6,10 +6,13 @@ Loads are token-slot counts (one token routed to K experts counts K times), as f
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.compiled import compile_detached, load_cached
 from eplb.errors import EplbError, is_number, is_whole, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
@@ -246,10 +249,21 @@ class LoadReport:
 
     def metrics(self) -> dict[str, float]:
         """The scores a placement file carries in `metrics` (eplb plan -o, the Rebalancer)."""
-        return {"imbalance_median": float(np.median(self.imbalance_L)),
-                "imbalance_max": float(np.max(self.imbalance_L)),
-                "bound_ratio_max": float(np.max(self.bound_ratio_L)),
+        return {"imbalance_median": median(self.imbalance_L),
+                "imbalance_max": float(self.imbalance_L.max()),
+                "bound_ratio_max": float(self.bound_ratio_L.max()),
                 "balancedness": self.balancedness}
+
+
+def median(a_N: np.ndarray) -> float:
+    """`float(np.median(a_N))` to the bit (NaN when a_N holds one), without its generic
+    machinery: a layer count of numbers is sorted faster than np.median dispatches."""
+    s_N = np.sort(a_N, axis=None)
+    n = s_N.size
+    if n == 0 or np.isnan(s_N[-1]):  # np.sort puts NaN last
+        return float("nan")
+    h = n // 2
+    return float(s_N[h]) if n % 2 else float((s_N[h - 1] + s_N[h]) / 2)
 
 
 def load_report(gpu_load_LG: np.ndarray, lower_bound_L: np.ndarray) -> LoadReport:
@@ -272,3 +286,109 @@ def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
     gpu_LG = placement.gpu_loads(load, weights_LP)
     lb = lower_bound(load, placement.num_gpus, placement.num_slots) if lower_bound_L is None else lower_bound_L
     return load_report(gpu_LG, lb)
+
+
+# Compiled scores (eplb/_score_kernel.py) ------------------------------------------------------
+
+_SCORE_KERNEL = "eplb._score_kernel"
+_load_lock = threading.Lock()
+_load_tried = False
+
+
+def score_kernel():
+    """The compiled scores (the module eplb._score_kernel) when they are loaded in this process,
+    else None: the numpy scores then give the same bits. They are loaded by `load_score_kernel`
+    (and by a Rebalancer's background warm-up); nothing here loads numba."""
+    mod = sys.modules.get(_SCORE_KERNEL)
+    return mod if mod is not None and mod.ready else None
+
+
+def load_score_kernel() -> None:
+    """Load the compiled scores from numba's cache, once per process, in a process that already
+    runs numba (about 30 ms, so a one-shot command scoring one plan in numpy, in about a
+    millisecond, should not call this). On a cold cache (the first run after an install) one
+    background process compiles them instead, and this process goes on scoring in numpy."""
+    global _load_tried
+    if _load_tried or score_kernel() is not None or "numba" not in sys.modules:
+        return
+    with _load_lock:
+        if not _load_tried:
+            _load_tried = True
+            if not load_cached((_SCORE_KERNEL,)):
+                compile_detached(_SCORE_KERNEL)
+
+
+def _kernel_ints(a: np.ndarray) -> np.ndarray:
+    """a as the kernels' int64 type, read-only and C-ordered as a Placement keeps its arrays
+    (numba compiles one version per flag)."""
+    if a.dtype != np.int64 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=np.int64)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _kernel_floats(a: np.ndarray) -> np.ndarray:
+    """a as the kernels' float64 type: writable and C-ordered."""
+    if a.dtype == np.float64 and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, dtype=np.float64, order="C")
+
+
+def even_gpu_loads(placement, load_LE: np.ndarray) -> np.ndarray:
+    """Tokens per GPU [L, G] when every expert's tokens split evenly over its replicas: bit for
+    bit `placement.gpu_loads(load_LE)` (the same products, load x (1 / count), summed in slot
+    order), but each product made once per expert [L, E] and gathered through flat indices.
+    Trusts load_LE: float64 [L, E] of the placement's shape."""
+    phy_LP = placement.phy2log_LP
+    L, P = phy_LP.shape
+    E = placement.num_logical_experts
+    per_LE = load_LE * (1.0 / placement.replica_count_LE)
+    slot_LP = per_LE.ravel()[phy_LP + (np.arange(L) * E)[:, None]]
+    return slot_LP.reshape(L, placement.num_gpus, P // placement.num_gpus).sum(axis=-1)
+
+
+def even_report(placement, load_LE: np.ndarray, lower_bound_L: np.ndarray) -> LoadReport:
+    """`evaluate(placement, load_LE, placement.replica_weights(), lower_bound_L)` for a placement
+    split evenly among its replicas (no dispatch weights), to the bit: one compiled pass per
+    layer when the kernels are loaded (`score_kernel`), else numpy. Trusts its input: load_LE
+    float64 [L, E] of the placement's shape, finite and >= 0, lower_bound_L [L]."""
+    kernel = score_kernel()
+    if kernel is None:
+        return load_report(even_gpu_loads(placement, load_LE), lower_bound_L)
+    gpu_LG, imbalance_L, ratio_L, bal = kernel.even_report(
+        _kernel_floats(load_LE), _kernel_ints(placement.phy2log_LP), _kernel_ints(placement.replica_count_LE),
+        placement.num_gpus, _kernel_floats(lower_bound_L))
+    return LoadReport(gpu_LG, imbalance_L, ratio_L, float(bal))
+
+
+def proven_bound(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
+                 num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """`lower_bound` on the layers whose replica counts count_LE [L, E] (sum P per layer, each
+    >= 1) are proven min-max optimal, and which layers those are: (bound [L], proven bool [L]);
+    the other layers' entries are not the bound (solve them).
+
+    The proof: expert e needs n_e = the fewest replicas with load_e / n_e below top, the
+    largest load per replica under count_LE (as floats: rounded division is monotone in n);
+    when the n_e sum to more than P, no counts of sum P put every expert below top, so top is
+    the optimum. Layers whose top is 0 are optimal too."""
+    kernel = score_kernel()
+    if kernel is not None:
+        bound_L = np.empty(load_LE.shape[0])
+        proven_L = kernel.bound_terms(_kernel_floats(load_LE), _kernel_ints(count_LE), int(num_gpus),
+                                      int(num_slots), bound_L)
+        return bound_L, proven_L
+    top_L = (load_LE / count_LE).max(axis=1)
+    bound_L = np.maximum(load_LE.sum(axis=1) / num_gpus, top_L)
+    top_LE = top_L[:, None]
+    live_LE = top_LE > 0
+    n_LE = np.floor(load_LE / np.where(live_LE, top_LE, 1.0)) + 1.0
+    for _ in range(4):  # the float quotient is within an ulp: n moves by one at most, once
+        up = (load_LE / n_LE >= top_LE) & live_LE
+        down = (n_LE > 1) & (load_LE / np.maximum(n_LE - 1, 1) < top_LE)
+        if not (up.any() or down.any()):
+            return bound_L, (n_LE.sum(axis=1) > num_slots) | (top_L <= 0)
+        n_LE += up
+        n_LE -= down
+    return bound_L, top_L <= 0  # not settled (never seen): prove nothing, solve those layers

@@ -157,7 +157,7 @@ def test_backtests_take_a_topology_value(rng):
 
 
 def test_even_split_scores_are_the_generic_ones_to_the_bit(rng):
-    """PlanResult scores an even split through `planning.even_gpu_loads`: the same numbers as
+    """PlanResult scores an even split through `stats.even_report`: the same numbers as
     binding the rule and `stats.evaluate` (the plan, and the contiguous baseline with repeats)."""
     load = _load(rng, L=4, E=16)
     for gpus, slots in ((4, 5), (8, 3), (3, 6)):
@@ -165,7 +165,7 @@ def test_even_split_scores_are_the_generic_ones_to_the_bit(rng):
         plain = Placement(res.solution.phy2log_LP, gpus, 16)
         base = planning._contiguous(16, res.topology, tuple(range(4)))
         for pl, report in ((plain, res.after), (base, res.before)):
-            np.testing.assert_array_equal(planning.even_gpu_loads(pl, res.load_LE), pl.gpu_loads(res.load_LE))
+            np.testing.assert_array_equal(stats.even_gpu_loads(pl, res.load_LE), pl.gpu_loads(res.load_LE))
             generic = stats.evaluate(pl, res.load_LE, pl.replica_weights())
             np.testing.assert_array_equal(report.gpu_load_LG, generic.gpu_load_LG)
             np.testing.assert_array_equal(report.bound_ratio_L, generic.bound_ratio_L)

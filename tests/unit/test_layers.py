@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "eplb.errors": 0, "eplb._version": 0,
     "eplb.files": 1, "eplb.progress": 1, "eplb.compiled": 1, "eplb.topology": 1, "eplb.hardware": 1,
     "eplb.trace": 2, "eplb.placement": 2,
-    "eplb.stats": 3, "eplb.capacity": 3, "eplb.synth": 3,
+    "eplb.stats": 3, "eplb.capacity": 3, "eplb.synth": 3, "eplb._score_kernel": 3,
     "eplb.dispatch": 4, "eplb.sglang_dispatch": 4, "eplb.cost": 4, "eplb.time_dispatch": 4, "eplb.calibration": 4,
     "eplb._time_dispatch_kernel": 4,
     "eplb.planner_api": 5,
