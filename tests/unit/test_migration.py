@@ -12,8 +12,18 @@ from eplb import migration as mg
 from eplb.migration.moves import _gpu_assignment, _keep_counts
 from tests.oracles import migration as oracle
 
-# The compiled schedule and its Python reference: every schedule test runs on both.
-SCHEDULERS = pytest.mark.parametrize("scheduler", [mg.schedule, oracle.schedule], ids=["compiled", "python"])
+
+def relay_schedule(old_LP, new_LP, G, E, *, layers_per_chunk=None, bytes_per_expert=None):
+    """The kernel's relay mode alone (`schedule` runs it only past RELAY_GATE x the round bound)."""
+    from eplb.migration import schedule as sch
+
+    old, new, chunk, ranks = sch.check_schedule_input(old_LP, new_LP, G, E, layers_per_chunk, None)
+    return sch._scheduled(old, new, G, E, chunk, ranks, bytes_per_expert, False, relay=True)
+
+
+# The compiled schedule (and its relay mode alone) and its Python reference: every schedule test runs on each.
+SCHEDULERS = pytest.mark.parametrize("scheduler", [mg.schedule, relay_schedule, oracle.schedule],
+                                     ids=["compiled", "relay", "python"])
 
 
 def random_map(rng, L, G, S, E):
