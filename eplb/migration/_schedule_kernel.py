@@ -370,14 +370,27 @@ def _stage_rows(st, done, i, S):
 
 
 @njit(cache=True, nogil=True)
-def schedule(old_LP, new_LP, G, E, chunk, per_rank, relay):
+def schedule(old_LP, new_LP, G, E, chunk, per_rank):
+    """The plain rounds (`_rounds` without relays): see `_rounds`."""
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False)
+
+
+@njit(cache=True, nogil=True)
+def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank):
+    """The relay mode's rounds: see `_rounds`."""
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
     """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
 
     out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
     dst slot, staging). status STATUS_NO_SPARE names the layer that could not stage.
     chunk: layers per chunk (rounds never mix chunks); per_rank: K. relay: plan a balanced
     source per network copy, relays included (`_sources_kernel.plan_sources`), replanned every
-    few rounds, instead of counting only the forced sends.
+    few rounds, instead of counting only the forced sends. Inlined into one entry point per
+    mode, `relay` a constant there: the plain rounds carry no relay branch.
     """
     L, P = new_LP.shape
     S = P // G
