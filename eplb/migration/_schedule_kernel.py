@@ -21,7 +21,9 @@ scipy for any maximum matching), so the busiest receivers, which bound the numbe
 are the last to wait; each rank tries the sources of its candidates in its queue order (its
 longest chain first), each candidate's source ranks by the fewest sends (made, plus those
 only they can make), so that free copies do not pile onto a few senders; when nothing can
-move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. Ties among
+move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. In the relay
+mode (`schedule_relay`) `_sources_kernel.plan_sources` plans a levelled source per network
+copy at each round's start, relays included, and the link matching follows it. Ties among
 replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
 running while a side thread schedules.
 """
