@@ -17,12 +17,14 @@ from numba import njit
 
 
 @njit(cache=True, nogil=True)
-def _match(adj, pref, npref, rin, rout, G):
+def _match(adj, pref, npref, rin, rout, G, relay):
     """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
     G + d), rows with the most network copies still to receive first (they bound the
     rounds); then each source rank left out takes over a row from a source rank with fewer
     copies only it can send (rout), so that the busiest senders send too (the matching stays
-    as large). match_row[d] = column or -1.
+    as large); with relay (rout: planned sends left, `_sources_kernel`) it takes the row over
+    through an alternating path that may end at any column of fewer planned sends
+    (`_cover_senders`). match_row[d] = column or -1.
 
     A row whose search finds no augmenting path leaves every column it reached dead: they are
     all matched, their rows reach only each other, and no later augmenting path can pass
@@ -70,6 +72,9 @@ def _match(adj, pref, npref, rin, rout, G):
             match_row[u] = r
             match_col[r] = u
             r = nxt
+    if relay:
+        _cover_senders(pref, npref, rout, G, match_row, match_col, parent)
+        return match_row
     # Rows by source column (ascending), for the takeovers: a rank's rows without a scan of all G.
     cptr = np.zeros(G + 1, dtype=np.int64)
     for d in range(G):
@@ -102,6 +107,70 @@ def _match(adj, pref, npref, rin, rout, G):
     return match_row
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _cover_senders(pref, npref, rout, G, match_row, match_col, parent):
+    """Each source rank left out of the matching, the most planned sends left (rout) first,
+    takes a row through an alternating path c - d1 - c1 - d2 - c2 ... (d_i matched to c_i)
+    that ends at a column with fewer planned sends (or a checkpoint column), flipped: every
+    matched row stays matched, so the matching stays as large, and the matched columns move
+    towards the busiest senders (Mendelsohn-Dulmage). Updates match_row, match_col."""
+    C = match_col.size
+    # Rows by column (the transpose of pref), for the alternating paths.
+    cptr = np.zeros(C + 1, dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            cptr[pref[d, j] + 1] += 1
+    for c in range(C):
+        cptr[c + 1] += cptr[c]
+    fill = cptr[:C].copy()
+    crow = np.empty(cptr[C], dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            c = pref[d, j]
+            crow[fill[c]] = d
+            fill[c] += 1
+    cq = np.empty(C, dtype=np.int64)
+    pcol = np.empty(C, dtype=np.int64)
+    seen = np.zeros(C, dtype=np.int64)      # the walk (1, 2, ...) that reached a column last
+    mark = 0
+    for c in np.argsort(-rout, kind="mergesort"):
+        if rout[c] == 0:
+            break
+        if match_col[c] >= 0:
+            continue
+        mark += 1
+        seen[c] = mark
+        head, tail = 0, 1
+        cq[0] = c
+        end = -1
+        while head < tail and end < 0:
+            u = cq[head]
+            head += 1
+            for t in range(cptr[u], cptr[u + 1]):
+                d = crow[t]
+                c1 = match_row[d]
+                if c1 < 0 or seen[c1] == mark:
+                    continue
+                seen[c1] = mark
+                parent[c1] = d
+                pcol[c1] = u
+                if c1 >= G or rout[c1] < rout[c]:
+                    end = c1
+                    break
+                cq[tail] = c1
+                tail += 1
+        if end < 0:
+            continue
+        match_col[end] = -1
+        x = end
+        while x != c:
+            d = parent[x]
+            u = pcol[x]
+            match_row[d] = u
+            match_col[u] = d
+            x = u
+
+
 @njit(cache=True, nogil=True)
 def commit(l, p, e, src_rank, src, d, st, done, nd):
     """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
@@ -123,20 +192,25 @@ def commit(l, p, e, src_rank, src, d, st, done, nd):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _send_key(r, d, rout, sent, G):
-    """Order of source column r for destination rank d (lower first): r's sends so far plus those
-    only r can make (its least total), then the distance from d round the ranks (the checkpoint
-    column G + d last)."""
+def _send_key(r, d, rout, sent, f, G):
+    """Order of source column r for destination rank d (lower first): the candidate's planned
+    source f (relay mode; else -1) first; then r's sends so far plus those only r can make (its
+    least total; in relay mode sent is 0 and rout the planned sends left), then the distance
+    from d round the ranks (the checkpoint column G + d last)."""
     if r >= G:
         return np.iinfo(np.int64).max
+    if r == f:
+        return -1
     return (rout[r] + sent[r]) * (G + 1) + (r - d) % G
 
 
 @njit(cache=True, nogil=True, inline="always")
-def take_links(st, rd, nd, P, tight, rin, rout, sent):
+def take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
-    candidate that is still possible. Returns the copies of the round so far."""
+    candidate that is still possible. relay: fsrc holds each candidate's planned source (tried
+    first) and rout the planned sends (`_sources_kernel.plan_sources`). Returns the copies of
+    the round so far."""
     G = st.npend.size
     cur, hc = st.cur, st.hc
     any_edge = False                   # (every candidate has a source: rd.adj has its links)
@@ -150,9 +224,15 @@ def take_links(st, rd, nd, P, tight, rin, rout, sent):
         npref[d] = 0
         for i in range(rd.ncand[d]):
             first = npref[d]
+            f = fsrc[rd.cand[d, i] // P, rd.cand[d, i] % P] if relay else -1
+            only = False                       # relay mode: the planned source alone, where it holds the expert
+            if f >= 0:
+                for j in range(rd.cstart[d, i], rd.cstart[d, i + 1]):
+                    if rd.cols[d, j] == f:
+                        only = True
             for j in range(rd.cstart[d, i], rd.cstart[d, i + 1]):
                 r = rd.cols[d, j]
-                if rd.adj[d, r]:
+                if rd.adj[d, r] and (not only or r == f):
                     rd.adj[d, r] = False       # listed: the first candidate with a source there
                     pref[d, npref[d]] = r
                     npref[d] += 1
@@ -161,13 +241,13 @@ def take_links(st, rd, nd, P, tight, rin, rout, sent):
             for a in range(first + 1, npref[d]):
                 r = pref[d, a]
                 b = a
-                while b > first and _send_key(pref[d, b - 1], d, rout, sent, G) > _send_key(r, d, rout, sent, G):
+                while b > first and _send_key(pref[d, b - 1], d, rout, sent, f, G) > _send_key(r, d, rout, sent, f, G):
                     pref[d, b] = pref[d, b - 1]
                     b -= 1
                 pref[d, b] = r
         for j in range(npref[d]):
             rd.adj[d, pref[d, j]] = True
-    match_row = _match(rd.adj, pref, npref, rin, rout, G)
+    match_row = _match(rd.adj, pref, npref, rin, rout, G, relay)
     for d in range(G):
         r = match_row[d]
         if r < 0:

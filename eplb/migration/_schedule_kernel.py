@@ -21,7 +21,9 @@ scipy for any maximum matching), so the busiest receivers, which bound the numbe
 are the last to wait; each rank tries the sources of its candidates in its queue order (its
 longest chain first), each candidate's source ranks by the fewest sends (made, plus those
 only they can make), so that free copies do not pile onto a few senders; when nothing can
-move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. Ties among
+move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. In the relay
+mode (`schedule_relay`) `_sources_kernel.plan_sources` plans a levelled source per network
+copy at each round's start, relays included, and the link matching follows it. Ties among
 replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
 running while a side thread schedules.
 """
@@ -35,6 +37,7 @@ from numba import njit
 
 from eplb.migration._chain_kernel import chain_order, forced_sources
 from eplb.migration._links_kernel import commit, take_links
+from eplb.migration._sources_kernel import plan_sources
 from eplb.migration._stage_kernel import may_deadlock, new_staging, stage
 
 STATUS_OK = 0
@@ -370,11 +373,26 @@ def _stage_rows(st, done, i, S):
 
 @njit(cache=True, nogil=True)
 def schedule(old_LP, new_LP, G, E, chunk, per_rank):
+    """The plain rounds (`_rounds` without relays): see `_rounds`."""
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False)
+
+
+@njit(cache=True, nogil=True)
+def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank):
+    """The relay mode's rounds: see `_rounds`."""
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
     """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
 
     out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
     dst slot, staging). status STATUS_NO_SPARE names the layer that could not stage.
-    chunk: layers per chunk (rounds never mix chunks); per_rank: K.
+    chunk: layers per chunk (rounds never mix chunks); per_rank: K. relay: plan a balanced
+    source per network copy, relays included (`_sources_kernel.plan_sources`), replanned every
+    few rounds, instead of counting only the forced sends. Inlined into one entry point per
+    mode, `relay` a constant there: the plain rounds carry no relay branch.
     """
     L, P = new_LP.shape
     S = P // G
@@ -406,7 +424,14 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
         c1 = min(L, c0 + chunk)
         left = _queue_chunk(st, c0, c1, S, P)
-        forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
+        if relay:
+            plan_sources(st, c0, c1, S, P, fsrc, rout)
+        else:
+            forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
+        # Relay mode replans about 64 times per chunk's sends per rank (a plan goes stale as
+        # the matching takes other sources than the planned ones).
+        every = max(1, rout.sum() // (64 * G))
+        r0 = R
         guard = 4 * (left + (c1 - c0) * P) + 8
         while left > 0:
             guard -= 1
@@ -414,6 +439,8 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
             if tight:
                 _count_room(st, c0, c1, E, P)
+            if relay and R > r0 and (R - r0) % every == 0:
+                plan_sources(st, c0, c1, S, P, fsrc, rout)
             cyclic = chain_order(st, sg, S, P, depth, key, rin)
             # Deadlocked cycles of blocked slots break as soon as they appear: first through
             # pending slots of their own ranks (free), before this round's copies take those;
@@ -425,7 +452,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
             staged = cyclic and not tight
             ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, False) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
-            nd = take_links(st, rd, nd, P, tight, rin, rout, sent)
+            nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay)
             n1 = nd
             if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
                 # (The queues and slot contents have not changed since stage 0: same cycles.)
@@ -436,7 +463,7 @@ def schedule(old_LP, new_LP, G, E, chunk, per_rank):
                 if i < ns or i >= n1:
                     _stage_rows(st, rd.done, i, S)
             for i in range(nd):
-                if rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
+                if not relay and rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
                     sent[rd.done[i, 3]] += 1
                 f = fsrc[rd.done[i, 0], rd.done[i, 1]]
                 if f >= 0:

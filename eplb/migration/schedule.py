@@ -30,6 +30,21 @@ CANDIDATES_PER_RANK = 8
 """Pending slots per destination rank offered to a round's link matching (the first ones in
 its queue): enough that a rank whose first candidates' sources are busy still gets a link."""
 
+RELAY_GATE = 1.10
+"""Rounds / round bound above which the schedule is run again in relay mode (a levelled source
+plan with relays, `_sources_kernel`) and the shorter of the two kept, on clusters of at most
+RELAY_SLOTS_PER_GPU slots per GPU (docs/migration-internals.md, "Rounds against the round bound")."""
+
+RELAY_SLOTS_PER_GPU = 2
+"""The relay mode's clusters: with two slots per GPU (256 GPUs for 256 experts and as many
+redundant slots) nearly every GPU sends and receives in every round and the senders set the
+rounds. With more slots per GPU the excess rounds come mostly from chains and staging: there
+the relay mode gains a round or two on some decision pairs (32 GPUs) but the decision pays
+for the second run (1.7x its time), so only these clusters run it."""
+
+RELAY_CANDIDATES_PER_RANK = 48
+"""Candidates per destination rank in relay mode: its matching needs more choice of sources."""
+
 
 def check_schedule_input(old_LP, new_LP, num_gpus: int, num_logical_experts: int, layers_per_chunk, rank_ids):
     """schedule's input checked: (old_LP, new_LP as int64, layers per chunk, rank ids int64 [G])."""
@@ -144,16 +159,45 @@ class ScheduleThread:
         return plan
 
 
-def _scheduled(old_LP, new_LP, G: int, E: int, chunk: int, ranks_G, bytes_per_expert, trusted: bool) -> MigrationPlan:
-    """The kernel's plan for checked input; identical maps need no kernel (no rows, no rounds)."""
+def _scheduled(old_LP, new_LP, G: int, E: int, chunk: int, ranks_G, bytes_per_expert, trusted: bool,
+               relay: bool | None = None) -> MigrationPlan:
+    """The kernel's plan for checked input; identical maps need no kernel (no rows, no rounds).
+    relay None: the plain rounds, and where they exceed RELAY_GATE x the round bound (on clusters
+    of at most RELAY_SLOTS_PER_GPU slots per GPU) the relay mode's too, the shorter kept; True /
+    False: that mode alone (the tests hold each to the replay)."""
     if np.array_equal(old_LP, new_LP):
         return plan_from_rows(old_LP, new_LP, G, E, np.zeros((0, 8), dtype=np.int64), np.zeros(0, dtype=np.int64),
                               ranks_G, bytes_per_expert, trusted=trusted)
+    old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
+    rows, chunk_R, layer = _kernel_rounds(old_k, new_k, G, E, chunk, bool(relay))
+    if layer is not None:
+        raise EplbError(f"{NO_SAFE_MIGRATION} (layer index {layer})")
+    if (relay is None and old_k.shape[1] <= RELAY_SLOTS_PER_GPU * G
+            and chunk_R.size > RELAY_GATE * _round_bound(old_k, new_k, G)):
+        rows2, chunk2, failed = _kernel_rounds(old_k, new_k, G, E, chunk, True)
+        if failed is None and chunk2.size < chunk_R.size:
+            rows, chunk_R = rows2, chunk2
+    return plan_from_rows(old_LP, new_LP, G, E, rows, chunk_R, ranks_G, bytes_per_expert, trusted=trusted)
+
+
+def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool):
+    """The kernel's (rows, chunk of each round, None), or (..., the layer that cannot stage), in
+    plain or relay mode."""
     from eplb.migration import _schedule_kernel  # numba: imported on first use, `eplb plan` starts fast
 
-    rows, chunk_R, status, layer = _schedule_kernel.schedule(
-        kernel_ints(old_LP), kernel_ints(new_LP), G, E, chunk, CANDIDATES_PER_RANK)
+    per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
+    kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
+    rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank)
     if status == _schedule_kernel.STATUS_NO_SPARE:
-        raise EplbError(f"{NO_SAFE_MIGRATION} (layer index {layer})")
+        return rows, chunk_R, layer
     assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
-    return plan_from_rows(old_LP, new_LP, G, E, rows, chunk_R, ranks_G, bytes_per_expert, trusted=trusted)
+    return rows, chunk_R, None
+
+
+def _round_bound(old_k, new_k, G: int) -> int:
+    """The round bound: the most network copies into one GPU (`count_moves(old, new).sum(axis=0).max()`)."""
+    from eplb.migration import _moves_kernel
+
+    L, P = new_k.shape
+    return int(_moves_kernel.count_moves(old_k.reshape(L * G, P // G), new_k.reshape(L * G, P // G))
+               .reshape(L, G).sum(axis=0).max())

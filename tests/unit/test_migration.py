@@ -12,8 +12,18 @@ from eplb import migration as mg
 from eplb.migration.moves import _gpu_assignment, _keep_counts
 from tests.oracles import migration as oracle
 
-# The compiled schedule and its Python reference: every schedule test runs on both.
-SCHEDULERS = pytest.mark.parametrize("scheduler", [mg.schedule, oracle.schedule], ids=["compiled", "python"])
+
+def relay_schedule(old_LP, new_LP, G, E, *, layers_per_chunk=None, bytes_per_expert=None):
+    """The kernel's relay mode alone (`schedule` runs it only past RELAY_GATE x the round bound)."""
+    from eplb.migration.schedule import _scheduled, check_schedule_input
+
+    old, new, chunk, ranks = check_schedule_input(old_LP, new_LP, G, E, layers_per_chunk, None)
+    return _scheduled(old, new, G, E, chunk, ranks, bytes_per_expert, False, relay=True)
+
+
+# The compiled schedule (and its relay mode alone) and its Python reference: every schedule test runs on each.
+SCHEDULERS = pytest.mark.parametrize("scheduler", [mg.schedule, relay_schedule, oracle.schedule],
+                                     ids=["compiled", "relay", "python"])
 
 
 def random_map(rng, L, G, S, E):
@@ -367,14 +377,15 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
 def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     """Read-only Placement arrays, int32 maps, float32 and non-contiguous loads all reach the
     kernels as the types warm_up compiled: a decision never compiles (seconds) on first use."""
-    from eplb.migration import _moves_kernel, _schedule_kernel, _search_kernel
+    from eplb.migration import _moves_kernel, _schedule_kernel, _search_kernel, _sources_kernel
     from eplb.rebalance import Rebalancer
 
     assert mg.warm_up() >= 0.0
     kernels = [(_search_kernel, "search"), (_search_kernel, "holdings_LEG"), (_moves_kernel, "keep_slots"),
                (_moves_kernel, "count_moves"), (_moves_kernel, "keep_counts"), (_moves_kernel, "gpu_assignment"),
                (_moves_kernel, "keep_pairs"),
-               (_schedule_kernel, "schedule")]
+               (_schedule_kernel, "schedule"), (_schedule_kernel, "schedule_relay"),
+               (_sources_kernel, "plan_sources")]
     signatures = lambda: [len(getattr(K, n).signatures) for K, n in kernels]  # noqa: E731
     before = signatures()
     rng = np.random.default_rng(3)
@@ -384,6 +395,7 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     rb = Rebalancer(pl, budget=mg.Budget(move_cost=0.001))
     rb.observe(load[:, ::-1].copy())
     rb.rebalance()
+    relay_schedule(pl.phy2log_LP, pl.phy2log_LP[:, ::-1], 8, 64)        # the relay mode compiles nothing either
     mg.budgeted_search(np.asfortranarray(load.astype(np.float32)), pl.phy2log_LP.astype(np.int32), 8,
                        mg.Budget(max_moves=5))
     assert signatures() == before

@@ -6,10 +6,11 @@ import pytest
 from eplb import EplbError
 from eplb import migration as mg
 from tests.oracles import migration as oracle
+from tests.unit.test_migration import relay_schedule
 
 # Each compiled entry point beside its reference (tests/oracles/migration.py).
 SEARCHES = (mg.budgeted_search, oracle.budgeted_search)
-SCHEDULERS = (mg.schedule, oracle.schedule)
+SCHEDULERS = (mg.schedule, relay_schedule, oracle.schedule)
 
 _OLD = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
 _NEW = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
@@ -157,7 +158,7 @@ def _feasible(old, new, E):
     return False
 
 
-@pytest.mark.parametrize("scheduler", SCHEDULERS, ids=["compiled", "python"])
+@pytest.mark.parametrize("scheduler", SCHEDULERS, ids=["compiled", "relay", "python"])
 @pytest.mark.parametrize("G, old, new", [
     (3, [0, 1, 1], [1, 2, 0]),                   # 2 lost, 1 doubled: its reload must come last
     (3, [2, 0, -1], [0, 2, 1]),                  # 1 lost: stage the 0 <-> 2 swap through its slot
