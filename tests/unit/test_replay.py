@@ -81,7 +81,7 @@ def test_replay_never_looks_ahead(counts):
     k = 10
     other = counts.copy()
     other[k:] = drifting(seed=7, T=counts.shape[0])[k:][:, :, ::-1]
-    for policy, settings in (("adaptive", {}), ("window", {"window": 2})):
+    for policy, settings in (("adaptive", {}), ("window", {"window": 2}), ("adaptive", {"rule": "resplit"})):
         a = replay(counts, topology=TOPO, warmup=6, policy=policy, settings=settings)
         b = replay(other, topology=TOPO, warmup=6, policy=policy, settings=settings)
         i = k - 6                                     # served index of window k
