@@ -31,6 +31,10 @@ from planners.robust import normalise_windows
 MAX_GPUS = 12
 """Exact scoring enumerates the 2**G GPU sets of a layer: 4,096 at 12 GPUs."""
 
+PLAN_ROUNDS = 8
+"""Passes of the search when a plan is made for the rule from scratch (`eplb replay --plan-for
+resplit`'s warm-up plan); a decision of the online policy makes `resplit_rounds` (1)."""
+
 
 def check_gpus(num_gpus: int) -> None:
     if num_gpus > MAX_GPUS:
