@@ -149,6 +149,10 @@ class AdaptivePolicy:
     (`HorizonChooser`: busiest / mean GPU plus `horizon_moves` x the price of their moves),
     switching only for a score lower by more than `horizon_margin` of the one in use, for the
     whole model or per layer (`horizon_per_layer`).
+    rule: the dispatch rule the engine serves, "even" or "resplit" (at most 12 GPUs): a decision
+    then searches the placement in force under exact per-batch re-split scores on the memory's
+    windows and on their deviations widened `spread` times (`eplb.resplit_repair`), for
+    `resplit_rounds` passes, a layer changing where its gain beats `resplit_move_cost` / P per move.
     objective: "tokens", or an eplb.cost.TimeObjective: windows are then planned as each
     expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
@@ -162,7 +166,7 @@ class AdaptivePolicy:
                  replan_gap: float = 0.05, horizons: int | str | tuple | None = None, recent_weight: bool = True,
                  horizon_samples: int = 8, horizon_margin: float = 0.1, horizon_moves: float = 1.0,
                  horizon_per_layer: bool = False, rule: str = "even", spread: float = 1.5, resplit_rounds: int = 1,
-                 resplit_move_cost: float = 0.3, objective: str | TimeObjective = "tokens"):
+                 resplit_move_cost: float = 1.0, objective: str | TimeObjective = "tokens"):
         self.memory = whole_number("memory (windows)", memory, 1)
         self.swaps = whole_number("swaps", swaps, 0)
         self.urgent_swaps = whole_number("urgent_swaps", urgent_swaps, 0)
