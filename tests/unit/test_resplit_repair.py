@@ -96,3 +96,20 @@ def test_bad_settings_and_inputs_name_the_value():
         pol.decide(pl, Budget(max_moves=3))
     d = pol.decide(pl, Budget(move_cost=0.0))
     assert d is None or d.phy2log_LP.shape == phy.shape
+
+
+def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
+    """A read-only Placement map and a policy's windows reach the kernels as warm_up's types."""
+    from eplb import _resplit_kernel as k
+    from eplb.resplit_repair import warm_up
+
+    warm_up()
+    before = [len(f.signatures) for f in (k.resplit_search, k.resplit_busiest)]
+    rng = np.random.default_rng(8)
+    pl = Placement(random_placement(rng), G, E)
+    pol = AdaptivePolicy(rule="resplit", resplit_move_cost=0.0)
+    for w in windows(rng, M=4).astype(np.int64):
+        pol.observe(w, pl)
+    pol.decide(pl)
+    resplit_imbalance(pl.phy2log_LP, windows(rng).astype(np.float32), G)
+    assert [len(f.signatures) for f in (k.resplit_search, k.resplit_busiest)] == before
