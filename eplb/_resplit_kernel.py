@@ -115,6 +115,66 @@ def _undo(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, g2, h2, me, me2):
 
 
 @njit(cache=True, nogil=True)
+def _pair_tables(f_MN, G, out_GGM, top_GGKM):
+    """For every ordered GPU pair (g, h): the best f[X] / |X| over the sets X holding both or
+    neither (out_GGM), and the largest f[X] over the sets of each size k holding g but not h
+    (top_GGKM[g, h, k]). A swap of two experts with one replica each, g's to h and h's to g,
+    changes f only on the sets holding one of the two GPUs, by the same amount for all of them,
+    so these tables score it without touching f (`_swap_cost`)."""
+    M, n = f_MN.shape
+    out_GGM[:] = 0.0
+    top_GGKM[:] = -np.inf
+    for s in range(1, n):
+        k = 0
+        x = s
+        while x:
+            k += x & 1
+            x >>= 1
+        for g in range(G):
+            in_g = (s >> g) & 1
+            for h in range(G):
+                if h == g:
+                    continue
+                in_h = (s >> h) & 1
+                if in_g == in_h:
+                    for w in range(M):
+                        v = f_MN[w, s] / k
+                        if v > out_GGM[g, h, w]:
+                            out_GGM[g, h, w] = v
+                elif in_g:
+                    for w in range(M):
+                        if f_MN[w, s] > top_GGKM[g, h, k, w]:
+                            top_GGKM[g, h, k, w] = f_MN[w, s]
+
+
+@njit(cache=True, nogil=True)
+def _swap_cost(out_GGM, top_GGKM, loadT_EM, e, g, e2, h, mean_M, w_M, wsum, bound):
+    """`_cost` after single-replica expert e moves from GPU g to h and e2 from h to g (tables of
+    `_pair_tables`); stops early as `_cost` does."""
+    M = mean_M.shape[0]
+    G = out_GGM.shape[0]
+    acc, worst, seen = 0.0, 0.0, 0.0
+    for w in range(M):
+        d = loadT_EM[e2, w] - loadT_EM[e, w]        # sets with g lose e and gain e2; with h, the reverse
+        b = out_GGM[g, h, w]
+        for k in range(1, G):
+            v = (top_GGKM[g, h, k, w] + d) / k
+            if v > b:
+                b = v
+            v = (top_GGKM[h, g, k, w] - d) / k
+            if v > b:
+                b = v
+        t = b / mean_M[w] if mean_M[w] > 0 else 1.0
+        acc += w_M[w] * t
+        seen += w_M[w]
+        if t > worst:
+            worst = t
+        if 0.5 * (acc + wsum - seen) / wsum + 0.5 * worst >= bound:
+            return 0.5 * (acc + wsum - seen) / wsum + 0.5 * worst
+    return 0.5 * acc / wsum + 0.5 * worst
+
+
+@njit(cache=True, nogil=True)
 def _layer(phy_P, load_ME, w_M, G, rounds, price):
     """Local search on one layer: swaps of two slots' experts between GPUs (two moves) and a
     spare replica rewritten to another expert (one move), each kept when it lowers the cost by
@@ -140,6 +200,9 @@ def _layer(phy_P, load_ME, w_M, G, rounds, price):
         _add(f_MN, loadT_EM[e], m_E[e], 1.0)
     before = _cost(f_MN, inv_N, mean_M, w_M, wsum, np.inf)
     best = before
+    out_GGM = np.zeros((G, G, M))
+    top_GGKM = np.full((G, G, G, M), -np.inf)
+    stale = True                                    # the pair tables follow f after each change
     for _ in range(rounds):
         if best <= 1.0 + 1e-12:
             break                                   # every scenario already perfectly balanced
@@ -150,14 +213,25 @@ def _layer(phy_P, load_ME, w_M, G, rounds, price):
                 e, e2, h = phy_P[p], phy_P[q], q // S
                 if h == g or e2 == e:
                     continue
+                bound = best - 2.0 * price
+                if r_E[e] == 1 and r_E[e2] == 1:
+                    if stale:
+                        _pair_tables(f_MN, G, out_GGM, top_GGKM)
+                        stale = False
+                    c = _swap_cost(out_GGM, top_GGKM, loadT_EM, e, g, e2, h, mean_M, w_M, wsum, bound)
+                    if c < bound:
+                        me, me2 = _try(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, h, g)
+                        best, improved, stale = c, True, True
+                        phy_P[p], phy_P[q] = e2, e
+                        m_E[e], m_E[e2] = me, me2
+                    continue
                 me, me2 = _try(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, h, g)
                 if me == m_E[e] and me2 == m_E[e2]:
                     _undo(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, h, g, me, me2)
                     continue
-                bound = best - 2.0 * price
                 c = _cost(f_MN, inv_N, mean_M, w_M, wsum, bound)
                 if c < bound:
-                    best, improved = c, True
+                    best, improved, stale = c, True, True
                     phy_P[p], phy_P[q] = e2, e
                     m_E[e], m_E[e2] = me, me2
                 else:
@@ -182,7 +256,7 @@ def _layer(phy_P, load_ME, w_M, G, rounds, price):
                 bound = best - price
                 c = _cost(f_MN, inv_N, mean_M, w_M, wsum, bound) if (me != m_E[e] or me2 != m_E[e2]) else best
                 if c < bound:
-                    best, improved = c, True
+                    best, improved, stale = c, True, True
                     phy_P[p] = e2
                     m_E[e], m_E[e2] = me, me2
                     r_E[e] -= 1
