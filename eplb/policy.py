@@ -73,7 +73,7 @@ from eplb.repair import (
     window_imbalance,
     within_caps,
 )
-from eplb.resplit_repair import resplit_decision
+from eplb.resplit_repair import PLAN_ROUNDS, resplit_decision
 from planners.greedy import plan_greedy, replicate
 
 # The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
@@ -152,7 +152,8 @@ class AdaptivePolicy:
     rule: the dispatch rule the engine serves, "even" or "resplit" (at most 12 GPUs): a decision
     then searches the placement in force under exact per-batch re-split scores on the memory's
     windows and on their deviations widened `spread` times (`eplb.resplit_repair`), for
-    `resplit_rounds` passes, a layer changing where its gain beats `resplit_move_cost` / P per move.
+    `resplit_rounds` passes, a layer changing where its gain beats `resplit_move_cost` / P per move
+    (layers the change detector flagged: PLAN_ROUNDS passes at `move_cost` / P).
     objective: "tokens", or an eplb.cost.TimeObjective: windows are then planned as each
     expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
@@ -303,9 +304,15 @@ class AdaptivePolicy:
                             "max_moves_per_gpu and span_cost from the budget, or use rule 'even'")
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
         win, w_M = horizon_windows(windows, self._mem.order(), self.horizons[-1], self.recent_weight)
-        price = self.resplit_move_cost / P + budget.move_cost
-        new_LP, pays_L, gain_L = resplit_decision(placement.phy2log_LP, win, w_M, G, E, price,
-                                                  (1.0, self.spread), self.resplit_rounds)
+        old_LP = placement.phy2log_LP
+        new_LP, pays_L, gain_L = old_LP.copy(), np.zeros(len(old_LP), dtype=bool), np.zeros(len(old_LP))
+        # Layers the change detector flagged met traffic their placement was not made for: they are
+        # searched longer and at the even rule's price, as the even rule gives them urgent swaps.
+        for rows, cost, rounds in ((np.flatnonzero(~flag_L), self.resplit_move_cost, self.resplit_rounds),
+                                   (np.flatnonzero(flag_L), self.move_cost, PLAN_ROUNDS)):
+            if rows.size:
+                new_LP[rows], pays_L[rows], gain_L[rows] = resplit_decision(
+                    old_LP[rows], win[:, rows], w_M, G, E, cost / P + budget.move_cost, (1.0, self.spread), rounds)
         if not pays_L.any():
             return None
         return Decision(new_LP, pays_L, gain_L, flag_L, f"{int(pays_L.sum())} layer(s) searched for re-split")
