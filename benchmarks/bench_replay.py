@@ -11,7 +11,10 @@ history only (the placement served from then on is the robust plan of it), the s
 served, decisions take effect after one window of delay. Policies (eplb.policy): static (never
 rebalance), window N (plan on the sum of the newest N windows with greedy at every decision,
 migration-aware, move_cost 0.001: the Rebalancer's window=N rule), adaptive (the default), and
-hindsight (greedy planned on the served window itself). Scores: busiest / mean GPU over every
+hindsight (greedy planned on the served window itself); on v2 also the static and adaptive
+runs planned for re-split (`plan_for="resplit"`: the warm-up plan and the policy searched under
+exact re-split scores, eplb.resplit_repair), whose re-split column is what that engine serves.
+Scores: busiest / mean GPU over every
 (served window, layer), median and p95, under an even split and under per-batch re-split
 (`resplit` on the window's own counts); moves are experts copied, summed over layers, per
 served window (and as a share of the L x P physical slots).
@@ -40,7 +43,9 @@ Static floors (issue 15, `--floors`, on by default, v2 only): even-split scores 
 (robust and greedy) planned on the history, on the scored windows themselves (in sample) and
 across them (planned on the even-numbered scored windows, scored on the odd ones and the other
 way round), on the first half of v2 (10 windows of history, 11 scored: the selection data the
-policy's settings were chosen on) and on the reported split.
+policy's settings were chosen on) and on the reported split. The same under per-batch re-split
+(exact, `eplb.resplit_repair`): the history's robust plan, that plan searched for re-split on
+the history (a past-only plan), and the search on the scored windows (in sample) and across them.
 
 Time in the loop (issue 14, `--time`, on by default): v2 and v3 replayed again with the
 policies and hindsight planning for modeled time (`objective=TimeObjective`, H200, FP8
@@ -147,11 +152,15 @@ def load_traces(shared: Path, which: list[str]) -> list[tuple[str, np.ndarray, T
     return out
 
 
-def run_trace(name: str, counts: np.ndarray, topo: Topology) -> dict:
+def run_trace(name: str, counts: np.ndarray, topo: Topology, plan_resplit: bool = False) -> dict:
     rows = {}
-    for label, policy, settings in POLICIES:
-        refs = ("static", "hindsight") if policy == "adaptive" else ()
-        r = replay(counts, topology=topo, policy=policy, settings=settings, references=refs)
+    runs = [(label, policy, settings, "even") for label, policy, settings in POLICIES]
+    if plan_resplit:
+        runs += [("static, for re-split", "static", {}, "resplit"),
+                 ("adaptive, for re-split", "adaptive", {}, "resplit")]
+    for label, policy, settings, plan_for in runs:
+        refs = ("static", "hindsight") if label == "adaptive" else ()
+        r = replay(counts, topology=topo, policy=policy, settings=settings, references=refs, plan_for=plan_for)
         s = r.summary()
         rows[label] = {"even": s["policy"]["even"], "resplit": s["policy"]["resplit"],
                        "moves": s["moves"], "moves_per_window": s["moves_per_window"],
@@ -159,7 +168,7 @@ def run_trace(name: str, counts: np.ndarray, topo: Topology) -> dict:
                        "seconds": s["seconds"], "policy_seconds": s["policy_seconds"],
                        "memory_bytes": s["memory_bytes"],
                        "served": s["served_windows"]}
-        if policy == "adaptive":
+        if label == "adaptive":
             rows["hindsight"] = {"even": s["hindsight"]["even"], "resplit": s["hindsight"]["resplit"], "moves": None}
             assert abs(s["static"]["even"]["median"] - rows["static"]["even"]["median"]) < 1e-12
     return rows
@@ -270,6 +279,52 @@ def static_floors(counts: np.ndarray, topo: Topology) -> list[str]:
     return lines
 
 
+def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
+    """What a static plan can reach on v2 when the engine re-splits every batch (see the module
+    docstring): the history's robust plan, the same plan searched for re-split on the history
+    (`eplb.resplit_repair`, the windows alone and with their deviations widened 1.5x), and the
+    search on the scored windows themselves (in sample) and across them."""
+    from eplb.planning import plan
+    from eplb.resplit_repair import resplit_imbalance, resplit_repair
+
+    T = counts.shape[0]
+    G = topo.num_gpus
+    counts = counts.astype(np.float64)
+
+    def robust(windows):
+        return plan(windows, topology=topo, planner="robust").solution.phy2log_LP
+
+    def searched(start_LP, windows, spread):
+        return resplit_repair(start_LP, windows, G, spread=spread, rounds=8)[0]
+
+    def score(phy_LP, windows):
+        imb = resplit_imbalance(phy_LP, windows, G).ravel()
+        return f"{np.median(imb):.4f} ({np.percentile(imb, 95):.4f})"
+
+    lines = []
+    for label, hist, served in (("first half (selection data)", counts[:10], counts[10:T // 2]),
+                                ("whole trace (the reported split)", counts[:T // 2], counts[T // 2:])):
+        a, b = served[0::2], served[1::2]
+        rob = robust(hist)
+        rows = [["robust of the history", score(rob, served), "-"]]
+        for spread in ((1.0,), (1.0, 1.5)):
+            t0 = time.perf_counter()
+            phy = searched(rob, hist, spread)
+            rows.append([f"history plan searched, spread {spread[-1]}", score(phy, served),
+                         f"{int((phy != rob).sum()):,} slots, {time.perf_counter() - t0:.0f} s"])
+        rows.append(["searched on the scored windows (in sample)",
+                     score(searched(robust(served), served, (1.0,)), served), "-"])
+        rows.append(["searched on even -> odd / odd -> even",
+                     f"{score(searched(robust(a), a, (1.0,)), b)} / {score(searched(robust(b), b, (1.0,)), a)}", "-"])
+        lines.append(f"\n{label}: {len(hist)} windows of history, {len(served)} scored; per-batch re-split (exact: "
+                     f"the best split of each window), busiest / mean GPU median (p95) over (scored window, layer)")
+        lines.append("```\n" + format_table(["plan", "re-split median (p95)", "changed / search time"], rows) + "\n```")
+    lines.append("searched: eplb.resplit_repair from the robust plan (slot swaps and rewritten spare replicas, no move "
+                 "price, 8 passes) under exact re-split scores; spread 1.5: the windows and their deviations from the "
+                 "mean widened 1.5x; in sample / even -> odd: searched from the robust plan of those windows")
+    return lines
+
+
 def time_in_the_loop(shared: Path) -> list[str]:
     """Replays planned for and scored in modeled step time (see the module docstring)."""
     from eplb.cost import TimeObjective, cost_model
@@ -329,6 +384,12 @@ def targets(results: dict) -> list[str]:
         lines.append(f"v2 even: median {a['even']['median']:.3f} (target <= 1.09), p95 {a['even']['p95']:.3f} "
                      f"(<= 1.22); re-split: median {a['resplit']['median']:.3f} (<= 1.02), p95 "
                      f"{a['resplit']['p95']:.3f} (<= 1.12)")
+    if "adaptive, for re-split" in results.get("v2", {}):
+        a, st = results["v2"]["adaptive, for re-split"], results["v2"]["static, for re-split"]
+        lines.append(f"v2 planned for re-split (warm-up plan and policy, --plan-for resplit): re-split median "
+                     f"{a['resplit']['median']:.3f} (<= 1.02), p95 {a['resplit']['p95']:.3f} (<= 1.12); moves "
+                     f"{100 * a['share']:.2f}% of the slots per window; vs its static plan: re-split "
+                     f"{100 * (a['resplit']['median'] / st['resplit']['median'] - 1):+.2f}%")
     if "topic" in results:
         r = results["topic"]
         best = min(fixed, key=lambda k: r[k]["even"]["median"])
@@ -360,6 +421,8 @@ def main(argv=None) -> int:
                     help="skip the decision-speed part (DeepSeek-V3 shape against SGLang's plan)")
     ap.add_argument("--no-floors", dest="floors", action="store_false",
                     help="skip the static floors on v2 (plans from the history, the scored windows, across them)")
+    ap.add_argument("--no-resplit-plan", dest="resplit_plan", action="store_false",
+                    help="skip v2's replays planned for re-split (--plan-for resplit: minutes on 2 cores)")
     ap.add_argument("--no-time", dest="time", action="store_false",
                     help="skip the time-in-the-loop part (replays planned for and scored in modeled step time)")
     args = ap.parse_args(argv)
@@ -377,7 +440,7 @@ def main(argv=None) -> int:
         say(f"\n## {name}: {how}")
         say(f"{T} windows x {L} layers x {E} experts; {topo.num_gpus} GPUs, {topo.num_slots} slots "
             f"({L * topo.num_slots:,} over all layers); {T - T // 2} served")
-        results[name] = run_trace(name, counts, topo)
+        results[name] = run_trace(name, counts, topo, plan_resplit=args.resplit_plan and name == "v2")
         say("```\n" + table(results[name]) + "\n```")
     if results:
         say("\n## Targets (issue 15)")
@@ -387,6 +450,9 @@ def main(argv=None) -> int:
         for _, counts, topo, _ in load_traces(args.shared, ["v2"]):
             say("\n## What a static plan can reach on v2 (issue 15: floors)")
             for line in static_floors(counts, topo):
+                say(line)
+            say("\n## What a static plan can reach on v2 under re-split (issue 15: floors)")
+            for line in resplit_floors(counts, topo):
                 say(line)
     if args.time:
         say("\n## Time in the loop (issue 14: replays planned for and scored in modeled step time)")

@@ -73,6 +73,7 @@ from eplb.repair import (
     window_imbalance,
     within_caps,
 )
+from eplb.resplit_repair import PLAN_ROUNDS, resplit_decision
 from planners.greedy import plan_greedy, replicate
 
 # The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
@@ -148,6 +149,11 @@ class AdaptivePolicy:
     (`HorizonChooser`: busiest / mean GPU plus `horizon_moves` x the price of their moves),
     switching only for a score lower by more than `horizon_margin` of the one in use, for the
     whole model or per layer (`horizon_per_layer`).
+    rule: the dispatch rule the engine serves, "even" or "resplit" (at most 12 GPUs): a decision
+    then searches the placement in force under exact per-batch re-split scores on the memory's
+    windows and on their deviations widened `spread` times (`eplb.resplit_repair`), for
+    `resplit_rounds` passes, a layer changing where its gain beats `resplit_move_cost` / P per move
+    (layers the change detector flagged: PLAN_ROUNDS passes at `move_cost` / P).
     objective: "tokens", or an eplb.cost.TimeObjective: windows are then planned as each
     expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
@@ -160,7 +166,8 @@ class AdaptivePolicy:
                  detect: float = 8.0, detect_floor: float = 0.02, beta: float = 50.0, partners: int = 8,
                  replan_gap: float = 0.05, horizons: int | str | tuple | None = None, recent_weight: bool = True,
                  horizon_samples: int = 8, horizon_margin: float = 0.1, horizon_moves: float = 1.0,
-                 horizon_per_layer: bool = False, objective: str | TimeObjective = "tokens"):
+                 horizon_per_layer: bool = False, rule: str = "even", spread: float = 1.5, resplit_rounds: int = 1,
+                 resplit_move_cost: float = 1.0, objective: str | TimeObjective = "tokens"):
         self.memory = whole_number("memory (windows)", memory, 1)
         self.swaps = whole_number("swaps", swaps, 0)
         self.urgent_swaps = whole_number("urgent_swaps", urgent_swaps, 0)
@@ -176,6 +183,14 @@ class AdaptivePolicy:
         self._chooser_args = (horizon_samples, horizon_margin, horizon_per_layer)
         HorizonChooser(self.horizons, *self._chooser_args, num_layers=1)   # settings checked now
         self._chooser: HorizonChooser | None = None
+        if rule not in ("even", "resplit"):
+            raise EplbError(f"rule must be 'even' or 'resplit' (the dispatch rule the engine serves), got {rule!r}")
+        if rule == "resplit" and len(self.horizons) > 1:
+            raise EplbError(f"rule 'resplit' plans on one horizon; got horizons {self.horizons}: give one")
+        self.rule = rule
+        self.spread = finite_number("spread", spread, 1.0)
+        self.resplit_rounds = whole_number("resplit_rounds", resplit_rounds, 1)
+        self.resplit_move_cost = finite_number("resplit_move_cost", resplit_move_cost, 0.0)
         self.objective = check_objective(objective)
         self._mem: WindowMemory | None = None
         self._load: WindowMemory | None = None      # planning loads (time objective), else None
@@ -232,6 +247,8 @@ class AdaptivePolicy:
         old_LP = placement.phy2log_LP
         flag_L = self._flag_L.copy()
         self._flag_L[:] = False
+        if self.rule == "resplit":
+            return self._decide_resplit(placement, windows, flag_L, budget, num_expert_groups)
         rounds_L = np.where(flag_L, self.urgent_swaps, self.swaps)
         kw = dict(beta=self.beta, partners=self.partners)
         # A layer changes only where the predicted gain pays for every replica it moves: a
@@ -276,6 +293,29 @@ class AdaptivePolicy:
         new_LP = np.where(pays_L[:, None], new_LP, old_LP)
         why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
         return Decision(new_LP, pays_L, np.where(pays_L, gain_L, 0.0), flag_L, why)
+
+    def _decide_resplit(self, placement, windows, flag_L, budget, num_expert_groups):
+        """The decision for an engine that re-splits every batch (`eplb.resplit_repair`): the
+        placement in force searched under exact re-split scores on the memory's windows (weighted as
+        the even rule's are) and their widened deviations, kept per layer where it pays."""
+        if budget.max_moves is not None or budget.max_moves_per_gpu is not None \
+                or span_priced(placement.num_nodes, num_expert_groups, budget):
+            raise EplbError("rule 'resplit' decides without move caps or a span price; drop max_moves, "
+                            "max_moves_per_gpu and span_cost from the budget, or use rule 'even'")
+        G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
+        win, w_M = horizon_windows(windows, self._mem.order(), self.horizons[-1], self.recent_weight)
+        old_LP = placement.phy2log_LP
+        new_LP, pays_L, gain_L = old_LP.copy(), np.zeros(len(old_LP), dtype=bool), np.zeros(len(old_LP))
+        # Layers the change detector flagged met traffic their placement was not made for: they are
+        # searched longer and at the even rule's price, as the even rule gives them urgent swaps.
+        for rows, cost, rounds in ((np.flatnonzero(~flag_L), self.resplit_move_cost, self.resplit_rounds),
+                                   (np.flatnonzero(flag_L), self.move_cost, PLAN_ROUNDS)):
+            if rows.size:
+                new_LP[rows], pays_L[rows], gain_L[rows] = resplit_decision(
+                    old_LP[rows], win[:, rows], w_M, G, E, cost / P + budget.move_cost, (1.0, self.spread), rounds)
+        if not pays_L.any():
+            return None
+        return Decision(new_LP, pays_L, gain_L, flag_L, f"{int(pays_L.sum())} layer(s) searched for re-split")
 
     def _horizon_errors(self, counts_LE, placement):
         """What a decision on each horizon's windows would have served on counts_LE [L, E] (the

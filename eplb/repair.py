@@ -137,6 +137,9 @@ def warm_up() -> float:
     repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
     repair(phy, win, 2, rounds_L=np.array([2, 2]), weights_M=np.array([1.0, 1.0, 2.0, 2.0]))
     renamed(phy, phy[::-1].copy(), 2, 3)
+    from eplb.resplit_repair import warm_up as warm_up_resplit  # the policy's rule='resplit' path
+
+    warm_up_resplit()
     return time.perf_counter() - t0
 
 

@@ -41,6 +41,7 @@ from eplb.migration import Budget, count_moves, schedule
 from eplb.placement import Placement
 from eplb.planning import as_history, plan, size_topology
 from eplb.policy import Policy, get_policy, takes_budget
+from eplb.resplit_repair import PLAN_ROUNDS, check_gpus, resplit_repair
 from eplb.simulate import check_batches, time_window, window_batches
 from eplb.time_dispatch import TimeDispatch
 from eplb.topology import Topology
@@ -305,7 +306,8 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
            warmup: int | None = None, tokens_per_window: int | None = None, delay: int = 1,
            scoring: Scoring | None = None, bytes_per_expert: int | None = None,
            references: Sequence[str] = REFERENCES, initial: Placement | None = None,
-           objective: str | TimeObjective = "tokens", budget: Budget | None = None) -> ReplayResult:
+           objective: str | TimeObjective = "tokens", budget: Budget | None = None,
+           plan_for: str = "even") -> ReplayResult:
     """Serve a trace window by window under an online policy (see the module docstring).
 
     trace: a Trace or counts [T, L, E]; topology: GPUs, slots per GPU, nodes (Topology.for_experts);
@@ -328,6 +330,7 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
     if budget is not None and not isinstance(budget, Budget):
         raise EplbError(f"budget must be an eplb.Budget (max_moves, max_moves_per_gpu, move_cost, span_cost), got "
                         f"{type(budget).__name__}")
+    policy, settings = _planned_for(plan_for, policy, settings, objective)
     pol = get_policy(policy, settings, objective=objective)
     if budget is not None and not takes_budget(pol):
         raise EplbError(f"policy {type(pol).__name__} decides without a budget (its decide() takes no budget): "
@@ -342,12 +345,18 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
             raise EplbError(f"bytes_per_expert ({bytes_per_expert}) x the {L * topology.num_slots} slots a window "
                             f"can move exceeds 2**62 bytes: give the size of one expert's weights in bytes")
     G, N = topology.num_gpus, topology.num_nodes
+    if plan_for == "resplit":
+        check_gpus(G)
     counts_f = counts_TLE.astype(np.float64)
     batches = _batches(scoring, trace, tokens_per_window, counts_f, warmup, G)
     start_note = "initial placement: " + ("given" if initial is not None else "robust plan of the warm-up windows")
     if initial is None:
         sol = plan(counts_f[:warmup], topology=topology, planner="robust", objective=objective).solution
-        initial = Placement(sol.phy2log_LP, G, E, N)
+        phy_LP = sol.phy2log_LP
+        if plan_for == "resplit":
+            phy_LP = resplit_repair(phy_LP, counts_f[:warmup], G, rounds=PLAN_ROUNDS)[0]
+            start_note += ", searched for the re-split rule"
+        initial = Placement(phy_LP, G, E, N)
     elif initial.phy2log_LP.shape != (L, topology.num_slots) or initial.num_gpus != G:
         raise EplbError(f"initial placement is {initial.num_layers} x {initial.num_slots} slots on {initial.num_gpus} "
                         f"GPUs; the replay needs {L} x {topology.num_slots} on {G}")
@@ -403,6 +412,27 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
         notes=notes, time=None if scoring.time is None else {**scoring.time.describe(G), "how": batches.how},
         objective="tokens" if objective == "tokens" else objective.name,
     )
+
+
+def _planned_for(plan_for, policy, settings, objective) -> tuple:
+    """(policy, settings) that plan for the rule `plan_for`: the adaptive policy by name is given
+    rule=plan_for; a policy that plans for another rule is refused."""
+    if plan_for not in ("even", "resplit"):
+        raise EplbError(f"plan_for must be 'even' or 'resplit' (the dispatch rule the engine serves), got {plan_for!r}")
+    if plan_for == "even":
+        return policy, settings
+    if objective != "tokens":
+        raise EplbError("plan_for='resplit' plans token counts: drop the time objective, or plan for 'even'")
+    if policy == "adaptive":
+        if (settings or {}).get("rule", "resplit") != "resplit":
+            raise EplbError(f"plan_for='resplit' with the adaptive policy's rule={settings['rule']!r}: "
+                            f"drop the setting")
+        return policy, {**(settings or {}), "rule": "resplit"}
+    rule = "even" if policy == "window" else getattr(policy, "rule", None)
+    if rule not in (None, "resplit"):
+        raise EplbError(f"policy {getattr(policy, 'name', policy)!r} plans for the {rule} split, not for "
+                        f"plan_for='resplit': use the adaptive or the static policy")
+    return policy, settings
 
 
 class _WindowBatches(list):

@@ -44,6 +44,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-expert", type=positive_int, help="size of one expert's weights, to count bytes moved")
     p.add_argument("--rule", action="append", metavar="RULE",
                    help="dispatch rule to score, repeatable (eplb.dispatch rules; default even and resplit)")
+    p.add_argument("--plan-for", choices=("even", "resplit"), default="even",
+                   help="dispatch rule the engine serves, which the warm-up plan and the policy plan for (default "
+                        "even; resplit: searched under exact per-batch re-split scores, at most 12 GPUs)")
     p.add_argument("-o", "--output", help="write the served windows' placements, shares, counts and metrics (.npz)")
     add_time_scoring_arguments(p, "what the initial plan, the policy and hindsight balance: token loads (default) "
                                   "or modeled per-GPU time (needs --model and --hardware); with --hardware every "
@@ -76,7 +79,7 @@ def run(args) -> int:
     scoring = Scoring(rules, time=timed, batches_per_window=args.batches)
     result = replay(trace, topology=topo, policy=args.policy, settings=settings, warmup=args.warmup,
                     tokens_per_window=args.tokens_per_window, delay=args.delay, scoring=scoring,
-                    bytes_per_expert=args.bytes_per_expert, objective=objective)
+                    bytes_per_expert=args.bytes_per_expert, objective=objective, plan_for=args.plan_for)
     if args.output is not None:  # last thing that can fail: a failed run leaves -o as it was
         write_replay(result, args.output)
     s = result.summary()
@@ -86,7 +89,8 @@ def run(args) -> int:
     if args.quiet:
         return 0
     print(f"replay of {args.trace}: {result.notes[0]}; {s['warmup']} warm-up window(s), {s['served_windows']} served; "
-          f"{s['num_gpus']} GPUs, {s['num_slots']} slots; policy {s['policy_name']}, delay {s['delay']}")
+          f"{s['num_gpus']} GPUs, {s['num_slots']} slots; policy {s['policy_name']}, delay {s['delay']}; "
+          f"{result.notes[1]}")
     rows = []
     for run_name in ("policy", "static", "hindsight"):
         for rule in s["rules"]:

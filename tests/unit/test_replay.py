@@ -81,7 +81,7 @@ def test_replay_never_looks_ahead(counts):
     k = 10
     other = counts.copy()
     other[k:] = drifting(seed=7, T=counts.shape[0])[k:][:, :, ::-1]
-    for policy, settings in (("adaptive", {}), ("window", {"window": 2})):
+    for policy, settings in (("adaptive", {}), ("window", {"window": 2}), ("adaptive", {"rule": "resplit"})):
         a = replay(counts, topology=TOPO, warmup=6, policy=policy, settings=settings)
         b = replay(other, topology=TOPO, warmup=6, policy=policy, settings=settings)
         i = k - 6                                     # served index of window k
@@ -216,6 +216,23 @@ def test_bad_replay_input(counts):
         replay(counts, topology=TOPO, delay=-1)
     with pytest.raises(EplbError, match="unknown reference"):
         replay(counts, topology=TOPO, references=("oracle",))
+    with pytest.raises(EplbError, match="'optimal'"):
+        replay(counts, topology=TOPO, plan_for="optimal")
+    with pytest.raises(EplbError, match="window"):
+        replay(counts, topology=TOPO, plan_for="resplit", policy="window")
+    with pytest.raises(EplbError, match="rule='even'"):
+        replay(counts, topology=TOPO, plan_for="resplit", settings={"rule": "even"})
+
+
+def test_planning_for_resplit_serves_resplit_better(counts):
+    """The warm-up plan searched for re-split, then the policy planning for it: re-split scores at
+    least as good as the even plan's on the served windows, and it says what it did."""
+    even = replay(counts, topology=TOPO, warmup=6, references=("static",))
+    rs = replay(counts, topology=TOPO, warmup=6, references=("static",), plan_for="resplit")
+    assert "searched for the re-split rule" in rs.notes[1] and rs.settings == {"rule": "resplit"}
+    r = list(rs.rules).index("resplit")
+    assert rs.references["static"].imbalance_RTL[r].mean() <= even.references["static"].imbalance_RTL[r].mean()
+    assert np.median(rs.scores.imbalance_RTL[r]) <= np.median(even.scores.imbalance_RTL[r]) + 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +255,8 @@ def test_cli_replay_and_plot(trace_file, tmp_path, capsys):
                  "--set", "window=all", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["policy_name"] == "window" and s["settings"] == {"window": None}
+    assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), "--plan-for", "resplit"]) == 0
+    assert "searched for the re-split rule" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -246,6 +265,7 @@ def test_cli_replay_and_plot(trace_file, tmp_path, capsys):
     (["--set", "horizons=2,99"], "horizons [2, 99] must be 1 to memory (16) windows"),
     (["--tokens-per-window", "5000"], "per-token expert choices"),
     (["--rule", "nope"], "unknown dispatch rule 'nope'"),
+    (["--plan-for", "resplit", "--policy", "window"], "use the adaptive or the static policy"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(trace_file, capsys, extra, message):
     assert main(["replay", str(trace_file), "--gpus", str(G), "--slots-per-gpu", str(S), *extra]) == 2
