@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 _SIDE_TIMEOUT_S = 1800.0
 """A side process still compiling after this long is given up on (the thread then compiles here)."""
 
@@ -180,3 +182,26 @@ def warm_up_in_background(modules: tuple[str, ...]) -> Warmup:
         if w is None:
             w = _warmups[key] = Warmup(key).start()
         return w
+
+
+def kernel_floats(a) -> np.ndarray:
+    """a as the float64 array type the kernels are compiled for: writable and C-ordered (a
+    itself when it is one, else a copy).
+
+    numba compiles one machine-code version per argument type, and a read-only or strided array
+    is another type than a writable C-ordered one: feeding the kernels one kind keeps them to
+    the one version each that their `warm_up` compiles or loads ahead of the first call."""
+    return kernel_array(a, np.float64)
+
+
+def kernel_ints(a) -> np.ndarray:
+    """a as the int64 array type the kernels are compiled for (see `kernel_floats`)."""
+    return kernel_array(a, np.int64)
+
+
+def kernel_array(a, dtype) -> np.ndarray:
+    """a as the kernels' array type of dtype (see `kernel_floats`)."""
+    a = np.asarray(a)
+    if a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return np.array(a, dtype=dtype, order="C")

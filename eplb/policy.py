@@ -201,6 +201,12 @@ class AdaptivePolicy:
     def memory_bytes(self) -> int:
         return sum(0 if m is None else m.nbytes for m in (self._mem, self._load, self._chooser))
 
+    @property
+    def kernel_modules(self) -> tuple[str, ...]:
+        """Kernel modules these settings use beyond this module's own `warm_up` (the Rebalancer
+        loads them in the background): the re-split search only when the engine re-splits."""
+        return ("eplb.resplit_repair",) if self.rule == "resplit" else ()
+
     def _windows(self, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
         """The kept windows as planned on (raw, in ring order: every use sums or maximises over
         windows), [M, L, E]; planning loads are made once per window and (GPUs, nodes)."""

@@ -66,8 +66,10 @@ one more line here."""
 def kernel_modules(planner: str, policy: Policy | None = None) -> tuple[str, ...]:
     """The modules whose compiled kernels a rebalance with this planner and policy uses (each
     has `warm_up()`): the planner's and the policy's own when they have one, then
-    WARM_UP_MODULES."""
-    own = [planner_class(planner).__module__] + ([] if policy is None else [type(policy).__module__])
+    WARM_UP_MODULES. A policy names further modules its settings use in `kernel_modules`."""
+    own = [planner_class(planner).__module__]
+    if policy is not None:
+        own += [type(policy).__module__, *getattr(policy, "kernel_modules", ())]
     mods = [m for m in own if callable(getattr(sys.modules.get(m), "warm_up", None))]
     return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES)))
 

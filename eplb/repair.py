@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from eplb.compiled import kernel_floats, kernel_ints
 from eplb.migration import count_moves, keep_slots, relabel
 from eplb.stats import group_span
 from planners.robust import normalise_windows
@@ -32,23 +33,7 @@ def window_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: 
     """
     from eplb import _policy_kernel  # numba: imported on first use
 
-    return _policy_kernel.window_busiest(_floats(windows_MLE), _ints(phy2log_LP), int(num_gpus))
-
-
-def _floats(a) -> np.ndarray:
-    return _kernel_array(a, np.float64)
-
-
-def _ints(a) -> np.ndarray:
-    return _kernel_array(a, np.int64)
-
-
-def _kernel_array(a, dtype) -> np.ndarray:
-    """C-contiguous and writable: numba compiles (or loads) one version per readonly flag, so a
-    readonly Placement map would miss the version warm_up loaded and load another at the first
-    decision (~80 ms)."""
-    out = np.ascontiguousarray(a, dtype=dtype)
-    return out if out.flags.writeable else out.copy()
+    return _policy_kernel.window_busiest(kernel_floats(windows_MLE), kernel_ints(phy2log_LP), int(num_gpus))
 
 
 def replica_counts(phy2log_LP: np.ndarray, num_logical_experts: int) -> np.ndarray:
@@ -89,13 +74,13 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     """
     from eplb import _policy_kernel  # numba: imported on first use
 
-    old = _ints(phy2log_LP)
+    old = kernel_ints(phy2log_LP)
     G = int(num_gpus)
     new_LP = np.empty_like(old)
     cost_L2 = np.empty((old.shape[0], 2))
-    cap_G = np.full(G, np.inf) if max_moves_G is None else _floats(max_moves_G)
-    w_M = np.ones(np.shape(windows_MLE)[0]) if weights_M is None else _floats(weights_M)
-    _policy_kernel.repair(_floats(windows_MLE), w_M, old, _floats(blends), _ints(rounds_L), G,
+    cap_G = np.full(G, np.inf) if max_moves_G is None else kernel_floats(max_moves_G)
+    w_M = np.ones(np.shape(windows_MLE)[0]) if weights_M is None else kernel_floats(weights_M)
+    _policy_kernel.repair(kernel_floats(windows_MLE), w_M, old, kernel_floats(blends), kernel_ints(rounds_L), G,
                           (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
                           float(max_moves), cap_G,
                           new_LP, cost_L2)
@@ -121,7 +106,8 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
 
     L, P = new_LP.shape
     S = P // num_gpus
-    gsrc_LG = _policy_kernel.match_gpus(_ints(old_LP), _ints(new_LP), int(num_gpus), int(num_logical_experts))
+    gsrc_LG = _policy_kernel.match_gpus(kernel_ints(old_LP), kernel_ints(new_LP), int(num_gpus),
+                                        int(num_logical_experts))
     base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(L, P)
     moved_LP = np.take_along_axis(new_LP, base_LP, axis=1)
     return np.take_along_axis(moved_LP, keep_slots(old_LP, moved_LP, num_gpus), axis=1)
@@ -137,9 +123,6 @@ def warm_up() -> float:
     repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
     repair(phy, win, 2, rounds_L=np.array([2, 2]), weights_M=np.array([1.0, 1.0, 2.0, 2.0]))
     renamed(phy, phy[::-1].copy(), 2, 3)
-    from eplb.resplit_repair import warm_up as warm_up_resplit  # the policy's rule='resplit' path
-
-    warm_up_resplit()
     return time.perf_counter() - t0
 
 

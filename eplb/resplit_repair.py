@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from eplb.compiled import kernel_floats, kernel_ints
 from eplb.errors import EplbError
 from planners.robust import normalise_windows
 
@@ -58,7 +59,7 @@ def resplit_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus:
     from eplb import _resplit_kernel  # numba: imported on first use
 
     check_gpus(num_gpus)
-    return _resplit_kernel.resplit_busiest(_ints(phy2log_LP), _floats(windows_MLE), int(num_gpus))
+    return _resplit_kernel.resplit_busiest(kernel_ints(phy2log_LP), kernel_floats(windows_MLE), int(num_gpus))
 
 
 def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | None = None,
@@ -77,18 +78,8 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
 
     check_gpus(num_gpus)
     load_MLE, w_M = scenarios(windows_MLE, num_gpus, weights_M, spread)
-    return _resplit_kernel.resplit_search(_ints(old_LP), _floats(load_MLE), _floats(w_M), int(num_gpus),
-                                          int(rounds), float(price))
-
-
-def _floats(a) -> np.ndarray:
-    out = np.ascontiguousarray(a, dtype=np.float64)
-    return out if out.flags.writeable else out.copy()
-
-
-def _ints(a) -> np.ndarray:
-    out = np.ascontiguousarray(a, dtype=np.int64)
-    return out if out.flags.writeable else out.copy()
+    return _resplit_kernel.resplit_search(kernel_ints(old_LP), kernel_floats(load_MLE), kernel_floats(w_M),
+                                          int(num_gpus), int(rounds), float(price))
 
 
 def warm_up() -> float:

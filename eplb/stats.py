@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.compiled import compile_detached, load_cached
+from eplb.compiled import compile_detached, kernel_floats, load_cached
 from eplb.errors import EplbError, is_number, is_whole, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
@@ -329,13 +329,6 @@ def _kernel_ints(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _kernel_floats(a: np.ndarray) -> np.ndarray:
-    """a as the kernels' float64 type: writable and C-ordered."""
-    if a.dtype == np.float64 and a.flags.c_contiguous and a.flags.writeable:
-        return a
-    return np.array(a, dtype=np.float64, order="C")
-
-
 def even_gpu_loads(placement, load_LE: np.ndarray) -> np.ndarray:
     """Tokens per GPU [L, G] when every expert's tokens split evenly over its replicas: bit for
     bit `placement.gpu_loads(load_LE)` (the same products, load x (1 / count), summed in slot
@@ -358,8 +351,8 @@ def even_report(placement, load_LE: np.ndarray, lower_bound_L: np.ndarray) -> Lo
     if kernel is None:
         return load_report(even_gpu_loads(placement, load_LE), lower_bound_L)
     gpu_LG, imbalance_L, ratio_L, bal = kernel.even_report(
-        _kernel_floats(load_LE), _kernel_ints(placement.phy2log_LP), _kernel_ints(placement.replica_count_LE),
-        placement.num_gpus, _kernel_floats(lower_bound_L))
+        kernel_floats(load_LE), _kernel_ints(placement.phy2log_LP), _kernel_ints(placement.replica_count_LE),
+        placement.num_gpus, kernel_floats(lower_bound_L))
     return LoadReport(gpu_LG, imbalance_L, ratio_L, float(bal))
 
 
@@ -376,7 +369,7 @@ def proven_bound(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
     kernel = score_kernel()
     if kernel is not None:
         bound_L = np.empty(load_LE.shape[0])
-        proven_L = kernel.bound_terms(_kernel_floats(load_LE), _kernel_ints(count_LE), int(num_gpus),
+        proven_L = kernel.bound_terms(kernel_floats(load_LE), _kernel_ints(count_LE), int(num_gpus),
                                       int(num_slots), bound_L)
         return bound_L, proven_L
     top_L = (load_LE / count_LE).max(axis=1)

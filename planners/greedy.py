@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb.compiled import kernel_floats, kernel_ints
 from eplb.errors import EplbError, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from planners._threads import run_blocks
@@ -28,19 +29,6 @@ def _kernel():
     return _greedy_kernel
 
 
-def _floats(a: np.ndarray) -> np.ndarray:
-    """a as a writable C-ordered float64 array: the one array type the kernels are compiled for
-    (numba compiles another version for read-only or strided arrays)."""
-    a = np.ascontiguousarray(a, dtype=np.float64)
-    return a if a.flags.writeable else a.copy()
-
-
-def _ints(a: np.ndarray) -> np.ndarray:
-    """a as a writable C-ordered int64 array (see `_floats`)."""
-    a = np.ascontiguousarray(a, dtype=np.int64)
-    return a if a.flags.writeable else a.copy()
-
-
 def warm_up() -> None:
     """Load (or, on a fresh install, compile) the greedy kernels now, on the argument types
     the real calls use (eplb.compiled runs this in the background)."""
@@ -50,7 +38,7 @@ def warm_up() -> None:
 def replicate(load_LE: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
     """Replica count per expert r [L, E]: sum P, 1 <= r_e <= G (ties: fewer replicas, then the
     lower expert id)."""
-    return _kernel().replicate(_floats(load_LE), int(num_slots), int(num_gpus))
+    return _kernel().replicate(kernel_floats(load_LE), int(num_slots), int(num_gpus))
 
 
 def pack(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
@@ -72,7 +60,7 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
     round (the slot limit holds by construction), and this is what longest-processing-time
     with a slot limit does on skewed loads.
     """
-    return _pack_rows(_kernel(), _floats(per_LE), _ints(count_LE), int(num_gpus), int(slots_per_gpu))
+    return _pack_rows(_kernel(), kernel_floats(per_LE), kernel_ints(count_LE), int(num_gpus), int(slots_per_gpu))
 
 
 def _pack_rows(kernel, per_LE: np.ndarray, count_LE: np.ndarray, G: int, S: int) -> np.ndarray:
@@ -96,10 +84,10 @@ def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndar
     """
     if per_LE is None:
         per_LE = load_LE / count_LE
-    phy = _ints(phy2log_LP)
+    phy = kernel_ints(phy2log_LP)
     cap = _swap_cap(phy.shape[1], max_rounds)
     if cap > 0:
-        per_LE = _floats(per_LE)
+        per_LE = kernel_floats(per_LE)
         kernel = _kernel()
         run_blocks(lambda a, b: kernel.refine(phy[a:b], per_LE[a:b], int(num_gpus), cap), *phy.shape)
     if phy is not phy2log_LP:
@@ -123,14 +111,14 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     """The whole greedy plan: replicate, pack, refine (refine_rounds: swaps per layer at most;
     None: until no swap helps, 0: no refinement). Returns phy2log_LP. count_LE: `replicate`'s
     counts [L, E] when the caller already has them (they are what this would compute)."""
-    load_LE = _floats(load_LE)
+    load_LE = kernel_floats(load_LE)
     L, E = load_LE.shape
     G, S = int(num_gpus), int(slots_per_gpu)
     check_shape(E, G, S)
     P = G * S
     cap = _swap_cap(P, refine_rounds)
     if count_LE is not None:
-        count_LE = _ints(count_LE)
+        count_LE = kernel_ints(count_LE)
     kernel = _kernel()
     phy2log_LP = np.empty((L, P), dtype=np.int64)
 

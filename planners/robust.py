@@ -36,7 +36,7 @@ import subprocess
 
 import numpy as np
 
-from eplb.compiled import compile_detached, load_cached
+from eplb.compiled import compile_detached, kernel_array, load_cached
 from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
@@ -207,9 +207,9 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
                                quantile=quantile, top_gpus=top_gpus, num_units=num_units, bound_LP=bound_LP)
         return False
     L, P, T = slot_load_LPT.shape
-    phy = _kernel_array(phy2log_LP, np.int64)
-    w = _kernel_array(slot_load_LPT, np.float64)
-    bound = np.zeros((L, P), dtype=np.bool_) if bound_LP is None else _kernel_array(bound_LP, np.bool_)
+    phy = kernel_array(phy2log_LP, np.int64)
+    w = kernel_array(slot_load_LPT, np.float64)
+    bound = np.zeros((L, P), dtype=np.bool_) if bound_LP is None else kernel_array(bound_LP, np.bool_)
     args = (int(num_gpus), float(beta), int(max_rounds), _kept_count(quantile, T), int(top_gpus),
             int(num_gpus) // int(num_units))
     # Layers are independent and the kernel releases the GIL: blocks of layers (C-ordered views,
@@ -244,13 +244,6 @@ def robust_kernels(wait: bool = False):
         elif _compiling is None:
             _compiling = compile_detached(_KERNEL_MODULE)
     return _kernels
-
-
-def _kernel_array(a: np.ndarray, dtype) -> np.ndarray:
-    """a itself when the kernel can work on it in place (writable, C-ordered, of dtype), else a copy."""
-    if a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
-        return a
-    return np.array(a, dtype=dtype, order="C")
 
 
 def _kept_count(quantile: float, T: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb.compiled import kernel_ints  # noqa: F401  (the migration kernels' int type, re-exported)
 from eplb.errors import EplbError, whole_number
 
 
@@ -77,14 +78,3 @@ def check_load_and_maps(load_LE, num_gpus: int, **maps) -> tuple[np.ndarray, int
         raise EplbError(f"load must be [layers, experts] for the {L} layers of the maps, got shape {load_LE.shape}")
     return load_LE, L, P
 
-
-def kernel_ints(a) -> np.ndarray:
-    """a as a writable, C-ordered int64 array (copied only when it is not one already).
-
-    numba compiles one machine-code version per argument type, and a read-only array (every
-    Placement's) is another type than a writable one: feeding the kernels one kind keeps it
-    to one version each, which `warm_up` compiles or loads ahead of the first decision."""
-    a = np.asarray(a)
-    if a.dtype == np.int64 and a.flags.c_contiguous and a.flags.writeable:
-        return a
-    return np.array(a, dtype=np.int64, order="C")

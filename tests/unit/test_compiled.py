@@ -65,6 +65,15 @@ def test_rebalancer_starts_without_waiting_for_kernels():
     assert rb.warmup.ready and res.info["kernel_wait_seconds"] >= 0.0
 
 
+def test_a_policy_names_the_kernels_its_settings_use():
+    from eplb.policy import AdaptivePolicy
+    from eplb.rebalance import kernel_modules
+
+    assert "eplb.resplit_repair" not in kernel_modules("greedy", AdaptivePolicy())
+    assert kernel_modules("greedy", AdaptivePolicy(rule="resplit"))[:3] == (
+        "planners.greedy", "eplb.policy", "eplb.resplit_repair")
+
+
 def test_greedy_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     """Read-only traces, float32 and strided loads, hierarchical's node rows: all reach the
     greedy kernels as the types warm_up compiled."""
