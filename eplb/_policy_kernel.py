@@ -436,9 +436,10 @@ def _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, worst_weight, cap_total, cap_G,
-           new_LP, cost_L2):
-    """Repair every layer of old_LP against the windows of ring_MLE, window m weighted w_M[m] in
-    every mean and in the smooth maximum (see the module docstring).
+           new_LP, cost_L2, first, stop):
+    """Repair layers first..stop-1 of old_LP against the windows of ring_MLE, window m weighted
+    w_M[m] in every mean and in the smooth maximum (see the module docstring). Layers are
+    independent: blocks of them may run at once (each call has its own scratch).
 
     how: (beta, partners, sources, floor) of the swaps (`_swaps`).
     Per layer and blend: target replica counts (`_targets`), fill the experts below target
@@ -476,7 +477,7 @@ def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills,
     was_EG = np.zeros((E, G), dtype=np.bool_)
     in_G = np.empty(G, dtype=np.int64)
     phy_P = np.empty(P, dtype=np.int64)
-    for l in range(L):
+    for l in range(first, stop):
         _shares(ring_MLE, l, G, share_EM)
         for p in range(P):
             was_EG[old_LP[l, p], p // S] = True

@@ -17,6 +17,7 @@ import numpy as np
 from eplb.compiled import kernel_floats, kernel_ints
 from eplb.migration import count_moves, keep_slots, relabel
 from eplb.stats import group_span
+from planners._threads import run_blocks
 from planners.robust import normalise_windows
 
 
@@ -80,10 +81,16 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     cost_L2 = np.empty((old.shape[0], 2))
     cap_G = np.full(G, np.inf) if max_moves_G is None else kernel_floats(max_moves_G)
     w_M = np.ones(np.shape(windows_MLE)[0]) if weights_M is None else kernel_floats(weights_M)
-    _policy_kernel.repair(kernel_floats(windows_MLE), w_M, old, kernel_floats(blends), kernel_ints(rounds_L), G,
-                          (float(beta), int(partners), _SOURCES, _SWAP_FLOOR), int(swap_fills), float(worst_weight),
-                          float(max_moves), cap_G,
-                          new_LP, cost_L2)
+    windows, blends, rounds_L = kernel_floats(windows_MLE), kernel_floats(blends), kernel_ints(rounds_L)
+    how = (float(beta), int(partners), _SOURCES, _SWAP_FLOOR)
+
+    def repair_block(first: int, stop: int) -> None:
+        # The caps are per layer: blocks of layers on the planners' threads give the same map.
+        _policy_kernel.repair(windows, w_M, old, blends, rounds_L, G, how, int(swap_fills), float(worst_weight),
+                              float(max_moves), cap_G, new_LP, cost_L2, first, stop)
+
+    M, L = windows.shape[:2]
+    run_blocks(repair_block, L, M * old.shape[1])
     return new_LP, cost_L2
 
 
