@@ -63,7 +63,15 @@ def _install_listener() -> None:
 
 def _warm_up(modules: tuple[str, ...]) -> None:
     for name in modules:
-        importlib.import_module(name).warm_up()
+        module, function = warm_up_target(name)
+        getattr(importlib.import_module(module), function)()
+
+
+def warm_up_target(name: str) -> tuple[str, str]:
+    """(module, function) of a warm-up name: "module" runs module.warm_up(), "module:function"
+    another function of it (a kernel only some clusters use, warmed only for them)."""
+    module, _, function = name.partition(":")
+    return module, function or "warm_up"
 
 
 def load_cached(modules: tuple[str, ...]) -> bool:
@@ -85,7 +93,8 @@ def _start_compile(module: str, **popen_kw) -> subprocess.Popen:
     """A process that runs `module.warm_up()`, compiling its kernels into numba's cache."""
     # The side process imports the same eplb (sys.path may have been extended at run time).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = f"import importlib; importlib.import_module({module!r}).warm_up()"
+    mod, function = warm_up_target(module)
+    code = f"import importlib; getattr(importlib.import_module({mod!r}), {function!r})()"
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, **popen_kw)
 

@@ -44,7 +44,7 @@ from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
 from eplb.load_estimate import BucketedSum
 from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent
-from eplb.migration.schedule import ScheduleThread
+from eplb.migration.schedule import RELAY_SLOTS_PER_GPU, ScheduleThread
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
 from eplb.planner_api import get_planner, planner_class
@@ -63,15 +63,23 @@ WARM_UP_MODULES = (
 one more line here."""
 
 
-def kernel_modules(planner: str, policy: Policy | None = None) -> tuple[str, ...]:
-    """The modules whose compiled kernels a rebalance with this planner and policy uses (each
-    has `warm_up()`): the planner's and the policy's own when they have one, then
-    WARM_UP_MODULES. A policy names further modules its settings use in `kernel_modules`."""
+def kernel_modules(planner: str, policy: Policy | None = None, slots_per_gpu: int | None = None) -> tuple[str, ...]:
+    """The warm-ups (eplb.compiled: "module" for module.warm_up(), or "module:function") of the
+    compiled kernels a rebalance with this planner and policy uses: the planner's and the
+    policy's own modules when they have one, the further modules the policy's settings name in
+    `kernel_modules`, then WARM_UP_MODULES, and on clusters of at most RELAY_SLOTS_PER_GPU slots
+    per GPU the schedule's relay mode (`slots_per_gpu` None: not)."""
     own = [planner_class(planner).__module__]
     if policy is not None:
         own += [type(policy).__module__, *getattr(policy, "kernel_modules", ())]
     mods = [m for m in own if callable(getattr(sys.modules.get(m), "warm_up", None))]
-    return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES)))
+    relay = [] if slots_per_gpu is None or slots_per_gpu > RELAY_SLOTS_PER_GPU else [RELAY_WARM_UP]
+    return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES) + relay))
+
+
+RELAY_WARM_UP = "eplb.migration.kernels:warm_up_relay"
+"""The schedule's relay mode, which only clusters of at most RELAY_SLOTS_PER_GPU slots per GPU
+run (eplb.migration.schedule's gate), so only their Rebalancers compile it."""
 
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
@@ -221,7 +229,7 @@ class Rebalancer:
         # (and, on the first run after an install, compile in side processes): construction
         # returns at once and the first rebalance waits only for what is not ready yet.
         self.policy = None if policy is None else get_policy(policy, objective=self.objective)
-        self.warmup = warm_up_in_background(kernel_modules(planner, self.policy))
+        self.warmup = warm_up_in_background(kernel_modules(planner, self.policy, placement.slots_per_gpu))
         if self.policy is not None:
             self._check_policy_budget(placement)
             params = inspect.signature(self.policy.decide).parameters if takes_budget(self.policy) else {}

@@ -35,7 +35,7 @@ def warm_up() -> float:
     """Load (or, on a fresh install, compile) the numba kernels of the migration package now,
     so that the first rebalance decision does not pay for it; returns the seconds it took.
     Fast after the first call in a process."""
-    from eplb.migration import _moves_kernel, _schedule_kernel
+    from eplb.migration import _moves_kernel
 
     t0 = time.perf_counter()
     # Two layers, 3 experts, 2 GPUs x 2 slots: runs every kernel on the argument types the
@@ -49,6 +49,20 @@ def warm_up() -> float:
     keep_slots(old, new, 2)
     budgeted_search(load, old, 2, Budget(move_cost=0.001))
     budgeted_search(load, old, 2, Budget(max_moves=1))
-    schedule(old, new, 2, 3)
-    _schedule_kernel.schedule_relay(kernel_ints(old), kernel_ints(new), 2, 3, 2, 4)    # the gated second run
+    # Three slots per GPU: past RELAY_SLOTS_PER_GPU, so the relay mode stays cold (warm_up_relay).
+    old3 = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 2, 1, 0]])
+    schedule(old3, old3[:, ::-1].copy(), 2, 3)
+    return time.perf_counter() - t0
+
+
+def warm_up_relay() -> float:
+    """`warm_up` for the schedule's relay mode, which only clusters of at most
+    RELAY_SLOTS_PER_GPU slots per GPU run (`schedule`'s gate): a Rebalancer warms it for those
+    alone, as its compile costs as much as the plain schedule's. Returns the seconds it took."""
+    from eplb.migration import _schedule_kernel
+
+    t0 = time.perf_counter()
+    old = kernel_ints(np.array([[0, 1, 2, 0], [0, 1, 2, 2]]))
+    new = kernel_ints(np.array([[1, 0, 2, 1], [2, 1, 0, 0]]))
+    _schedule_kernel.schedule_relay(old, new, 2, 3, 2, 4)
     return time.perf_counter() - t0

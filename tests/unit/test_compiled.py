@@ -72,6 +72,17 @@ def test_a_policy_names_the_kernels_its_settings_use():
     assert "eplb.resplit_repair" not in kernel_modules("greedy", AdaptivePolicy())
     assert kernel_modules("greedy", AdaptivePolicy(rule="resplit"))[:3] == (
         "planners.greedy", "eplb.policy", "eplb.resplit_repair")
+    # The schedule's relay mode runs (and is compiled) only on clusters of <= 2 slots per GPU.
+    assert "eplb.migration.kernels:warm_up_relay" not in kernel_modules("greedy", None, 9)
+    assert kernel_modules("greedy", None, 2)[-1] == "eplb.migration.kernels:warm_up_relay"
+
+
+def test_a_warm_up_may_name_a_function_of_its_module():
+    from eplb.compiled import load_cached
+    from eplb.migration import _schedule_kernel
+
+    assert load_cached(("eplb.migration.kernels:warm_up_relay",))
+    assert len(_schedule_kernel.schedule_relay.signatures) == 1
 
 
 def test_greedy_warm_up_compiles_the_only_kernel_versions_real_calls_use():
