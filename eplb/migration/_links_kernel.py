@@ -76,21 +76,7 @@ def _match(adj, pref, npref, rin, rout, G, relay):
         _cover_senders(pref, npref, rout, G, match_row, match_col, parent)
         return match_row
     # Rows by source column (ascending), for the takeovers: a rank's rows without a scan of all G.
-    cptr = np.zeros(G + 1, dtype=np.int64)
-    for d in range(G):
-        for j in range(npref[d]):
-            if pref[d, j] < G:
-                cptr[pref[d, j] + 1] += 1
-    for c in range(G):
-        cptr[c + 1] += cptr[c]
-    fill = cptr[:G].copy()
-    rows = np.empty(cptr[G], dtype=np.int64)
-    for d in range(G):
-        for j in range(npref[d]):
-            c = pref[d, j]
-            if c < G:
-                rows[fill[c]] = d
-                fill[c] += 1
+    cptr, rows = _rows_by_column(pref, npref, G, G)
     for c in np.argsort(-rout, kind="mergesort"):
         if rout[c] == 0:
             break
@@ -108,6 +94,28 @@ def _match(adj, pref, npref, rin, rout, G, relay):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _rows_by_column(pref, npref, G, C):
+    """The transpose of the G rows' candidate columns pref[d, :npref[d]], keeping columns < C:
+    (cptr [C + 1], rows), column c's rows in ascending order at rows[cptr[c]:cptr[c + 1]]."""
+    cptr = np.zeros(C + 1, dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            if pref[d, j] < C:
+                cptr[pref[d, j] + 1] += 1
+    for c in range(C):
+        cptr[c + 1] += cptr[c]
+    fill = cptr[:C].copy()
+    rows = np.empty(cptr[C], dtype=np.int64)
+    for d in range(G):
+        for j in range(npref[d]):
+            c = pref[d, j]
+            if c < C:
+                rows[fill[c]] = d
+                fill[c] += 1
+    return cptr, rows
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _cover_senders(pref, npref, rout, G, match_row, match_col, parent):
     """Each source rank left out of the matching, the most planned sends left (rout) first,
     takes a row through an alternating path c - d1 - c1 - d2 - c2 ... (d_i matched to c_i)
@@ -116,19 +124,7 @@ def _cover_senders(pref, npref, rout, G, match_row, match_col, parent):
     towards the busiest senders (Mendelsohn-Dulmage). Updates match_row, match_col."""
     C = match_col.size
     # Rows by column (the transpose of pref), for the alternating paths.
-    cptr = np.zeros(C + 1, dtype=np.int64)
-    for d in range(G):
-        for j in range(npref[d]):
-            cptr[pref[d, j] + 1] += 1
-    for c in range(C):
-        cptr[c + 1] += cptr[c]
-    fill = cptr[:C].copy()
-    crow = np.empty(cptr[C], dtype=np.int64)
-    for d in range(G):
-        for j in range(npref[d]):
-            c = pref[d, j]
-            crow[fill[c]] = d
-            fill[c] += 1
+    cptr, crow = _rows_by_column(pref, npref, G, C)
     cq = np.empty(C, dtype=np.int64)
     pcol = np.empty(C, dtype=np.int64)
     seen = np.zeros(C, dtype=np.int64)      # the walk (1, 2, ...) that reached a column last

@@ -37,7 +37,7 @@ from numba import njit
 
 from eplb.migration._chain_kernel import chain_order, forced_sources
 from eplb.migration._links_kernel import commit, take_links
-from eplb.migration._sources_kernel import plan_sources
+from eplb.migration._sources_kernel import plan_sources, unlink
 from eplb.migration._stage_kernel import may_deadlock, new_staging, stage
 
 STATUS_OK = 0
@@ -96,19 +96,6 @@ def _hold(head, nxt, prv, he, code):
     if h >= 0:
         prv[h] = code
     head[he] = code
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _unhold(head, nxt, prv, he, code):
-    """Take slot code out of the holders of he."""
-    a = prv[code]
-    b = nxt[code]
-    if a >= 0:
-        nxt[a] = b
-    else:
-        head[he] = b
-    if b >= 0:
-        prv[b] = a
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -304,7 +291,7 @@ def _apply_round(st, done, nd, out, M, R):
         if o >= 0:
             st.hsum[l, o] -= p
             st.ncur[l, o] -= 1
-            _unhold(st.hhead, st.hnext, st.hprev, l * E + o, l * P + p)
+            unlink(st.hhead, st.hnext, st.hprev, l * E + o, l * P + p)
         _hold(st.hhead, st.hnext, st.hprev, l * E + e, l * P + p)
         st.cur[l, p] = e
         st.hc[l, e] += 1

@@ -195,14 +195,7 @@ def _level(order, dst, gfirst, assign, hptr, hranks, rout, cap):
             while v != u0:                  # move each copy on the path to the rank it reached
                 k = via[v]
                 u = assign[k]
-                a = prv[k]
-                b = nxt[k]
-                if a >= 0:
-                    nxt[a] = b
-                else:
-                    head[u] = b
-                if b >= 0:
-                    prv[b] = a
+                unlink(head, nxt, prv, u, k)
                 assign[k] = v
                 prv[k] = -1
                 nxt[k] = head[v]
@@ -212,3 +205,17 @@ def _level(order, dst, gfirst, assign, hptr, hranks, rout, cap):
                 v = u
             rout[u0] -= 1
             rout[end] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def unlink(head, nxt, prv, i, k):
+    """Take item k out of list i of a doubly linked set of lists (head[i] its first item, nxt /
+    prv the links; -1 ends a list)."""
+    a = prv[k]
+    b = nxt[k]
+    if a >= 0:
+        nxt[a] = b
+    else:
+        head[i] = b
+    if b >= 0:
+        prv[b] = a
