@@ -77,12 +77,18 @@ def test_a_policy_names_the_kernels_its_settings_use():
     assert kernel_modules("greedy", None, 2)[-1] == "eplb.migration.kernels:warm_up_relay"
 
 
-def test_a_warm_up_may_name_a_function_of_its_module():
-    from eplb.compiled import load_cached
-    from eplb.migration import _schedule_kernel
+def test_a_warm_up_may_name_a_function_of_its_module(tmp_path, monkeypatch):
+    import importlib
 
-    assert load_cached(("eplb.migration.kernels:warm_up_relay",))
-    assert len(_schedule_kernel.schedule_relay.signatures) == 1
+    (tmp_path / "two_warm_ups.py").write_text(
+        "ran = []\n\ndef warm_up():\n    ran.append('warm_up')\n\ndef warm_up_other():\n    ran.append('other')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_cached(("two_warm_ups:warm_up_other", "two_warm_ups"))
+    mod = importlib.import_module("two_warm_ups")
+    monkeypatch.delitem(sys.modules, "two_warm_ups")
+    assert mod.ran == ["other", "warm_up"]
+    failed = compile_in_side_processes(("two_warm_ups:no_such_warm_up",))
+    assert len(failed) == 1 and "no_such_warm_up" in failed[0]
 
 
 def test_greedy_warm_up_compiles_the_only_kernel_versions_real_calls_use():
