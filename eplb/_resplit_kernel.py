@@ -44,6 +44,18 @@ def _add(f_MN, load_M, m, sign):
         s = (s + 1) | m
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _add_scenario(acc, seen, worst, t, w, wsum):
+    """Fold one scenario's busiest / mean GPU t, of weight w, into the running cost's weighted
+    sum, weight seen and worst; also returns a lower bound on the whole cost: the scenarios not
+    seen yet add at least 1 each to the mean (no GPU set beats the mean)."""
+    acc += w * t
+    seen += w
+    if t > worst:
+        worst = t
+    return acc, seen, worst, 0.5 * (acc + (wsum - seen)) / wsum + 0.5 * worst
+
+
 @njit(cache=True, nogil=True)
 def _cost(f_MN, inv_N, mean_M, w_M, wsum, bound):
     """Half the weighted mean, half the worst scenario of busiest / mean GPU; stops early (returns
@@ -56,15 +68,10 @@ def _cost(f_MN, inv_N, mean_M, w_M, wsum, bound):
             v = f_MN[w, s] * inv_N[s]
             if v > b:
                 b = v
-        t = b / mean_M[w] if mean_M[w] > 0 else 1.0
-        acc += w_M[w] * t
-        seen += w_M[w]
-        if t > worst:
-            worst = t
-        # The scenarios not seen yet add at least 1 each to the mean (no GPU set beats the mean).
-        rest = wsum - seen
-        if 0.5 * (acc + rest) / wsum + 0.5 * worst >= bound:
-            return 0.5 * (acc + rest) / wsum + 0.5 * worst
+        acc, seen, worst, low = _add_scenario(acc, seen, worst, b / mean_M[w] if mean_M[w] > 0 else 1.0, w_M[w],
+                                              wsum)
+        if low >= bound:
+            return low
     return 0.5 * acc / wsum + 0.5 * worst
 
 
@@ -164,13 +171,10 @@ def _swap_cost(out_GGM, top_GGKM, loadT_EM, e, g, e2, h, mean_M, w_M, wsum, boun
             v = (top_GGKM[h, g, k, w] - d) / k
             if v > b:
                 b = v
-        t = b / mean_M[w] if mean_M[w] > 0 else 1.0
-        acc += w_M[w] * t
-        seen += w_M[w]
-        if t > worst:
-            worst = t
-        if 0.5 * (acc + wsum - seen) / wsum + 0.5 * worst >= bound:
-            return 0.5 * (acc + wsum - seen) / wsum + 0.5 * worst
+        acc, seen, worst, low = _add_scenario(acc, seen, worst, b / mean_M[w] if mean_M[w] > 0 else 1.0, w_M[w],
+                                              wsum)
+        if low >= bound:
+            return low
     return 0.5 * acc / wsum + 0.5 * worst
 
 
