@@ -65,9 +65,20 @@ pl = plan(load, num_gpus=32, num_redundant=32).placement
 t1 = time.perf_counter()
 rb = Rebalancer(pl, interval=1, min_improvement=0.0)
 t2 = time.perf_counter()
-rb.observe(np.random.default_rng(1).pareto(1.2, (58, 256)) * 100 + 1)
-res = rb.rebalance()
-print(t1 - t0, t2 - t1, res.info["kernel_wait_seconds"], res.seconds, rb.warmup.compiled)
+counts = np.random.default_rng(1).pareto(1.2, (58, 256)) * 100 + 1
+# A serving loop: observe every step (10 ms apart), rebalance when observe says it is due.
+longest = 0.0
+while True:
+    a = time.perf_counter()
+    due = rb.observe(counts)
+    if due:
+        res = rb.rebalance()
+    longest = max(longest, time.perf_counter() - a)
+    if due:
+        break
+    time.sleep(0.01)
+first_due = time.perf_counter() - t2
+print(t1 - t0, t2 - t1, res.info["kernel_wait_seconds"], res.seconds, longest, first_due, rb.warmup.compiled)
 """
 
 
@@ -101,21 +112,29 @@ def part_start(args, out):
             t0 = time.perf_counter()
             r = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True, text=True, check=True)
             wall = time.perf_counter() - t0
-            imp, ctor, wait, dec, compiled = r.stdout.split()
-            rows.append((label, float(ctor), float(wait), float(dec), wall, compiled))
+            imp, ctor, wait, dec, longest, first, compiled = r.stdout.split()
+            rows.append((label, float(ctor), float(wait), float(dec), float(longest), float(first), wall, compiled))
     out.append("## Start-up (58 x 256, 32 GPUs, 288 slots; greedy planner)\n")
-    out.append("| process | Rebalancer() s | first rebalance waited s | first rebalance s | process wall s "
-               "| compiled |\n|---|---:|---:|---:|---:|---|")
-    for label, ctor, wait, dec, wall, comp in rows:
-        out.append(f"| {label} | {ctor:.3f} | {wait:.2f} | {dec:.2f} | {wall:.1f} | {comp} |")
+    out.append("A serving loop in a new process: `Rebalancer()`, then `observe()` every 10 ms and `rebalance()` "
+               "when observe says it is due (eplb holds a due check back while the kernels compile).\n")
+    out.append("| process | Rebalancer() s | longest observe / rebalance call s | first due after s "
+               "| first rebalance waited s | first rebalance s | process wall s | compiled |\n"
+               "|---|---:|---:|---:|---:|---:|---:|---|")
+    for label, ctor, wait, dec, longest, first, wall, comp in rows:
+        out.append(f"| {label} | {ctor:.3f} | {longest:.2f} | {first:.1f} | {wait:.2f} | {dec:.2f} | {wall:.1f} "
+                   f"| {comp} |")
     record("first Rebalancer() after a fresh install <= 5 s", f"{rows[0][1]:.3f} s",
-           f"first decision waited {rows[0][2]:.1f} s for the compile", rows[0][1] <= 5)
+           f"first due check {rows[0][5]:.0f} s later, when the kernels had compiled", rows[0][1] <= 5)
+    record("a serving loop's longest call after a fresh install <= 5 s", f"{rows[0][4]:.2f} s",
+           f"its first rebalance waited {rows[0][2]:.2f} s", rows[0][4] <= 5)
     record("Rebalancer() in every new process <= 0.5 s", f"{rows[1][1]:.3f} s",
            f"first decision waited {rows[1][2]:.2f} s", rows[1][1] <= 0.5)
     out.append(f"\nTargets: first Rebalancer() <= 5 s: {rows[0][1]:.3f} s; start in a new process <= 0.5 s: "
-               f"{rows[1][1]:.3f} s (Rebalancer() returns at once; its first decision waits for the "
-               f"kernels: {rows[0][2]:.1f} s on the empty cache, {rows[1][2]:.2f} s warm). A fresh venv was "
-               "not measured (the empty cache is what a fresh install has).\n")
+               f"{rows[1][1]:.3f} s. Rebalancer() returns at once and its kernels load (or compile) on a side "
+               f"thread: on the empty cache the loop's first due check came {rows[0][5]:.0f} s after the start, "
+               f"once they had compiled, and no call took over {rows[0][4]:.2f} s; a rebalance() called "
+               f"directly before then waits for the compile. A fresh venv was not measured (the empty cache "
+               f"is what a fresh install has).\n")
 
 
 def part_schedule(args, out, loads):

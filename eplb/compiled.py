@@ -11,9 +11,10 @@ runs on a daemon thread:
    GIL shared with the serving threads here, and a machine with several cores compiles them
    in parallel), then loads their cache in this process.
 `Warmup.wait()` blocks until the kernels are loaded; the Rebalancer calls it before its first
-decision. A module named here is imported by name (the caller's choice, like the planner
-table) and must define `warm_up()`, which runs each of its kernels once on tiny inputs of the
-argument types the real calls use. Set EPLB_COMPILE_IN_PROCESS=1 to compile in this process
+decision, and while `Warmup.compiling` its `observe` holds back a due check, so that a serving
+loop that rebalances when told to never waits for a compile. A module named here is imported
+by name (the caller's choice, like the planner table) and must define `warm_up()`, which runs
+each of its kernels once on tiny inputs of the argument types the real calls use. Set EPLB_COMPILE_IN_PROCESS=1 to compile in this process
 instead of in side processes (a sandbox that forbids subprocesses).
 """
 
@@ -137,6 +138,7 @@ class Warmup:
         self.seconds: float | None = None
         """Wall time from start to ready (None until then)."""
         self._done = threading.Event()
+        self._known = threading.Event()    # set once the probe found the cache warm or cold
         self._thread: threading.Thread | None = None
 
     def start(self) -> Warmup:
@@ -151,6 +153,7 @@ class Warmup:
         try:
             if not load_cached(self.modules):
                 self.compiled = True
+                self._known.set()
                 failed = []
                 if os.environ.get("EPLB_COMPILE_IN_PROCESS", "") in ("", "0"):
                     self.status = "compiling in side processes"
@@ -166,10 +169,24 @@ class Warmup:
         finally:
             self.seconds = time.perf_counter() - self._t0
             self._done.set()
+            self._known.set()
 
     @property
     def ready(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def compiling(self) -> bool:
+        """True while the cache was found cold and the kernels are being compiled (a wait of
+        tens of seconds, not the second a load from the cache takes)."""
+        return self.compiled and not self._done.is_set()
+
+    def wait_until_known(self, timeout: float | None = None) -> bool:
+        """Block until it is known whether the kernels load from the cache (then ready) or
+        compile (then `compiling`): about a second, numba's import; False on timeout."""
+        if self._thread is None:
+            self.start()
+        return self._known.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the kernels are loaded (or the warm-up gave up); False on timeout."""

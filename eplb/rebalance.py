@@ -77,6 +77,10 @@ def kernel_modules(planner: str, policy: Policy | None = None, slots_per_gpu: in
     return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES) + relay))
 
 
+KNOWN_TIMEOUT_S = 30.0
+"""Longest a due check waits to learn whether the kernels load from the cache or compile (the
+warm-up's probe takes about a second; past this the check goes ahead as due)."""
+
 RELAY_WARM_UP = "eplb.migration.kernels:warm_up_relay"
 """The schedule's relay mode, which only clusters of at most RELAY_SLOTS_PER_GPU slots per GPU
 run (eplb.migration.schedule's gate), so only their Rebalancers compile it."""
@@ -299,7 +303,9 @@ class Rebalancer:
         """Add one step's (or batch's) router counts; True when a rebalance is due.
 
         counts: logical [L, E], or physical-slot [L, P] (mapped back through the current
-        placement). When E == P the shape does not say which: pass `physical`.
+        placement). When E == P the shape does not say which: pass `physical`. In the first
+        process after an install, a due check is held back while the kernels compile
+        (`last_check["reason"]` says so), so `rebalance()` called on True never waits for them.
         """
         if physical is not None and not isinstance(physical, (bool, np.bool_)):
             raise EplbError(f"physical must be True, False or None, got {physical!r}")
@@ -346,8 +352,28 @@ class Rebalancer:
                 self._window_obs = 0
                 self.last_check = {"step": self.step, "due": True,
                                    "reason": f"window closed for policy {self.policy.name}"}
-                return True
-            return self._check_locked()
+                due = True
+            else:
+                due = self._check_locked()
+        return due and self._unless_compiling()
+
+    def _unless_compiling(self) -> bool:
+        """False (and the check says why) while the kernels a decision runs are compiling, the
+        first process after an install only: a serving loop that rebalances when observe says so
+        then never waits tens of seconds in rebalance(). The next check asks again; a policy
+        keeps the closed windows meanwhile and sees them all at its next decision.
+
+        A check due in a new process's first second may come before the warm-up knows whether
+        the cache holds the kernels; it waits for that (about a second, numba's import), not
+        for a compile."""
+        self.warmup.wait_until_known(KNOWN_TIMEOUT_S)
+        if not self.warmup.compiling:
+            return True
+        with self._lock:
+            self.last_check = {**self.last_check, "due": False,
+                               "reason": f"due, but held back: the kernels are compiling ({self.warmup.status}); "
+                                         f"the next check asks again"}
+        return False
 
     def _checked_counts(self, counts) -> np.ndarray:
         """One observation as float64, refused (state unchanged) unless it is real token counts.

@@ -17,6 +17,25 @@ settings.register_profile("long", max_examples=3000, derandomize=False, **_COMMO
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernels_compiled():
+    """Every kernel a Rebalancer warms, loaded (after an install: compiled) before the first test.
+
+    In the first process after an install a Rebalancer holds back due checks while its kernels
+    compile (eplb.rebalance `_unless_compiling`): a test's outcome must not depend on the numba
+    cache it happens to find (CI's is empty)."""
+    from eplb.compiled import warm_up_in_background
+    from eplb.planner_api import planner_names
+    from eplb.policy import AdaptivePolicy
+    from eplb.rebalance import kernel_modules
+
+    policy = AdaptivePolicy(rule="resplit")
+    names = sorted({m for p in planner_names() for m in kernel_modules(p, policy, 2)})
+    warmup = warm_up_in_background(tuple(names))
+    warmup.wait()
+    assert warmup.status.startswith("ready"), warmup.status
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -65,6 +65,43 @@ def test_rebalancer_starts_without_waiting_for_kernels():
     assert rb.warmup.ready and res.info["kernel_wait_seconds"] >= 0.0
 
 
+class _Compiling:
+    """A warm-up caught compiling (the first process after an install), until `finish()`."""
+
+    def __init__(self):
+        self.compiling, self.ready, self.status = True, False, "compiling in side processes"
+
+    def finish(self):
+        self.compiling, self.ready, self.status = False, True, "ready"
+
+    def wait_until_known(self, timeout=None):
+        return True
+
+    def wait(self, timeout=None):
+        return self.ready
+
+
+@pytest.mark.parametrize("policy", [None, "adaptive"])
+def test_a_due_check_waits_for_compiling_kernels_and_a_policy_keeps_its_windows(policy):
+    """While the kernels compile, observe holds a due check back (and says why), so a serving
+    loop that rebalances on True never waits; the next check after the compile is due, and a
+    policy then sees every window closed meanwhile."""
+    rng = np.random.default_rng(3)
+    load = rng.gamma(0.5, 1.0, (2, 16)) * 100
+    rule = {"min_improvement": 0.0} if policy is None else {}
+    rb = eplb.Rebalancer(eplb.plan(load, num_gpus=4).placement, interval=2, policy=policy, **rule)
+    rb.warmup = _Compiling()
+    flips = load[:, ::-1].copy()
+    assert [rb.observe(flips) for _ in range(4)] == [False] * 4
+    assert rb.last_check["due"] is False and "kernels are compiling" in rb.last_check["reason"]
+    rb.warmup.finish()
+    assert [rb.observe(flips) for _ in range(2)] == [False, True]
+    if policy is not None:
+        assert len(rb._closed) == 3        # the two held back and the one just closed
+    res = rb.rebalance()
+    assert res.info["kernel_wait_seconds"] < 1.0
+
+
 def test_a_policy_names_the_kernels_its_settings_use():
     from eplb.policy import AdaptivePolicy
     from eplb.rebalance import kernel_modules
