@@ -14,8 +14,9 @@ runs on a daemon thread:
 decision, and while `Warmup.compiling` its `observe` holds back a due check, so that a serving
 loop that rebalances when told to never waits for a compile. A module named here is imported
 by name (the caller's choice, like the planner table) and must define `warm_up()`, which runs
-each of its kernels once on tiny inputs of the argument types the real calls use. Set EPLB_COMPILE_IN_PROCESS=1 to compile in this process
-instead of in side processes (a sandbox that forbids subprocesses).
+each of its kernels once on tiny inputs of the argument types the real calls use. Set
+EPLB_COMPILE_IN_PROCESS=1 to compile in this process instead of in side processes (a sandbox
+that forbids subprocesses).
 """
 
 from __future__ import annotations
