@@ -21,10 +21,13 @@ that forbids subprocesses).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -91,12 +94,30 @@ def load_cached(modules: tuple[str, ...]) -> bool:
         _probing.discard(me)
 
 
+def compile_once(name: str) -> None:
+    """Run the warm-up `name` (compiling its kernels into numba's cache), one process at a time
+    per module and cache: the engine's workers on one machine start together, and each would
+    otherwise compile every module itself (a process and a few hundred MB each). A process that
+    waited finds the cache filled and only loads. A side process's entry point."""
+    module, function = warm_up_target(name)
+    spec = importlib.util.find_spec(module)
+    key = f"{spec.origin if spec else module}|{os.environ.get('NUMBA_CACHE_DIR', '')}|{sys.version_info[:2]}"
+    path = os.path.join(tempfile.gettempdir(), f"eplb-compile-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock")
+    try:
+        import fcntl
+    except ImportError:  # no POSIX file locks (Windows): compile without waiting for the others
+        fcntl = None
+    with open(path, "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes (or the process ends)
+        getattr(importlib.import_module(module), function)()
+
+
 def _start_compile(module: str, **popen_kw) -> subprocess.Popen:
-    """A process that runs `module.warm_up()`, compiling its kernels into numba's cache."""
+    """A process that runs `module.warm_up()` (`compile_once`), compiling its kernels into numba's cache."""
     # The side process imports the same eplb (sys.path may have been extended at run time).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    mod, function = warm_up_target(module)
-    code = f"import importlib; getattr(importlib.import_module({mod!r}), {function!r})()"
+    code = f"from eplb.compiled import compile_once; compile_once({module!r})"
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, **popen_kw)
 

@@ -46,6 +46,27 @@ def test_a_cold_kernel_is_not_compiled_in_process_but_in_a_side_process(tmp_path
     np.testing.assert_array_equal(mod.twice(np.arange(3.0)), [0.0, 2.0, 4.0])
 
 
+def test_processes_compiling_one_module_take_turns(tmp_path, monkeypatch):
+    """Workers started together compile a module one at a time (the later ones then only load
+    from the cache): their warm-ups never overlap."""
+    log = tmp_path / "turns.log"
+    (tmp_path / "slow_warm_up_mod.py").write_text(textwrap.dedent(f'''
+        import time
+
+        def warm_up():
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{time.monotonic()}} ")
+            time.sleep(0.3)
+            with open({str(log)!r}, "a") as f:
+                f.write(f"{{time.monotonic()}}\\n")
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert compile_in_side_processes(("slow_warm_up_mod",) * 3) == []
+    spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(spans) == 3
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def test_a_failing_side_process_is_reported(tmp_path, monkeypatch):
     (tmp_path / "broken_kernel_mod.py").write_text("raise ImportError('no such kernel here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
