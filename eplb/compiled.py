@@ -96,12 +96,15 @@ def load_cached(modules: tuple[str, ...]) -> bool:
 
 def compile_once(name: str) -> None:
     """Run the warm-up `name` (compiling its kernels into numba's cache), one process at a time
-    per module and cache: the engine's workers on one machine start together, and each would
+    per warm-up and cache: the engine's workers on one machine start together, and each would
     otherwise compile every module itself (a process and a few hundred MB each). A process that
-    waited finds the cache filled and only loads. A side process's entry point."""
+    waited finds the cache filled and only loads. Two warm-ups of one module ("module" and
+    "module:function") compile different kernels, so they do not wait for each other. A side
+    process's entry point."""
     module, function = warm_up_target(name)
     spec = importlib.util.find_spec(module)
-    key = f"{spec.origin if spec else module}|{os.environ.get('NUMBA_CACHE_DIR', '')}|{sys.version_info[:2]}"
+    key = (f"{spec.origin if spec else module}:{function}|{os.environ.get('NUMBA_CACHE_DIR', '')}"
+           f"|{sys.version_info[:2]}")
     path = os.path.join(tempfile.gettempdir(), f"eplb-compile-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock")
     try:
         import fcntl
