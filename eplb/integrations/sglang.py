@@ -17,7 +17,8 @@ What it does, in this order:
 3. Installs eplb's algorithm in place of `sglang.srt.eplb.eplb_algorithms.rebalance_experts`,
    the one function behind both SGLang's start-up plan from statistics (`--init-expert-location`
    with `logical_count`) and its periodic rebalance (`--enable-eplb`).
-4. Starts SGLang's server (`sglang.launch_server`) in this process.
+4. Starts compiling the planner's numba kernels in detached processes (`compile_aside`), then
+   SGLang's server (`sglang.launch_server`) in this process.
 SGLang starts its schedulers with the `spawn` method, so a patch made in this process alone
 would not reach them; SGLang loads `sglang.srt.plugins` entry points in every process
 (`load_plugins()`), and eplb's (`register`, pyproject.toml) installs the hooks wherever
@@ -37,6 +38,7 @@ import argparse
 import os
 import runpy
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -270,8 +272,26 @@ def prepare(argv: list[str]) -> list[str]:
     return sglang_args
 
 
+def compile_aside() -> None:
+    """Start compiling the planner's kernels in detached processes, one per warm-up.
+
+    SGLang's rebalance runs the plan synchronously in every scheduler process, and after an
+    install the first one would compile numba's kernels inside it (seconds of stalled serving).
+    Started here, the compile runs while SGLang loads the model; on a warm cache each process
+    only loads the kernels and exits (about a second). Schedulers then load them from the cache."""
+    from eplb.compiled import compile_detached
+    from eplb.rebalance import kernel_modules
+
+    planner, _ = parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)
+    procs = [compile_detached(name) for name in kernel_modules(planner)]
+    # The server runs for days in this process: reap the compiles when they end (no zombies).
+    threading.Thread(target=lambda: [p.wait() for p in procs], name="eplb-compile-reaper", daemon=True).start()
+
+
 def launch_server(sglang_args: list[str]) -> None:
-    """Run `python -m sglang.launch_server <args>` in this process."""
+    """Compile the planner's kernels aside (`compile_aside`), then run
+    `python -m sglang.launch_server <args>` in this process."""
+    compile_aside()
     sys.argv = ["sglang.launch_server"] + list(sglang_args)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
