@@ -12,6 +12,7 @@ Each module checks the engine version it was written for. See docs/engines.md.
 from __future__ import annotations
 
 import os
+import threading
 
 from eplb.errors import EplbError
 from eplb.planner_api import setting_value
@@ -43,3 +44,19 @@ def parse_spec(spec: str, env: str) -> tuple[str, dict]:
             raise EplbError(f"{env}={spec!r}: expected PLANNER,key=value,..., got {item!r}")
         settings[key.strip()] = setting_value(text)
     return parts[0], settings
+
+
+def compile_aside(planner: str) -> None:
+    """Start compiling the kernels a plan with `planner` runs, in detached processes (one per
+    warm-up), and reap them on a daemon thread (an engine's process lives for days).
+
+    Engines plan synchronously inside their rebalance, so after an install the first one would
+    compile numba's kernels inside it, a stall of seconds. Started while the engine loads the
+    model, the compile is done before then; on a warm cache each process only loads the
+    kernels and exits (about a second). Concurrent compiles of one warm-up take turns
+    (eplb.compiled.compile_once), so several processes starting this cost one compile."""
+    from eplb.compiled import compile_detached
+    from eplb.rebalance import kernel_modules
+
+    procs = [compile_detached(name) for name in kernel_modules(planner)]
+    threading.Thread(target=lambda: [p.wait() for p in procs], name="eplb-compile-reaper", daemon=True).start()

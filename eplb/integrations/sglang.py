@@ -38,7 +38,6 @@ import argparse
 import os
 import runpy
 import sys
-import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from eplb.dispatch import EvenSplit
 from eplb.errors import EplbError, reason
 from eplb.files import check_archive, parse_json, read_json
 from eplb.formats.deepseek import to_deepseek
-from eplb.integrations import check_version, parse_spec
+from eplb.integrations import check_version, compile_aside, parse_spec
 from eplb.migration import Budget
 from eplb.placement import Placement
 from eplb.planner_api import planner_names, planner_settings
@@ -272,26 +271,11 @@ def prepare(argv: list[str]) -> list[str]:
     return sglang_args
 
 
-def compile_aside() -> None:
-    """Start compiling the planner's kernels in detached processes, one per warm-up.
-
-    SGLang's rebalance runs the plan synchronously in every scheduler process, and after an
-    install the first one would compile numba's kernels inside it (seconds of stalled serving).
-    Started here, the compile runs while SGLang loads the model; on a warm cache each process
-    only loads the kernels and exits (about a second). Schedulers then load them from the cache."""
-    from eplb.compiled import compile_detached
-    from eplb.rebalance import kernel_modules
-
-    planner, _ = parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)
-    procs = [compile_detached(name) for name in kernel_modules(planner)]
-    # The server runs for days in this process: reap the compiles when they end (no zombies).
-    threading.Thread(target=lambda: [p.wait() for p in procs], name="eplb-compile-reaper", daemon=True).start()
-
-
 def launch_server(sglang_args: list[str]) -> None:
-    """Compile the planner's kernels aside (`compile_aside`), then run
-    `python -m sglang.launch_server <args>` in this process."""
-    compile_aside()
+    """Compile the planner's kernels aside (eplb.integrations.compile_aside: SGLang plans
+    synchronously in every scheduler's rebalance), then run `python -m sglang.launch_server
+    <args>` in this process."""
+    compile_aside(parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)[0])
     sys.argv = ["sglang.launch_server"] + list(sglang_args)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

@@ -26,6 +26,7 @@ split (eplb.dispatch.EvenSplit).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from functools import lru_cache
 
@@ -34,7 +35,7 @@ import numpy as np
 from eplb.errors import EplbError
 from eplb.formats import load_placement
 from eplb.formats.export import read_placement
-from eplb.integrations import check_version, parse_spec
+from eplb.integrations import check_version, compile_aside, parse_spec
 from eplb.migration import Budget, keep_slots
 from eplb.placement import Placement
 from eplb.planner_api import planner_names, planner_settings
@@ -65,6 +66,10 @@ def register() -> None:
     check_version("vLLM", vllm.__version__, SUPPORTED_VERSIONS, ENV_ANY_VERSION)
     cls = policy_class()
     configure(cls, spec, os.environ.get(ENV_INITIAL))
+    if cls.planner != "static" and multiprocessing.parent_process() is None:
+        # vLLM plans synchronously in every worker's rearrangement: compile the kernels now, once
+        # (from the top process: vLLM's own processes are its children), while the model loads.
+        compile_aside(cls.planner)
     # eplb_state imported the same dict object (`from .policy import EPLB_POLICIES`): mutate it.
     policies.EPLB_POLICIES["default"] = cls
     logger.info("eplb: vLLM EPLB policy 'default' is eplb's %s", spec)

@@ -182,13 +182,14 @@ def test_greedy_refinement_never_raises_the_busiest_gpu(G, S):
     assert (busiest(refined) >= lb - 1e-9).all()
 
 
-def test_the_sglang_launcher_compiles_the_planners_kernels_aside_and_reaps_them(monkeypatch):
-    """Before SGLang starts, one detached process per warm-up of the planner's kernels (so no
-    rebalance inside a scheduler compiles), each waited for on a daemon thread (no zombies)."""
+def test_engines_compile_the_planners_kernels_aside_and_reap_them(monkeypatch):
+    """Before an engine starts (the SGLang launcher, vLLM's top process), one detached process
+    per warm-up of the planner's kernels (so no rebalance inside the engine compiles), each
+    waited for on a daemon thread (no zombies)."""
     import threading
 
     import eplb.compiled
-    from eplb.integrations import sglang as launcher
+    from eplb.integrations import compile_aside
     from eplb.rebalance import kernel_modules
 
     started, reaped = [], threading.Event()
@@ -202,7 +203,6 @@ def test_the_sglang_launcher_compiles_the_planners_kernels_aside_and_reaps_them(
                 reaped.set()
 
     monkeypatch.setattr(eplb.compiled, "compile_detached", Proc)
-    monkeypatch.setenv(launcher.ENV_PLANNER, "greedy,max_moves=64")
-    launcher.compile_aside()
+    compile_aside("greedy")
     assert started == list(kernel_modules("greedy")) and "planners.greedy" in started
     assert reaped.wait(10)
