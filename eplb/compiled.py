@@ -127,8 +127,12 @@ def _start_compile(module: str, **popen_kw) -> subprocess.Popen:
 
 def compile_detached(module: str) -> subprocess.Popen:
     """Start compiling one module's kernels in a process of its own that nobody waits for and
-    that outlives this one (a command that runs in numpy meanwhile; its later runs load them)."""
-    return _start_compile(module, stderr=subprocess.DEVNULL, start_new_session=True)
+    that outlives this one (a command that runs in numpy meanwhile; its later runs load them).
+    A daemon thread reaps it when it ends, so a caller that lives for days (a server) keeps no
+    zombie; a command that exits first leaves it to the system."""
+    proc = _start_compile(module, stderr=subprocess.DEVNULL, start_new_session=True)
+    threading.Thread(target=proc.wait, name="eplb-compile-reaper", daemon=True).start()
+    return proc
 
 
 def compile_in_side_processes(modules: tuple[str, ...]) -> list[str]:

@@ -12,7 +12,6 @@ Each module checks the engine version it was written for. See docs/engines.md.
 from __future__ import annotations
 
 import os
-import threading
 
 from eplb.errors import EplbError
 from eplb.planner_api import setting_value
@@ -48,7 +47,7 @@ def parse_spec(spec: str, env: str) -> tuple[str, dict]:
 
 def compile_aside(planner: str) -> None:
     """Start compiling the kernels a plan with `planner` runs, in detached processes (one per
-    warm-up), and reap them on a daemon thread (an engine's process lives for days).
+    warm-up, eplb.compiled.compile_detached).
 
     Engines plan synchronously inside their rebalance, so after an install the first one would
     compile numba's kernels inside it, a stall of seconds. Started while the engine loads the
@@ -58,5 +57,5 @@ def compile_aside(planner: str) -> None:
     from eplb.compiled import compile_detached
     from eplb.rebalance import kernel_modules
 
-    procs = [compile_detached(name) for name in kernel_modules(planner)]
-    threading.Thread(target=lambda: [p.wait() for p in procs], name="eplb-compile-reaper", daemon=True).start()
+    for name in kernel_modules(planner):
+        compile_detached(name)
