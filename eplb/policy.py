@@ -78,7 +78,7 @@ from planners.greedy import plan_greedy, replicate
 
 # The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
 # are importable from here too, and `warm_up` here is what the Rebalancer's background loading
-# finds (eplb.rebalance.kernel_modules).
+# finds (eplb.kernel_sets.kernel_modules).
 __all__ = [
     "POLICIES", "AdaptivePolicy", "BucketedSum", "ChangeDetector", "Decision", "HorizonChooser", "Policy",
     "StaticPolicy",

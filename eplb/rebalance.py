@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import inspect
-import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -42,48 +41,21 @@ from eplb.compiled import warm_up_in_background
 from eplb.cost import TimeObjective, check_objective
 from eplb.dispatch import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
+from eplb.kernel_sets import kernel_modules
 from eplb.load_estimate import BucketedSum
 from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent
-from eplb.migration.schedule import RELAY_SLOTS_PER_GPU, ScheduleThread
+from eplb.migration.schedule import ScheduleThread
 from eplb.migration.search import span_priced
 from eplb.placement import Placement
-from eplb.planner_api import get_planner, planner_class
+from eplb.planner_api import get_planner
 from eplb.planning import even_split, lower_bound, plan
 from eplb.policy import Policy, get_policy, takes_budget
 from eplb.stats import group_span
 from eplb.trace import MAX_COUNT
 
-WARM_UP_MODULES = (
-    "planners.greedy",          # the migration step's fallback and most policies' planner
-    "eplb.migration.kernels",   # relabel, budgeted search, schedule
-    "eplb._score_kernel",       # the lower bound and the even-split reports of both placements
-)
-"""The kernel modules every Rebalancer loads (or compiles) in the background at construction
-(eplb.compiled); each defines `warm_up()`. A new numba kernel module on the decision path is
-one more line here."""
-
-
-def kernel_modules(planner: str, policy: Policy | None = None, slots_per_gpu: int | None = None) -> tuple[str, ...]:
-    """The warm-ups (eplb.compiled: "module" for module.warm_up(), or "module:function") of the
-    compiled kernels a rebalance with this planner and policy uses: the planner's and the
-    policy's own modules when they have one, the further modules the policy's settings name in
-    `kernel_modules`, then WARM_UP_MODULES, and on clusters of at most RELAY_SLOTS_PER_GPU slots
-    per GPU the schedule's relay mode (`slots_per_gpu` None: not)."""
-    own = [planner_class(planner).__module__]
-    if policy is not None:
-        own += [type(policy).__module__, *getattr(policy, "kernel_modules", ())]
-    mods = [m for m in own if callable(getattr(sys.modules.get(m), "warm_up", None))]
-    relay = [] if slots_per_gpu is None or slots_per_gpu > RELAY_SLOTS_PER_GPU else [RELAY_WARM_UP]
-    return tuple(dict.fromkeys(mods + list(WARM_UP_MODULES) + relay))
-
-
 KNOWN_TIMEOUT_S = 30.0
 """Longest a due check waits to learn whether the kernels load from the cache or compile (the
 warm-up's probe takes about a second; past this the check goes ahead as due)."""
-
-RELAY_WARM_UP = "eplb.migration.kernels:warm_up_relay"
-"""The schedule's relay mode, which only clusters of at most RELAY_SLOTS_PER_GPU slots per GPU
-run (eplb.migration.schedule's gate), so only their Rebalancers compile it."""
 
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)

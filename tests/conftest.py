@@ -25,9 +25,9 @@ def kernels_compiled():
     compile (eplb.rebalance `_unless_compiling`): a test's outcome must not depend on the numba
     cache it happens to find (CI's is empty)."""
     from eplb.compiled import warm_up_in_background
+    from eplb.kernel_sets import kernel_modules
     from eplb.planner_api import planner_names
     from eplb.policy import AdaptivePolicy
-    from eplb.rebalance import kernel_modules
 
     policy = AdaptivePolicy(rule="resplit")
     names = sorted({m for p in planner_names() for m in kernel_modules(p, policy, 2)})

@@ -55,7 +55,7 @@ def compile_aside(planner: str) -> None:
     kernels and exits (about a second). Concurrent compiles of one warm-up take turns
     (eplb.compiled.compile_once), so several processes starting this cost one compile."""
     from eplb.compiled import compile_detached
-    from eplb.rebalance import kernel_modules
+    from eplb.kernel_sets import kernel_modules
 
     for name in kernel_modules(planner):
         compile_detached(name)

@@ -78,7 +78,7 @@ def test_rebalancer_starts_without_waiting_for_kernels():
     rng = np.random.default_rng(0)
     load = rng.gamma(0.5, 1.0, (2, 16)) * 100
     rb = eplb.Rebalancer(eplb.plan(load, num_gpus=4).placement, min_improvement=0.0)
-    from eplb.rebalance import WARM_UP_MODULES
+    from eplb.kernel_sets import WARM_UP_MODULES
 
     assert rb.warmup.modules == WARM_UP_MODULES and "eplb.migration.kernels" in WARM_UP_MODULES
     rb.observe(load[:, ::-1].copy())
@@ -124,8 +124,8 @@ def test_a_due_check_waits_for_compiling_kernels_and_a_policy_keeps_its_windows(
 
 
 def test_a_policy_names_the_kernels_its_settings_use():
+    from eplb.kernel_sets import kernel_modules
     from eplb.policy import AdaptivePolicy
-    from eplb.rebalance import kernel_modules
 
     assert "eplb.resplit_repair" not in kernel_modules("greedy", AdaptivePolicy())
     assert kernel_modules("greedy", AdaptivePolicy(rule="resplit"))[:3] == (
@@ -187,7 +187,7 @@ def test_engines_compile_the_planners_kernels_aside(monkeypatch):
     per warm-up of the planner's kernels, so that no rebalance inside the engine compiles."""
     import eplb.compiled
     from eplb.integrations import compile_aside
-    from eplb.rebalance import kernel_modules
+    from eplb.kernel_sets import kernel_modules
 
     started = []
     monkeypatch.setattr(eplb.compiled, "compile_detached", started.append)

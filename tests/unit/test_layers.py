@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "eplb._time_dispatch_kernel": 4,
     "eplb.planner_api": 5,
     "planners": 6, "eplb.migration": 6,
-    "eplb.planning": 7,
+    "eplb.planning": 7, "eplb.kernel_sets": 7,
     "eplb.rebalance": 8, "eplb.policy": 8, "eplb.load_estimate": 8, "eplb.repair": 8, "eplb._policy_kernel": 8,
     "eplb.resplit_repair": 8, "eplb._resplit_kernel": 8,
     "eplb.backtest": 8, "eplb.replay": 8, "eplb.simulate": 8,
