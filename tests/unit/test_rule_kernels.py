@@ -1,11 +1,12 @@
 """The rule-aware planner's compiled kernels against their numpy and Python twins, to the bit.
 
-Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, N = nodes, S = slots per GPU.
+Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, N = nodes, S = slots per GPU, P = G x S.
 
 - `planners._rule_pack_kernel`: Step 4's packing, against `rule_aware._pack_numpy` on seeded
   cases with ties (integer loads) and window counts on both sides of numpy's pairwise blocks;
 - `eplb._sglang_draws_kernel`: SGLang's seeded draws, against Python's `random.Random`;
-- the Rebalancer warms both (`kernel_modules("rule-aware")`), and a real call compiles nothing else.
+- `eplb.migration._repair_kernel`: the repair's search step, against its numpy twin (tests/oracles/repair.py);
+- the Rebalancer warms them (`kernel_modules("rule-aware")`), and a real call compiles nothing else.
 """
 
 from __future__ import annotations
@@ -86,12 +87,17 @@ def test_maps_with_compiled_draws_are_the_python_maps(path, monkeypatch):
 
 def test_rebalancer_warms_the_rule_aware_kernels_and_a_plan_compiles_no_other_version():
     from eplb import _sglang_draws_kernel
+    from eplb.migration import Budget, _repair_kernel
+    from eplb.migration.kernels import warm_up as warm_up_migration
     from eplb.rebalance import kernel_modules
     from planners import _robust_kernel, _rule_pack_kernel
 
-    assert kernel_modules("rule-aware")[0] == "planners.rule_aware"
+    modules = kernel_modules("rule-aware")
+    assert modules[0] == "planners.rule_aware" and "eplb.migration.kernels" in modules
     ra.warm_up()
-    kernels = [_rule_pack_kernel.pack_layers, _sglang_draws_kernel.fair_draws, _robust_kernel.smooth_max_swaps]
+    warm_up_migration()
+    kernels = [_rule_pack_kernel.pack_layers, _sglang_draws_kernel.fair_draws, _robust_kernel.smooth_max_swaps,
+               _repair_kernel.best_swap]
     before = [len(k.signatures) for k in kernels]
     rng = np.random.default_rng(5)
     G, N, E = 8, 2, 32
@@ -99,7 +105,25 @@ def test_rebalancer_warms_the_rule_aware_kernels_and_a_plan_compiles_no_other_ve
     rule = SglangStatic(path="rebalance")
     first = plan(load[0], num_gpus=G, num_nodes=N, num_redundant=8, dispatch=rule).placement
     plan(load, num_gpus=G, num_nodes=N, num_redundant=8, dispatch=rule, previous=first)
+    plan(load, num_gpus=G, num_nodes=N, num_redundant=8, dispatch=rule, previous=first, budget=Budget(move_cost=0.001))
     plan(load[1].astype(np.float32), num_gpus=G, num_nodes=N, num_redundant=8, dispatch=SglangStatic())
     assert [len(k.signatures) for k in kernels] == before
     assert ra.rule_pack_kernel() is not None and sd._draws_kernel() is not None  # the plans ran compiled
 
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_repair_step_is_the_numpy_step(seed):
+    from eplb.migration.rule import _best_swap, _movable
+    from tests.oracles.repair import _best_swap as numpy_best_swap
+
+    rng = np.random.default_rng(seed)
+    G, N, S, E = 8, 2 if seed % 2 else 1, 3, 16
+    P = G * S
+    for _ in range(20):
+        phy_P = np.r_[rng.permutation(E), rng.integers(0, E, P - E)][rng.permutation(P)]
+        x_P = rng.integers(0, 5, P).astype(float) if seed < 3 else rng.gamma(0.5, 10.0, P)  # ties, then none
+        move_P = _movable(phy_P[None], G, N)[0]
+        old_GE = rng.random((G, E)) < 0.3
+        gpu_P = np.arange(P) // S
+        args = (phy_P, x_P, move_P, old_GE, gpu_P, gpu_P // (G // N), G)
+        assert _best_swap(*args) == numpy_best_swap(*args)
