@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,6 +130,7 @@ def _fair_choices(arr: list, k: int, rng: random.Random) -> list:
 
 _DRAWS_KERNEL = "eplb._sglang_draws_kernel"
 _load_tried = False
+_load_lock = threading.Lock()
 
 
 def _draws_kernel():
@@ -140,15 +142,17 @@ def _draws_kernel():
     mod = sys.modules.get(_DRAWS_KERNEL)
     if mod is not None and mod.ready:
         return mod
-    if not _load_tried and "numba" in sys.modules:
-        _load_tried = True
-        from eplb.compiled import compile_detached, load_cached
+    if _load_tried or "numba" not in sys.modules:
+        return None
+    with _load_lock:
+        if not _load_tried:
+            _load_tried = True
+            from eplb.compiled import compile_detached, load_cached
 
-        if not load_cached((_DRAWS_KERNEL,)):
-            compile_detached(_DRAWS_KERNEL)
-        mod = sys.modules.get(_DRAWS_KERNEL)
-        return mod if mod is not None and mod.ready else None
-    return None
+            if not load_cached((_DRAWS_KERNEL,)):
+                compile_detached(_DRAWS_KERNEL)
+    mod = sys.modules.get(_DRAWS_KERNEL)
+    return mod if mod is not None and mod.ready else None
 
 
 def _draws(seed: int, slots_JX: np.ndarray, count_J: np.ndarray, k_J: np.ndarray) -> np.ndarray:
