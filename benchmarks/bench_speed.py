@@ -1,7 +1,7 @@
 """Serving-grade speed (issue 12): each target beside its reference, measured in one run.
 
     python benchmarks/bench_speed.py [--traces ../shared/traces/deepseek_v3_sglang] [--write-docs]
-    python benchmarks/bench_speed.py --parts schedule        # one part: start, schedule, decision, greedy, cli
+    python benchmarks/bench_speed.py --parts schedule        # one part: start, schedule, decision, greedy, cli, engine
 
 Legend: L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
@@ -21,6 +21,12 @@ seeded synthetic Pareto loads, no real data of them exists here):
 - cli: wall time of `eplb plan traces/deepseek.npz --gpus 16` (robust, the CLI's default), beside
   `-p greedy` in the same runs, and its first run on an empty numba cache (bytecode compiled
   first, as an install has it; benchmarks/bench_cli.py splits the time into phases).
+- engine: eplb's SGLang hook (`eplb.integrations.sglang.rebalance_experts`, the rule-aware plan
+  for `static` after a rebalance) from scratch and from the placement served (the hook's plan
+  of the next workload, handed in as SGLang's current map), and `plan(dispatch=SglangStatic())`
+  for the start-up map, against SGLang's own `rebalance_experts` (DeepSeek, hierarchical: what
+  SGLang picks for 8 expert groups on 4 nodes) on the same [T, H, E] counts; 32 GPUs on 4
+  nodes, 288 slots. SGLang runs the call synchronously while it rebalances: it is a stall.
 SGLang's DeepSeek is `deepseek.py` from the installed sglang wheel (see bench_greedy.py).
 """
 
@@ -301,11 +307,96 @@ def part_cli(args, out):
                f"{cold_mode}.\n")
 
 
+ENGINE = dict(num_gpus=32, num_nodes=4, slots_per_gpu=9, num_groups=8)
+"""The engine part's cluster: DeepSeek-V3 as SGLang serves it on 4 nodes of 8 GPUs, 32 redundant slots."""
+
+
+def engine_counts(args) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(name, counts [T, H, E] as SGLang's recorder hands them over, MoE layer ids) per workload."""
+    from eplb.formats import load_trace
+
+    files = sorted(args.traces.glob("*.json")) if args.traces.is_dir() else []
+    out = []
+    for f in files or [args.fallback]:
+        t = load_trace(f)
+        H = int(t.meta.get("num_hidden_layers") or int(t.layer_ids.max()) + 1)
+        counts = np.zeros((1, H, t.counts_TLE.shape[2]))
+        counts[:, t.layer_ids] = t.counts_TLE.sum(axis=0)
+        out.append((f.stem, counts, t.layer_ids))
+    return out
+
+
+def part_engine(args, out, ref):
+    """eplb's SGLang hook and plan() under SGLang static against SGLang's own algorithm."""
+    import torch
+
+    from eplb.integrations import sglang as hook
+    from eplb.sglang_dispatch import SglangStatic
+    from eplb.trace import Trace, default_meta
+
+    G, N, S, K = ENGINE["num_gpus"], ENGINE["num_nodes"], ENGINE["slots_per_gpu"], ENGINE["num_groups"]
+    P = G * S
+    data = engine_counts(args)
+    env = {hook.ENV_PLANNER: "rule-aware", hook.ENV_DISPATCH: "static"}
+
+    def run_hook(counts, served, spec="rule-aware"):
+        with mock.patch.dict(os.environ, {**env, hook.ENV_PLANNER: spec}), \
+                mock.patch.object(hook, "_current_map", lambda: served):
+            return hook.rebalance_experts(torch.from_numpy(counts), P, S, K, N)[0].numpy()
+
+    def run_plan(counts, ids, previous=None):
+        trace = Trace(np.rint(counts[:, ids]).astype(np.int64), ids, default_meta(*counts.shape[1:]))
+        return plan(trace, num_gpus=G, num_nodes=N, slots_per_gpu=S, num_expert_groups=K, dispatch=SglangStatic(),
+                    previous=previous).solution.phy2log_LP
+
+    def calls(counts, ids, served_HP, previous):
+        """The timed calls on one workload; served_HP / previous: the served plan (hook's map / plan's)."""
+        w = torch.from_numpy(counts).sum(dim=0)  # what SGLang hands its DeepSeek algorithm
+        return {"hook scratch": lambda: run_hook(counts, None),
+                "hook previous": lambda: run_hook(counts, served_HP),
+                "hook previous, move_cost=0.001": lambda: run_hook(counts, served_HP, "rule-aware,move_cost=0.001"),
+                "plan scratch": lambda: run_plan(counts, ids),
+                "plan previous": lambda: run_plan(counts, ids, previous),
+                "sglang": lambda: ref.rebalance_experts(w, P, K, N, G, True)}
+
+    t0 = time.perf_counter()
+    scratch = [run_hook(data[0][1], None)]  # the process's first call loads the kernels
+    first = time.perf_counter() - t0
+    scratch += [run_hook(c, None) for _, c, _ in data[1:]]
+    start = [run_plan(c, ids) for _, c, ids in data]
+    rows = {k: [] for k in ("hook scratch", "hook previous", "hook previous, move_cost=0.001", "plan scratch",
+                            "plan previous", "sglang")}
+    for i, (_, c, ids) in enumerate(data):
+        j = (i + 1) % len(data)  # the next workload's plan is being served
+        prev = Placement(start[j], G, c.shape[2], N, ids)
+        for key, fn in calls(c, ids, scratch[j], prev).items():
+            rows[key].append(median_time(fn, args.repeats)[1])
+    sg = float(np.median(rows["sglang"]))
+    out.append(f"## SGLang hook vs SGLang's own rebalance_experts ({len(data)} DeepSeek-V3 workloads, "
+               f"{G} GPUs on {N} nodes, {P} slots)\n")
+    out.append("Each call on the same [T, H, E] counts; from previous: the plan of the next workload is served. "
+               f"Seconds: median over workloads of the median of {args.repeats} calls. The process's first hook "
+               f"call (from scratch, its kernels loaded from numba's cache) took {first:.2f} s.\n")
+    out.append("| call | dispatch rule | from | eplb s | SGLang s | eplb / SGLang | target |\n"
+               "|---|---|---|---:|---:|---:|---|")
+    table = [("hook", "static, after a rebalance", "scratch", "hook scratch", 0.3),
+             ("hook", "static, after a rebalance", "previous", "hook previous", 1.0),
+             ("hook, move_cost=0.001", "static, after a rebalance", "previous", "hook previous, move_cost=0.001", 1.0),
+             ("plan(dispatch=SglangStatic())", "static, start-up map", "scratch", "plan scratch", 0.3),
+             ("plan(dispatch=SglangStatic())", "static, start-up map", "previous", "plan previous", 1.0)]
+    for call, rule, frm, key, limit in table:
+        t = float(np.median(rows[key]))
+        out.append(f"| {call} | {rule} | {frm} | {t:.3f} | {sg:.3f} | {t / sg:.2f} | <= {limit} s |")
+        record(f"{call} under {rule}, from {frm}, <= {limit} s", f"{t:.3f} s ({t / sg:.2f}x SGLang)",
+               f"SGLang {sg:.3f} s", t <= limit)
+    out.append("")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, default=ROOT.parent / "shared/traces/deepseek_v3_sglang")
     ap.add_argument("--fallback", type=Path, default=ROOT / "traces/deepseek.npz")
-    ap.add_argument("--parts", nargs="+", default=["start", "schedule", "decision", "greedy", "cli"])
+    ap.add_argument("--parts", nargs="+", default=["start", "schedule", "decision", "greedy", "cli", "engine"])
     ap.add_argument("--pairs", type=int, default=4, help="workload pairs timed in the decision part")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--write-docs", action="store_true", help="also write docs/results/speed.md")
@@ -321,12 +412,12 @@ def main() -> int:
            f"--write-docs`. DeepSeek-V3 data: {len(loads)} workload(s) from {source}; "
            f"SGLang reference: {where}.\n"]
     for part in args.parts:
-        if part in ("decision", "greedy") and ref is None:
+        if part in ("decision", "greedy", "engine") and ref is None:
             out.append(f"## {part}: not measured ({where})\n")
             continue
         {"start": lambda: part_start(args, out), "schedule": lambda: part_schedule(args, out, loads),
          "decision": lambda: part_decision(args, out, loads, ref), "greedy": lambda: part_greedy(args, out, loads, ref),
-         "cli": lambda: part_cli(args, out)}[part]()
+         "cli": lambda: part_cli(args, out), "engine": lambda: part_engine(args, out, ref)}[part]()
         print(f"[{part} done]", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
     out.append(f"Machine: {os.cpu_count()} cores, load average {load:.1f} at the end (shared with other jobs: "

@@ -31,11 +31,15 @@ Rows of hidden layers that are not MoE layers hold SGLang's trivial map `p % E`,
 
 Shares assume every rank holds the same share of each expert's tokens (data-parallel
 attention, balanced requests): slot p of expert e takes (ranks mapped to p) / G of them.
+The draws are Python's `random.Random`, run by a compiled twin (eplb._sglang_draws_kernel, checked
+against Python's own draws when it loads) in a process that runs numba, else by Python itself.
 """
 
 from __future__ import annotations
 
 import random
+import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,10 +89,10 @@ class _Candidates:
 def _candidates(phy2log_HP: np.ndarray, num_gpus: int, num_nodes: int, prefer_same_node: bool) -> _Candidates:
     H, P = phy2log_HP.shape
     G, N = num_gpus, num_nodes
-    S = P // G
+    S, Q = P // G, G // N
     E = int(phy2log_HP.max()) + 1
-    count_HE = np.zeros((H, E), dtype=np.int64)
-    np.add.at(count_HE, (np.arange(H)[:, None], phy2log_HP), 1)
+    row_HP = np.arange(H)[:, None] * E + phy2log_HP  # flat (row, expert) of each slot
+    count_HE = np.bincount(row_HP.ravel(), minlength=H * E).reshape(H, E)
     X = int(count_HE.max())
     order_HP = np.argsort(phy2log_HP, axis=1, kind="stable")  # slots grouped by expert, slot order inside
     sorted_HP = np.take_along_axis(phy2log_HP, order_HP, axis=1)
@@ -96,22 +100,20 @@ def _candidates(phy2log_HP: np.ndarray, num_gpus: int, num_nodes: int, prefer_sa
     rank_HP = np.arange(P)[None, :] - np.take_along_axis(first_HE, sorted_HP, axis=1)
     slots_HEX = np.full((H, E, X), -1, dtype=np.int64)
     slots_HEX[np.arange(H)[:, None], sorted_HP, rank_HP] = order_HP
-    # First slot of each expert on each GPU and on each node (slot order = lowest slot).
+    # First slot of each expert on each GPU (the lowest: later copies on the same GPU are left
+    # out, so every index below is written once) and on each node (the lowest of its GPUs').
     big = P  # larger than any slot
-    valid = slots_HEX >= 0
-    gpu_HEX = np.where(valid, slots_HEX // S, -1)
-    node_HEX = np.where(valid, gpu_HEX // (G // N), -1)
+    phy_HGS = phy2log_HP.reshape(H, G, S)
+    again_HGS = np.tril(phy_HGS[:, :, :, None] == phy_HGS[:, :, None, :], -1).any(axis=3)
+    h_i, p_i = np.nonzero(~again_HGS.reshape(H, P))
     first_gpu_HEG = np.full((H, E, G), big, dtype=np.int64)
-    first_node_HEN = np.full((H, E, N), big, dtype=np.int64)
-    on_node_HEN = np.zeros((H, E, N), dtype=np.int64)
-    h_i, e_i, x_i = np.nonzero(valid)
-    s = slots_HEX[h_i, e_i, x_i]
-    np.minimum.at(first_gpu_HEG, (h_i, e_i, gpu_HEX[h_i, e_i, x_i]), s)
-    np.minimum.at(first_node_HEN, (h_i, e_i, node_HEX[h_i, e_i, x_i]), s)
-    np.add.at(on_node_HEN, (h_i, e_i, node_HEX[h_i, e_i, x_i]), 1)
-    node_G = np.arange(G) // (G // N)
+    first_gpu_HEG[h_i, phy2log_HP[h_i, p_i], p_i // S] = p_i
+    first_node_HEN = first_gpu_HEG.reshape(H, E, N, Q).min(axis=3)
+    node_G = np.arange(G) // Q
     nearest_HEG = np.where(first_gpu_HEG < big, first_gpu_HEG, -1)
     if prefer_same_node:
+        node_HP = np.broadcast_to(np.arange(P) // (S * Q), (H, P))
+        on_node_HEN = np.bincount((row_HP * N + node_HP).ravel(), minlength=H * E * N).reshape(H, E, N)
         narrows_HEG = (on_node_HEN[:, :, node_G] > 0) & (on_node_HEN[:, :, node_G] < count_HE[:, :, None])
         nearest_HEG = np.where((nearest_HEG < 0) & narrows_HEG, first_node_HEN[:, :, node_G], nearest_HEG)
     nearest_HEG = np.where((count_HE == 1)[:, :, None], slots_HEX[:, :, :1], nearest_HEG)
@@ -126,6 +128,46 @@ def _fair_choices(arr: list, k: int, rng: random.Random) -> list:
     return ans
 
 
+_DRAWS_KERNEL = "eplb._sglang_draws_kernel"
+_load_tried = False
+_load_lock = threading.Lock()
+
+
+def _draws_kernel():
+    """The compiled draws (eplb._sglang_draws_kernel) when loaded and checked in this process,
+    else None. Loaded on first use in a process that already runs numba (the rule-aware planner
+    does), from numba's cache; on a cold cache one background process compiles them and the
+    draws stay in Python meanwhile. A process without numba draws in Python (the same picks)."""
+    global _load_tried
+    mod = sys.modules.get(_DRAWS_KERNEL)
+    if mod is not None and mod.ready:
+        return mod
+    if _load_tried or "numba" not in sys.modules:
+        return None
+    with _load_lock:
+        if not _load_tried:
+            _load_tried = True
+            from eplb.compiled import compile_detached, load_cached
+
+            if not load_cached((_DRAWS_KERNEL,)):
+                compile_detached(_DRAWS_KERNEL)
+    mod = sys.modules.get(_DRAWS_KERNEL)
+    return mod if mod is not None and mod.ready else None
+
+
+def _draws(seed: int, slots_JX: np.ndarray, count_J: np.ndarray, k_J: np.ndarray) -> np.ndarray:
+    """`_fair_choices(slots_JX[j, :count_J[j]], k_J[j], rng)` for every list j in turn, from one
+    `random.Random(seed)`: the picks one list after another, int64 [sum k_J]."""
+    kernel = _draws_kernel()
+    if kernel is not None:
+        return kernel.draw(seed, slots_JX, count_J, k_J)
+    rng = random.Random(seed)
+    picks: list[int] = []
+    for arr, n, k in zip(slots_JX.tolist(), count_J.tolist(), k_J.tolist()):
+        picks += _fair_choices(arr[:n], k, rng)
+    return np.array(picks, dtype=np.int64)
+
+
 def static_dispatch_maps(placement: Placement, *, path: str = "startup", seed: int = SEED,
                          prefer_same_node: bool = True, num_hidden_layers: int | None = None) -> np.ndarray:
     """The slot every rank sends each expert's tokens to under SGLang `static`, int64 [G, L, E].
@@ -137,34 +179,31 @@ def static_dispatch_maps(placement: Placement, *, path: str = "startup", seed: i
     phy2log_HP, moe_L = hidden_rows(placement, num_hidden_layers)
     G = placement.num_gpus
     c = _candidates(phy2log_HP, G, placement.num_nodes, prefer_same_node)
-    H, E, _ = c.nearest_HEG.shape
     out_GHE = np.transpose(c.nearest_HEG, (2, 0, 1)).copy()
     draws_HEG = c.nearest_HEG < 0  # only experts with >= 2 replicas ever draw
-    # Position of each drawing rank among the drawing ranks of its (row, expert).
-    pos_HEG = np.cumsum(draws_HEG, axis=2) - 1
     k_HE = draws_HEG.sum(axis=2)
-    slots = c.slots_HEX.tolist()
-    counts = c.count_HE.tolist()
     if path == "rebalance":
-        rng = random.Random(seed)
-        for h, e in zip(*np.nonzero(k_HE)):
-            full = slots[h][e][:counts[h][e]]
-            ans = _fair_choices(full, int(k_HE[h, e]), rng)
-            out_GHE[draws_HEG[h, e], h, e] = ans
+        # One stream over every (row, expert) some rank draws for, in order; its drawing ranks
+        # take the picks in rank order (np.nonzero's order: row, expert, rank).
+        h_i, e_i = np.nonzero(k_HE)
+        picks = _draws(seed, c.slots_HEX[h_i, e_i], c.count_HE[h_i, e_i], k_HE[h_i, e_i])
+        h_k, e_k, g_k = np.nonzero(draws_HEG)
+        out_GHE[g_k, h_k, e_k] = picks
     else:
+        # Position of each drawing rank among the drawing ranks of its (row, expert).
+        pos_HEG = np.cumsum(draws_HEG, axis=2) - 1
         # A rank's stream depends only on which (row, expert) it draws for: ranks that draw for
         # the same ones (typically a node's) replay one stream, so it is drawn once per group.
         groups: dict[bytes, list[int]] = {}
         for g in range(G):
             groups.setdefault(np.packbits(draws_HEG[:, :, g]).tobytes(), []).append(g)
         for members in groups.values():
-            rng = random.Random(seed)
             h_i, e_i = np.nonzero(draws_HEG[:, :, members[0]])
-            picks = np.array([_fair_choices(slots[h][e][:counts[h][e]], int(k_HE[h, e]), rng)
-                              for h, e in zip(h_i.tolist(), e_i.tolist())], dtype=object)
+            k_J = k_HE[h_i, e_i]
+            picks = _draws(seed, c.slots_HEX[h_i, e_i], c.count_HE[h_i, e_i], k_J)
+            start_J = np.cumsum(k_J) - k_J
             for g in members:
-                pos = pos_HEG[h_i, e_i, g]
-                out_GHE[g, h_i, e_i] = [p[i] for p, i in zip(picks, pos.tolist())]
+                out_GHE[g, h_i, e_i] = picks[start_J + pos_HEG[h_i, e_i, g]]
     assert (out_GHE >= 0).all()
     return out_GHE[:, moe_L]
 
@@ -172,9 +211,9 @@ def static_dispatch_maps(placement: Placement, *, path: str = "startup", seed: i
 def _shares_from_maps(placement: Placement, map_GLE: np.ndarray) -> np.ndarray:
     L, P = placement.phy2log_LP.shape
     G = placement.num_gpus
-    count_LP = np.zeros((L, P))
-    np.add.at(count_LP, (np.broadcast_to(np.arange(L)[None, :, None], map_GLE.shape), map_GLE), 1.0)
-    return count_LP / G
+    # Ranks mapped to each slot, counted over the flat (layer, slot) index.
+    count_LP = np.bincount((np.arange(L)[None, :, None] * P + map_GLE).ravel(), minlength=L * P).reshape(L, P)
+    return count_LP.astype(np.float64) / G
 
 
 @dataclass(frozen=True)

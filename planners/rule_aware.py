@@ -34,8 +34,12 @@ planned for (Solution.info["served_matches_plan"]).
 
 from __future__ import annotations
 
+import importlib
+import subprocess
+
 import numpy as np
 
+from eplb.compiled import compile_detached, kernel_array, kernel_floats, load_cached
 from eplb.dispatch import EvenSplit, PlanWeights
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.placement import Placement
@@ -44,6 +48,7 @@ from eplb.sglang_dispatch import SglangDynamic, SglangStatic
 from eplb.stats import replica_counts_minmax
 from planners.greedy import plan_greedy
 from planners.robust import RobustPlanner, normalise_windows, parse_blends, robust_demand, smooth_max_swaps
+from planners.robust import warm_up as warm_up_robust
 from planners.rule_previous import fit_gpus, held_by_gpu, match_units, moves_per_layer
 
 SCOPES: dict[type, str] = {EvenSplit: "free", PlanWeights: "free", SglangStatic: "unit", SglangDynamic: "unit"}
@@ -107,8 +112,81 @@ def _share_table(provisional_LP: np.ndarray, share_LP: np.ndarray, num_units: in
 
 
 def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
-          held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None):
+          held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None, compiled: bool | None = None):
     """Step 4: vector packing with unit constraints; returns (phy2log_LP, bound_LP).
+
+    `_pack_numpy` specifies it (heaviest replica first onto the allowed GPU whose worst-window
+    load after it is lowest; held_LGE and cap_L keep replicas where they are served); its
+    compiled kernel (planners/_rule_pack_kernel.py) runs it. compiled: None uses the kernel when
+    numba's cache has it, else packs in numpy while it compiles in a background process
+    (`rule_pack_kernel`); True compiles here if need be; False is numpy.
+    """
+    kernel = rule_pack_kernel(wait=True) if compiled else (rule_pack_kernel() if compiled is None else None)
+    if kernel is None:
+        return _pack_numpy(share_TLE, count_LE, units_LEU, table_LEU, num_gpus, slots_per_gpu, held_LGE, cap_L)
+    T, L, E = share_TLE.shape
+    U = units_LEU.shape[2]
+    G, S = num_gpus, slots_per_gpu
+    P = G * S
+    w_LIT = np.empty((L, P, T))
+    e_LI = np.empty((L, P), dtype=np.int64)
+    u_LI = np.empty((L, P), dtype=np.int64)
+    pending_LU = np.empty((L, U), dtype=np.int64)
+    for l in range(L):
+        # The replicas and their order exactly as `_pack_numpy` makes them.
+        single_E = np.flatnonzero(count_LE[l] == 1)
+        rep_e, rep_u = np.nonzero(units_LEU[l])
+        item_e = np.r_[rep_e, single_E]
+        item_u = np.r_[rep_u, np.full(len(single_E), -1)]
+        share_I = np.where(item_u >= 0, table_LEU[l, item_e, np.maximum(item_u, 0)], 1.0)
+        w_IT = share_TLE[:, l, item_e].T * share_I[:, None]
+        order = np.lexsort((item_u < 0, -w_IT.sum(axis=1), -w_IT.max(axis=1)))
+        w_LIT[l], e_LI[l], u_LI[l] = w_IT[order], item_e[order], item_u[order]
+        pending_LU[l] = np.bincount(rep_u, minlength=U)
+    use_held = held_LGE is not None
+    held = kernel_array(held_LGE, np.bool_) if use_held else np.zeros((L, G, E), dtype=np.bool_)
+    cap = kernel_floats(cap_L) if use_held else np.zeros(L)
+    phy2log_LP = np.empty((L, P), dtype=np.int64)
+    bound_LP = np.zeros((L, P), dtype=bool)
+    failed = kernel.pack_layers(w_LIT, e_LI, u_LI, pending_LU, held, cap, use_held, int(S), phy2log_LP, bound_LP)
+    assert failed < 0, f"packing ran out of slots in layer {failed}"
+    return phy2log_LP, bound_LP
+
+
+_KERNEL_MODULE = "planners._rule_pack_kernel"
+_kernel = None
+_compiling: subprocess.Popen | None = None
+
+
+def rule_pack_kernel(wait: bool = False):
+    """The compiled packing (the module planners._rule_pack_kernel), or None while it is not
+    compiled yet: loaded from numba's cache once per process; on a cold cache one background
+    process compiles it (the plan meanwhile packs in numpy, to the same bits); wait=True
+    compiles here instead."""
+    global _kernel, _compiling
+    if _kernel is None:
+        if wait or load_cached((_KERNEL_MODULE,)):
+            module = importlib.import_module(_KERNEL_MODULE)
+            module.warm_up()
+            _kernel = module
+        elif _compiling is None:
+            _compiling = compile_detached(_KERNEL_MODULE)
+    return _kernel
+
+
+def warm_up() -> None:
+    """Load (or, on a fresh install, compile) the rule-aware planner's kernels now: its packing
+    and the robust swap search it refines with (eplb.compiled runs this in the background for a
+    Rebalancer that plans with rule-aware)."""
+    rule_pack_kernel(wait=True)
+    warm_up_robust()
+    importlib.import_module("eplb._sglang_draws_kernel").warm_up()  # the rule's draws
+
+
+def _pack_numpy(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
+                held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None):
+    """Step 4 in numpy, the specification of `_pack` (its compiled kernel's twin); returns
+    (phy2log_LP, bound_LP).
 
     Heaviest replica first (largest load over the windows), each onto the allowed GPU with a
     free slot whose worst-window load after it is lowest. A unit keeps free slots for the
@@ -243,6 +321,7 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
                         f"the rule-aware plan for {rule.name} keeps replicas of an expert on distinct "
                         f"{'nodes' if U == N else 'GPUs'}")
     held_LGE = None if previous_LP is None else held_by_gpu(np.asarray(previous_LP), G, E)
+    rule_pack_kernel()  # loaded before the first bind, which then draws compiled too (eplb.sglang_dispatch)
     share_TLE = normalise_windows(history_TLE, G)
     blends = (0.0,) if T == 1 else tuple(blends)
     fit = dict(beta=beta, refine_rounds=refine_rounds, held_LGE=held_LGE, move_slack=move_slack)

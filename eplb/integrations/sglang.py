@@ -200,7 +200,9 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
         result = plan(trace, num_gpus=G, num_nodes=num_nodes, slots_per_gpu=num_local_physical_experts,
                       planner=planner, settings=settings, num_expert_groups=groups, previous=previous,
                       budget=Budget(**budget) if previous is not None else None, dispatch=rule)
-        full_HP[moe] = result.placement.phy2log_LP
+        # The map alone: `result.placement` would score the plan and the contiguous baseline
+        # under the rule (two more binds), time SGLang's rebalance stalls on for a report nobody reads.
+        full_HP[moe] = result.solution.phy2log_LP
     full = Placement(full_HP, G, E, num_nodes)
     phy, log2phy, count = to_deepseek(full)
     return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (phy, log2phy, count))

@@ -1,12 +1,13 @@
 """The numba kernels of the migration package: what compiles, and loading it ahead of time.
 
-Three kernel modules, each imported on first use (numba takes about half a second to import,
+Four kernel modules, each imported on first use (numba takes about half a second to import,
 and `eplb plan` without a previous placement must start fast):
 - `_moves_kernel`: count_moves, keep_slots, keep_counts, gpu_assignment, keep_pairs (for `moves`);
 - `_search_kernel`: holdings_LEG and the budgeted search loop (for `search`);
 - `_schedule_kernel`: the rounds of a migration schedule (for `schedule`), with its stages
   (`_chain_kernel`, `_links_kernel`, `_sources_kernel`, `_stage_kernel`), compiled with it;
-  `schedule_relay` is the relay mode's entry point (`warm_up` runs both).
+  `schedule_relay` is the relay mode's entry point (`warm_up` runs both);
+- `_repair_kernel`: the search step of the share-keeping repair under SGLang's rules (for `rule`).
 Every kernel trusts its input (the package's entry points check it: `checks`), releases the
 GIL, and is compiled with `cache=True`: the machine code is stored beside the module (or under
 NUMBA_CACHE_DIR), so only the first process after an install compiles. Arrays reach the
@@ -35,7 +36,7 @@ def warm_up() -> float:
     """Load (or, on a fresh install, compile) the numba kernels of the migration package now,
     so that the first rebalance decision does not pay for it; returns the seconds it took.
     Fast after the first call in a process."""
-    from eplb.migration import _moves_kernel
+    from eplb.migration import _moves_kernel, _repair_kernel
 
     t0 = time.perf_counter()
     # Two layers, 3 experts, 2 GPUs x 2 slots: runs every kernel on the argument types the
@@ -52,6 +53,7 @@ def warm_up() -> float:
     # Three slots per GPU: past RELAY_SLOTS_PER_GPU, so the relay mode stays cold (warm_up_relay).
     old3 = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 2, 1, 0]])
     schedule(old3, old3[:, ::-1].copy(), 2, 3)
+    _repair_kernel.warm_up()
     return time.perf_counter() - t0
 
 

@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "eplb.trace": 2, "eplb.placement": 2,
     "eplb.stats": 3, "eplb.capacity": 3, "eplb.synth": 3, "eplb._score_kernel": 3,
     "eplb.dispatch": 4, "eplb.sglang_dispatch": 4, "eplb.cost": 4, "eplb.time_dispatch": 4, "eplb.calibration": 4,
-    "eplb._time_dispatch_kernel": 4,
+    "eplb._time_dispatch_kernel": 4, "eplb._sglang_draws_kernel": 4,
     "eplb.planner_api": 5,
     "planners": 6, "eplb.migration": 6,
     "eplb.planning": 7, "eplb.kernel_sets": 7,
