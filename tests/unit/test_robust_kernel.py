@@ -80,6 +80,9 @@ def test_a_cold_cache_plans_in_numpy_while_the_kernels_compile_in_the_background
         def __init__(self, args, **kwargs):
             started.append(args)
 
+        def wait(self):  # the reaper thread's (eplb.compiled.compile_detached)
+            return 0
+
     monkeypatch.setattr(robust, "_kernels", None)
     monkeypatch.setattr(robust, "_compiling", None)
     monkeypatch.setattr(robust, "load_cached", lambda modules: False)
