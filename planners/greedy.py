@@ -8,7 +8,9 @@ Step 2: pack. Replicas, heaviest first, each go to the least-loaded GPU that has
         and does not yet hold that expert (longest-processing-time with slot limits, in S
         rounds of G).
 Step 3: refine. Swap a replica on the busiest GPU with one on a lighter GPU while that lowers
-        the busiest GPU's load (the swap leaving the pair's larger load lowest first).
+        the busiest GPU's load (lighter GPUs lightest first, each with the swap leaving the
+        pair's larger load lowest: the first GPU whose swap leaves the pair at or below the
+        second-busiest GPU, else the lowest of all).
 The steps are compiled (planners/_greedy_kernel.py, numba, imported on first use); the
 functions here check their input and hand whole [L, E] arrays to the kernels.
 """
