@@ -188,6 +188,27 @@ def even_report(load_LE, phy2log_LP, count_LE, num_gpus, bound_L):
     return gpu_LG, imbalance_L, ratio_L, balancedness
 
 
+@njit(cache=True, nogil=True)
+def replica_counts(phy2log_LP, num_experts):
+    """(count_LE int64 [L, E], smallest id, largest id) of a map [L, P] in one pass: what
+    Placement checks with numpy's min, max and bincount (ids outside 0..E-1 are not counted;
+    the caller refuses the map then)."""
+    L, P = phy2log_LP.shape
+    count_LE = np.zeros((L, num_experts), dtype=np.int64)
+    lo = phy2log_LP[0, 0] if L and P else 0
+    hi = lo
+    for l in range(L):
+        for p in range(P):
+            e = phy2log_LP[l, p]
+            if e < lo:
+                lo = e
+            if e > hi:
+                hi = e
+            if 0 <= e < num_experts:
+                count_LE[l, e] += 1
+    return count_LE, lo, hi
+
+
 def warm_up() -> None:
     """Load (or, on a fresh install, compile) the kernels on the argument types of the real
     calls (eplb.compiled runs this in the background; eplb.stats on first use)."""
@@ -200,4 +221,5 @@ def warm_up() -> None:
     bound_L = np.empty(2)
     bound_terms(load_LE, count_LE, 2, 4, bound_L)
     even_report(load_LE, phy_LP, count_LE, 2, bound_L)
+    replica_counts(phy_LP, 3)
     ready = True

@@ -16,6 +16,7 @@ Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 sl
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +28,14 @@ from eplb.topology import Topology
 
 FORMAT_NAME = "eplb.placement"
 FORMAT_VERSION = 1
+
+
+def _count_kernel():
+    """eplb._score_kernel when a process that scores plans has loaded it (eplb.stats loads it),
+    else None: Placement then counts in numpy, to the same counts. Looked up, never imported:
+    a process that only reads placements does not load numba for them."""
+    mod = sys.modules.get("eplb._score_kernel")
+    return mod if mod is not None and mod.ready else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +79,17 @@ class Placement:
             raise EplbError(f"{P} physical slots do not split evenly over {G} GPUs")
         if G % N:
             raise EplbError(f"num_gpus ({G}) must be divisible by num_nodes ({N})")
-        if L and (phy.min() < 0 or phy.max() >= E):
+        phy64 = readonly(phy.astype(np.int64))
+        count_LE = None
+        kernel = _count_kernel()
+        if kernel is not None and L and 8 * L * E <= max_input_bytes() and (E <= P or self.partial):
+            # One compiled pass for the id range and the counts (numpy makes four; the checks
+            # and their order are the same).
+            count_LE, lo, hi = kernel.replica_counts(phy64, E)
+            in_range = lo >= 0 and hi < E
+        else:
+            in_range = not L or (phy.min() >= 0 and phy.max() < E)
+        if not in_range:
             bad = phy[(phy < 0) | (phy >= E)][0]
             raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
         if not isinstance(self.partial, (bool, np.bool_)):
@@ -81,11 +100,12 @@ class Placement:
         if 8 * L * E > max_input_bytes():
             raise EplbError(f"num_logical_experts ({E}) x {L} layers is more than the input limit allows "
                             f"({MAX_INPUT_ENV})")
-        count_LE = np.bincount((np.arange(L)[:, None] * E + phy).ravel(), minlength=L * E).reshape(L, E)
+        if count_LE is None:
+            count_LE = np.bincount((np.arange(L)[:, None] * E + phy64).ravel(), minlength=L * E).reshape(L, E)
         if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]
             raise EplbError(f"logical expert {expert} has no replica in layer index {layer}")
-        object.__setattr__(self, "phy2log_LP", readonly(phy.astype(np.int64)))
+        object.__setattr__(self, "phy2log_LP", phy64)
         object.__setattr__(self, "num_gpus", G)
         object.__setattr__(self, "num_logical_experts", E)
         object.__setattr__(self, "num_nodes", N)

@@ -229,12 +229,14 @@ def as_history(loads_or_trace: Any) -> tuple[np.ndarray, np.ndarray | None, dict
         a = a[None]
     if a.ndim != 3:
         raise EplbError(f"loads must be [layers, experts] or [windows, layers, experts], got shape {a.shape}")
-    if not np.all(np.isfinite(a)) or (a.size and a.min() < 0):
-        raise EplbError("loads must be finite and non-negative")
     if 0 in a.shape:
         raise EplbError(f"loads must not be empty, got shape {a.shape}")
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         total = float(a.sum())
+    # A finite sum has no inf or NaN among its terms (either would make it inf or NaN), so the
+    # element-wise finiteness pass is needed only to tell those from finite loads that overflow.
+    if (not np.isfinite(total) and not np.all(np.isfinite(a))) or a.min() < 0:
+        raise EplbError("loads must be finite and non-negative")
     if not total <= MAX_COUNT:  # 1e308 loads sum to inf: every score would be NaN
         raise EplbError(f"loads sum to {total:g}, more than 2**62 ({MAX_COUNT:.3g}): scale them down "
                         f"(balance does not depend on the unit)")

@@ -9,8 +9,10 @@ G = GPUs of a row, S = slots per GPU, P = G x S slots. Slot p of a row lives on 
   in order of their load so far, lightest first (ties: lower GPU index). Every GPU gets one
   replica per round, so the slot limit holds by construction; the one expert whose replicas
   straddle two rounds takes the lightest GPUs that do not hold it yet;
-- `refine`: swaps of a replica on the busiest GPU with one on a lighter GPU, the swap that
-  leaves the pair's larger load lowest first, while one lowers the busiest GPU
+- `refine`: swaps of a replica on the busiest GPU with one on a lighter GPU while one lowers
+  the busiest GPU: the lighter GPUs are tried lightest first, each with the swap that leaves
+  the pair's larger load lowest, and the best of all is made; when settling (refining until
+  no swap helps), the first that leaves the pair at or below the second-busiest GPU is
   (`GreedyPlanner` runs the three in turn, planners/greedy.py).
 The code is plain loops over scalars (no numpy sorting or slicing inside): numba compiles such
 code in a fraction of the time its array library takes, and only the first process after an
@@ -248,7 +250,7 @@ def _resort_slot(phy, per_E, p, S, srt, ws):
 
 
 @njit(cache=True, nogil=True)
-def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
+def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt, ws):
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
     ws [P] (`_sort_gpu_items`)."""
@@ -284,9 +286,17 @@ def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
         best = top * (1.0 - 1e-9)
         ba = -1
         bb = -1
+        # Settling: once a GPU's best swap leaves the pair at or below the second-busiest GPU,
+        # the row's busiest load after it is that GPU's, whichever swap is made: a better swap on
+        # a later (heavier) GPU would not lower it, and scanning on for one costs as much as the
+        # swap (about half the GPUs scanned, for a few more swaps; the plans end as balanced).
+        # Under a cap on swaps each swap should do the most, so a capped refine takes the best.
+        second = gl[order[G - 2]] if settle and G > 1 else -np.inf
         for i in range(G - 1):
             g = order[i]
             lg = gl[g]
+            if ba >= 0 and best <= second:
+                break
             if 0.5 * (top + lg) >= best:
                 break                      # lighter GPUs came first: no later one can do better
             og = g * S
@@ -349,9 +359,11 @@ def _refine_row(phy, per_E, G, S, max_swaps, holds, gl, order, pos, srt, ws):
 
 
 @njit(cache=True, nogil=True)
-def refine(phy_RP, per_RE, G, max_swaps):
+def refine(phy_RP, per_RE, G, max_swaps, settle):
     """Lower each row's busiest GPU by replica swaps, in place (at most max_swaps per row);
-    returns the swaps made in all rows. Each replica of expert e carries per_RE[r, e]."""
+    returns the swaps made in all rows. Each replica of expert e carries per_RE[r, e]. settle:
+    swaps go on until none helps (max_swaps only a guard), so each may be the first below the
+    second-busiest GPU rather than the best (see the module docstring)."""
     R, P = phy_RP.shape
     E = per_RE.shape[1]
     S = P // G
@@ -363,5 +375,5 @@ def refine(phy_RP, per_RE, G, max_swaps):
     ws = np.empty(P)
     swaps = 0
     for r in range(R):
-        swaps += _refine_row(phy_RP[r], per_RE[r], G, S, max_swaps, holds, gl, order, pos, srt, ws)
+        swaps += _refine_row(phy_RP[r], per_RE[r], G, S, max_swaps, settle, holds, gl, order, pos, srt, ws)
     return swaps

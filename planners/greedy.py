@@ -8,7 +8,9 @@ Step 2: pack. Replicas, heaviest first, each go to the least-loaded GPU that has
         and does not yet hold that expert (longest-processing-time with slot limits, in S
         rounds of G).
 Step 3: refine. Swap a replica on the busiest GPU with one on a lighter GPU while that lowers
-        the busiest GPU's load (the swap leaving the pair's larger load lowest first).
+        the busiest GPU's load (the swap leaving the pair's larger load lowest; refining until
+        no swap helps, the first GPU, lightest first, whose swap leaves the pair at or below
+        the second-busiest GPU).
 The steps are compiled (planners/_greedy_kernel.py, numba, imported on first use); the
 functions here check their input and hand whole [L, E] arrays to the kernels.
 """
@@ -80,7 +82,8 @@ def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndar
 
     Rows may be any batch (layers, or layers x nodes with G = GPUs per node). Each replica
     carries per_LE (default load_LE / count_LE, an even split). max_rounds: swaps per row at
-    most (None: until no swap lowers the busiest GPU, at most 4 x P).
+    most, each the best (None: until no swap lowers the busiest GPU, at most 4 x P, each the
+    first below the second-busiest GPU: planners/_greedy_kernel.py).
     """
     if per_LE is None:
         per_LE = load_LE / count_LE
@@ -89,7 +92,8 @@ def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndar
     if cap > 0:
         per_LE = kernel_floats(per_LE)
         kernel = _kernel()
-        run_blocks(lambda a, b: kernel.refine(phy[a:b], per_LE[a:b], int(num_gpus), cap), *phy.shape)
+        settle = max_rounds is None
+        run_blocks(lambda a, b: kernel.refine(phy[a:b], per_LE[a:b], int(num_gpus), cap, settle), *phy.shape)
     if phy is not phy2log_LP:
         phy2log_LP[...] = phy
     return phy2log_LP
@@ -129,7 +133,7 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
         per = load / count
         phy = _pack_rows(kernel, per, count, G, S)
         if cap > 0:
-            kernel.refine(phy, per, G, cap)
+            kernel.refine(phy, per, G, cap, refine_rounds is None)
         phy2log_LP[a:b] = phy
 
     run_blocks(rows, L, P)

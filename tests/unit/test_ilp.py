@@ -83,12 +83,16 @@ def test_the_time_limit_is_for_the_whole_plan_largest_gap_first():
     rng = np.random.default_rng(4)
     load_LE = rng.pareto(1.2, (12, 48)) * 100 + 1
     greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy")
+    capped = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy", settings={"refine_rounds": 64})
     # A budget spent before the first layer starts: every layer keeps its greedy hint, and says so.
     res = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="ilp",
                         settings={"dispatch": "even", "time_limit": 1e-6, "quiet": True})
     assert res.status == "FEASIBLE" and "not reached in the time budget" in res.message
     assert res.info["unreached_layers"] == list(range(12))
-    np.testing.assert_array_equal(res.after.gpu_load_LG.max(axis=1), greedy.after.gpu_load_LG.max(axis=1))
+    # The even-split hint is greedy's plan, or per layer its 64-swap plan where that is better
+    # (each of those swaps the best one, where greedy settles with the first good enough).
+    hint_L = np.minimum(greedy.after.gpu_load_LG.max(axis=1), capped.after.gpu_load_LG.max(axis=1))
+    np.testing.assert_array_equal(res.after.gpu_load_LG.max(axis=1), hint_L)
     # Small layers proven optimal long before the budget: every layer reached.
     res = planning.plan(load_LE[:3, :12], num_gpus=4, slots_per_gpu=4, planner="ilp",
                         settings={"dispatch": "even", "time_limit": 60, "quiet": True})
