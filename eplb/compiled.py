@@ -110,10 +110,17 @@ def compile_once(name: str) -> None:
         import fcntl
     except ImportError:  # no POSIX file locks (Windows): compile without waiting for the others
         fcntl = None
-    with open(path, "a") as lock:
-        if fcntl is not None:
+    try:
+        lock = open(path, "a")
+    except OSError:  # another user's lock file, a read-only temp folder: compile without it
+        lock = None
+    try:
+        if fcntl is not None and lock is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes (or the process ends)
         getattr(importlib.import_module(module), function)()
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def _start_compile(module: str, **popen_kw) -> subprocess.Popen:
