@@ -142,6 +142,30 @@ def compile_detached(module: str) -> subprocess.Popen:
     return proc
 
 
+class CachedKernels:
+    """A kernel module (one with `warm_up()`) for a command that must not wait for a compile.
+
+    `get()` loads it from numba's cache on first use in the process; on a cold cache it starts
+    one detached compile for later runs (`compile_detached`) and returns None, and the caller
+    computes in numpy meanwhile, to the same result. `get(wait=True)` compiles here if need be."""
+
+    def __init__(self, module: str):
+        self.module = module
+        self._loaded = None
+        self._compiling: subprocess.Popen | None = None
+
+    def get(self, wait: bool = False):
+        """The loaded module, or None while a cold cache compiles it (never with wait=True)."""
+        if self._loaded is None:
+            if wait or load_cached((self.module,)):
+                loaded = importlib.import_module(self.module)
+                loaded.warm_up()
+                self._loaded = loaded
+            elif self._compiling is None:
+                self._compiling = compile_detached(self.module)
+        return self._loaded
+
+
 def compile_in_side_processes(modules: tuple[str, ...]) -> list[str]:
     """Compile the kernels of each module in a process of its own (all at once) so that they
     land in numba's cache; returns the failures (module: reason), empty when all compiled."""

@@ -31,12 +31,9 @@ one swap search (benchmarks/bench_backtest.py times them).
 
 from __future__ import annotations
 
-import importlib
-import subprocess
-
 import numpy as np
 
-from eplb.compiled import compile_detached, kernel_array, load_cached
+from eplb.compiled import CachedKernels, kernel_array
 from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from eplb.stats import replica_counts_minmax
@@ -221,9 +218,7 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
     return True
 
 
-_KERNEL_MODULE = "planners._robust_kernel"
-_kernels = None
-_compiling: subprocess.Popen | None = None
+_KERNELS = CachedKernels("planners._robust_kernel")
 
 
 def robust_kernels(wait: bool = False):
@@ -235,15 +230,7 @@ def robust_kernels(wait: bool = False):
     cache (10-30 s on a small machine) and returns None: the planner meanwhile runs in numpy
     and scipy, with the same result, and says so in its message. wait=True compiles here instead.
     """
-    global _kernels, _compiling
-    if _kernels is None:
-        if wait or load_cached((_KERNEL_MODULE,)):
-            module = importlib.import_module(_KERNEL_MODULE)
-            module.warm_up()
-            _kernels = module
-        elif _compiling is None:
-            _compiling = compile_detached(_KERNEL_MODULE)
-    return _kernels
+    return _KERNELS.get(wait)
 
 
 def _kept_count(quantile: float, T: int) -> int:

@@ -35,11 +35,10 @@ planned for (Solution.info["served_matches_plan"]).
 from __future__ import annotations
 
 import importlib
-import subprocess
 
 import numpy as np
 
-from eplb.compiled import compile_detached, kernel_array, kernel_floats, load_cached
+from eplb.compiled import CachedKernels, kernel_array, kernel_floats
 from eplb.dispatch import EvenSplit, PlanWeights
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.placement import Placement
@@ -133,16 +132,9 @@ def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gp
     u_LI = np.empty((L, P), dtype=np.int64)
     pending_LU = np.empty((L, U), dtype=np.int64)
     for l in range(L):
-        # The replicas and their order exactly as `_pack_numpy` makes them.
-        single_E = np.flatnonzero(count_LE[l] == 1)
-        rep_e, rep_u = np.nonzero(units_LEU[l])
-        item_e = np.r_[rep_e, single_E]
-        item_u = np.r_[rep_u, np.full(len(single_E), -1)]
-        share_I = np.where(item_u >= 0, table_LEU[l, item_e, np.maximum(item_u, 0)], 1.0)
-        w_IT = share_TLE[:, l, item_e].T * share_I[:, None]
-        order = np.lexsort((item_u < 0, -w_IT.sum(axis=1), -w_IT.max(axis=1)))
+        item_e, item_u, w_IT, pending_LU[l] = _items(share_TLE, count_LE, units_LEU, table_LEU, l)
+        order = _heaviest_first(item_u, w_IT)
         w_LIT[l], e_LI[l], u_LI[l] = w_IT[order], item_e[order], item_u[order]
-        pending_LU[l] = np.bincount(rep_u, minlength=U)
     use_held = held_LGE is not None
     held = kernel_array(held_LGE, np.bool_) if use_held else np.zeros((L, G, E), dtype=np.bool_)
     cap = kernel_floats(cap_L) if use_held else np.zeros(L)
@@ -153,9 +145,7 @@ def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gp
     return phy2log_LP, bound_LP
 
 
-_KERNEL_MODULE = "planners._rule_pack_kernel"
-_kernel = None
-_compiling: subprocess.Popen | None = None
+_KERNELS = CachedKernels("planners._rule_pack_kernel")
 
 
 def rule_pack_kernel(wait: bool = False):
@@ -163,15 +153,7 @@ def rule_pack_kernel(wait: bool = False):
     compiled yet: loaded from numba's cache once per process; on a cold cache one background
     process compiles it (the plan meanwhile packs in numpy, to the same bits); wait=True
     compiles here instead."""
-    global _kernel, _compiling
-    if _kernel is None:
-        if wait or load_cached((_KERNEL_MODULE,)):
-            module = importlib.import_module(_KERNEL_MODULE)
-            module.warm_up()
-            _kernel = module
-        elif _compiling is None:
-            _compiling = compile_detached(_KERNEL_MODULE)
-    return _kernel
+    return _KERNELS.get(wait)
 
 
 def warm_up() -> None:
@@ -181,6 +163,24 @@ def warm_up() -> None:
     rule_pack_kernel(wait=True)
     warm_up_robust()
     importlib.import_module("eplb._sglang_draws_kernel").warm_up()  # the rule's draws
+
+
+def _items(share_TLE, count_LE, units_LEU, table_LEU, l: int):
+    """Layer l's replicas to pack: (expert [I], unit [I] (-1: a single replica, any GPU), load
+    per window [I, T] under the planned shares, replicated replicas still to come per unit [U])."""
+    single_E = np.flatnonzero(count_LE[l] == 1)
+    rep_e, rep_u = np.nonzero(units_LEU[l])
+    item_e = np.r_[rep_e, single_E]
+    item_u = np.r_[rep_u, np.full(len(single_E), -1)]
+    share_I = np.where(item_u >= 0, table_LEU[l, item_e, np.maximum(item_u, 0)], 1.0)
+    w_IT = share_TLE[:, l, item_e].T * share_I[:, None]
+    return item_e, item_u, w_IT, np.bincount(rep_u, minlength=units_LEU.shape[2])
+
+
+def _heaviest_first(item_u, w_IT) -> np.ndarray:
+    """The packing order: heaviest worst window first, then heaviest total; among equals the
+    replicated replicas, which have fewer GPUs to go to."""
+    return np.lexsort((item_u < 0, -w_IT.sum(axis=1), -w_IT.max(axis=1)))
 
 
 def _pack_numpy(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
@@ -201,17 +201,10 @@ def _pack_numpy(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_
     phy2log_LP = np.empty((L, G * S), dtype=np.int64)
     bound_LP = np.zeros((L, G * S), dtype=bool)
     for l in range(L):
-        single_E = np.flatnonzero(count_LE[l] == 1)
-        rep_e, rep_u = np.nonzero(units_LEU[l])
-        item_e = np.r_[rep_e, single_E]
-        item_u = np.r_[rep_u, np.full(len(single_E), -1)]
-        share_I = np.where(item_u >= 0, table_LEU[l, item_e, np.maximum(item_u, 0)], 1.0)
-        w_IT = share_TLE[:, l, item_e].T * share_I[:, None]
-        pending_U = np.bincount(rep_u, minlength=U)
+        item_e, item_u, w_IT, pending_U = _items(share_TLE, count_LE, units_LEU, table_LEU, l)
         load_GT = np.zeros((G, T))
         fill_G = np.zeros(G, dtype=np.int64)
-        # Heaviest first; among equals the replicated ones, which have fewer GPUs to go to.
-        for i in np.lexsort((item_u < 0, -w_IT.sum(axis=1), -w_IT.max(axis=1))):
+        for i in _heaviest_first(item_u, w_IT):
             u = item_u[i]
             if u >= 0:
                 ok = np.zeros(G, dtype=bool)

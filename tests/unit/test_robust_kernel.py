@@ -83,9 +83,8 @@ def test_a_cold_cache_plans_in_numpy_while_the_kernels_compile_in_the_background
         def wait(self):  # the reaper thread's (eplb.compiled.compile_detached)
             return 0
 
-    monkeypatch.setattr(robust, "_kernels", None)
-    monkeypatch.setattr(robust, "_compiling", None)
-    monkeypatch.setattr(robust, "load_cached", lambda modules: False)
+    monkeypatch.setattr(robust, "_KERNELS", eplb.compiled.CachedKernels(robust._KERNELS.module))
+    monkeypatch.setattr(eplb.compiled, "load_cached", lambda modules: False)
     monkeypatch.setattr(eplb.compiled.subprocess, "Popen", FakePopen)
     cold = RobustPlanner().plan(request)
     assert cold.info["compiled"] is False and "numpy" in cold.message
