@@ -35,9 +35,11 @@ tokens (dense layers) get SGLang's trivial row `p % E`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import runpy
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -141,10 +143,18 @@ def register() -> None:
 
 
 def _checked_initial_location(original, model_config, *args, **kwargs):
-    """Check the start-up file against the model config SGLang loaded, then run SGLang's code."""
+    """Check the start-up file against the model config SGLang loaded, then run SGLang's code.
+
+    SGLang runs this in the scheduler processes only (each model runner computes its expert
+    locations at start-up), the processes whose rebalance calls eplb's algorithm: they start
+    loading the planner's kernels here (`_planner_warm_up`), so that their first rebalance does
+    not load them inside its stall."""
     from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
     from sglang.srt.runtime_context import get_exec
 
+    _planner_warm_up()
+    # The plan from the served map imports the assignment solver on first use (about 0.5 s).
+    threading.Thread(target=importlib.import_module, args=("scipy.optimize",), daemon=True).start()
     moe = get_exec().moe
     mc = ModelConfigForExpertLocation.from_model_config(model_config)
     if mc is not None and moe.init_expert_location != "trivial":
@@ -152,6 +162,17 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
                               num_logical_experts=mc.num_logical_experts,
                               num_physical_experts=mc.num_logical_experts + moe.ep_num_redundant_experts)
     return original(model_config, *args, **kwargs)
+
+
+def _planner_warm_up():
+    """The process's warm-up of the configured planner's kernels (eplb.compiled), started on
+    first call: they load on a daemon thread (on a cold cache their compile takes turns with
+    the launcher's, and then only loads)."""
+    from eplb.compiled import warm_up_in_background
+    from eplb.kernel_sets import kernel_modules
+
+    planner, _ = parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)
+    return warm_up_in_background(kernel_modules(planner))
 
 
 def _current_map():
@@ -175,6 +196,9 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
     """
     import torch
 
+    # Kernels still loading (or, after an install, compiling) since start-up: wait for them
+    # rather than compile them a second time in this call.
+    _planner_warm_up().wait()
     counts = tokens_per_expert.detach().cpu().to(torch.float64).numpy()
     if counts.ndim == 2:
         counts = counts[None]
