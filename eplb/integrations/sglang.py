@@ -58,6 +58,7 @@ from eplb.sglang_dispatch import SglangStatic
 from eplb.trace import Trace, default_meta
 
 ENV_PLANNER = "EPLB_SGLANG_PLANNER"
+DEFAULT_PLANNER = "rule-aware"
 ENV_DISPATCH = "EPLB_SGLANG_DISPATCH"
 ENV_ANY_VERSION = "EPLB_SGLANG_ANY_VERSION"
 SUPPORTED_VERSIONS = ("0.5.23",)
@@ -152,7 +153,7 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
     from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
     from sglang.srt.runtime_context import get_exec
 
-    _planner_warm_up()
+    _planner_warm_up(_configured()[0])
     # The plan from the served map imports the assignment solver on first use (about 0.5 s).
     threading.Thread(target=importlib.import_module, args=("scipy.optimize",), daemon=True).start()
     moe = get_exec().moe
@@ -164,14 +165,18 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
     return original(model_config, *args, **kwargs)
 
 
-def _planner_warm_up():
-    """The process's warm-up of the configured planner's kernels (eplb.compiled), started on
-    first call: they load on a daemon thread (on a cold cache their compile takes turns with
-    the launcher's, and then only loads)."""
+def _configured() -> tuple[str, dict]:
+    """(planner, settings) that EPLB_SGLANG_PLANNER names (the launcher sets it; default rule-aware)."""
+    return parse_spec(os.environ.get(ENV_PLANNER, DEFAULT_PLANNER), ENV_PLANNER)
+
+
+def _planner_warm_up(planner: str):
+    """The process's warm-up of the planner's kernels (eplb.compiled), started on first call:
+    they load on a daemon thread (on a cold cache their compile takes turns with the
+    launcher's, and then only loads)."""
     from eplb.compiled import warm_up_in_background
     from eplb.kernel_sets import kernel_modules
 
-    planner, _ = parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)
     return warm_up_in_background(kernel_modules(planner))
 
 
@@ -196,16 +201,16 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
     """
     import torch
 
+    planner, settings = _configured()
     # Kernels still loading (or, after an install, compiling) since start-up: wait for them
     # rather than compile them a second time in this call.
-    _planner_warm_up().wait()
+    _planner_warm_up(planner).wait()
     counts = tokens_per_expert.detach().cpu().to(torch.float64).numpy()
     if counts.ndim == 2:
         counts = counts[None]
     T, H, E = counts.shape
     G = num_physical_experts // num_local_physical_experts
     P = num_physical_experts
-    planner, settings = parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)
     budget = {k: settings.pop(k) for k in BUDGET_KEYS if k in settings}
     moe = np.flatnonzero(counts.sum(axis=(0, 2)) > 0)
     full_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
@@ -241,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example:\n  python -m eplb.integrations.sglang --planner rule-aware -- --model-path "
                "deepseek-ai/DeepSeek-V3 --tp-size 32 --ep-size 32 --enable-eplb --ep-num-redundant-experts 32",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--planner", default="rule-aware", help="eplb planner (default rule-aware)")
+    p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"eplb planner (default {DEFAULT_PLANNER})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="planner setting (repeatable)")
     p.add_argument("--max-moves", type=int, help="copy at most K experts per rebalance")
     p.add_argument("--max-moves-per-gpu", type=int, help="at most K copies onto any GPU per rebalance")
@@ -301,7 +306,7 @@ def launch_server(sglang_args: list[str]) -> None:
     """Compile the planner's kernels aside (eplb.integrations.compile_aside: SGLang plans
     synchronously in every scheduler's rebalance), then run `python -m sglang.launch_server
     <args>` in this process."""
-    compile_aside(parse_spec(os.environ.get(ENV_PLANNER, "rule-aware"), ENV_PLANNER)[0])
+    compile_aside(_configured()[0])
     sys.argv = ["sglang.launch_server"] + list(sglang_args)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
