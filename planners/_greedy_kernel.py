@@ -150,18 +150,18 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
     ws [P] (`_sort_gpu_items`)."""
-    P = G * S
     total = 0.0
     wmax = 0.0
-    for g in range(G):
-        gl[g] = 0.0
-    for p in range(P):
-        e = phy[p]
-        gl[p // S] += per_E[e]
-        holds[e, p // S] = True
-        total += per_E[e]
-        if per_E[e] > wmax:
-            wmax = per_E[e]
+    for g in range(G):  # slot by slot in order, without p // S (an integer division per slot)
+        x = 0.0
+        for p in range(g * S, (g + 1) * S):
+            e = phy[p]
+            x += per_E[e]
+            holds[e, g] = True
+            total += per_E[e]
+            if per_E[e] > wmax:
+                wmax = per_E[e]
+        gl[g] = x
     # No placement of these replicas has a busiest GPU below the mean or the heaviest one.
     floor = max(total / G, wmax)
     for g in range(G):
@@ -249,8 +249,9 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
         _place(order, pos, gl, h, G)
         _place(order, pos, gl, g, G)
         swaps += 1
-    for p in range(P):  # holds is all False again for the next row (cheaper than clearing [E, G])
-        holds[phy[p], p // S] = False
+    for g in range(G):  # holds is all False again for the next row (cheaper than clearing [E, G])
+        for p in range(g * S, (g + 1) * S):
+            holds[phy[p], g] = False
     return swaps
 
 
