@@ -5,10 +5,7 @@ G = GPUs of a row, S = slots per GPU, P = G x S slots. Slot p of a row lives on 
 
 - `replicate`: replica counts per row, each next slot to the expert with the highest load per
   replica (a heap; ties: fewer replicas, then the lower expert id);
-- `pack`: S rounds; round k hands the next G heaviest replicas, heaviest first, to the GPUs
-  in order of their load so far, lightest first (ties: lower GPU index). Every GPU gets one
-  replica per round, so the slot limit holds by construction; the one expert whose replicas
-  straddle two rounds takes the lightest GPUs that do not hold it yet;
+- `pack`: longest-processing-time with a slot limit (planners/_pack_kernel.py);
 - `refine`: swaps of a replica on the busiest GPU with one on a lighter GPU while one lowers
   the busiest GPU: the lighter GPUs are tried lightest first, each with the swap that leaves
   the pair's larger load lowest, and the best of all is made; when settling (refining until
@@ -24,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from planners._pack_kernel import pack  # noqa: F401  (the greedy steps live here as one set)
 
 
 @njit(cache=True, nogil=True)
@@ -90,109 +89,6 @@ def replicate(load_RE, P, G):
 
 
 @njit(cache=True, nogil=True)
-def _ties_by_id(key, order, n):
-    """Sort each run of equal keys in order[:n] by index (an unstable sort left them in any order)."""
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and key[order[j]] == key[order[i]]:
-            j += 1
-        for a in range(i + 1, j):
-            x = order[a]
-            b = a
-            while b > i and order[b - 1] > x:
-                order[b] = order[b - 1]
-                b -= 1
-            order[b] = x
-        i = j
-
-
-@njit(cache=True, nogil=True)
-def _sort_gpus(gl, gorder, G):
-    """Insertion-sort gorder[:G] by load ascending, lower index among ties (cheap when the order
-    is nearly right already)."""
-    for a in range(1, G):
-        g = gorder[a]
-        lg = gl[g]
-        b = a
-        while b > 0 and (gl[gorder[b - 1]] > lg or (gl[gorder[b - 1]] == lg and gorder[b - 1] > g)):
-            gorder[b] = gorder[b - 1]
-            b -= 1
-        gorder[b] = g
-
-
-@njit(cache=True, nogil=True)
-def pack(per_RE, cnt_RE, order_RE, G, S):
-    """phy2log int64 [R, P]: cnt_RE[r, e] replicas of load per_RE[r, e] each, in S rounds (see
-    the module docstring). order_RE: each row's experts by per_RE descending (any order among
-    ties: they are put in id order here). Each row's counts sum to P and none exceeds G (a
-    count of 0 places nothing)."""
-    R, E = per_RE.shape
-    P = G * S
-    phy = np.empty((R, P), dtype=np.int64)
-    order = np.empty(E, dtype=np.int64)
-    rep = np.empty(P, dtype=np.int64)
-    last = np.empty(E, dtype=np.int64)
-    gl = np.empty(G)
-    gorder = np.empty(G, dtype=np.int64)
-    chosen = np.empty(G, dtype=np.int64)
-    for r in range(R):
-        per_E = per_RE[r]
-        for i in range(E):
-            order[i] = order_RE[r, i]
-        _ties_by_id(per_E, order, E)
-        n = 0
-        for i in range(E):
-            e = order[i]
-            for _ in range(cnt_RE[r, e]):
-                rep[n] = e
-                n += 1
-        for e in range(E):
-            last[e] = -1
-        for g in range(G):
-            gl[g] = 0.0
-            gorder[g] = g
-        for k in range(S):
-            if k > 0:
-                # The lightest GPUs took the heaviest replicas: the reversed order is nearly sorted.
-                for j in range(G // 2):
-                    x = gorder[j]
-                    gorder[j] = gorder[G - 1 - j]
-                    gorder[G - 1 - j] = x
-                _sort_gpus(gl, gorder, G)
-            base = k * G
-            first = rep[base]
-            if k > 0 and last[first] == k - 1:
-                # Only the expert that opens round k can sit on a GPU already (from round k - 1):
-                # its m replicas here take the m lightest GPUs that do not hold it yet, and the
-                # other GPUs follow in their load order.
-                m = 0
-                while m < G and rep[base + m] == first:
-                    m += 1
-                free = 0
-                held = 0
-                for j in range(G):
-                    g = gorder[j]
-                    if free < m and phy[r, g * S + k - 1] != first:
-                        chosen[free] = g
-                        free += 1
-                    else:
-                        gorder[held] = g
-                        held += 1
-                for j in range(held - 1, -1, -1):
-                    gorder[free + j] = gorder[j]
-                for j in range(free):
-                    gorder[j] = chosen[j]
-            for j in range(G):
-                g = gorder[j]
-                e = rep[base + j]
-                phy[r, g * S + k] = e
-                gl[g] += per_E[e]
-                last[e] = k
-    return phy
-
-
-@njit(cache=True, nogil=True)
 def _place(order, pos, gl, g, G):
     """Move GPU g to its place in order (ascending load, lower index among ties) after its
     load changed; pos is the inverse of order."""
@@ -254,18 +150,18 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
     ws [P] (`_sort_gpu_items`)."""
-    P = G * S
     total = 0.0
     wmax = 0.0
-    for g in range(G):
-        gl[g] = 0.0
-    for p in range(P):
-        e = phy[p]
-        gl[p // S] += per_E[e]
-        holds[e, p // S] = True
-        total += per_E[e]
-        if per_E[e] > wmax:
-            wmax = per_E[e]
+    for g in range(G):  # slot by slot in order, without p // S (an integer division per slot)
+        x = 0.0
+        for p in range(g * S, (g + 1) * S):
+            e = phy[p]
+            x += per_E[e]
+            holds[e, g] = True
+            total += per_E[e]
+            if per_E[e] > wmax:
+                wmax = per_E[e]
+        gl[g] = x
     # No placement of these replicas has a busiest GPU below the mean or the heaviest one.
     floor = max(total / G, wmax)
     for g in range(G):
@@ -353,8 +249,9 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
         _place(order, pos, gl, h, G)
         _place(order, pos, gl, g, G)
         swaps += 1
-    for p in range(P):  # holds is all False again for the next row (cheaper than clearing [E, G])
-        holds[phy[p], p // S] = False
+    for g in range(G):  # holds is all False again for the next row (cheaper than clearing [E, G])
+        for p in range(g * S, (g + 1) * S):
+            holds[phy[p], g] = False
     return swaps
 
 

@@ -5,8 +5,8 @@ Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G 
 Step 1: replicate. Each redundant slot goes to the expert with the highest load per replica
         (optimal for max_e load_e / r_e; an expert gets at most G replicas).
 Step 2: pack. Replicas, heaviest first, each go to the least-loaded GPU that has a free slot
-        and does not yet hold that expert (longest-processing-time with slot limits, in S
-        rounds of G).
+        and does not yet hold that expert (longest-processing-time with slot limits; run as S
+        rounds of G while those agree with it).
 Step 3: refine. Swap a replica on the busiest GPU with one on a lighter GPU while that lowers
         the busiest GPU's load (the swap leaving the pair's larger load lowest; refining until
         no swap helps, the first GPU, lightest first, whose swap leaves the pair at or below
@@ -57,10 +57,13 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
     Rows may be any batch (layers, or layers x nodes); each row's counts must sum to G x S,
     and no count may exceed G. A count of 0 places nothing (node-local packing uses that).
 
-    Done in S rounds: round k hands the next G heaviest replicas, heaviest first, to the GPUs
-    in order of their load so far, lightest first. Every GPU gets exactly one replica per
-    round (the slot limit holds by construction), and this is what longest-processing-time
-    with a slot limit does on skewed loads.
+    Longest-processing-time with a slot limit: replicas, heaviest first, each to the lightest
+    GPU with a free slot that does not hold its expert. On skewed loads that is S rounds of G
+    (round k hands the next G replicas to the GPUs in load order, one each), which the kernel
+    runs while they agree; where the loads are flatter LPT lets light GPUs take several of
+    the lighter replicas in a row, which leaves refine fewer swaps. A row LPT cannot finish (an
+    expert with more replicas than GPUs with free slots left) is packed in rounds, which
+    always fit.
     """
     return _pack_rows(_kernel(), kernel_floats(per_LE), kernel_ints(count_LE), int(num_gpus), int(slots_per_gpu))
 
