@@ -197,7 +197,7 @@ def _find_cycles(st, sg, P):
     return ncyc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _spare(st, l, s, pending):
     """Can slot s of layer l take a staged expert this round? pending: a slot that changes
     anyway (nothing to restore), else one in its final state (restored afterwards); either
