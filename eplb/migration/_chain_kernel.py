@@ -7,7 +7,8 @@ Stages of `_schedule_kernel.schedule`, inlined into it:
   send it), counted per rank: a priority of the link matching (`_links_kernel`);
 - `chain_order`: a slot holding the last replica of its expert waits until that expert has
   landed where it goes; such waits form chains that unwind one copy per round. Each rank's
-  queue is ordered by the chain its slots head, longest first.
+  queue is ordered by the chain its slots head, longest first. Each slot's link in a chain
+  is kept from round to round and recomputed where `touch` marked its target's holders changed.
 `st` is the schedule's state (`_schedule_kernel._Slots`), `sg` the staging scratch
 (`_stage_kernel._Staging`).
 """
