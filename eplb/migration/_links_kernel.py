@@ -167,7 +167,7 @@ def _cover_senders(pref, npref, rout, G, match_row, match_col, parent):
             x = u
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def commit(l, p, e, src_rank, src, d, st, done, nd):
     """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
     checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""

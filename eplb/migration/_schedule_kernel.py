@@ -35,7 +35,7 @@ from collections import namedtuple
 import numpy as np
 from numba import njit
 
-from eplb.migration._chain_kernel import chain_order, forced_sources
+from eplb.migration._chain_kernel import chain_order, forced_sources, touch
 from eplb.migration._links_kernel import commit, take_links
 from eplb.migration._sources_kernel import plan_sources, unlink
 from eplb.migration._stage_kernel import may_deadlock, new_staging, stage
@@ -56,6 +56,11 @@ _Slots = namedtuple("_Slots", [
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
     "mayloc",       # [L, P] may another slot of its rank ever hold its target (a local source)?
     "nstaged",      # [1] slots with a staging mark (staged_blk >= 0)
+    # The chain order's per-slot links, kept from round to round (`_chain_kernel.chain_order`):
+    "loc",          # [L, P] a pending slot has a local source (its rank holds its target)
+    "dirty",        # [L * E] an expert whose holders or their staging marks changed since
+    "dlist",        # ... the chain order last ran, listed here; dn[0] of them,
+    "dn",           # [2]: dn[1] = 1: every pending slot's links are recomputed (a new chunk)
 ])
 _Round = namedtuple("_Round", [
     "cand", "cand_e",     # [G, K] each rank's candidate slots (code l * P + p) and their targets
@@ -147,12 +152,15 @@ def _new_state(old_LP, new_LP, G, E):
         np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
         np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
         np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev,
-        _may_local(old_LP, new_LP, S), np.zeros(1, dtype=np.int64))
+        _may_local(old_LP, new_LP, S), np.zeros(1, dtype=np.int64),
+        np.zeros((L, P), dtype=np.bool_), np.zeros(L * E, dtype=np.bool_), np.empty(L * E, dtype=np.int64),
+        np.zeros(2, dtype=np.int64))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _queue_chunk(st, c0, c1, S, P):
-    """Queue the slots of layers c0..c1-1 that change on their ranks; returns how many."""
+def _queue_chunk(st, c0, c1, S, P, depth):
+    """Queue the slots of layers c0..c1-1 that change on their ranks (their chain depths cleared);
+    returns how many."""
     st.npend[:] = 0
     for l in range(c0, c1):
         for p in range(P):
@@ -161,6 +169,8 @@ def _queue_chunk(st, c0, c1, S, P):
                 st.pend[g, st.npend[g]] = l * P + p
                 st.npend[g] += 1
                 st.inpend[l, p] = True
+                depth[l, p] = -1
+    st.dn[1] = 1
     return st.npend.sum()
 
 
@@ -203,16 +213,17 @@ def _scan(st, rd, S, P, tight, nd):
         for j in range(rd.cstart[d, rd.ncand[d]]):
             rd.adj[d, rd.cols[d, j]] = False
         rd.ncand[d] = 0
+    mayloc, staged_blk = st.mayloc.reshape(-1), st.staged_blk.reshape(-1)
     for d in range(G):
         lo = d * S
         for k in range(st.npend[d]):
             code = st.pend[d, k]
-            l = code // P
-            p = code % P
             # With its rank's candidates listed, a slot without a local source and no staging
             # mark to clear has nothing left to do here.
-            if rd.ncand[d] >= K and not st.mayloc[l, p] and st.staged_blk[l, p] < 0:
+            if rd.ncand[d] >= K and not mayloc[code] and staged_blk[code] < 0:
                 continue
+            l = code // P
+            p = code - l * P
             if st.sourcing[l, p] or st.writing[l, p]:
                 continue
             if st.staged_blk[l, p] >= 0:
@@ -220,6 +231,7 @@ def _scan(st, rd, S, P, tight, nd):
                     continue               # its blocked slot still needs the copy
                 st.staged_blk[l, p] = -1
                 st.nstaged[0] -= 1
+                touch(st, l * E + cur[l, p])
             o = cur[l, p]
             e = tgt[l, p]
             if o >= 0 and hc[l, o] < 2:
@@ -292,6 +304,8 @@ def _apply_round(st, done, nd, out, M, R):
             st.hsum[l, o] -= p
             st.ncur[l, o] -= 1
             unlink(st.hhead, st.hnext, st.hprev, l * E + o, l * P + p)
+            touch(st, l * E + o)
+        touch(st, l * E + e)
         _hold(st.hhead, st.hnext, st.hprev, l * E + e, l * P + p)
         st.cur[l, p] = e
         st.hc[l, e] += 1
@@ -314,10 +328,12 @@ def _apply_round(st, done, nd, out, M, R):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _requeue(st, done, nd, S, P):
+def _requeue(st, done, nd, S, P, depth):
     """Drop the slots that reached their target from the queues; a staging copy makes its slot
-    pending again (it must get its own expert back). Returns the slots still pending."""
+    pending again (it must get its own expert back). Clears the chain depths of the slots still
+    pending for the next chain order. Returns the slots still pending."""
     cur, tgt, inpend = st.cur.reshape(-1), st.tgt.reshape(-1), st.inpend.reshape(-1)
+    dep = depth.reshape(-1)
     for d in range(st.npend.size):
         n = 0
         for k in range(st.npend[d]):
@@ -325,6 +341,7 @@ def _requeue(st, done, nd, S, P):
             if cur[code] != tgt[code]:
                 st.pend[d, n] = code
                 n += 1
+                dep[code] = -1
             else:
                 inpend[code] = False
         st.npend[d] = n
@@ -336,6 +353,8 @@ def _requeue(st, done, nd, S, P):
             st.pend[g, st.npend[g]] = l * P + p
             st.npend[g] += 1
             st.inpend[l, p] = True
+            dep[l * P + p] = -1
+            touch(st, l * st.hc.shape[1] + st.tgt[l, p])
     return st.npend.sum()
 
 
@@ -346,8 +365,11 @@ def _stage_rows(st, done, i, S):
     l = done[i, 0]
     s = done[i, 1]
     x = done[i, 2]
+    E = st.hc.shape[1]
     if not st.mayloc[l, s]:
         st.mayloc[l, s] = _local_ahead(st.cur, st.tgt, l, s, S)
+    touch(st, l * E + st.tgt[l, s])
+    touch(st, l * E + x)
     if st.staged_blk[l, s] < 0:
         st.nstaged[0] += 1
     st.staged_blk[l, s] = done[i, 4]
@@ -410,7 +432,7 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
     R = 0
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
         c1 = min(L, c0 + chunk)
-        left = _queue_chunk(st, c0, c1, S, P)
+        left = _queue_chunk(st, c0, c1, S, P, depth)
         if relay:
             plan_sources(st, c0, c1, S, P, fsrc, rout)
         else:
@@ -460,5 +482,5 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
             chunk_R = _grow(chunk_R, R + 1)
             chunk_R[R] = chunk_id
             R += 1
-            left = _requeue(st, rd.done, nd, S, P)
+            left = _requeue(st, rd.done, nd, S, P, depth)
     return out[:M], chunk_R[:R], STATUS_OK, -1

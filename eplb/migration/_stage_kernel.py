@@ -18,12 +18,14 @@ import numpy as np
 from numba import njit
 
 _Staging = namedtuple("_Staging", [
-    "wf",           # first pending slot waiting for (l, e), -1: none
-    "state",        # cycle walk: 1 on the path, 2 done
+    "wf",           # first pending slot waiting for (l, e) (code l * P + p), valid where
+    "wfs",          # ... wfs [L, E] is the walk's call number (sg.tally[2])
+    "state",        # cycle walk: 2 x call on the path, 2 x call + 1 done, lower: not seen
     "path", "cyc_buf", "cyc_start", "cyc_len", "send_busy", "recv_busy",
     "want_ptr", "want",   # slots by target: want[want_ptr[l * E + e]:want_ptr[l * E + e + 1]], by slot
     "seen",         # may_deadlock's walks: the walk that saw a slot last
-    "tally",        # [0] may_deadlock's walks so far, [1] the cycles `_find_cycles` found last
+    "tally",        # [0] may_deadlock's walks so far, [1] the cycles `_find_cycles` found last,
+                    # [2] its calls so far
     "path_LP",      # [L, P] scratch of the schedule's chain order
 ])
 
@@ -43,10 +45,11 @@ def new_staging(new_LP, E, G):
         for p in range(P):
             want[fill[l * E + new_LP[l, p]]] = p
             fill[l * E + new_LP[l, p]] += 1
-    return _Staging(np.full((L, E), -1, dtype=np.int64), np.zeros((L, P), dtype=np.int8), np.empty(P, dtype=np.int64),
+    return _Staging(np.full((L, E), -1, dtype=np.int64), np.zeros((L, E), dtype=np.int64),
+                    np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int64),
                     np.empty(L * P, dtype=np.int64), np.empty(L * P, dtype=np.int64), np.empty(L * P, dtype=np.int64),
                     np.zeros(G, dtype=np.bool_), np.zeros(G, dtype=np.bool_), want_ptr, want,
-                    np.full((L, P), -1, dtype=np.int64), np.zeros(2, dtype=np.int64),
+                    np.full((L, P), -1, dtype=np.int64), np.zeros(3, dtype=np.int64),
                     np.empty((L, P), dtype=np.int64))
 
 
@@ -149,47 +152,52 @@ def _find_cycles(st, sg, P):
     """Walk the "waits for" links from every pending slot; returns the cycles found as
     (count, sg.cyc_buf of codes l * P + p, sg.cyc_start, sg.cyc_len)."""
     pend, npend, G = st.pend, st.npend, st.npend.size
+    E = sg.wf.shape[1]
+    # Flat views, by code l * P + p and l * E + e (a walk stays in one layer): the passes visit
+    # every pending slot. Marks carry the call's number (sg.tally[2]), so nothing is reset.
+    wf, wfs, state = sg.wf.reshape(-1), sg.wfs.reshape(-1), sg.state.reshape(-1)
+    tgt, cur = st.tgt.reshape(-1), st.cur.reshape(-1)
+    sg.tally[2] += 1
+    call = sg.tally[2]
+    on_path = 2 * call                          # state: below on_path unvisited, on_path + 1 walked
     for d in range(G):
         for k in range(npend[d]):
-            l = pend[d, k] // P
-            q = pend[d, k] % P
-            if sg.wf[l, st.tgt[l, q]] < 0:
-                sg.wf[l, st.tgt[l, q]] = q
+            code = pend[d, k]
+            le = code // P * E + tgt[code]
+            if wfs[le] != call:
+                wfs[le] = call
+                wf[le] = code
     ncyc = 0
     nbuf = 0
     for d in range(G):
         for k in range(npend[d]):
-            l = pend[d, k] // P
+            node = pend[d, k]
+            if state[node] >= on_path:
+                continue
+            lE = node // P * E
             n = 0
-            node = pend[d, k] % P
-            while node >= 0 and sg.state[l, node] == 0:
-                sg.state[l, node] = 1
+            while node >= 0 and state[node] < on_path:
+                state[node] = on_path
                 sg.path[n] = node
                 n += 1
-                o = st.cur[l, node]
-                node = sg.wf[l, o] if o >= 0 else -1
-            if node >= 0 and sg.state[l, node] == 1:
+                o = cur[node]
+                node = wf[lE + o] if o >= 0 and wfs[lE + o] == call else -1
+            if node >= 0 and state[node] == on_path:
                 j = 0
                 while sg.path[j] != node:
                     j += 1
                 sg.cyc_start[ncyc] = nbuf
                 sg.cyc_len[ncyc] = n - j
                 for t in range(j, n):
-                    sg.cyc_buf[nbuf] = l * P + sg.path[t]
+                    sg.cyc_buf[nbuf] = sg.path[t]
                     nbuf += 1
                 ncyc += 1
             for t in range(n):
-                sg.state[l, sg.path[t]] = 2
-    for d in range(G):                          # every walked slot is pending: reset them
-        for k in range(npend[d]):
-            l = pend[d, k] // P
-            q = pend[d, k] % P
-            sg.state[l, q] = 0
-            sg.wf[l, st.tgt[l, q]] = -1
+                state[sg.path[t]] = on_path + 1
     return ncyc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _spare(st, l, s, pending):
     """Can slot s of layer l take a staged expert this round? pending: a slot that changes
     anyway (nothing to restore), else one in its final state (restored afterwards); either

@@ -16,8 +16,11 @@ so each kernel has one compiled version; `warm_up` makes it exist before the fir
 The stages a kernel is written in (`_scan`, `_price_swaps`, ...) are `inline="always"`: numba
 then compiles each entry point as one function. A separately compiled helper is optimised on
 its own and again inside its caller, which makes the first compile markedly longer; helpers
-with several callers (`_apply`, `price_layer`, `commit`, `stage`) stay separate so that
-their code is compiled once.
+with several callers (`_apply`, `price_layer`, `stage`) stay separate so that their code is
+compiled once. The schedule's per-copy helpers `commit` and `_spare` are inlined all the same:
+a call of a separate helper passes the schedule state's twenty-odd arrays each time, which cost
+about 6% of the schedule's run time at 32 and 128 GPUs (the first compile takes a few seconds
+longer).
 """
 
 from __future__ import annotations
