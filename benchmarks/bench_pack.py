@@ -50,13 +50,7 @@ def rounds_only(per_LE, count_LE, order_LE, G, S):
     gorder, chosen, last = np.empty(G, dtype=np.int64), np.empty(G, dtype=np.int64), np.empty(E, dtype=np.int64)
     order = np.empty(E, dtype=np.int64)
     for r in range(L):
-        order[:] = order_LE[r]
-        packing._ties_by_id(per_LE[r], order, E)
-        n = 0
-        for e in order:
-            for _ in range(count_LE[r, e]):
-                rep[n] = e
-                n += 1
+        packing._replicas(per_LE[r], count_LE[r], order_LE[r], order, rep)
         packing._rounds(per_LE[r], rep, G, S, phy[r], gl, gl0, gorder, chosen, last, False)
     return phy
 

@@ -38,24 +38,39 @@ def _ties_by_id(key, order, n):
         i = j
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _before(gl, a, b):
+    """Does GPU a come before GPU b in load order (lighter, then the lower index)?"""
+    return gl[a] < gl[b] or (gl[a] == gl[b] and a < b)
+
+
 @njit(cache=True, nogil=True)
 def _sort_gpus(gl, gorder, G):
     """Insertion-sort gorder[:G] by load ascending, lower index among ties (cheap when the order
     is nearly right already)."""
     for a in range(1, G):
         g = gorder[a]
-        lg = gl[g]
         b = a
-        while b > 0 and (gl[gorder[b - 1]] > lg or (gl[gorder[b - 1]] == lg and gorder[b - 1] > g)):
+        while b > 0 and _before(gl, g, gorder[b - 1]):
             gorder[b] = gorder[b - 1]
             b -= 1
         gorder[b] = g
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _before(gl, a, b):
-    """Does GPU a come before GPU b in load order (lighter, then the lower index)?"""
-    return gl[a] < gl[b] or (gl[a] == gl[b] and a < b)
+def _replicas(per_E, cnt_E, order_E, order, rep):
+    """rep[:P] = each expert's replicas, heaviest first (order_E, with ties put in id order in
+    the scratch order [E])."""
+    E = per_E.size
+    for i in range(E):
+        order[i] = order_E[i]
+    _ties_by_id(per_E, order, E)
+    n = 0
+    for i in range(E):
+        e = order[i]
+        for _ in range(cnt_E[e]):
+            rep[n] = e
+            n += 1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -79,9 +94,8 @@ def _lpt_agrees(s, G, gl, gl0, gorder):
     alone decides: s is where it starts (> 0)."""
     m = gorder[0]
     for i in range(1, s):
-        g = gorder[i]
-        if gl[g] < gl[m] or (gl[g] == gl[m] and g < m):
-            m = g
+        if _before(gl, gorder[i], m):
+            m = gorder[i]
     h = gorder[G - 1]
     return gl[m] > gl0[h] or (gl[m] == gl0[h] and m > h)
 
@@ -190,13 +204,7 @@ def _lpt_from(per_E, rep, n, G, S, phy, gl, fill, q, took):
         if fill[g] < S:
             q[tail] = g
             tail += 1
-    for a in range(1, tail):  # insertion sort: few GPUs are out of order where rounds stop
-        g = q[a]
-        b = a
-        while b > 0 and _before(gl, g, q[b - 1]):
-            q[b] = q[b - 1]
-            b -= 1
-        q[b] = g
+    _sort_gpus(gl, q, tail)  # few GPUs are out of order where the rounds stop
     head = 0
     while n < P:
         e = rep[n]
@@ -259,15 +267,7 @@ def pack(per_RE, cnt_RE, order_RE, G, S):
     q = np.empty(G + P + 1, dtype=np.int64)
     for r in range(R):
         per_E = per_RE[r]
-        for i in range(E):
-            order[i] = order_RE[r, i]
-        _ties_by_id(per_E, order, E)
-        n = 0
-        for i in range(E):
-            e = order[i]
-            for _ in range(cnt_RE[r, e]):
-                rep[n] = e
-                n += 1
+        _replicas(per_E, cnt_RE[r], order_RE[r], order, rep)
         phy_P = phy[r]
         n = _rounds(per_E, rep, G, S, phy_P, gl, gl0, gorder, chosen, last, True)
         if n == P:
