@@ -10,14 +10,14 @@ Stages of `_schedule_kernel.schedule`, inlined into it:
   queue is ordered by the chain its slots head, longest first. Each slot's link in a chain
   is kept from round to round and recomputed where `touch` marked its target's holders changed.
 `st` is the schedule's state (`_schedule_kernel._Slots`), `sg` the staging scratch
-(`_stage_kernel._Staging`).
+(`_cycles_kernel._Staging`).
 """
 
 from __future__ import annotations
 
 from numba import njit
 
-from eplb.migration._stage_kernel import is_deadlock
+from eplb.migration._cycles_kernel import is_deadlock
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -96,7 +96,7 @@ def chain_order(st, sg, S, P, depth, key, rin):
     only once q has taken the expert, so the chain it heads counts in q's depth.
     A long chain left to the end of the queues leaves a tail of rounds with one copy each.
     A chain that closes into a cycle is a deadlock when `stage` would follow it backwards
-    (`_stage_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
+    (`_cycles_kernel.is_deadlock`); every deadlock at a round's start is such a cycle."""
     pend, npend, G = st.pend, st.npend, st.npend.size
     E = st.hc.shape[1]
     # Flat views (index l * P + p, l * E + e): the loops below visit every pending slot each round.

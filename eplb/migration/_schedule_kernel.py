@@ -21,9 +21,10 @@ scipy for any maximum matching), so the busiest receivers, which bound the numbe
 are the last to wait; each rank tries the sources of its candidates in its queue order (its
 longest chain first), each candidate's source ranks by the fewest sends (made, plus those
 only they can make), so that free copies do not pile onto a few senders; when nothing can
-move, `_stage_kernel.stage` breaks the cycles; `_apply_round` writes the round. In the relay
-mode (`schedule_relay`) `_sources_kernel.plan_sources` plans a levelled source per network
-copy at each round's start, relays included, and the link matching follows it. Ties among
+move, `_stage_kernel.stage` breaks the cycles (`_cycles_kernel` finds them); `_apply_round`
+writes the round. In the relay mode (`schedule_relay`) `_sources_kernel.plan_sources` plans
+a levelled source per network copy at each round's start, relays included, and the link
+matching follows it. Ties among
 replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
 running while a side thread schedules.
 """
@@ -36,9 +37,10 @@ import numpy as np
 from numba import njit
 
 from eplb.migration._chain_kernel import chain_order, forced_sources, touch
+from eplb.migration._cycles_kernel import deadlocks, new_staging
 from eplb.migration._links_kernel import commit, take_links
 from eplb.migration._sources_kernel import plan_sources, unlink
-from eplb.migration._stage_kernel import may_deadlock, new_staging, stage
+from eplb.migration._stage_kernel import FIND, KEEP, LISTED, stage
 
 STATUS_OK = 0
 STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
@@ -381,19 +383,19 @@ def _stage_rows(st, done, i, S):
 
 
 @njit(cache=True, nogil=True)
-def schedule(old_LP, new_LP, G, E, chunk, per_rank):
+def schedule(old_LP, new_LP, G, E, chunk, per_rank, full_search):
     """The plain rounds (`_rounds` without relays): see `_rounds`."""
-    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False)
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False, full_search)
 
 
 @njit(cache=True, nogil=True)
-def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank):
+def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank, full_search):
     """The relay mode's rounds: see `_rounds`."""
-    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True)
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True, full_search)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
+def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
     """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
 
     out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
@@ -401,7 +403,9 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
     chunk: layers per chunk (rounds never mix chunks); per_rank: K. relay: plan a balanced
     source per network copy, relays included (`_sources_kernel.plan_sources`), replanned every
     few rounds, instead of counting only the forced sends. Inlined into one entry point per
-    mode, `relay` a constant there: the plain rounds carry no relay branch.
+    mode, `relay` a constant there: the plain rounds carry no relay branch. full_search: break
+    the deadlocks `deadlocks` finds from the full cycle search's list instead of its own (the
+    same rows: the reference the tests hold it to; always passed, so one compiled version).
     """
     L, P = new_LP.shape
     S = P // G
@@ -457,15 +461,19 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay):
             # all, every cycle does.
             # (Not with as many slots as experts: there the few spare slots wait for reloads.)
             # A deadlock at the round's start closes a chain into a cycle; later in the round
-            # only through a replica this round's copies overwrite (`may_deadlock`).
+            # only through a replica this round's copies overwrite (`deadlocks` lists those).
             staged = cyclic and not tight
-            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, False) if staged else 0
+            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND) if staged else 0
             nd = _scan(st, rd, S, P, tight, ns)
             nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay)
             n1 = nd
-            if nd == 0 or (not tight and (cyclic or may_deadlock(st, sg, rd.done, nd, S, P))):
-                # (The queues and slot contents have not changed since stage 0: same cycles.)
-                nd = stage(st, sg, rd.done, S, P, nd, 2 if nd == 0 else 1, rin, depth, staged)
+            # (The queues and slot contents have not changed since stage 0: same cycles.)
+            if nd == 0:
+                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged else FIND)
+            elif staged:
+                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, KEEP)
+            elif not tight and deadlocks(st, sg, rd.done, nd, S, P) > 0:
+                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, FIND if full_search else LISTED)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):

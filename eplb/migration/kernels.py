@@ -5,7 +5,8 @@ and `eplb plan` without a previous placement must start fast):
 - `_moves_kernel`: count_moves, keep_slots, keep_counts, gpu_assignment, keep_pairs (for `moves`);
 - `_search_kernel`: holdings_LEG and the budgeted search loop (for `search`);
 - `_schedule_kernel`: the rounds of a migration schedule (for `schedule`), with its stages
-  (`_chain_kernel`, `_links_kernel`, `_sources_kernel`, `_stage_kernel`), compiled with it;
+  (`_chain_kernel`, `_links_kernel`, `_sources_kernel`, `_cycles_kernel`, `_stage_kernel`),
+  compiled with it;
   `schedule_relay` is the relay mode's entry point (`warm_up` runs both);
 - `_repair_kernel`: the search step of the share-keeping repair under SGLang's rules (for `rule`).
 Every kernel trusts its input (the package's entry points check it: `checks`), releases the
@@ -69,5 +70,5 @@ def warm_up_relay() -> float:
     t0 = time.perf_counter()
     old = kernel_ints(np.array([[0, 1, 2, 0], [0, 1, 2, 2]]))
     new = kernel_ints(np.array([[1, 0, 2, 1], [2, 1, 0, 0]]))
-    _schedule_kernel.schedule_relay(old, new, 2, 3, 2, 4)
+    _schedule_kernel.schedule_relay(old, new, 2, 3, 2, 4, False)
     return time.perf_counter() - t0

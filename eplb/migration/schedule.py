@@ -187,7 +187,7 @@ def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool):
 
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
     kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
-    rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank)
+    rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank, False)
     if status == _schedule_kernel.STATUS_NO_SPARE:
         return rows, chunk_R, layer
     assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"

@@ -83,3 +83,45 @@ def test_relays_bring_a_two_slot_cluster_within_ten_percent_of_the_round_bound()
         x.check()
         assert np.array_equal(x.state_before(x.num_rounds), new)
     assert m.num_rounds <= 1.10 * bound, (m.num_rounds, bound)
+
+
+def _kernel_rows(old, new, G, E, chunk, relay, full_search):
+    from eplb.migration import _schedule_kernel
+    from eplb.migration.checks import kernel_ints
+    from eplb.migration.schedule import CANDIDATES_PER_RANK, RELAY_CANDIDATES_PER_RANK
+
+    kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
+    per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
+    return kernel(kernel_ints(old), kernel_ints(new), G, E, chunk, per_rank, full_search)
+
+
+def test_deadlock_list_is_the_full_cycle_search():
+    """Where a round starts without a deadlock, the schedule lists the deadlocks from the replicas
+    its copies overwrite (`_cycles_kernel.deadlocks`) instead of searching every pending slot;
+    `stage` must get the very cycles, in the same order and from the same member, as the full
+    search gives it, including those its own stagings make deadlocks: the same rows. On the
+    shipped-trace pairs (long chains beside staged cycles) and seeded small maps, plain and
+    relay mode, whole and chunked."""
+    loads = _group_loads()
+    G, P, E = 32, 288, 256
+    cases = []
+    for a, b in [(0, 1), (2, 0), (1, 3)]:
+        old = plan(loads[a], num_gpus=G, num_redundant=P - E).placement.phy2log_LP
+        target = plan(loads[b], num_gpus=G, num_redundant=P - E).placement.phy2log_LP
+        cases.append((old, np.take_along_axis(target, mg.relabel(old, target, G, E), axis=1), G, E))
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        g, s = int(rng.integers(2, 7)), int(rng.integers(2, 5))
+        e, layers = int(rng.integers(g * s // 2, g * s)), int(rng.integers(1, 4))
+        maps = [np.stack([np.r_[rng.permutation(e), rng.integers(0, e, g * s - e)][rng.permutation(g * s)]
+                          for _ in range(layers)]) for _ in range(2)]
+        cases.append((maps[0], maps[1], g, e))
+    staged = 0
+    for old, new, g, e in cases:
+        for relay in (False, True):
+            for chunk in (old.shape[0], 1):
+                fast = _kernel_rows(old, new, g, e, chunk, relay, False)
+                full = _kernel_rows(old, new, g, e, chunk, relay, True)
+                assert all(np.array_equal(x, y) for x, y in zip(fast[:2], full[:2])) and fast[2:] == full[2:]
+                staged += int(fast[0][:, 7].sum())
+    assert staged > 1000     # cycles were broken: the lists were compared where they matter
