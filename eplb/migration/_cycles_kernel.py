@@ -9,8 +9,8 @@ every member is blocked is a deadlock. `_find_cycles` walks every pending slot a
 cycle, in the order a walk over the queues meets it; `stage` (`_stage_kernel`) breaks the
 deadlocks among them in that order. In a round whose start had no deadlock (`is_deadlock`,
 called by the chain order) a deadlock can only appear through a replica the round's copies
-overwrite, so `deadlocks` lists just those, in the same order, without the full pass:
-`_find_cycles` costs a pass over every pending slot and ran in a third of the rounds.
+overwrite, so `deadlocks` lists just those, in the same order, without the full pass
+(`_find_cycles` walks every pending slot, and about a third of the rounds need a list).
 `st` is the schedule's state (`_schedule_kernel._Slots`), `sg` this module's scratch
 (`_Staging`), `done` the round's transfer rows.
 """
@@ -88,8 +88,6 @@ def is_deadlock(st, sg, code, S, P):
         a = b
         if a == code:
             return True
-
-
 
 
 @njit(cache=True, nogil=True, inline="always")
