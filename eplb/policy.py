@@ -74,7 +74,6 @@ from eplb.repair import (
     within_caps,
 )
 from eplb.resplit_repair import PLAN_ROUNDS, resplit_decision
-from planners._threads import run_blocks
 from planners.greedy import plan_greedy, replicate
 
 # The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
@@ -380,12 +379,7 @@ class AdaptivePolicy:
         # each replica an expert gains lands on a GPU that did not hold it (a move). Only the
         # layers where the plan could still be far from the repair and pay for its moves are
         # planned.
-        count_LE = np.empty(total_LE.shape, dtype=np.int64)
-
-        def counts(a: int, b: int) -> None:   # rows are independent: blocks of them on threads
-            count_LE[a:b] = replicate(total_LE[a:b], P, G)
-
-        run_blocks(counts, len(total_LE), P)
+        count_LE = replicate(total_LE, P, G)
         per_ML = np.maximum(1.0, (normalise(windows, G) / count_LE).max(axis=2))
         bound_L = 0.5 * np.average(per_ML, axis=0, weights=w_M) + 0.5 * per_ML.max(axis=0)
         net_rep_L = cost_L2[:, 0] - cost_L2[:, 1] - price * moves_LG.sum(axis=1)

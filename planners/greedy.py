@@ -39,8 +39,15 @@ def warm_up() -> None:
 
 def replicate(load_LE: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
     """Replica count per expert r [L, E]: sum P, 1 <= r_e <= G (ties: fewer replicas, then the
-    lower expert id)."""
-    return _kernel().replicate(kernel_floats(load_LE), int(num_slots), int(num_gpus))
+    lower expert id). Rows are independent: blocks of them run on threads."""
+    kernel, load = _kernel(), kernel_floats(load_LE)
+    count_LE = np.empty(load.shape, dtype=np.int64)
+
+    def rows(a: int, b: int) -> None:
+        count_LE[a:b] = kernel.replicate(load[a:b], int(num_slots), int(num_gpus))
+
+    run_blocks(rows, load.shape[0], int(num_slots))
+    return count_LE
 
 
 def pack(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:

@@ -22,6 +22,7 @@ FIND = 0      # `_find_cycles`, every cycle
 KEEP = 1      # the list of this round's earlier call
 LISTED = 2    # the deadlocks `_cycles_kernel.deadlocks` listed, and those its stagings add
 
+
 @njit(cache=True, nogil=True, inline="always")
 def _spare(st, l, s, pending):
     """Can slot s of layer l take a staged expert this round? pending: a slot that changes
