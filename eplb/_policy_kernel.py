@@ -293,7 +293,8 @@ def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, wo
             for sb in range(S):
                 b = B * S + sb
                 eb = phy_P[b]
-                _ready(eb, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
+                if not ready_E[eb]:       # (tested here: see `_ready`)
+                    _ready(eb, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
                 cand_C[nc] = eb
                 gpu_C[nc] = B
                 slot_C[nc] = sb
@@ -313,7 +314,8 @@ def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, wo
             for sa in range(S):
                 a = A * S + sa
                 ea = phy_P[a]
-                _ready(ea, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
+                if not ready_E[ea]:
+                    _ready(ea, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
                 for k in range(nc):
                     gain_C[k] = esum_G[A] + base_C[k]
                 for m in range(M):
@@ -361,9 +363,9 @@ def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, wo
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _ready(e, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM):
-    """Expert e's load per replica w, x = exp(beta w) and 1 / x, per window (once per swap phase)."""
-    if ready_E[e]:
-        return
+    """Expert e's load per replica w, x = exp(beta w) and 1 / x, per window (once per swap phase:
+    callers test ready_E[e] first, as numba reference-counts an inlined helper's array
+    arguments at every call, which cost more than the test)."""
     for m in range(share_EM.shape[1]):
         w_EM[e, m] = share_EM[e, m] / cnt_E[e]
         x_EM[e, m] = np.exp(min(beta * w_EM[e, m], _EXP_CLIP))

@@ -142,12 +142,19 @@ def _new_state(old_LP, new_LP, G, E):
     hhead = np.full(L * E, -1, dtype=np.int64)
     hnext = np.full(L * P, -1, dtype=np.int64)
     hprev = np.full(L * P, -1, dtype=np.int64)
+    # Each expert's holders, each slot put in front (`_hold`, written out: numba reference-counts
+    # an inlined helper's array arguments at every call, twice the work of this loop).
     for l in range(L):
         for p in range(P):
-            if old_LP[l, p] >= 0:
-                hc[l, old_LP[l, p]] += 1
-                hsum[l, old_LP[l, p]] += p
-                _hold(hhead, hnext, hprev, l * E + old_LP[l, p], l * P + p)
+            o = old_LP[l, p]
+            if o >= 0:
+                hc[l, o] += 1
+                hsum[l, o] += p
+                h = hhead[l * E + o]
+                hnext[l * P + p] = h
+                if h >= 0:
+                    hprev[h] = l * P + p
+                hhead[l * E + o] = l * P + p
     return _Slots(
         old_LP.copy(), new_LP, hc, np.zeros((L, P), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
         np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),

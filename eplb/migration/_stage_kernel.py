@@ -22,18 +22,24 @@ FIND = 0      # `_find_cycles`, every cycle
 KEEP = 1      # the list of this round's earlier call
 LISTED = 2    # the deadlocks `_cycles_kernel.deadlocks` listed, and those its stagings add
 
+# The spares `_spare` tells apart:
+PENDING = 1   # a pending slot (it changes anyway)
+FINAL = 2     # a slot in its final state (restored after the staging)
+
 
 @njit(cache=True, nogil=True, inline="always")
-def _spare(st, l, s, pending):
-    """Can slot s of layer l take a staged expert this round? pending: a slot that changes
-    anyway (nothing to restore), else one in its final state (restored afterwards); either
-    way it is not busy this round and its own expert keeps another complete replica."""
-    x = st.cur[l, s]
-    if st.writing[l, s] or st.sourcing[l, s]:
-        return False
-    if pending:
-        return x != st.tgt[l, s] and (x < 0 or st.hc[l, x] >= 2) and st.staged_blk[l, s] < 0
-    return x == st.tgt[l, s] and x >= 0 and st.hc[l, x] >= 2
+def _spare(x, target, busy, copies, staged):
+    """Can a slot take a staged expert this round? x: the expert it holds, target: its target,
+    busy: written or sourcing this round, copies: complete replicas of x, staged: it has a
+    staging mark. PENDING: it changes anyway (nothing to restore); FINAL: it is in its final
+    state (restored afterwards); either way it is not busy this round and its own expert keeps
+    another complete replica; else 0. (Scalars, not arrays: numba reference-counts an inlined
+    helper's array arguments at every call, which here cost more than the loops' own work.)"""
+    if busy or not (x < 0 or copies >= 2):
+        return 0
+    if x != target:
+        return 0 if staged else PENDING
+    return FINAL if x >= 0 else 0
 
 
 @njit(cache=True, nogil=True)
@@ -60,7 +66,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
     the only room, and their reloads wait for the end; see `schedule`). cycles: FIND, KEEP or
     LISTED (mode 1 only), see above.
     """
-    cur = st.cur
+    cur, tgt, hc, writing, sourcing, staged_blk = st.cur, st.tgt, st.hc, st.writing, st.sourcing, st.staged_blk
     if cycles == FIND:
         sg.tally[1] = _find_cycles(st, sg, P)
     G = st.npend.size
@@ -100,16 +106,19 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
                 continue
             r0 = p // S
             for s in range(r0 * S, r0 * S + S):
-                if s == p or cur[l, s] == cur[l, p]:
+                x = cur[l, s]
+                if s == p or x == cur[l, p]:
                     continue
-                if _spare(st, l, s, True):
+                kind = _spare(x, tgt[l, s], writing[l, s] or sourcing[l, s], hc[l, x] if x >= 0 else 0,
+                              staged_blk[l, s] >= 0)
+                if kind == PENDING:
                     # s's own copy waits for the cycle: free unless that makes its chain the longest wait.
                     w = depth[l, s] + clen
                     if w <= rmax:
                         w = -1.0 / (1.0 + depth[l, s])
                     elif mode == 0:
                         continue
-                elif mode > 0 and _spare(st, l, s, False):
+                elif mode > 0 and kind == FINAL:
                     w = rin[r0] + 1.0
                 else:
                     continue
@@ -124,11 +133,14 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
                 if rc == r0 or sg.recv_busy[rc] or rin[rc] + 1.0 >= best:
                     continue
                 for s in range(rc * S, rc * S + S):
-                    if cur[l, s] == cur[l, p]:
+                    x = cur[l, s]
+                    if x == cur[l, p]:
                         continue
-                    if _spare(st, l, s, True):
+                    kind = _spare(x, tgt[l, s], writing[l, s] or sourcing[l, s], hc[l, x] if x >= 0 else 0,
+                                  staged_blk[l, s] >= 0)
+                    if kind == PENDING:
                         w = max(rin[rc] + 1.0, depth[l, s] + clen)
-                    elif _spare(st, l, s, False):
+                    elif kind == FINAL:
                         w = 2.0 * (rin[rc] + 1.0)
                     else:
                         continue
