@@ -118,11 +118,12 @@ def run(args) -> int:
             rows.append((name, med_max(even_L), med_max(refined.gpu_loads(load_LE).max(axis=1) / lb_L),
                          med_max(res.after.bound_ratio_L), res.status,
                          f"{sum(s == 'OPTIMAL' for s in res.info['status_L'])}/{L}",
+                         f"{len(res.info['unanswered_layers'])}/{L}",
                          f"{100 * np.median(gaps):.3f}% / {100 * max(gaps, default=0):.3f}%",
                          f"{res.info['jobs']} x {res.info['workers']}", f"{sec:.1f}"))
         print("\nPart 2: in-sample, even dispatch (default settings); busiest GPU / lower bound")
         print(format_table(["workload", "greedy", "greedy refine=64", "ilp even", "status", "optimal",
-                            "proven gap med / max", "jobs x workers", "seconds"], rows))
+                            "no CP-SAT answer", "proven gap med / max", "jobs x workers", "seconds"], rows))
 
     # Part 3: two layers at a time on one thread each, or one layer at a time on two threads.
     if not args.no_parallel:
