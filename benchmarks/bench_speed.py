@@ -7,7 +7,9 @@ Legend: L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
 Parts (data: every SGLang DeepSeek-V3 JSON in --traces, summed over its windows, else the shipped
 synthetic traces/deepseek.npz; the Kimi-K2 (61 x 384) and Qwen3-235B (94 x 128) shapes use
-seeded synthetic Pareto loads, no real data of them exists here):
+seeded synthetic loads, no real data of them exists here: for the greedy plan a Pareto draw, for
+schedules and decisions four workloads of an `eplb.synth` trace at that shape that drift like one
+model's traffic, and four independent Pareto draws, an abrupt switch, as a stress case):
 - start: a fresh process with an empty NUMBA_CACHE_DIR (a fresh install's cache), then one with
   that cache warm: `Rebalancer(...)` return time and the wait of its first rebalance().
 - schedule: for every ordered pair of workloads (A's greedy plan serving, B's relabelled greedy
@@ -33,6 +35,7 @@ SGLang's DeepSeek is `deepseek.py` from the installed sglang wheel (see bench_gr
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -110,6 +113,41 @@ def synthetic(L, E, seed):
     return np.floor(np.random.default_rng(seed).pareto(1.2, (L, E)) * 1000) + 1
 
 
+MODEL_SHAPES = [("Kimi-K2 shape", 61, 384, 64, 448), ("Qwen3-235B shape", 94, 128, 32, 160)]
+"""(label, L, E, GPUs, slots) of the other models' rows: one redundant slot per GPU at Kimi-K2's
+64 GPUs, 32 at Qwen3-235B's 32 GPUs (five slots each)."""
+
+
+@functools.cache
+def drift_loads(L: int, E: int, seed: int) -> dict[str, np.ndarray]:
+    """Four workloads of one model shape from eplb.synth (the generator calibrated on DeepSeek-V3's
+    counts, no expert groups): a 16-window trace cut into quarters, each summed. Consecutive
+    quarters differ as that model's traffic drifts (prefill / decode runs, the windows' random
+    walk), the way the real DeepSeek-V3 workloads differ from one another."""
+    from eplb.synth import SynthSettings, generate
+
+    trace = generate(SynthSettings(num_windows=16, num_hidden_layers=L + 1, first_moe_layer=1, num_experts=E,
+                                   num_expert_groups=1, topk_groups=1, seed=seed))
+    counts = trace.counts_TLE.astype(np.float64)
+    return {f"windows {4 * q}-{4 * q + 3}": counts[4 * q:4 * q + 4].sum(axis=0) for q in range(4)}
+
+
+def switch_loads(L: int, E: int, seed: int) -> dict[str, np.ndarray]:
+    """Four independent seeded Pareto loads of one shape: each pair is an abrupt switch (every
+    layer's hot experts change at once), harsher than any drift of one model's traffic."""
+    return {f"seed {seed + i}": synthetic(L, E, seed + i) for i in range(4)}
+
+
+def cases(loads, shapes) -> list[tuple[str, dict, int, int, bool]]:
+    """(label, loads, G, P, target) rows: the DeepSeek-V3 workloads at `shapes`, then each other
+    model's drift (a target) and abrupt switch (a stress case beside it)."""
+    out = [("DeepSeek-V3", loads, G, P, True) for G, P in shapes]
+    for i, (label, L, E, G, P) in enumerate(MODEL_SHAPES):
+        out.append((f"{label}, synthetic drift", drift_loads(L, E, i + 1), G, P, True))
+        out.append((f"{label}, abrupt switch", switch_loads(L, E, 10 * (i + 1)), G, P, False))
+    return out
+
+
 def part_start(args, out):
     """Fresh-install start (empty cache) and a later process's start, in side processes."""
     rows = []
@@ -145,16 +183,18 @@ def part_start(args, out):
 
 
 def part_schedule(args, out, loads):
-    out.append("## Migration schedule rounds vs the round bound (DeepSeek-V3 workload pairs)\n")
-    out.append("| GPUs | slots | pairs | rounds / bound: median | worst | worst pair's rounds (bound) "
-               "| schedule ms median |\n|---:|---:|---:|---:|---:|---|---:|")
+    out.append("## Migration schedule rounds vs the round bound (workload pairs)\n")
+    out.append("DeepSeek-V3: the real workloads; the other shapes: 4 synthetic workloads each (12 pairs), "
+               "drifting (`eplb.synth`) or switching abruptly (independent seeded draws).\n")
+    out.append("| data | GPUs | slots | pairs | rounds / bound: median | worst | worst pair's rounds (bound) "
+               "| schedule ms median |\n|---|---:|---:|---:|---:|---:|---|---:|")
     worst_all = 0.0
-    for G, P in SHAPES:
-        E = next(iter(loads.values())).shape[1]
-        plans = {n: plan(w, num_gpus=G, num_redundant=P - E).placement for n, w in loads.items()}
+    for label, ws, G, P, _ in cases(loads, SHAPES):
+        E = next(iter(ws.values())).shape[1]
+        plans = {n: plan(w, num_gpus=G, num_redundant=P - E).placement for n, w in ws.items()}
         ratios, times, worst = [], [], (0.0, 0, 0)
-        for a in loads:
-            for b in loads:
+        for a in ws:
+            for b in ws:
                 if a == b:
                     continue
                 old = plans[a].phy2log_LP
@@ -169,9 +209,9 @@ def part_schedule(args, out, loads):
                 if r > worst[0]:
                     worst = (r, s.num_rounds, bound)
         worst_all = max(worst_all, worst[0])
-        record(f"schedule rounds <= 1.10x round bound, every pair, {G} GPUs", f"worst {worst[0]:.3f}x "
+        record(f"schedule rounds <= 1.10x round bound, every pair, {label} {G} GPUs", f"worst {worst[0]:.3f}x "
                f"(median {np.median(ratios):.3f}x)", f"bound {worst[2]} rounds on the worst pair", worst[0] <= 1.10)
-        out.append(f"| {G} | {P} | {len(ratios)} | {np.median(ratios):.3f} | {worst[0]:.3f} | "
+        out.append(f"| {label} | {G} | {P} | {len(ratios)} | {np.median(ratios):.3f} | {worst[0]:.3f} | "
                    f"{worst[1]} ({worst[2]}) | {np.median(times) * 1e3:.1f} |")
     out.append(f"\nTarget: rounds <= 1.10x the bound on every pair: worst {worst_all:.3f}x "
                f"({'met' if worst_all <= 1.10 else 'NOT met'}).\n")
@@ -182,45 +222,49 @@ def part_decision(args, out, loads, ref):
 
     from eplb.rebalance import Rebalancer
 
-    out.append("## rebalance() decision vs SGLang's from-scratch plan (DeepSeek-V3 loads, same run)\n")
+    out.append("## rebalance() decision vs SGLang's from-scratch plan (same run)\n")
     out.append("Two Rebalancers: the default (policy \"auto\": the adaptive online policy, which repairs "
                "the served placement within its budget) and policy=None (plan(previous=, budget=) and the "
-               "migration step). Each serves workload A's greedy plan and observes workload B once.\n")
-    out.append("| Rebalancer | GPUs | slots | rebalance() ms median | SGLang plan ms median | ratio | balance after "
-               "/ fresh greedy (median over pairs) | moves median |\n|---|---:|---:|---:|---:|---:|---:|---:|")
-    names = list(loads)
-    pairs = [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))][: args.pairs]
+               "migration step). Each serves workload A's greedy plan and observes workload B once "
+               "(DeepSeek-V3: the real workloads; the other shapes: synthetic workloads that drift, the "
+               "target, and an abrupt switch of every layer's hot experts, a stress case shown beside it).\n")
+    out.append("| data | Rebalancer | GPUs | slots | rebalance() ms median | SGLang plan ms median | ratio | balance "
+               "after / fresh greedy (median over pairs) | moves median |\n"
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|")
     modes = [("default (adaptive)", {}), ("policy=None", {"policy": None, "min_improvement": 0.0})]
-    for G, P in [(32, 288), (128, 384), (256, 512)]:
-        E = next(iter(loads.values())).shape[1]
+    for data, ws, G, P, is_target in cases(loads, SHAPES):
+        names = list(ws)
+        pairs = [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))][: args.pairs]
+        E = next(iter(ws.values())).shape[1]
         for label, kw in modes:
             dec, refs, bal, moves = [], [], [], []
             for a, b in pairs:
-                rb = Rebalancer(plan(loads[a], num_gpus=G, num_redundant=P - E).placement, interval=1, **kw)
+                rb = Rebalancer(plan(ws[a], num_gpus=G, num_redundant=P - E).placement, interval=1, **kw)
                 rb.warmup.wait()
-                rb.observe(loads[b])
+                rb.observe(ws[b])
                 res = rb.rebalance()
                 dec.append(res.seconds)
                 moves.append(res.moves)
-                w = torch.tensor(loads[b])
+                w = torch.tensor(ws[b])
                 _, sec = median_time(lambda w=w, P=P, G=G: ref.rebalance_experts(w, P, 1, 1, G, False), 3)
                 refs.append(sec)
-                fresh = plan(loads[b], num_gpus=G, num_redundant=P - E).placement
-                imb = np.median(stats.imbalance(res.placement.gpu_loads(loads[b])))
-                bal.append(imb / np.median(stats.imbalance(fresh.gpu_loads(loads[b]))))
+                fresh = plan(ws[b], num_gpus=G, num_redundant=P - E).placement
+                imb = np.median(stats.imbalance(res.placement.gpu_loads(ws[b])))
+                bal.append(imb / np.median(stats.imbalance(fresh.gpu_loads(ws[b]))))
             d, r = float(np.median(dec)), float(np.median(refs))
-            out.append(f"| {label} | {G} | {P} | {d * 1e3:.1f} | {r * 1e3:.1f} | {d / r:.3f} | {np.median(bal):.4f} "
-                       f"| {int(np.median(moves))} |")
+            out.append(f"| {data} | {label} | {G} | {P} | {d * 1e3:.1f} | {r * 1e3:.1f} | {d / r:.3f} | "
+                       f"{np.median(bal):.4f} | {int(np.median(moves))} |")
             # The targets are the default Rebalancer's; policy=None (a full plan and the migration
             # step every time) is shown beside it for what the adaptive policy saves.
-            target = not kw
-            record(f"rebalance() <= 0.25x SGLang's plan time, {label}, {G} GPUs / {P} slots",
+            target = is_target and not kw
+            record(f"rebalance() <= 0.25x SGLang's plan time, {data}, {label}, {G} GPUs / {P} slots",
                    f"{d * 1e3:.0f} ms ({d / r:.2f}x)", f"SGLang {r * 1e3:.0f} ms", d / r <= 0.25 if target else None)
-            if G == 256:
+            if G == 256 and data == "DeepSeek-V3":
                 record(f"balance after rebalance at 256 GPUs within 1% of fresh greedy, {label}",
                        f"{np.median(bal):.4f}x", "fresh greedy plan = 1", np.median(bal) <= 1.01 if target else None)
-    out.append("\nTargets (the default Rebalancer; policy=None rows are a reference): ratio <= 0.25 at each "
-               "shape; balance at 256 GPUs within 1% of the fresh plan (<= 1.01).\n")
+    out.append("\nTargets (the default Rebalancer on real or drifting workloads; policy=None and the abrupt "
+               "switches are a reference): ratio <= 0.25 at each shape; balance at 256 GPUs within 1% of the "
+               "fresh plan (<= 1.01).\n")
 
 
 def part_greedy(args, out, loads, ref):
@@ -230,10 +274,10 @@ def part_greedy(args, out, loads, ref):
     out.append("| data | L x E | GPUs | slots | greedy max/LB mean | SGLang max/LB mean | greedy ms (scored) "
                "| greedy ms (unscored) | greedy ms (scored, 1 thread) | SGLang ms | SGLang / greedy time |\n"
                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    cases = [("DeepSeek-V3 (8 workloads, medians)", loads, G, P) for G, P in SHAPES]
-    cases += [("Kimi-K2 shape (seeded synthetic)", {"k": synthetic(61, 384, 1)}, 64, 448),
-              ("Qwen3-235B shape (seeded synthetic)", {"q": synthetic(94, 128, 2)}, 32, 160)]
-    for label, ws, G, P in cases:
+    rows = [("DeepSeek-V3 (8 workloads, medians)", loads, G, P) for G, P in SHAPES]
+    rows += [(f"{label} (seeded synthetic)", {label: synthetic(L, E, i + 1)}, G, P)
+             for i, (label, L, E, G, P) in enumerate(MODEL_SHAPES)]
+    for label, ws, G, P in rows:
         q_g, q_r, t_g, t_r, t_u, t_1 = [], [], [], [], [], []
         for w in ws.values():
             L, E = w.shape
