@@ -87,8 +87,8 @@ def chain_order(st, sg, S, P, depth, key, rin):
     """At the start of a round: order each rank's pending slots by the chain each one heads,
     longest first; rin[d] = the copies rank d must still receive over a link (its pending
     slots whose target it holds in no slot), raised to the longest chain on rank d (both
-    bound the rounds left). Returns whether a deadlocked cycle of blocked slots (one that
-    `stage` would break) exists.
+    bound the rounds left). Returns the number n of deadlocked cycles of blocked slots (those
+    `stage` would break), one slot of each in sg.cyc_start[:n].
 
     Writing slot q lets the slot holding the last complete replica of q's target be written
     (it waits for that replica), and so on: chains of waits that unwind one copy per round.
@@ -164,7 +164,9 @@ def chain_order(st, sg, S, P, depth, key, rin):
                 b -= 1
             pend[d, b] = code
             key[b] = v
-    for c in range(ncyc):                 # in the queue order `stage` sees
+    n = 0
+    for c in range(ncyc):
         if is_deadlock(st, sg, sg.cyc_start[c], S, P):
-            return True
-    return False
+            sg.cyc_start[n] = sg.cyc_start[c]
+            n += 1
+    return n

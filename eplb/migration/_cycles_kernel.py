@@ -10,7 +10,8 @@ cycle, in the order a walk over the queues meets it; `stage` (`_stage_kernel`) b
 deadlocks among them in that order. In a round whose start had no deadlock (`is_deadlock`,
 called by the chain order) a deadlock can only appear through a replica the round's copies
 overwrite, so `deadlocks` lists just those, in the same order, without the full pass
-(`_find_cycles` walks every pending slot, and about a third of the rounds need a list).
+(`_find_cycles` walks every pending slot, and about a third of the rounds need a list); in a
+round that starts with deadlocks, it walks from those the chain order found, too.
 `st` is the schedule's state (`_schedule_kernel._Slots`), `sg` this module's scratch
 (`_Staging`), `done` the round's transfer rows.
 """
@@ -222,16 +223,19 @@ def _list_deadlocks(st, sg, pairs_N2, n, S, P, after):
 
 
 @njit(cache=True, nogil=True)
-def deadlocks(st, sg, done, nd, S, P):
-    """List for `stage` the deadlocked cycles after the round's copies done[:nd], in a round
-    whose start had none: exactly the ones `_find_cycles` would list, in its order and from
-    the same member, without its pass over every pending slot. Each has a member that holds an
-    expert a row of done overwrites, now with < 2 complete replicas: only those are walked.
-    Returns how many (0: `stage` has nothing to break)."""
+def deadlocks(st, sg, done, nd, S, P, start_N2, nstart):
+    """List for `stage` the deadlocked cycles now, after the round's copies done[:nd]: exactly
+    the ones `_find_cycles` would list (every cycle of the round, whose graph the round's copies
+    do not change) and `stage` would break, in its order and from the same member, without its
+    pass over every pending slot. A cycle is a deadlock now if it was one at the round's start
+    (start_N2[:nstart]: (layer, expert held) of one member of each, from the chain order) or
+    one of its members holds an expert a row of done overwrites, now with < 2 complete
+    replicas: only those are walked. Returns how many (0: `stage` has nothing to break)."""
     sg.tally[1] = 0
     sg.tally[3] += 1
-    pairs = np.empty((nd, 2), dtype=np.int64)
-    n = 0
+    pairs = np.empty((nd + nstart, 2), dtype=np.int64)
+    pairs[:nstart] = start_N2[:nstart]
+    n = nstart
     for i in range(nd):
         o = st.cur[done[i, 0], done[i, 1]]
         if o >= 0 and st.hc[done[i, 0], o] < 2:

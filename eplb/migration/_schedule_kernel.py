@@ -412,7 +412,7 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
     source per network copy, relays included (`_sources_kernel.plan_sources`), replanned every
     few rounds, instead of counting only the forced sends. Inlined into one entry point per
     mode, `relay` a constant there: the plain rounds carry no relay branch. full_search: break
-    the deadlocks `deadlocks` finds from the full cycle search's list instead of its own (the
+    deadlocks from the full cycle search's list (`_find_cycles`) instead of `deadlocks`' own (the
     same rows: the reference the tests hold it to; always passed, so one compiled version).
     """
     L, P = new_LP.shape
@@ -433,6 +433,7 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
     key = np.empty(L * S, dtype=np.int64)
     nh = np.zeros(E, dtype=np.int64)
     hr = np.zeros(E, dtype=np.int64)
+    start = np.empty((L * P, 2), dtype=np.int64)    # (layer, expert) in a deadlock at a round's start
     out = np.empty((1024, 8), dtype=np.int64)
     chunk_R = np.empty(64, dtype=np.int64)
     # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
@@ -462,25 +463,37 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
                 _count_room(st, c0, c1, E, P)
             if relay and R > r0 and (R - r0) % every == 0:
                 plan_sources(st, c0, c1, S, P, fsrc, rout)
-            cyclic = chain_order(st, sg, S, P, depth, key, rin)
+            ndl = chain_order(st, sg, S, P, depth, key, rin)
             # Deadlocked cycles of blocked slots break as soon as they appear: first through
             # pending slots of their own ranks (free), before this round's copies take those;
             # then through the spares and links the round left; when nothing could move at
             # all, every cycle does.
             # (Not with as many slots as experts: there the few spare slots wait for reloads.)
-            # A deadlock at the round's start closes a chain into a cycle; later in the round
-            # only through a replica this round's copies overwrite (`deadlocks` lists those).
-            staged = cyclic and not tight
-            ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND) if staged else 0
+            # A deadlock at the round's start closes a chain into a cycle (the chain order finds
+            # them); later in the round only through a replica this round's copies overwrite.
+            # `deadlocks` lists both, walking from those alone (the full search walks every
+            # pending slot, as long as the rest of the round).
+            staged = ndl > 0 and not tight
+            for c in range(ndl if staged else 0):
+                code = sg.cyc_start[c]
+                start[c, 0] = code // P
+                start[c, 1] = st.cur[code // P, code % P]
+            nstart = ndl if staged else 0
+            ns = 0
+            if staged and full_search:
+                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND)
+            elif staged:
+                deadlocks(st, sg, rd.done, 0, S, P, start, nstart)
+                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, LISTED)
             nd = _scan(st, rd, S, P, tight, ns)
             nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay)
             n1 = nd
             # (The queues and slot contents have not changed since stage 0: same cycles.)
             if nd == 0:
-                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged else FIND)
-            elif staged:
+                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged and full_search else FIND)
+            elif staged and full_search:
                 nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, KEEP)
-            elif not tight and deadlocks(st, sg, rd.done, nd, S, P) > 0:
+            elif not tight and deadlocks(st, sg, rd.done, nd, S, P, start, nstart) > 0:
                 nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, FIND if full_search else LISTED)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)

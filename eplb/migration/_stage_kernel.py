@@ -20,7 +20,7 @@ from eplb.migration._cycles_kernel import _find_cycles, more_deadlocks
 # Where `stage` takes its cycles from (its `cycles` argument):
 FIND = 0      # `_find_cycles`, every cycle
 KEEP = 1      # the list of this round's earlier call
-LISTED = 2    # the deadlocks `_cycles_kernel.deadlocks` listed, and those its stagings add
+LISTED = 2    # the deadlocks `_cycles_kernel.deadlocks` listed, and those its stagings add (modes 0, 1)
 
 # The spares `_spare` tells apart:
 PENDING = 1   # a pending slot (it changes anyway)
@@ -64,7 +64,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
     mode 1: deadlocks, any spare; mode 2 (nothing else moved this round): every cycle, any
     spare (with as many slots as experts, the slots of experts lost with failed ranks are
     the only room, and their reloads wait for the end; see `schedule`). cycles: FIND, KEEP or
-    LISTED (mode 1 only), see above.
+    LISTED (modes 0 and 1: a list of deadlocks only), see above.
     """
     cur, tgt, hc, writing, sourcing, staged_blk = st.cur, st.tgt, st.hc, st.writing, st.sourcing, st.staged_blk
     if cycles == FIND:
