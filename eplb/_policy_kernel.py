@@ -5,7 +5,8 @@ P = G x S slots, B = demand blends, C = partner GPUs a swap may reach.
 
 - `window_busiest`: busiest / mean GPU of one placement on every window, [M, L] (even split);
 - `repair`: per layer, the placement in force changed a little to balance every window
-  (see `eplb.repair.robust_repair` for the steps), and its cost before and after.
+  (see `eplb.repair.robust_repair` for the steps), and its cost before and after;
+- `rename_gpus`: a fresh plan's GPUs renamed to keep the served placement's replicas in place.
 Windows arrive as they are kept (raw counts or planning loads, any order: every step here is
 a sum or a maximum over windows) and are normalised per (window, layer) inside, so the mean
 GPU load is 1 and a GPU's load reads as busiest / mean directly. Layers are independent: each
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from eplb.migration._moves_kernel import keep_slots
 
 _TIE = 1e-12      # choices closer than this (relative) are ties, broken by order: equal swaps and GPUs
 _EXP_CLIP = 600.0  # exp(600) is finite; only replicas above 12x the mean GPU load reach it at beta 50
@@ -631,3 +634,25 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
                 used_new[h] = True
                 out_LG[l, g] = h
     return out_LG
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def rename_gpus(old_LP, new_LP, num_gpus, num_logical_experts, out_LP):
+    """new_LP with each layer's GPUs renamed by `match_gpus` and each GPU's slots ordered so that
+    the replicas it keeps stay in their old slots (`migration.keep_slots`' rule), into out_LP
+    [L, P]: the whole renaming in one call, so blocks of layers run on threads without the GIL."""
+    L, P = old_LP.shape
+    G = num_gpus
+    S = P // G
+    src_LG = match_gpus(old_LP, new_LP, G, num_logical_experts)
+    moved_RS = np.empty((L * G, S), dtype=np.int64)
+    for l in range(L):
+        for g in range(G):
+            h = src_LG[l, g] * S
+            for s in range(S):
+                moved_RS[l * G + g, s] = new_LP[l, h + s]
+    keep_RS = keep_slots(old_LP.reshape(L * G, S), moved_RS)
+    for l in range(L):
+        for g in range(G):
+            for s in range(S):
+                out_LP[l, g * S + s] = moved_RS[l * G + g, keep_RS[l * G + g, s]]

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from eplb.compiled import kernel_floats, kernel_ints
-from eplb.migration import count_moves, keep_slots, relabel
+from eplb.migration import count_moves, relabel
 from eplb.stats import group_span
 from planners._threads import run_blocks
 from planners.robust import normalise_windows
@@ -112,15 +112,12 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     from eplb import _policy_kernel  # numba: imported on first use
 
     L, P = new_LP.shape
-    G, S = int(num_gpus), P // num_gpus
+    G, E = int(num_gpus), int(num_logical_experts)
     old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
     out_LP = np.empty_like(new_k)
 
     def rows(a: int, b: int) -> None:   # rows are independent: blocks of them on threads
-        gsrc_LG = _policy_kernel.match_gpus(old_k[a:b], new_k[a:b], G, int(num_logical_experts))
-        base_LP = (gsrc_LG[:, :, None] * S + np.arange(S)[None, None, :]).reshape(b - a, P)
-        moved_LP = np.take_along_axis(new_k[a:b], base_LP, axis=1)
-        out_LP[a:b] = np.take_along_axis(moved_LP, keep_slots(old_k[a:b], moved_LP, G), axis=1)
+        _policy_kernel.rename_gpus(old_k[a:b], new_k[a:b], G, E, out_LP[a:b])
 
     run_blocks(rows, L, P)
     return out_LP
