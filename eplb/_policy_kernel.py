@@ -5,8 +5,7 @@ P = G x S slots, B = demand blends, C = partner GPUs a swap may reach.
 
 - `window_busiest`: busiest / mean GPU of one placement on every window, [M, L] (even split);
 - `repair`: per layer, the placement in force changed a little to balance every window
-  (see `eplb.repair.robust_repair` for the steps), and its cost before and after;
-- `rename_gpus`: a fresh plan's GPUs renamed to keep the served placement's replicas in place.
+  (see `eplb.repair.robust_repair` for the steps), and its cost before and after.
 Windows arrive as they are kept (raw counts or planning loads, any order: every step here is
 a sum or a maximum over windows) and are normalised per (window, layer) inside, so the mean
 GPU load is 1 and a GPU's load reads as busiest / mean directly. Layers are independent: each
@@ -21,8 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
-
-from eplb.migration._moves_kernel import keep_slots
 
 _TIE = 1e-12      # choices closer than this (relative) are ties, broken by order: equal swaps and GPUs
 _EXP_CLIP = 600.0  # exp(600) is finite; only replicas above 12x the mean GPU load reach it at beta 50
@@ -568,91 +565,3 @@ def _unhold(phy_P, S, hold_EG):
     layer's repair at 256 GPUs."""
     for p in range(phy_P.shape[0]):
         hold_EG[phy_P[p], p // S] = 0
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
-    """For each layer, the GPU of new_LP to put at each old GPU's position, int [L, G]: pairs
-    of (new GPU, old GPU) sharing the most experts first, each GPU used once (a greedy
-    matching: the GPUs of a fresh plan are interchangeable, and this renaming is what keeps its
-    replicas in place; the optimal assignment keeps a few more for many times the time)."""
-    L, P = old_LP.shape
-    G = num_gpus
-    E = num_logical_experts
-    S = P // G
-    out_LG = np.empty((L, G), dtype=np.int64)
-    start_E = np.empty(E + 1, dtype=np.int64)
-    at_P = np.empty(P, dtype=np.int64)
-    fill_E = np.empty(E, dtype=np.int64)
-    overlap_GG = np.zeros((G, G), dtype=np.int64)
-    pair_h = np.empty(P * G, dtype=np.int64)
-    pair_g = np.empty(P * G, dtype=np.int64)
-    pair_v = np.empty(P * G, dtype=np.int64)
-    used_new = np.empty(G, dtype=np.bool_)
-    used_old = np.empty(G, dtype=np.bool_)
-    for l in range(L):
-        # Old GPUs holding each expert, as compressed rows.
-        start_E[:] = 0
-        for p in range(P):
-            start_E[old_LP[l, p] + 1] += 1
-        for e in range(E):
-            start_E[e + 1] += start_E[e]
-        fill_E[:] = start_E[:E]
-        for p in range(P):
-            e = old_LP[l, p]
-            at_P[fill_E[e]] = p // S
-            fill_E[e] += 1
-        n = 0
-        for p in range(P):
-            h = p // S
-            e = new_LP[l, p]
-            for i in range(start_E[e], start_E[e + 1]):
-                g = at_P[i]
-                if overlap_GG[h, g] == 0:
-                    pair_h[n] = h
-                    pair_g[n] = g
-                    n += 1
-                overlap_GG[h, g] += 1
-        for i in range(n):
-            pair_v[i] = -overlap_GG[pair_h[i], pair_g[i]]
-        order = np.argsort(pair_v[:n], kind="mergesort")
-        used_new[:] = False
-        used_old[:] = False
-        out_LG[l] = -1
-        for i in order:
-            h, g = pair_h[i], pair_g[i]
-            overlap_GG[h, g] = 0
-            if not used_new[h] and not used_old[g]:
-                used_new[h] = True
-                used_old[g] = True
-                out_LG[l, g] = h
-        h = 0
-        for g in range(G):
-            if out_LG[l, g] < 0:
-                while used_new[h]:
-                    h += 1
-                used_new[h] = True
-                out_LG[l, g] = h
-    return out_LG
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def rename_gpus(old_LP, new_LP, num_gpus, num_logical_experts, out_LP):
-    """new_LP with each layer's GPUs renamed by `match_gpus` and each GPU's slots ordered so that
-    the replicas it keeps stay in their old slots (`migration.keep_slots`' rule), into out_LP
-    [L, P]: the whole renaming in one call, so blocks of layers run on threads without the GIL."""
-    L, P = old_LP.shape
-    G = num_gpus
-    S = P // G
-    src_LG = match_gpus(old_LP, new_LP, G, num_logical_experts)
-    moved_RS = np.empty((L * G, S), dtype=np.int64)
-    for l in range(L):
-        for g in range(G):
-            h = src_LG[l, g] * S
-            for s in range(S):
-                moved_RS[l * G + g, s] = new_LP[l, h + s]
-    keep_RS = keep_slots(old_LP.reshape(L * G, S), moved_RS)
-    for l in range(L):
-        for g in range(G):
-            for s in range(S):
-                out_LP[l, g * S + s] = moved_RS[l * G + g, keep_RS[l * G + g, s]]

@@ -1,5 +1,6 @@
 """The adaptive policy's compiled steps, called from Python: window scores, the repair of a
-placement in force, and the renaming of a fresh plan onto it (kernels in eplb/_policy_kernel.py).
+placement in force (kernels in eplb/_policy_kernel.py), and the renaming of a fresh plan onto it
+(eplb/_rename_kernel.py).
 
 Legend: M = windows in memory, L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU,
 P = G x S physical slots.
@@ -109,7 +110,7 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     256 GPUs); more nodes: `eplb.migration.relabel` (nodes renamed as wholes)."""
     if num_nodes > 1:
         return np.take_along_axis(new_LP, relabel(old_LP, new_LP, num_gpus, num_logical_experts, num_nodes), axis=1)
-    from eplb import _policy_kernel  # numba: imported on first use
+    from eplb import _rename_kernel  # numba: imported on first use
 
     L, P = new_LP.shape
     G, E = int(num_gpus), int(num_logical_experts)
@@ -117,7 +118,7 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     out_LP = np.empty_like(new_k)
 
     def rows(a: int, b: int) -> None:   # rows are independent: blocks of them on threads
-        _policy_kernel.rename_gpus(old_k[a:b], new_k[a:b], G, E, out_LP[a:b])
+        _rename_kernel.rename_gpus(old_k[a:b], new_k[a:b], G, E, out_LP[a:b])
 
     run_blocks(rows, L, P)
     return out_LP

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "planners": 6, "eplb.migration": 6,
     "eplb.planning": 7, "eplb.kernel_sets": 7,
     "eplb.rebalance": 8, "eplb.policy": 8, "eplb.load_estimate": 8, "eplb.repair": 8, "eplb._policy_kernel": 8,
+    "eplb._rename_kernel": 8,
     "eplb.resplit_repair": 8, "eplb._resplit_kernel": 8,
     "eplb.backtest": 8, "eplb.replay": 8, "eplb.simulate": 8,
     "eplb.formats": 9, "eplb.plot": 9,

@@ -1,0 +1,107 @@
+"""Compiled renaming of a fresh plan onto the placement in force (numba): the adaptive policy's
+replan (`eplb.repair.renamed`) keeps as many of the served replicas in place as a greedy matching
+of GPUs by shared experts gives.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots.
+
+The GPUs of a fresh plan are interchangeable, and so are the slots of one GPU: `rename_gpus`
+picks, per layer, which new GPU takes each old GPU's place (`match_gpus`), then orders each
+GPU's slots so the replicas it keeps stay where they were (`eplb.migration.keep_slots`' rule).
+Layers are independent: blocks of them run on threads (the kernels release the GIL). Compiled
+with `cache=True` and loaded by `eplb.repair.warm_up`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from eplb.migration._moves_kernel import keep_slots
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
+    """For each layer, the GPU of new_LP to put at each old GPU's position, int [L, G]: pairs
+    of (new GPU, old GPU) sharing the most experts first, each GPU used once (a greedy
+    matching: the GPUs of a fresh plan are interchangeable, and this renaming is what keeps its
+    replicas in place; the optimal assignment keeps a few more for many times the time)."""
+    L, P = old_LP.shape
+    G = num_gpus
+    E = num_logical_experts
+    S = P // G
+    out_LG = np.empty((L, G), dtype=np.int64)
+    start_E = np.empty(E + 1, dtype=np.int64)
+    at_P = np.empty(P, dtype=np.int64)
+    fill_E = np.empty(E, dtype=np.int64)
+    overlap_GG = np.zeros((G, G), dtype=np.int64)
+    pair_h = np.empty(P * G, dtype=np.int64)
+    pair_g = np.empty(P * G, dtype=np.int64)
+    pair_v = np.empty(P * G, dtype=np.int64)
+    used_new = np.empty(G, dtype=np.bool_)
+    used_old = np.empty(G, dtype=np.bool_)
+    for l in range(L):
+        # Old GPUs holding each expert, as compressed rows.
+        start_E[:] = 0
+        for p in range(P):
+            start_E[old_LP[l, p] + 1] += 1
+        for e in range(E):
+            start_E[e + 1] += start_E[e]
+        fill_E[:] = start_E[:E]
+        for p in range(P):
+            e = old_LP[l, p]
+            at_P[fill_E[e]] = p // S
+            fill_E[e] += 1
+        n = 0
+        for p in range(P):
+            h = p // S
+            e = new_LP[l, p]
+            for i in range(start_E[e], start_E[e + 1]):
+                g = at_P[i]
+                if overlap_GG[h, g] == 0:
+                    pair_h[n] = h
+                    pair_g[n] = g
+                    n += 1
+                overlap_GG[h, g] += 1
+        for i in range(n):
+            pair_v[i] = -overlap_GG[pair_h[i], pair_g[i]]
+        order = np.argsort(pair_v[:n], kind="mergesort")
+        used_new[:] = False
+        used_old[:] = False
+        out_LG[l] = -1
+        for i in order:
+            h, g = pair_h[i], pair_g[i]
+            overlap_GG[h, g] = 0
+            if not used_new[h] and not used_old[g]:
+                used_new[h] = True
+                used_old[g] = True
+                out_LG[l, g] = h
+        h = 0
+        for g in range(G):
+            if out_LG[l, g] < 0:
+                while used_new[h]:
+                    h += 1
+                used_new[h] = True
+                out_LG[l, g] = h
+    return out_LG
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def rename_gpus(old_LP, new_LP, num_gpus, num_logical_experts, out_LP):
+    """new_LP with each layer's GPUs renamed by `match_gpus` and each GPU's slots ordered so that
+    the replicas it keeps stay in their old slots (`migration.keep_slots`' rule), into out_LP
+    [L, P]: the whole renaming in one call, so blocks of layers run on threads without the GIL."""
+    L, P = old_LP.shape
+    G = num_gpus
+    S = P // G
+    src_LG = match_gpus(old_LP, new_LP, G, num_logical_experts)
+    moved_RS = np.empty((L * G, S), dtype=np.int64)
+    for l in range(L):
+        for g in range(G):
+            h = src_LG[l, g] * S
+            for s in range(S):
+                moved_RS[l * G + g, s] = new_LP[l, h + s]
+    keep_RS = keep_slots(old_LP.reshape(L * G, S), moved_RS)
+    for l in range(L):
+        for g in range(G):
+            for s in range(S):
+                out_LP[l, g * S + s] = moved_RS[l * G + g, keep_RS[l * G + g, s]]
