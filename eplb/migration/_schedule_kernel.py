@@ -474,11 +474,11 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
             # `deadlocks` lists both, walking from those alone (the full search walks every
             # pending slot: a fifth of the schedule's time at the Qwen3-235B shape).
             staged = ndl > 0 and not tight
-            for c in range(ndl if staged else 0):
+            nstart = ndl if staged else 0
+            for c in range(nstart):
                 code = sg.cyc_start[c]
                 start[c, 0] = code // P
                 start[c, 1] = st.cur[code // P, code % P]
-            nstart = ndl if staged else 0
             ns = 0
             if staged and full_search:
                 ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND)
