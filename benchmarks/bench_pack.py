@@ -77,11 +77,11 @@ def run(args) -> int:
 
             def with_rounds(case=case):
                 phy = rounds_only(*case)
-                return phy, kernel.refine(phy, case[0], case[3], 4 * case[3] * case[4], True)
+                return phy, kernel.refine(phy, case[0], case[3], 4 * case[3] * case[4], True, 0.0)
 
             def with_lpt(case=case):
                 phy = kernel.pack(*case)
-                return phy, kernel.refine(phy, case[0], case[3], 4 * case[3] * case[4], True)
+                return phy, kernel.refine(phy, case[0], case[3], 4 * case[3] * case[4], True, 0.0)
 
             times = {with_rounds: [], with_lpt: []}
             out = {}
@@ -107,7 +107,7 @@ def main() -> int:
     add_write_docs(ap, "pack")
     args = ap.parse_args()
     one = (np.ones((1, 2)), np.ones((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 2, 1)
-    kernel.refine(kernel.pack(*one), np.ones((1, 2)), 2, 4, True)  # load (and compile) before timing
+    kernel.refine(kernel.pack(*one), np.ones((1, 2)), 2, 4, True, 0.0)  # load (and compile) before timing
     rounds_only(*one)
     with results_page("pack", "greedy's packing: LPT vs rounds", args.write_docs, sys.argv):
         return run(args)

@@ -146,7 +146,7 @@ def _resort_slot(phy, per_E, p, S, srt, ws):
 
 
 @njit(cache=True, nogil=True)
-def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt, ws):
+def _refine_row(phy, per_E, G, S, max_swaps, settle, gap, holds, gl, order, pos, srt, ws):
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
     ws [P] (`_sort_gpu_items`)."""
@@ -162,8 +162,9 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
             if per_E[e] > wmax:
                 wmax = per_E[e]
         gl[g] = x
-    # No placement of these replicas has a busiest GPU below the mean or the heaviest one.
-    floor = max(total / G, wmax)
+    # No placement of these replicas has a busiest GPU below the mean or the heaviest one;
+    # swaps stop within `gap` of that floor (1e-12: rounding noise).
+    stop = max(total / G, wmax) * (1.0 + gap + 1e-12)
     for g in range(G):
         _sort_gpu_items(phy, per_E, g, S, srt, ws)
     # GPUs by load, lower index among ties: a stable sort (placing each GPU in turn with
@@ -175,7 +176,7 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
     while swaps < max_swaps:
         h = order[G - 1]
         top = gl[h]
-        if top <= floor * (1.0 + 1e-12):
+        if top <= stop:
             break
         oh = h * S
         # The best swap leaves max(top - d, lg + d) lowest, d = the load moved from h to g; it
@@ -257,11 +258,12 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, holds, gl, order, pos, srt,
 
 
 @njit(cache=True, nogil=True)
-def refine(phy_RP, per_RE, G, max_swaps, settle):
+def refine(phy_RP, per_RE, G, max_swaps, settle, gap):
     """Lower each row's busiest GPU by replica swaps, in place (at most max_swaps per row);
     returns the swaps made in all rows. Each replica of expert e carries per_RE[r, e]. settle:
     swaps go on until none helps (max_swaps only a guard), so each may be the first below the
-    second-busiest GPU rather than the best (see the module docstring)."""
+    second-busiest GPU rather than the best (see the module docstring). gap: a row stops once
+    its busiest GPU is within this fraction of the floor max(mean GPU load, heaviest replica)."""
     R, P = phy_RP.shape
     E = per_RE.shape[1]
     S = P // G
@@ -273,5 +275,5 @@ def refine(phy_RP, per_RE, G, max_swaps, settle):
     ws = np.empty(P)
     swaps = 0
     for r in range(R):
-        swaps += _refine_row(phy_RP[r], per_RE[r], G, S, max_swaps, settle, holds, gl, order, pos, srt, ws)
+        swaps += _refine_row(phy_RP[r], per_RE[r], G, S, max_swaps, settle, gap, holds, gl, order, pos, srt, ws)
     return swaps

@@ -55,11 +55,11 @@ def _best_pair_max(phy_P: np.ndarray, per_E: np.ndarray, G: int, S: int, settle:
 def test_k_swaps_at_once_are_k_single_swaps(seed, G, S, E, ties, settle):
     per_LE, phy_LP = _case(np.random.default_rng(seed), 8, G, S, E, ties)
     at_once = phy_LP.copy()
-    made = kernel.refine(at_once, per_LE, G, 30, settle)
+    made = kernel.refine(at_once, per_LE, G, 30, settle, 0.0)
     assert made > 0
     one_by_one = phy_LP.copy()
     for _ in range(30):
-        kernel.refine(one_by_one, per_LE, G, 1, settle)
+        kernel.refine(one_by_one, per_LE, G, 1, settle, 0.0)
     np.testing.assert_array_equal(at_once, one_by_one)
 
 
@@ -76,9 +76,9 @@ def test_kept_orders_hold_on_tie_heavy_shapes(settle):
         S = int(rng.integers(-(-E // G), min(E, 12) + 1))
         per_LE, phy_LP = _case(rng, 5, G, S, E, ties=True)
         at_once, one_by_one = phy_LP.copy(), phy_LP.copy()
-        made = kernel.refine(at_once, per_LE, G, 4 * G * S, settle)
+        made = kernel.refine(at_once, per_LE, G, 4 * G * S, settle, 0.0)
         for _ in range(made):
-            kernel.refine(one_by_one, per_LE, G, 1, settle)
+            kernel.refine(one_by_one, per_LE, G, 1, settle, 0.0)
         np.testing.assert_array_equal(at_once, one_by_one, err_msg=f"E={E} G={G} S={S}")
         checked += 1
 
@@ -93,9 +93,28 @@ def test_each_swap_is_the_one_its_rule_picks(seed, ties, G, S, E, settle):
         for _ in range(8):
             load_G = per_E[0][phy[0].reshape(G, S)].sum(axis=1)
             best = _best_pair_max(phy[0], per_E[0], G, S, settle)
-            if kernel.refine(phy, per_E, G, 1, settle) == 0:
+            if kernel.refine(phy, per_E, G, 1, settle, 0.0) == 0:
                 assert best >= load_G.max() * (1 - 1e-9)   # no swap lowers the busiest GPU
                 break
             after_G = per_E[0][phy[0].reshape(G, S)].sum(axis=1)
             moved = np.flatnonzero(np.abs(after_G - load_G) > 1e-12)
             assert len(moved) == 2 and after_G[moved].max() == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed, G, S, E", [(7, 8, 5, 32), (8, 16, 3, 40), (9, 32, 9, 256)])
+def test_a_gap_stops_the_same_swaps_early(seed, G, S, E):
+    """Swaps are made in the same order whatever the gap: a row refined with a gap is the row
+    refined to the floor, stopped at its first swap within the gap (or the same row, when that
+    never comes)."""
+    per_LE, phy_LP = _case(np.random.default_rng(seed), 12, G, S, E, ties=False)
+    gap = 1e-3
+    floor_L = np.maximum(per_LE[np.arange(12)[:, None], phy_LP].sum(axis=1) / G, per_LE.max(axis=1))
+    stopped = phy_LP.copy()
+    kernel.refine(stopped, per_LE, G, 4 * G * S, True, gap)
+    for layer in range(12):
+        per_E = per_LE[layer:layer + 1]
+        row = phy_LP[layer:layer + 1].copy()
+        while per_E[0][row[0].reshape(G, S)].sum(axis=1).max() > floor_L[layer] * (1 + gap + 1e-12):
+            if kernel.refine(row, per_E, G, 1, True, 0.0) == 0:
+                break
+        np.testing.assert_array_equal(stopped[layer], row[0])

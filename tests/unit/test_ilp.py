@@ -82,8 +82,10 @@ def test_weighted_proves_optimal_on_small_instance():
 def test_the_time_limit_is_for_the_whole_plan_largest_gap_first():
     rng = np.random.default_rng(4)
     load_LE = rng.pareto(1.2, (12, 48)) * 100 + 1
-    greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy")
-    capped = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy", settings={"refine_rounds": 64})
+    # ilp starts from greedy refined to the floor (no refine_gap).
+    greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy", settings={"refine_gap": 0})
+    capped = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="greedy",
+                           settings={"refine_rounds": 64, "refine_gap": 0})
     # A budget spent before the first layer starts: every layer keeps its greedy hint, and says so.
     res = planning.plan(load_LE, num_gpus=4, slots_per_gpu=14, planner="ilp",
                         settings={"dispatch": "even", "time_limit": 1e-6, "quiet": True})
@@ -122,7 +124,7 @@ def test_a_layer_cp_sat_does_not_answer_keeps_its_hint_and_only_an_error_falls_b
 
     rng = np.random.default_rng(8)
     load_LE = rng.pareto(1.2, (3, 24)) * 100 + 1
-    greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=7, planner="greedy")
+    greedy = planning.plan(load_LE, num_gpus=4, slots_per_gpu=7, planner="greedy", settings={"refine_gap": 0})
     real = ilp.solve_layer
 
     def no_answer(*args, **kwargs):

@@ -289,6 +289,8 @@ def test_plan_one_gpu_default_and_too_many_slots(name):
     ("robust", {"refine_rounds": "abc"}, "refine_rounds must be a whole number"),  # was a traceback
     ("robust", {"quantile": "abc"}, "wrong type"),
     ("hierarchical", {"refine_rounds": -1}, "whole number >= 0"),
+    ("greedy", {"refine_gap": 1.0}, r"refine_gap must be a number in \[0, 1\), got 1.0"),
+    ("greedy", {"refine_gap": "abc"}, "refine_gap must be a number"),
 ])
 def test_planner_settings_of_the_wrong_type_are_refused(name, settings, message):
     with pytest.raises(EplbError, match=message):
@@ -356,5 +358,5 @@ def test_a_negative_span_cost_is_refused_by_the_budget():
 def test_unknown_setting_is_named_with_the_known_ones():
     with pytest.raises(EplbError, match=r"does not take these settings: 'gap'; its settings are time_limit, "):
         get_planner("ilp", gap=2, quiet=True)  # quiet is the CLI's, not the user's: not in the message
-    with pytest.raises(EplbError, match=r"'bogus'; its settings are refine_rounds$"):
+    with pytest.raises(EplbError, match=r"'bogus'; its settings are refine_rounds, refine_gap$"):
         get_planner("greedy", bogus=1)
