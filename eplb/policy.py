@@ -74,7 +74,7 @@ from eplb.repair import (
     within_caps,
 )
 from eplb.resplit_repair import PLAN_ROUNDS, resplit_decision
-from planners.greedy import plan_greedy, replicate
+from planners.greedy import REFINE_GAP, plan_greedy, replicate
 
 # The load estimate and the compiled steps live in eplb.load_estimate and eplb.repair; their names
 # are importable from here too, and `warm_up` here is what the Rebalancer's background loading
@@ -415,7 +415,7 @@ class AdaptivePolicy:
         (half the mean, weighted w_M, half the worst window of busiest / mean GPU), [n]. count_LE:
         greedy's replica counts of the sum (`replicate`, per layer), which the bound was made from."""
         fresh_LP = plan_greedy(total_LE[layers], placement.num_gpus, placement.slots_per_gpu,
-                               count_LE=count_LE[layers])
+                               count_LE=count_LE[layers], refine_gap=REFINE_GAP)
         busiest_ML = window_imbalance(fresh_LP, windows[:, layers], placement.num_gpus)
         return fresh_LP, 0.5 * np.average(busiest_ML, axis=0, weights=w_M) + 0.5 * busiest_ML.max(axis=0)
 

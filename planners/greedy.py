@@ -10,8 +10,8 @@ Step 2: pack. Replicas, heaviest first, each go to the least-loaded GPU that has
 Step 3: refine. Swap a replica on the busiest GPU with one on a lighter GPU while that lowers
         the busiest GPU's load (the swap leaving the pair's larger load lowest; refining until
         no swap helps, the first GPU, lightest first, whose swap leaves the pair at or below
-        the second-busiest GPU), until the busiest GPU is within REFINE_GAP (0.1%) of the floor
-        max(mean GPU load, heaviest replica).
+        the second-busiest GPU); the greedy planner stops once the busiest GPU is within
+        REFINE_GAP (0.1%) of the floor max(mean GPU load, heaviest replica).
 The steps are compiled (planners/_greedy_kernel.py, numba, imported on first use); the
 functions here check their input and hand whole [L, E] arrays to the kernels.
 """
@@ -25,11 +25,13 @@ from eplb.errors import EplbError, fraction, whole_number
 from eplb.planner_api import PlanRequest, Solution
 from planners._threads import run_blocks
 
-# Refinement stops once a layer's busiest GPU is within this fraction of its floor. The last
-# swaps before the floor cost the most (at 32 GPUs the final third of them take half of
-# refine's time) and what they buy is below the noise of any load estimate: on the next window
-# of real traffic a plan refined to the floor and one stopped at 0.1% differ by +-0.07% either
-# way (docs/planners.md, "refine_gap"). 0 refines until no swap helps.
+# The greedy planner (and the adaptive policy's fresh plans) stop refining a layer once its
+# busiest GPU is within this fraction of its floor. The last swaps before the floor cost the
+# most (at 32 GPUs the final third of them take half of refine's time) and what they buy is
+# below the noise of any load estimate: on the next window of real traffic a plan refined to
+# the floor and one stopped at 0.1% differ by +-0.07% either way (docs/planners.md,
+# "refine_gap"). The functions below default to 0, until no swap helps: hierarchical, ilp and
+# rule-aware, whose plans cost far more than the refinement, keep every swap.
 REFINE_GAP = 1e-3
 
 
@@ -95,14 +97,14 @@ def _swap_cap(num_slots: int, max_rounds: int | None) -> int:
 
 
 def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndarray | None, num_gpus: int,
-           max_rounds: int | None = None, per_LE: np.ndarray | None = None, gap: float = REFINE_GAP) -> np.ndarray:
+           max_rounds: int | None = None, per_LE: np.ndarray | None = None, gap: float = 0.0) -> np.ndarray:
     """Lower each layer's busiest GPU by pairwise replica swaps (in place; returns phy2log_LP).
 
     Rows may be any batch (layers, or layers x nodes with G = GPUs per node). Each replica
     carries per_LE (default load_LE / count_LE, an even split). max_rounds: swaps per row at
     most, each the best (None: until no swap lowers the busiest GPU, at most 4 x P, each the
     first below the second-busiest GPU: planners/_greedy_kernel.py). gap: a row stops once its
-    busiest GPU is within this fraction of its floor (REFINE_GAP).
+    busiest GPU is within this fraction of its floor (0: no earlier; see REFINE_GAP).
     """
     if per_LE is None:
         per_LE = load_LE / count_LE
@@ -131,9 +133,10 @@ def check_shape(num_experts: int, num_gpus: int, slots_per_gpu: int) -> None:
 
 
 def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_rounds: int | None = None,
-                count_LE: np.ndarray | None = None, refine_gap: float = REFINE_GAP) -> np.ndarray:
+                count_LE: np.ndarray | None = None, refine_gap: float = 0.0) -> np.ndarray:
     """The whole greedy plan: replicate, pack, refine (refine_rounds: swaps per layer at most;
-    None: until no swap helps, 0: no refinement; refine_gap: see REFINE_GAP). Returns
+    None: until no swap helps, 0: no refinement; refine_gap: stop within this fraction of the
+    floor, 0: no earlier, see REFINE_GAP). Returns
     phy2log_LP. count_LE: `replicate`'s counts [L, E] when the caller already has them (they
     are what this would compute)."""
     load_LE = kernel_floats(load_LE)

@@ -392,7 +392,7 @@ class IlpPlanner:
         if S > E:
             raise EplbError(f"slots_per_gpu ({S}) exceeds the {E} experts: the ilp planner holds at most "
                             f"one replica of an expert per GPU; use at most {E} slots per GPU")
-        greedy_LP = plan_greedy(load_LE, G, S, refine_gap=0.0)  # the best start: refined to the floor
+        greedy_LP = plan_greedy(load_LE, G, S)
         greedy = Placement(greedy_LP, G, E)
         weighted = self.dispatch == "weighted"
         greedy_w_LP = optimal_weights(greedy, load_LE) if weighted else None
@@ -401,7 +401,7 @@ class IlpPlanner:
         hint_LP = greedy_LP
         if not weighted:
             # Even split: greedy's own swap refinement is a better start where it helps.
-            refined_LP = plan_greedy(load_LE, G, S, refine_rounds=64, refine_gap=0.0)
+            refined_LP = plan_greedy(load_LE, G, S, refine_rounds=64)
             better_L = (Placement(refined_LP, G, E).gpu_loads(load_LE).max(axis=1)
                         < greedy.gpu_loads(load_LE).max(axis=1))
             hint_LP = np.where(better_L[:, None], refined_LP, greedy_LP)
