@@ -12,7 +12,9 @@ swap helps, the reference):
   greedy plans), mean over layers and plans, and its difference from gap 0: on a trace with
   time windows the plan made from window t serves window t + 1 (only the past known); on the
   real DeepSeek-V3 workloads, which have no time axis, each workload's plan serves the other
-  seven (a harsher shift than the next window);
+  seven (a harsher shift than the next window); and the share of (layer, held-out load) pairs
+  where the plan's busiest GPU is heavier / lighter than gap 0's plan's (the same layer's plan
+  serves several loads there, so the pairs are not independent);
 - the swaps refine made per layer, and the plan's time (`plan_greedy`, median of --repeats over
   all windows, the gaps interleaved).
 Data: the 8 real DeepSeek-V3 workloads and DeepSeek-V2-Lite's real per-token routing (windows of
@@ -61,8 +63,8 @@ def traces(v2_window: int) -> list[tuple[str, np.ndarray, list[tuple[int, int]],
 def run(args) -> int:
     print(f"Default refine_gap (planners.greedy.REFINE_GAP): {REFINE_GAP:g}; gap 0 = refine until no swap helps.\n")
     print("| data | GPUs | slots | gap | in-sample busiest / bound | held-out busiest / mean "
-          "| vs gap 0 | swaps / layer | plan ms (median) | time / gap 0 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| vs gap 0 | layers worse / better | swaps / layer | plan ms (median) | time / gap 0 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, counts_TLE, shapes, in_time in traces(args.v2_window):
         loads = [counts_TLE[t].astype(np.float64) for t in range(counts_TLE.shape[0])]
         T, L, E = counts_TLE.shape
@@ -76,22 +78,25 @@ def run(args) -> int:
                     for w in loads:
                         plan_greedy(w, G, S, refine_gap=g)
                     times[g].append((time.perf_counter() - t0) / T)
-            rows = {}
+            rows, busiest = {}, {}
             for g in args.gaps:
-                own, nxt = [], []
+                own, nxt, busiest[g] = [], [], []
                 for t, phy in enumerate(plans[g]):
                     pl = Placement(phy, G, E)
                     lb = stats.lower_bound(loads[t], G, P)
                     own.append(np.mean(pl.gpu_loads(loads[t]).max(axis=1) / lb))
                     for w in ([loads[t + 1]] if t + 1 < T else []) if in_time else loads[:t] + loads[t + 1:]:
-                        nxt.append(np.mean(pl.gpu_loads(w).max(axis=1) / (w.sum(axis=1) / G)))
+                        busiest[g].append(pl.gpu_loads(w).max(axis=1))
+                        nxt.append(np.mean(busiest[g][-1] / (w.sum(axis=1) / G)))
                 rows[g] = (float(np.mean(own)), float(np.mean(nxt)), float(np.median(times[g])))
             base = rows[args.gaps[0]]
             for g in args.gaps:
                 own, nxt, sec = rows[g]
                 swaps = _swaps(loads, G, S, g) / (T * L)
+                ratio = np.concatenate(busiest[g]) / np.concatenate(busiest[args.gaps[0]])
+                sides = f"{100 * np.mean(ratio > 1 + 1e-12):.0f}% / {100 * np.mean(ratio < 1 - 1e-12):.0f}%"
                 print(f"| {label} | {G} | {P} | {g:g} | {own:.5f} | {nxt:.5f} | {100 * (nxt / base[1] - 1):+.3f}% "
-                      f"| {swaps:.1f} | {sec * 1e3:.3f} | {sec / base[2]:.2f} |")
+                      f"| {sides} | {swaps:.1f} | {sec * 1e3:.3f} | {sec / base[2]:.2f} |")
     print(f"\nTimes: one plan of one window (L x E of the trace), {args.repeats} interleaved repeats, "
           "threads as plan() uses them.")
     return 0
