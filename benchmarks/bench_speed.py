@@ -156,8 +156,11 @@ def part_start(args, out):
         env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
         for label in ("empty NUMBA_CACHE_DIR (fresh install)", "warm cache (every later process)"):
             t0 = time.perf_counter()
-            r = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True, text=True, check=True)
+            r = subprocess.run([sys.executable, "-c", _START], env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t0
+            if r.returncode != 0:
+                raise SystemExit(f"the start-up process ({label}) failed with exit status {r.returncode}:\n"
+                                 f"{r.stderr[-4000:]}")
             imp, ctor, wait, dec, longest, first, compiled = r.stdout.split()
             rows.append((label, float(ctor), float(wait), float(dec), float(longest), float(first), wall, compiled))
     out.append("## Start-up (58 x 256, 32 GPUs, 288 slots; greedy planner)\n")

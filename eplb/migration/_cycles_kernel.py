@@ -44,24 +44,26 @@ _Staging = namedtuple("_Staging", [
 def new_staging(new_LP, E, G):
     """Scratch of `stage` for the target new_LP [L, P] of E experts over G ranks."""
     L, P = new_LP.shape
-    want_ptr = np.zeros(L * E + 1, dtype=np.int64)
+    want_ptr = np.zeros(L * E + 1, dtype=np.int32)
     for l in range(L):
         for p in range(P):
             want_ptr[l * E + new_LP[l, p] + 1] += 1
-    want_ptr = np.cumsum(want_ptr)
+    want_ptr = np.cumsum(want_ptr).astype(np.int32)
     fill = want_ptr[:-1].copy()
-    want = np.empty(L * P, dtype=np.int64)
+    want = np.empty(L * P, dtype=np.int32)
     for l in range(L):
         for p in range(P):
             want[fill[l * E + new_LP[l, p]]] = p
             fill[l * E + new_LP[l, p]] += 1
-    return _Staging(np.full((L, E), -1, dtype=np.int64), np.zeros((L, E), dtype=np.int64),
-                    np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int64),
-                    np.empty(L * P, dtype=np.int64), np.empty(L * P, dtype=np.int64), np.empty(L * P, dtype=np.int64),
+    # Slot codes, slots and offsets are int32 (below L x P, as the schedule's state:
+    # `_schedule_kernel._new_state`); the walk and call stamps stay int64 (they count walks).
+    return _Staging(np.full((L, E), -1, dtype=np.int32), np.zeros((L, E), dtype=np.int64),
+                    np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int32),
+                    np.empty(L * P, dtype=np.int32), np.empty(L * P, dtype=np.int32), np.empty(L * P, dtype=np.int32),
                     np.zeros(G, dtype=np.bool_), np.zeros(G, dtype=np.bool_), want_ptr, want,
                     np.full((L, P), -1, dtype=np.int64), np.zeros(5, dtype=np.int64),
-                    np.empty((L, P), dtype=np.int64), np.zeros((L, P), dtype=np.int64),
-                    np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int64), np.empty(L * P, dtype=np.int64))
+                    np.empty((L, P), dtype=np.int32), np.zeros((L, P), dtype=np.int64),
+                    np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int32), np.empty(L * P, dtype=np.int32))
 
 
 @njit(cache=True, nogil=True)

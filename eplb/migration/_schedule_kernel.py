@@ -137,11 +137,15 @@ def _new_state(old_LP, new_LP, G, E):
     """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
     L, P = new_LP.shape
     S = P // G
-    hc = np.zeros((L, E), dtype=np.int64)
-    hsum = np.zeros((L, E), dtype=np.int64)
-    hhead = np.full(L * E, -1, dtype=np.int64)
-    hnext = np.full(L * P, -1, dtype=np.int64)
-    hprev = np.full(L * P, -1, dtype=np.int64)
+    # The [L, P] and [L, E] state is int32 (slot codes l * P + p, expert ids, counts: all below
+    # L x P, which `schedule` checks is below 2^31): the kernel's time goes to visiting pending
+    # slots across these arrays, and half their width is 0.80-0.95x its time (more at 128 GPUs,
+    # whose state outgrows the L2 cache; the rows are the same).
+    hc = np.zeros((L, E), dtype=np.int32)
+    hsum = np.zeros((L, E), dtype=np.int32)
+    hhead = np.full(L * E, -1, dtype=np.int32)
+    hnext = np.full(L * P, -1, dtype=np.int32)
+    hprev = np.full(L * P, -1, dtype=np.int32)
     # Each expert's holders, each slot put in front (`_hold`, written out: numba reference-counts
     # an inlined helper's array arguments at every call; measured at 32 GPUs, writing it out
     # saves 33k reference-count pairs, about 5% of the kernel's time).
@@ -157,13 +161,13 @@ def _new_state(old_LP, new_LP, G, E):
                     hprev[h] = l * P + p
                 hhead[l * E + o] = l * P + p
     return _Slots(
-        old_LP.copy(), new_LP, hc, np.zeros((L, P), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
-        np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
-        np.full((L, P), -1, dtype=np.int64), np.full((L, P), -1, dtype=np.int64),
-        np.empty((G, L * S), dtype=np.int64), np.zeros(G, dtype=np.int64),
+        old_LP.astype(np.int32), new_LP.astype(np.int32), hc, np.zeros((L, P), dtype=np.bool_),
+        np.zeros((L, P), dtype=np.bool_), np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
+        np.full((L, P), -1, dtype=np.int32), np.full((L, P), -1, dtype=np.int32),
+        np.empty((G, L * S), dtype=np.int32), np.zeros(G, dtype=np.int64),
         np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev,
         _may_local(old_LP, new_LP, S), np.zeros(1, dtype=np.int64),
-        np.zeros((L, P), dtype=np.bool_), np.zeros(L * E, dtype=np.bool_), np.empty(L * E, dtype=np.int64),
+        np.zeros((L, P), dtype=np.bool_), np.zeros(L * E, dtype=np.bool_), np.empty(L * E, dtype=np.int32),
         np.zeros(2, dtype=np.int64))
 
 
@@ -428,12 +432,12 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
     rin = np.zeros(G, dtype=np.int64)
     rout = np.zeros(G, dtype=np.int64)
     sent = np.zeros(G, dtype=np.int64)     # network copies each rank has sent
-    fsrc = np.full((L, P), -1, dtype=np.int64)
-    depth = np.zeros((L, P), dtype=np.int64)
-    key = np.empty(L * S, dtype=np.int64)
+    fsrc = np.full((L, P), -1, dtype=np.int32)
+    depth = np.zeros((L, P), dtype=np.int32)
+    key = np.empty(L * S, dtype=np.int32)
     nh = np.zeros(E, dtype=np.int64)
     hr = np.zeros(E, dtype=np.int64)
-    start = np.empty((L * P, 2), dtype=np.int64)    # (layer, expert) in a deadlock at a round's start
+    start = np.empty((L * P, 2), dtype=np.int32)    # (layer, expert) in a deadlock at a round's start
     out = np.empty((1024, 8), dtype=np.int64)
     chunk_R = np.empty(64, dtype=np.int64)
     # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies

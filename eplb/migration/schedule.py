@@ -185,6 +185,9 @@ def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool):
     plain or relay mode."""
     from eplb.migration import _schedule_kernel  # numba: imported on first use, `eplb plan` starts fast
 
+    if old_k.size >= 2**31:  # the kernel's slot codes are int32 (`_schedule_kernel._new_state`)
+        raise EplbError(f"a migration of {old_k.shape[0]} layers x {old_k.shape[1]} slots has {old_k.size} slot "
+                        f"codes, more than the schedule's 2^31 - 1: schedule the layers in parts")
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
     kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
     rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank, False)
