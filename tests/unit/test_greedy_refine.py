@@ -118,3 +118,20 @@ def test_a_gap_stops_the_same_swaps_early(seed, G, S, E):
             if kernel.refine(row, per_E, G, 1, True, 0.0) == 0:
                 break
         np.testing.assert_array_equal(stopped[layer], row[0])
+
+
+def test_the_greedy_planner_takes_the_gap_and_refine_gap_0_refines_to_the_floor():
+    import eplb
+    from planners.greedy import REFINE_GAP, plan_greedy
+
+    load_LE = np.floor(np.random.default_rng(3).pareto(1.2, (6, 64)) * 1000) + 1
+    default = eplb.plan(load_LE, num_gpus=8, slots_per_gpu=9, planner="greedy")
+    np.testing.assert_array_equal(default.solution.phy2log_LP, plan_greedy(load_LE, 8, 9, refine_gap=REFINE_GAP))
+    exact = eplb.plan(load_LE, num_gpus=8, slots_per_gpu=9, planner="greedy", settings={"refine_gap": 0})
+    np.testing.assert_array_equal(exact.solution.phy2log_LP, plan_greedy(load_LE, 8, 9))
+    # Each layer stopped within the gap of its floor, or refined as far as the exact plan.
+    busiest_L, exact_L = default.after.gpu_load_LG.max(axis=1), exact.after.gpu_load_LG.max(axis=1)
+    count_LE = exact.placement.replica_count_LE
+    floor_L = np.maximum(load_LE.sum(axis=1) / 8, (load_LE / count_LE).max(axis=1))
+    assert np.all((busiest_L <= floor_L * (1 + REFINE_GAP + 1e-9)) | (busiest_L == exact_L))
+    assert np.all(exact_L <= busiest_L) and (exact_L < busiest_L).any()  # the gap stopped some layer early
