@@ -27,11 +27,12 @@ from planners._threads import run_blocks
 
 # The greedy planner (and the adaptive policy's fresh plans) stop refining a layer once its
 # busiest GPU is within this fraction of its floor. The last swaps before the floor cost the
-# most (at 32 GPUs the final third of them take half of refine's time) and what they buy is
-# below the noise of any load estimate: on the next window of real traffic a plan refined to
-# the floor and one stopped at 0.1% differ by +-0.07% either way (docs/planners.md,
-# "refine_gap"). The functions below default to 0, until no swap helps: hierarchical, ilp and
-# rule-aware, whose plans cost far more than the refinement, keep every swap.
+# most (at 32 GPUs on DeepSeek-V3 stopping here makes half the swaps, in 0.62-0.65x the plan's
+# time) and what they buy does not survive a change of traffic: served on loads the plan did
+# not see, a layer refined to the floor comes out heavier about as often as lighter than one
+# stopped here (docs/planners.md, "refine_gap"; benchmarks/bench_refine_gap.py). The functions
+# below default to 0, until no swap helps: hierarchical, ilp and rule-aware, whose plans cost
+# far more than the refinement, keep every swap.
 REFINE_GAP = 1e-3
 
 
@@ -136,9 +137,8 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
                 count_LE: np.ndarray | None = None, refine_gap: float = 0.0) -> np.ndarray:
     """The whole greedy plan: replicate, pack, refine (refine_rounds: swaps per layer at most;
     None: until no swap helps, 0: no refinement; refine_gap: stop within this fraction of the
-    floor, 0: no earlier, see REFINE_GAP). Returns
-    phy2log_LP. count_LE: `replicate`'s counts [L, E] when the caller already has them (they
-    are what this would compute)."""
+    floor, 0: no earlier, see REFINE_GAP). Returns phy2log_LP. count_LE: `replicate`'s counts
+    [L, E] when the caller already has them (they are what this would compute)."""
     load_LE = kernel_floats(load_LE)
     L, E = load_LE.shape
     G, S = int(num_gpus), int(slots_per_gpu)
