@@ -42,7 +42,8 @@ from bench_backtest import SYNTH, V2_FILE, V3_DIR, v2_lite_windows  # noqa: E402
 from eplb import stats  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.placement import Placement  # noqa: E402
-from planners.greedy import REFINE_GAP, plan_greedy  # noqa: E402
+from planners import _greedy_kernel as kernel  # noqa: E402
+from planners.greedy import REFINE_GAP, pack_replicas, plan_greedy, replicate  # noqa: E402
 
 
 def traces(v2_window: int) -> list[tuple[str, np.ndarray, list[tuple[int, int]], bool]]:
@@ -103,16 +104,13 @@ def run(args) -> int:
 
 
 def _swaps(loads, G: int, S: int, gap: float) -> int:
-    """The swaps refine makes over every window at this gap (the kernel counts them)."""
-    from planners import _greedy_kernel as kernel
-    from planners.greedy import replicate
-
+    """The swaps refine makes over every window at this gap (plan_greedy's steps, with the
+    kernel's count of swaps, which plan_greedy does not return)."""
     total = 0
     for w in loads:
         count = replicate(w, G * S, G)
         per = w / count
-        phy = kernel.pack(per, count, np.argsort(-per, axis=1), G, S)
-        total += kernel.refine(phy, per, G, 4 * G * S, True, float(gap))
+        total += kernel.refine(pack_replicas(per, count, G, S), per, G, 4 * G * S, True, float(gap))
     return total
 
 
