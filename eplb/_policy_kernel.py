@@ -121,7 +121,9 @@ def _targets(key_E, P, G, r_E, per_E, heap_E):
 
     Each of the P - E extra slots goes to the expert with the highest demand per replica (the
     lowest id among equals), taken from a binary heap of the experts in that order (a scan of
-    all E experts per slot would be 65,000 steps a layer at 256 GPUs).
+    all E experts per slot would be 65,000 steps a layer at 256 GPUs). The heap keeps each
+    entry's demand per replica beside its id (per_E[i] belongs to heap_E[i]): a comparison
+    reads two neighbouring values, not two experts' scattered ones.
     """
     E = key_E.shape[0]
     for e in range(E):
@@ -129,34 +131,33 @@ def _targets(key_E, P, G, r_E, per_E, heap_E):
         per_E[e] = -np.inf if G <= 1 else key_E[e]
         heap_E[e] = e
     for i in range(E // 2 - 1, -1, -1):
-        _sift_down(heap_E, per_E, i)
+        _sift_down(heap_E, per_E, i, heap_E[i], per_E[i])
     for _ in range(P - E):
         best = heap_E[0]
         r_E[best] += 1
-        per_E[best] = -np.inf if r_E[best] >= G else key_E[best] / r_E[best]
-        _sift_down(heap_E, per_E, 0)      # the root's value only fell
+        # The root's value only fell: it sinks from the top.
+        _sift_down(heap_E, per_E, 0, best, -np.inf if r_E[best] >= G else key_E[best] / r_E[best])
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _first(per_E, a, b):
-    """Is expert a taken before expert b (more demand per replica, or as much and a lower id)?"""
-    return per_E[a] > per_E[b] or (per_E[a] == per_E[b] and a < b)
-
-
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _sift_down(heap_E, per_E, i):
-    """Restore the heap order below position i (the first expert at the root)."""
+def _sift_down(heap_E, per_E, i, e, v):
+    """Put expert e with demand per replica v at heap position i and let it sink below the
+    entries taken before it (more demand per replica, or as much and a lower id); its
+    children move up into the hole as it passes them."""
     n = heap_E.shape[0]
     while True:
         c = 2 * i + 1
         if c >= n:
-            return
-        if c + 1 < n and _first(per_E, heap_E[c + 1], heap_E[c]):
+            break
+        if c + 1 < n and (per_E[c + 1] > per_E[c] or (per_E[c + 1] == per_E[c] and heap_E[c + 1] < heap_E[c])):
             c += 1
-        if not _first(per_E, heap_E[c], heap_E[i]):
-            return
-        heap_E[i], heap_E[c] = heap_E[c], heap_E[i]
+        if not (per_E[c] > v or (per_E[c] == v and heap_E[c] < e)):
+            break
+        heap_E[i] = heap_E[c]
+        per_E[i] = per_E[c]
         i = c
+    heap_E[i] = e
+    per_E[i] = v
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")

@@ -25,37 +25,40 @@ from numba import njit
 from planners._pack_kernel import pack  # noqa: F401  (the greedy steps live here as one set)
 
 
-@njit(cache=True, nogil=True)
-def _first(key, cnt, a, b):
-    """Does expert a get the next slot before b: higher load per replica, then fewer
-    replicas, then the lower id."""
-    if key[a] != key[b]:
-        return key[a] > key[b]
+@njit(cache=True, nogil=True, inline="always")
+def _first(v_a, a, v_b, b, cnt):
+    """Does expert a (load per replica v_a) get the next slot before b (v_b): higher load per
+    replica, then fewer replicas, then the lower id."""
+    if v_a != v_b:
+        return v_a > v_b
     if cnt[a] != cnt[b]:
         return cnt[a] < cnt[b]
     return a < b
 
 
-@njit(cache=True, nogil=True)
-def _sift(key, cnt, heap, n, i):
-    """Restore the heap order of heap[:n] below position i (`_first` on top)."""
+@njit(cache=True, nogil=True, inline="always")
+def _sift(key, heap, cnt, n, i, v, e):
+    """Put expert e (load per replica v) at position i of the heap heap[:n] (`_first` on
+    top) and let it sink; key[j] is the load per replica of heap[j], kept beside it so a
+    comparison reads neighbouring values, and the children it passes move up into the hole."""
     while True:
         c = 2 * i + 1
         if c >= n:
-            return
-        if c + 1 < n and _first(key, cnt, heap[c + 1], heap[c]):
+            break
+        if c + 1 < n and _first(key[c + 1], heap[c + 1], key[c], heap[c], cnt):
             c += 1
-        if not _first(key, cnt, heap[c], heap[i]):
-            return
-        x = heap[i]
+        if not _first(key[c], heap[c], v, e, cnt):
+            break
         heap[i] = heap[c]
-        heap[c] = x
+        key[i] = key[c]
         i = c
+    heap[i] = e
+    key[i] = v
 
 
 @njit(cache=True, nogil=True)
 def _replicate_row(load_E, P, G, cnt_E, key_E, heap):
-    """Replica counts of one row into cnt_E: sum P, 1 <= cnt <= G."""
+    """Replica counts of one row into cnt_E: sum P, 1 <= cnt <= G (key_E, heap: scratch)."""
     E = load_E.size
     for e in range(E):
         cnt_E[e] = 1
@@ -63,16 +66,15 @@ def _replicate_row(load_E, P, G, cnt_E, key_E, heap):
         heap[e] = e
     n = E
     for i in range(n // 2 - 1, -1, -1):
-        _sift(key_E, cnt_E, heap, n, i)
+        _sift(key_E, heap, cnt_E, n, i, key_E[i], heap[i])
     for _ in range(P - E):
         e = heap[0]
         cnt_E[e] += 1
         if cnt_E[e] >= G:
             n -= 1
-            heap[0] = heap[n]
+            _sift(key_E, heap, cnt_E, n, 0, key_E[n], heap[n])
         else:
-            key_E[e] = load_E[e] / cnt_E[e]
-        _sift(key_E, cnt_E, heap, n, 0)
+            _sift(key_E, heap, cnt_E, n, 0, load_E[e] / cnt_E[e], e)
 
 
 @njit(cache=True, nogil=True)
