@@ -13,12 +13,14 @@ model's traffic, and four independent Pareto draws, an abrupt switch, as a stres
 - start: a fresh process with an empty NUMBA_CACHE_DIR (a fresh install's cache), then one with
   that cache warm: `Rebalancer(...)` return time and the wait of its first rebalance().
 - schedule: for every ordered pair of workloads (A's greedy plan serving, B's relabelled greedy
-  plan the target) the migration schedule's rounds against the round bound (the most network
-  copies into one GPU; no schedule can have fewer rounds).
+  plan the target) the migration schedule's rounds against the round bound (`round_bound`: the
+  most network copies into one GPU, or the most experts one GPU alone holds and must send; no
+  schedule can have fewer rounds).
 - decision: Rebalancer.rebalance() (plan(previous=, budget=) + schedule) against SGLang's
   from-scratch DeepSeek plan of the same load, timed in the same run (--decision-repeats fresh
   Rebalancers per workload pair, each beside SGLang's plan; medians); balance after it against
-  a fresh greedy plan (busiest GPU / mean, median over layers).
+  a fresh greedy plan (busiest GPU / mean, median over layers); the rounds of the decision's own
+  migration against its round bound.
 - greedy: greedy through plan(): busiest GPU / lower bound (mean over layers) and time against
   SGLang's DeepSeek; robust at 256 GPUs / 768 slots against SGLang's time.
 - cli: wall time of `eplb plan traces/deepseek.npz --gpus 16` (robust, the CLI's default), beside
@@ -108,6 +110,26 @@ def median_time(fn, repeats):
         out = fn()
         times.append(time.perf_counter() - t0)
     return out, float(np.median(times))
+
+
+def round_bound(old_LP: np.ndarray, new_LP: np.ndarray, G: int, E: int) -> int:
+    """Rounds no schedule from old_LP to new_LP [L, P] can beat: a GPU receives at most one
+    expert per round, so the most experts copied onto one GPU (`count_moves`); and sends at most
+    one, so the most (layer, expert) pairs only one GPU holds that another GPU needs (each must
+    leave that GPU once, later copies may relay)."""
+    L, P = old_LP.shape
+    into = int(mg.count_moves(old_LP, new_LP, G, E).sum(axis=0).max())
+    gpu_LP = np.broadcast_to(np.arange(P) // (P // G), (L, P))
+    layer_LP = np.broadcast_to(np.arange(L)[:, None], (L, P))
+    old_LEG = np.zeros((L, E, G), dtype=bool)
+    new_LEG = np.zeros((L, E, G), dtype=bool)
+    old_LEG[layer_LP, old_LP, gpu_LP] = True
+    new_LEG[layer_LP, new_LP, gpu_LP] = True
+    alone_LE = old_LEG.sum(axis=2) == 1
+    needed_LE = (new_LEG & ~old_LEG).any(axis=2)
+    sender = old_LEG.argmax(axis=2)[alone_LE & needed_LE]
+    out = int(np.bincount(sender, minlength=G).max()) if sender.size else 0
+    return max(into, out)
 
 
 def synthetic(L, E, seed):
@@ -204,7 +226,7 @@ def part_schedule(args, out, loads):
                 old = plans[a].phy2log_LP
                 target = plans[b].phy2log_LP
                 new = np.take_along_axis(target, mg.relabel(old, target, G, E), axis=1)
-                bound = int(mg.count_moves(old, new, G, E).sum(axis=0).max())
+                bound = round_bound(old, new, G, E)
                 t0 = time.perf_counter()
                 s = mg.schedule(old, new, G, E)
                 times.append(time.perf_counter() - t0)
@@ -235,15 +257,16 @@ def part_decision(args, out, loads, ref):
                f"Per pair {args.decision_repeats} fresh Rebalancers decide, each timed beside SGLang's plan of "
                "the same load (median of 3); the pair's medians, then the median over pairs, are shown.\n")
     out.append("| data | Rebalancer | GPUs | slots | rebalance() ms median | SGLang plan ms median | ratio | balance "
-               "after / fresh greedy (median over pairs) | moves median |\n"
-               "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+               "after / fresh greedy (median over pairs) | moves median | migration rounds / bound: median "
+               "(worst pair's rounds, bound) |\n"
+               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     modes = [("default (adaptive)", {}), ("policy=None", {"policy": None, "min_improvement": 0.0})]
     for data, ws, G, P, is_target in cases(loads, SHAPES):
         names = list(ws)
         pairs = [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))][: args.pairs]
         E = next(iter(ws.values())).shape[1]
         for label, kw in modes:
-            dec, refs, bal, moves = [], [], [], []
+            dec, refs, bal, moves, rounds = [], [], [], [], []
             for a, b in pairs:
                 # Each decision is one call of a fresh Rebalancer; `decision_repeats` of them, each
                 # beside SGLang's plan of the same load, give the pair's medians (noise, not bias).
@@ -260,15 +283,25 @@ def part_decision(args, out, loads, ref):
                 dec.append(float(np.median(pair_dec)))
                 refs.append(float(np.median(pair_ref)))
                 moves.append(res.moves)
+                mig = res.migration
+                bound = max(round_bound(mig.old_LP, mig.new_LP, G, E), 1)
+                rounds.append((mig.num_rounds / bound, mig.num_rounds, bound))
                 fresh = plan(ws[b], num_gpus=G, num_redundant=P - E).placement
                 imb = np.median(stats.imbalance(res.placement.gpu_loads(ws[b])))
                 bal.append(imb / np.median(stats.imbalance(fresh.gpu_loads(ws[b]))))
             d, r = float(np.median(dec)), float(np.median(refs))
             out.append(f"| {data} | {label} | {G} | {P} | {d * 1e3:.1f} | {r * 1e3:.1f} | {d / r:.3f} | "
-                       f"{np.median(bal):.4f} | {int(np.median(moves))} |")
+                       f"{np.median(bal):.4f} | {int(np.median(moves))} | {np.median([r[0] for r in rounds]):.3f} "
+                       f"({max(rounds)[1]}, {max(rounds)[2]}) |")
             # The targets are the default Rebalancer's; policy=None (a full plan and the migration
             # step every time) is shown beside it for what the adaptive policy saves.
             target = is_target and not kw
+            if target:
+                worst = max(rounds)
+                record(f"decision's migration rounds / round bound, {data}, {G} GPUs (the schedule target's "
+                       "pairs are full replans; shown beside it)", f"median {np.median([r[0] for r in rounds]):.3f}x, "
+                       f"worst {worst[0]:.3f}x ({worst[1]} rounds, bound {worst[2]})",
+                       "round_bound of the same migration", None)
             record(f"rebalance() <= 0.25x SGLang's plan time, {data}, {label}, {G} GPUs / {P} slots",
                    f"{d * 1e3:.0f} ms ({d / r:.2f}x)", f"SGLang {r * 1e3:.0f} ms", d / r <= 0.25 if target else None)
             if G == 256 and data == "DeepSeek-V3":
