@@ -36,7 +36,10 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
     overlap_GG = np.zeros((G, G), dtype=np.int64)
     pair_h = np.empty(P * G, dtype=np.int64)
     pair_g = np.empty(P * G, dtype=np.int64)
-    pair_v = np.empty(P * G, dtype=np.int64)
+    order = np.empty(P * G, dtype=np.int64)
+    # Pairs by overlap, most first, in discovery order among equals (a stable counting sort: an
+    # overlap is at most S x S, a GPU's slots against another's).
+    start_V = np.empty(S * S + 2, dtype=np.int64)
     used_new = np.empty(G, dtype=np.bool_)
     used_old = np.empty(G, dtype=np.bool_)
     for l in range(L):
@@ -62,13 +65,22 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
                     pair_g[n] = g
                     n += 1
                 overlap_GG[h, g] += 1
+        vmax = 0
         for i in range(n):
-            pair_v[i] = -overlap_GG[pair_h[i], pair_g[i]]
-        order = np.argsort(pair_v[:n], kind="mergesort")
+            vmax = max(vmax, overlap_GG[pair_h[i], pair_g[i]])
+        start_V[:vmax + 2] = 0
+        for i in range(n):
+            start_V[vmax - overlap_GG[pair_h[i], pair_g[i]] + 1] += 1
+        for v in range(vmax + 1):
+            start_V[v + 1] += start_V[v]
+        for i in range(n):
+            k = vmax - overlap_GG[pair_h[i], pair_g[i]]
+            order[start_V[k]] = i
+            start_V[k] += 1
         used_new[:] = False
         used_old[:] = False
         out_LG[l] = -1
-        for i in order:
+        for i in order[:n]:
             h, g = pair_h[i], pair_g[i]
             overlap_GG[h, g] = 0
             if not used_new[h] and not used_old[g]:
