@@ -98,6 +98,47 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def kept_bound(old_LP, new_LP, num_gpus, num_logical_experts):
+    """For each layer, the most replicas of old_LP any renaming of new_LP's GPUs keeps in place,
+    bounded from above, int [L]: each new GPU keeps at most the experts it shares with the old
+    GPU it shares most with (as `match_gpus` counts them: pairs of slots). P minus it bounds the
+    moves of every renaming from below, before one is made."""
+    L, P = old_LP.shape
+    G = num_gpus
+    E = num_logical_experts
+    S = P // G
+    out_L = np.zeros(L, dtype=np.int64)
+    start_E = np.empty(E + 1, dtype=np.int64)
+    at_P = np.empty(P, dtype=np.int64)
+    fill_E = np.empty(E, dtype=np.int64)
+    shared_G = np.zeros(G, dtype=np.int64)
+    for l in range(L):
+        start_E[:] = 0
+        for p in range(P):
+            start_E[old_LP[l, p] + 1] += 1
+        for e in range(E):
+            start_E[e + 1] += start_E[e]
+        fill_E[:] = start_E[:E]
+        for p in range(P):
+            e = old_LP[l, p]
+            at_P[fill_E[e]] = p // S
+            fill_E[e] += 1
+        for h in range(G):
+            best = 0
+            for p in range(h * S, (h + 1) * S):
+                e = new_LP[l, p]
+                for i in range(start_E[e], start_E[e + 1]):
+                    shared_G[at_P[i]] += 1
+                    best = max(best, shared_G[at_P[i]])
+            out_L[l] += best
+            for p in range(h * S, (h + 1) * S):
+                e = new_LP[l, p]
+                for i in range(start_E[e], start_E[e + 1]):
+                    shared_G[at_P[i]] = 0
+    return out_L
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def rename_gpus(old_LP, new_LP, num_gpus, num_logical_experts, out_LP):
     """new_LP with each layer's GPUs renamed by `match_gpus` and each GPU's slots ordered so that
     the replicas it keeps stay in their old slots (`migration.keep_slots`' rule), into out_LP

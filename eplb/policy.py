@@ -64,6 +64,7 @@ from eplb.planner_api import get_planner
 from eplb.planning import plan
 from eplb.repair import (
     group_pairs,
+    most_kept,
     normalise,
     renamed,
     repair,
@@ -389,11 +390,13 @@ class AdaptivePolicy:
         if not cand.size:
             return new_LP, cost_L2, moves_LG
         fresh_LP, cost_L = self._fresh(placement, windows, w_M, total_LE, count_LE, cand)
-        # The same bound on the moves with the plan's own cost in place of the bound on it (greedy
-        # never puts two replicas of an expert on one GPU, so every replica gained is a move
-        # whatever the renaming): the renaming is made only where the plan can still pay.
+        # The same test with the plan's own cost in place of the bound on it, and its moves bounded
+        # by what any renaming could keep (`most_kept`; at least every replica gained, as greedy
+        # never puts two replicas of an expert on one GPU): the renaming is made only where the
+        # plan can still pay.
+        moves_lb = np.maximum(gained_L[cand], P - most_kept(old_LP[cand], fresh_LP, G, E))
         far = (cost_L < cost_L2[cand, 1] - self.replan_gap) \
-            & (cost_L2[cand, 0] - cost_L - price * gained_L[cand] > np.maximum(net_rep_L[cand], 0.0))
+            & (cost_L2[cand, 0] - cost_L - price * moves_lb > np.maximum(net_rep_L[cand], 0.0))
         cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]
         if not cand.size:
             return new_LP, cost_L2, moves_LG

@@ -124,6 +124,23 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     return out_LP
 
 
+def most_kept(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
+    """An upper bound on the replicas of old_LP that `renamed` (or any renaming of new_LP's GPUs)
+    keeps in place, per layer, int [L]: P minus it bounds the renamed plan's moves from below,
+    so a renaming that could not pay for its moves is not made (compiled, blocks of layers on
+    threads)."""
+    from eplb import _rename_kernel  # numba: imported on first use
+
+    old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
+    out_L = np.empty(old_k.shape[0], dtype=np.int64)
+
+    def rows(a: int, b: int) -> None:
+        out_L[a:b] = _rename_kernel.kept_bound(old_k[a:b], new_k[a:b], int(num_gpus), int(num_logical_experts))
+
+    run_blocks(rows, *old_k.shape)
+    return out_L
+
+
 def warm_up() -> float:
     """Load (or, after an install, compile) the adaptive policy's kernels now; returns seconds."""
     t0 = time.perf_counter()
@@ -134,6 +151,7 @@ def warm_up() -> float:
     repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
     repair(phy, win, 2, rounds_L=np.array([2, 2]), weights_M=np.array([1.0, 1.0, 2.0, 2.0]))
     renamed(phy, phy[::-1].copy(), 2, 3)
+    most_kept(phy, phy[::-1].copy(), 2, 3)
     return time.perf_counter() - t0
 
 
