@@ -8,6 +8,7 @@ from eplb import EplbError, plan, stats
 from eplb.migration import count_moves, relabel
 from eplb.placement import Placement
 from eplb.policy import AdaptivePolicy, get_policy, renamed
+from eplb.repair import most_kept
 
 L, E, G, S = 2, 64, 64, 2
 
@@ -75,6 +76,22 @@ def test_renamed_only_renames_gpus_and_keeps_replicas_in_their_slots(seed):
     perm_G = rng.permutation(G)
     shuffled = old.reshape(L, G, S)[:, perm_G].reshape(L, G * S)
     assert count_moves(old, renamed(old, shuffled, G, E), G, E).sum() == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_most_kept_bounds_the_replicas_every_renaming_keeps(seed):
+    rng = np.random.default_rng(seed)
+    old = plan(workload(30 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
+    new = plan(workload(40 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
+    bound_L = most_kept(old, new, G, E)
+    P = G * S
+    # The greedy renaming, the optimal one and random GPU orders all keep at most the bound.
+    for rows in (renamed(old, new, G, E), np.take_along_axis(new, relabel(old, new, G, E), axis=1),
+                 new.reshape(L, G, S)[:, rng.permutation(G)].reshape(L, P)):
+        assert (P - count_moves(old, rows, G, E).sum(axis=1) <= bound_L).all()
+    # Reached where the new plan is the old one with its GPUs shuffled: every replica stays.
+    shuffled = old.reshape(L, G, S)[:, rng.permutation(G)].reshape(L, P)
+    assert (most_kept(old, shuffled, G, E) == P).all()
 
 
 def test_replan_gap_is_checked():
