@@ -270,6 +270,15 @@ def warm_up_in_background(modules: tuple[str, ...]) -> Warmup:
         return w
 
 
+def loaded_kernel(name: str):
+    """Kernel module `name` if this process has loaded it and its warm-up has run (its `ready`
+    flag), else None; never imports it. A module another thread is still importing (the
+    background warm-up, importing numba first) is already in sys.modules without its
+    attributes: it counts as not loaded, and the caller goes on in numpy."""
+    mod = sys.modules.get(name)
+    return mod if getattr(mod, "ready", False) else None
+
+
 def kernel_floats(a) -> np.ndarray:
     """a as the float64 array type the kernels are compiled for: writable and C-ordered (a
     itself when it is one, else a copy).

@@ -16,12 +16,12 @@ Worked example: 256 logical + 32 redundant = 288 physical slots; 32 GPUs -> 9 sl
 from __future__ import annotations
 
 import copy
-import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from eplb.compiled import loaded_kernel
 from eplb.errors import EplbError, is_whole, number_array, readonly, whole_array, whole_number
 from eplb.files import MAX_INPUT_ENV, max_input_bytes
 from eplb.topology import Topology
@@ -34,8 +34,7 @@ def _count_kernel():
     """eplb._score_kernel when a process that scores plans has loaded it (eplb.stats loads it),
     else None: Placement then counts in numpy, to the same counts. Looked up, never imported:
     a process that only reads placements does not load numba for them."""
-    mod = sys.modules.get("eplb._score_kernel")
-    return mod if mod is not None and mod.ready else None
+    return loaded_kernel("eplb._score_kernel")
 
 
 @dataclass(frozen=True, eq=False)

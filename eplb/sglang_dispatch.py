@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.compiled import loaded_kernel
 from eplb.errors import EplbError
 from eplb.placement import Placement
 
@@ -139,8 +140,8 @@ def _draws_kernel():
     does), from numba's cache; on a cold cache one background process compiles them and the
     draws stay in Python meanwhile. A process without numba draws in Python (the same picks)."""
     global _load_tried
-    mod = sys.modules.get(_DRAWS_KERNEL)
-    if mod is not None and mod.ready:
+    mod = loaded_kernel(_DRAWS_KERNEL)
+    if mod is not None:
         return mod
     if _load_tried or "numba" not in sys.modules:
         return None
@@ -151,8 +152,7 @@ def _draws_kernel():
 
             if not load_cached((_DRAWS_KERNEL,)):
                 compile_detached(_DRAWS_KERNEL)
-    mod = sys.modules.get(_DRAWS_KERNEL)
-    return mod if mod is not None and mod.ready else None
+    return loaded_kernel(_DRAWS_KERNEL)
 
 
 def _draws(seed: int, slots_JX: np.ndarray, count_J: np.ndarray, k_J: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.compiled import compile_detached, kernel_floats, load_cached
+from eplb.compiled import compile_detached, kernel_floats, load_cached, loaded_kernel
 from eplb.errors import EplbError, is_number, is_whole, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
@@ -299,8 +299,7 @@ def score_kernel():
     """The compiled scores (the module eplb._score_kernel) when they are loaded in this process,
     else None: the numpy scores then give the same bits. They are loaded by `load_score_kernel`
     (and by a Rebalancer's background warm-up); nothing here loads numba."""
-    mod = sys.modules.get(_SCORE_KERNEL)
-    return mod if mod is not None and mod.ready else None
+    return loaded_kernel(_SCORE_KERNEL)
 
 
 def load_score_kernel() -> None:

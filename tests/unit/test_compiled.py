@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -84,6 +85,29 @@ def test_rebalancer_starts_without_waiting_for_kernels():
     rb.observe(load[:, ::-1].copy())
     res = rb.rebalance()
     assert rb.warmup.ready and res.info["kernel_wait_seconds"] >= 0.0
+
+
+def test_a_kernel_module_still_importing_counts_as_not_loaded(monkeypatch):
+    # The background warm-up puts a kernel module in sys.modules as its import starts (numba
+    # first, which takes a while after an install); the lookups that never import (scores,
+    # Placement's counts, SGLang's draws) must read it as not loaded and go on in numpy, not
+    # raise AttributeError from a serving loop's first observe() (seen in bench_speed's start-up
+    # part). (An import of it waits for the other thread, by Python's per-module import lock.)
+    from eplb import sglang_dispatch, stats
+    from eplb.compiled import loaded_kernel
+    from eplb.placement import Placement
+
+    for name in ("eplb._score_kernel", "eplb._sglang_draws_kernel"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        assert loaded_kernel(name) is None
+    monkeypatch.setattr(sglang_dispatch, "_load_tried", True)
+    assert stats.score_kernel() is None and sglang_dispatch._draws_kernel() is None
+    pl = Placement(np.array([[0, 1, 2, 0], [2, 1, 0, 1]]), num_gpus=2, num_logical_experts=3)
+    assert pl.replica_count_LE.tolist() == [[2, 1, 1], [1, 2, 1]]
+    done = types.ModuleType("done")
+    done.ready = True
+    monkeypatch.setitem(sys.modules, "done", done)
+    assert loaded_kernel("done") is done
 
 
 class _Compiling:
