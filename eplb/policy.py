@@ -31,6 +31,9 @@ The default, `AdaptivePolicy` ("adaptive"):
   windows), a fresh `greedy` plan of the memory's sum, renamed onto the placement in force
   (`renamed`), replaces the repair if the repair stays more than `replan_gap` above it and the
   plan's gain net of its moves' price is higher: a few swaps follow drift, not a new workload.
+  Bounds cut the work without changing the answer: the plan is made only where its replica
+  counts' bound could still win, and renamed only where the most any renaming could keep in
+  place (`most_kept`) leaves its moves affordable (on drifting traffic a fresh plan rarely is).
 
 `WindowPolicy` ("window") is the fixed-horizon rule the `Rebalancer` implements with
 `window=N`: plan on the sum of the newest N windows (all when None) with a planner, migration
