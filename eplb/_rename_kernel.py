@@ -98,11 +98,10 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def kept_bound(old_LP, new_LP, num_gpus, num_logical_experts):
-    """For each layer, the most replicas of old_LP any renaming of new_LP's GPUs keeps in place,
-    bounded from above, int [L]: each new GPU keeps at most the experts it shares with the old
-    GPU it shares most with (as `match_gpus` counts them: pairs of slots). P minus it bounds the
-    moves of every renaming from below, before one is made."""
+def fewest_moves(old_LP, new_LP, num_gpus, num_logical_experts):
+    """For each layer, a lower bound on the moves (`migration.count_moves`) of new_LP with its
+    GPUs renamed in any way, int [L]: a new GPU keeps at most the experts it shares with the old
+    GPU it shares most with, and moves the rest of its own (each expert counted once)."""
     L, P = old_LP.shape
     G = num_gpus
     E = num_logical_experts
@@ -113,6 +112,7 @@ def kept_bound(old_LP, new_LP, num_gpus, num_logical_experts):
     fill_E = np.empty(E, dtype=np.int64)
     shared_G = np.zeros(G, dtype=np.int64)
     for l in range(L):
+        # Old GPUs holding each expert (in slot order: a GPU's entries are adjacent).
         start_E[:] = 0
         for p in range(P):
             start_E[old_LP[l, p] + 1] += 1
@@ -124,18 +124,33 @@ def kept_bound(old_LP, new_LP, num_gpus, num_logical_experts):
             at_P[fill_E[e]] = p // S
             fill_E[e] += 1
         for h in range(G):
+            own = 0
             best = 0
             for p in range(h * S, (h + 1) * S):
                 e = new_LP[l, p]
+                if e < 0 or _seen_before(new_LP, l, h * S, p, e):
+                    continue
+                own += 1
                 for i in range(start_E[e], start_E[e + 1]):
-                    shared_G[at_P[i]] += 1
-                    best = max(best, shared_G[at_P[i]])
-            out_L[l] += best
+                    if i == start_E[e] or at_P[i] != at_P[i - 1]:
+                        shared_G[at_P[i]] += 1
+                        best = max(best, shared_G[at_P[i]])
+            out_L[l] += own - best
             for p in range(h * S, (h + 1) * S):
                 e = new_LP[l, p]
-                for i in range(start_E[e], start_E[e + 1]):
-                    shared_G[at_P[i]] = 0
+                if e >= 0:
+                    for i in range(start_E[e], start_E[e + 1]):
+                        shared_G[at_P[i]] = 0
     return out_L
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _seen_before(new_LP, l, lo, p, e):
+    """Does a slot of the same GPU before slot p (from slot lo) hold expert e too?"""
+    for q in range(lo, p):
+        if new_LP[l, q] == e:
+            return True
+    return False
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

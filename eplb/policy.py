@@ -33,7 +33,7 @@ The default, `AdaptivePolicy` ("adaptive"):
   plan's gain net of its moves' price is higher: a few swaps follow drift, not a new workload.
   Bounds cut the work without changing the answer: the plan is made only where its replica
   counts' bound could still win, and renamed only where the most any renaming could keep in
-  place (`most_kept`) leaves its moves affordable (on drifting traffic a fresh plan rarely is).
+  place (`fewest_moves`) leaves its moves affordable (on drifting traffic a fresh plan rarely is).
 
 `WindowPolicy` ("window") is the fixed-horizon rule the `Rebalancer` implements with
 `window=N`: plan on the sum of the newest N windows (all when None) with a planner, migration
@@ -66,8 +66,8 @@ from eplb.placement import Placement
 from eplb.planner_api import get_planner
 from eplb.planning import plan
 from eplb.repair import (
+    fewest_moves,
     group_pairs,
-    most_kept,
     normalise,
     renamed,
     repair,
@@ -394,10 +394,10 @@ class AdaptivePolicy:
             return new_LP, cost_L2, moves_LG
         fresh_LP, cost_L = self._fresh(placement, windows, w_M, total_LE, count_LE, cand)
         # The same test with the plan's own cost in place of the bound on it, and its moves bounded
-        # by what any renaming could keep (`most_kept`; at least every replica gained, as greedy
-        # never puts two replicas of an expert on one GPU): the renaming is made only where the
-        # plan can still pay.
-        moves_lb = np.maximum(gained_L[cand], P - most_kept(old_LP[cand], fresh_LP, G, E))
+        # by what any renaming could keep (`fewest_moves`; at least every replica gained, as
+        # greedy never puts two replicas of an expert on one GPU): the renaming is made only where
+        # the plan can still pay.
+        moves_lb = np.maximum(gained_L[cand], fewest_moves(old_LP[cand], fresh_LP, G, E))
         far = (cost_L < cost_L2[cand, 1] - self.replan_gap) \
             & (cost_L2[cand, 0] - cost_L - price * moves_lb > np.maximum(net_rep_L[cand], 0.0))
         cand, fresh_LP, cost_L = cand[far], fresh_LP[far], cost_L[far]

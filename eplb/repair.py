@@ -124,18 +124,18 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     return out_LP
 
 
-def most_kept(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
-    """An upper bound on the replicas of old_LP that `renamed` (or any renaming of new_LP's GPUs)
-    keeps in place, per layer, int [L]: P minus it bounds the renamed plan's moves from below,
-    so a renaming that could not pay for its moves is not made (compiled, blocks of layers on
-    threads)."""
+def fewest_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
+    """A lower bound on the moves (`count_moves`) of new_LP onto old_LP with new_LP's GPUs
+    renamed in any way (`renamed`'s way included), per layer, int [L], before a renaming is made:
+    each new GPU keeps at most what it shares with the old GPU it shares most with (compiled,
+    blocks of layers on threads)."""
     from eplb import _rename_kernel  # numba: imported on first use
 
     old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
     out_L = np.empty(old_k.shape[0], dtype=np.int64)
 
     def rows(a: int, b: int) -> None:
-        out_L[a:b] = _rename_kernel.kept_bound(old_k[a:b], new_k[a:b], int(num_gpus), int(num_logical_experts))
+        out_L[a:b] = _rename_kernel.fewest_moves(old_k[a:b], new_k[a:b], int(num_gpus), int(num_logical_experts))
 
     run_blocks(rows, *old_k.shape)
     return out_L
@@ -151,7 +151,7 @@ def warm_up() -> float:
     repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
     repair(phy, win, 2, rounds_L=np.array([2, 2]), weights_M=np.array([1.0, 1.0, 2.0, 2.0]))
     renamed(phy, phy[::-1].copy(), 2, 3)
-    most_kept(phy, phy[::-1].copy(), 2, 3)
+    fewest_moves(phy, phy[::-1].copy(), 2, 3)
     return time.perf_counter() - t0
 
 

@@ -8,7 +8,7 @@ from eplb import EplbError, plan, stats
 from eplb.migration import count_moves, relabel
 from eplb.placement import Placement
 from eplb.policy import AdaptivePolicy, get_policy, renamed
-from eplb.repair import most_kept
+from eplb.repair import fewest_moves
 
 L, E, G, S = 2, 64, 64, 2
 
@@ -79,19 +79,35 @@ def test_renamed_only_renames_gpus_and_keeps_replicas_in_their_slots(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_most_kept_bounds_the_replicas_every_renaming_keeps(seed):
+def test_fewest_moves_bounds_every_renamings_moves(seed):
     rng = np.random.default_rng(seed)
     old = plan(workload(30 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
     new = plan(workload(40 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
-    bound_L = most_kept(old, new, G, E)
+    bound_L = fewest_moves(old, new, G, E)
     P = G * S
-    # The greedy renaming, the optimal one and random GPU orders all keep at most the bound.
+    # The greedy renaming, the optimal one and random GPU orders all move at least the bound.
     for rows in (renamed(old, new, G, E), np.take_along_axis(new, relabel(old, new, G, E), axis=1),
                  new.reshape(L, G, S)[:, rng.permutation(G)].reshape(L, P)):
-        assert (P - count_moves(old, rows, G, E).sum(axis=1) <= bound_L).all()
-    # Reached where the new plan is the old one with its GPUs shuffled: every replica stays.
+        assert (count_moves(old, rows, G, E).sum(axis=1) >= bound_L).all()
+    # Reached where the new plan is the old one with its GPUs shuffled: nothing moves.
     shuffled = old.reshape(L, G, S)[:, rng.permutation(G)].reshape(L, P)
-    assert (most_kept(old, shuffled, G, E) == P).all()
+    assert (fewest_moves(old, shuffled, G, E) == 0).all()
+
+
+def test_fewest_moves_counts_each_expert_of_a_gpu_once():
+    # Maps with two replicas of an expert on one GPU (old and new): every GPU order moves at
+    # least the bound, and swapping two GPUs' contents back is reached exactly.
+    rng = np.random.default_rng(7)
+    g, s, e = 4, 3, 5
+    for _ in range(50):
+        old = rng.integers(0, e, (3, g * s))
+        new = rng.integers(0, e, (3, g * s))
+        bound_L = fewest_moves(old, new, g, e)
+        for _ in range(6):
+            rows = new.reshape(3, g, s)[:, rng.permutation(g)].reshape(3, g * s)
+            assert (count_moves(old, rows, g, e).sum(axis=1) >= bound_L).all()
+    old = np.array([[0, 0, 1, 2, 3, 4]])
+    assert fewest_moves(old, old[:, [3, 4, 5, 0, 1, 2]], 2, 5).tolist() == [0]
 
 
 def test_replan_gap_is_checked():
