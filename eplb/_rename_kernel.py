@@ -19,6 +19,24 @@ from numba import njit
 from eplb.migration._moves_kernel import keep_slots
 
 
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _holders(old_LP, l, S, start_E, at_P, fill_E):
+    """The old GPUs holding each expert of layer l, as compressed rows: expert e's are
+    at_P[start_E[e]:start_E[e + 1]], in slot order (a GPU's entries adjacent). fill_E: scratch."""
+    P = old_LP.shape[1]
+    E = fill_E.shape[0]
+    start_E[:] = 0
+    for p in range(P):
+        start_E[old_LP[l, p] + 1] += 1
+    for e in range(E):
+        start_E[e + 1] += start_E[e]
+    fill_E[:] = start_E[:E]
+    for p in range(P):
+        e = old_LP[l, p]
+        at_P[fill_E[e]] = p // S
+        fill_E[e] += 1
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
     """For each layer, the GPU of new_LP to put at each old GPU's position, int [L, G]: pairs
@@ -43,17 +61,7 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
     used_new = np.empty(G, dtype=np.bool_)
     used_old = np.empty(G, dtype=np.bool_)
     for l in range(L):
-        # Old GPUs holding each expert, as compressed rows.
-        start_E[:] = 0
-        for p in range(P):
-            start_E[old_LP[l, p] + 1] += 1
-        for e in range(E):
-            start_E[e + 1] += start_E[e]
-        fill_E[:] = start_E[:E]
-        for p in range(P):
-            e = old_LP[l, p]
-            at_P[fill_E[e]] = p // S
-            fill_E[e] += 1
+        _holders(old_LP, l, S, start_E, at_P, fill_E)
         n = 0
         for p in range(P):
             h = p // S
@@ -112,17 +120,7 @@ def fewest_moves(old_LP, new_LP, num_gpus, num_logical_experts):
     fill_E = np.empty(E, dtype=np.int64)
     shared_G = np.zeros(G, dtype=np.int64)
     for l in range(L):
-        # Old GPUs holding each expert (in slot order: a GPU's entries are adjacent).
-        start_E[:] = 0
-        for p in range(P):
-            start_E[old_LP[l, p] + 1] += 1
-        for e in range(E):
-            start_E[e + 1] += start_E[e]
-        fill_E[:] = start_E[:E]
-        for p in range(P):
-            e = old_LP[l, p]
-            at_P[fill_E[e]] = p // S
-            fill_E[e] += 1
+        _holders(old_LP, l, S, start_E, at_P, fill_E)
         for h in range(G):
             own = 0
             best = 0

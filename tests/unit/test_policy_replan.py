@@ -21,6 +21,11 @@ def workload(seed, tokens=400_000):
     return np.stack([rng.multinomial(tokens, q) for q in p]).astype(float)
 
 
+def greedy_maps(seed_old, seed_new):
+    """Greedy maps [L, G x S] of two workloads: the one served and a fresh plan to rename."""
+    return tuple(plan(workload(k), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP for k in (seed_old, seed_new))
+
+
 def balance(placement, load_LE):
     return float(np.median(stats.imbalance(placement.gpu_loads(load_LE))))
 
@@ -56,8 +61,7 @@ def test_replan_leaves_steady_traffic_alone():
 @pytest.mark.parametrize("seed", range(4))
 def test_renamed_only_renames_gpus_and_keeps_replicas_in_their_slots(seed):
     rng = np.random.default_rng(seed)
-    old = plan(workload(10 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
-    new = plan(workload(20 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
+    old, new = greedy_maps(10 + seed, 20 + seed)
     out = renamed(old, new, G, E)
     # The same GPUs' contents, in another order of GPUs.
     per_gpu = lambda x: sorted(map(tuple, np.sort(x.reshape(L, G, S), axis=2)[0]))  # noqa: E731
@@ -81,8 +85,7 @@ def test_renamed_only_renames_gpus_and_keeps_replicas_in_their_slots(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_fewest_moves_bounds_every_renamings_moves(seed):
     rng = np.random.default_rng(seed)
-    old = plan(workload(30 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
-    new = plan(workload(40 + seed), num_gpus=G, slots_per_gpu=S).placement.phy2log_LP
+    old, new = greedy_maps(30 + seed, 40 + seed)
     bound_L = fewest_moves(old, new, G, E)
     P = G * S
     # The greedy renaming, the optimal one and random GPU orders all move at least the bound.
