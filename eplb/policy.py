@@ -112,7 +112,10 @@ class Policy(Protocol):
 
     `decide` honours the migration budget it is given (eplb.Budget: move caps, the price of a
     move and of spreading an expert group onto another node); a policy whose `decide` takes no
-    `budget` can only be used without one.
+    `budget` can only be used without one. A `decide` that takes `on_draft` may call it once,
+    before its last step, with the decision it would make if that step changed nothing (or
+    None): the Rebalancer starts that decision's migration schedule at once and keeps it when
+    the decision comes out the same.
     """
 
     name: str
@@ -248,7 +251,7 @@ class AdaptivePolicy:
             self._flag_L |= self.detector.flags(busiest_ML[order])
 
     def decide(self, placement: Placement, budget: Budget | None = None, *,
-               num_expert_groups: int | None = None) -> Decision | None:
+               num_expert_groups: int | None = None, on_draft=None) -> Decision | None:
         if self._mem is None or len(self._mem) == 0:
             return None
         budget = NO_BUDGET if budget is None else budget
@@ -272,16 +275,17 @@ class AdaptivePolicy:
             else np.ones_like(flag_L)
         # Each layer is planned on the windows of its horizon (every kept window without a chooser).
         horizon_L, win_H = self._horizon_windows(windows)
-        if len(win_H) == 1:
-            new_LP, cost_L2, moves_LG = self._repair_rows(placement, old_LP, *win_H[0], rounds_L, check_L, price, kw)
-        else:
-            new_LP, cost_L2 = np.empty_like(old_LP), np.empty((len(old_LP), 2))
-            moves_LG = np.empty((len(old_LP), G), dtype=np.int64)
-            for h, (win, w_M) in enumerate(win_H):
-                rows = np.flatnonzero(horizon_L == h)
-                new_LP[rows], cost_L2[rows], moves_LG[rows] = self._repair_rows(
-                    placement, old_LP[rows], win[:, rows], w_M, rounds_L[rows], check_L[rows], price, kw)
+        parts = [(slice(None), *win_H[0])]
+        if len(win_H) > 1:
+            parts = [(rows, win[:, rows], w_M) for h, (win, w_M) in enumerate(win_H)
+                     for rows in [np.flatnonzero(horizon_L == h)]]
+        new_LP, cost_L2 = np.empty_like(old_LP), np.empty((len(old_LP), 2))
+        moves_LG = np.empty((len(old_LP), G), dtype=np.int64)
+        for rows, win, w_M in parts:
+            new_LP[rows], cost_L2[rows] = repair(old_LP[rows], win, G, rounds_L=rounds_L[rows], weights_M=w_M, **kw)
+            moves_LG[rows] = count_moves(old_LP[rows], new_LP[rows], G, E)
         span = span_priced(placement.num_nodes, num_expert_groups, budget)
+        capped = budget.max_moves is not None or budget.max_moves_per_gpu is not None
 
         def price_L(rows_LP, moves_L, layers):
             out = price * moves_L
@@ -291,18 +295,32 @@ class AdaptivePolicy:
                 out = out + price * budget.span_cost * added
             return out
 
-        layers = np.arange(len(old_LP))
-        gain_L = cost_L2[:, 0] - cost_L2[:, 1]
-        moves_L = moves_LG.sum(axis=1)
-        pays_L = (moves_L > 0) & (gain_L > price_L(new_LP, moves_L, layers))
-        if budget.max_moves is not None or budget.max_moves_per_gpu is not None:
-            pays_L, new_LP, gain_L = within_caps(old_LP, [win_H[h] for h in horizon_L], G, E, budget, rounds_L,
-                                                 pays_L, new_LP, gain_L, moves_LG, price_L, kw)
-        if not pays_L.any():
-            return None
-        new_LP = np.where(pays_L[:, None], new_LP, old_LP)
-        why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
-        return Decision(new_LP, pays_L, np.where(pays_L, gain_L, 0.0), flag_L, why)
+        def conclude(new_LP, cost_L2, moves_LG):
+            layers = np.arange(len(old_LP))
+            gain_L = cost_L2[:, 0] - cost_L2[:, 1]
+            moves_L = moves_LG.sum(axis=1)
+            pays_L = (moves_L > 0) & (gain_L > price_L(new_LP, moves_L, layers))
+            if capped:
+                pays_L, new_LP, gain_L = within_caps(old_LP, [win_H[h] for h in horizon_L], G, E, budget, rounds_L,
+                                                     pays_L, new_LP, gain_L, moves_LG, price_L, kw)
+            if not pays_L.any():
+                return None
+            why = f"{int(pays_L.sum())} layer(s) repaired ({int(flag_L.sum())} flagged by the change detector)"
+            return Decision(np.where(pays_L[:, None], new_LP, old_LP), pays_L, np.where(pays_L, gain_L, 0.0),
+                            flag_L.copy(), why)
+
+        if self.replan_gap > 0 and check_L.any():
+            # The repair's decision is the decision unless a fresh plan replaces a layer's repair,
+            # which on drifting traffic it rarely does: handed out as a draft first (without move
+            # caps, whose fitting repairs again), its migration can be scheduled meanwhile.
+            if on_draft is not None and not capped:
+                on_draft(conclude(new_LP, cost_L2, moves_LG))
+            for rows, win, w_M in parts:
+                if check_L[rows].any():
+                    new_LP[rows], cost_L2[rows], moves_LG[rows] = self._replan(
+                        placement, old_LP[rows], win, w_M, new_LP[rows], cost_L2[rows], moves_LG[rows], price,
+                        check_L[rows])
+        return conclude(new_LP, cost_L2, moves_LG)
 
     def _decide_resplit(self, placement, windows, flag_L, budget, num_expert_groups):
         """The decision for an engine that re-splits every batch (`eplb.resplit_repair`): the
@@ -359,17 +377,6 @@ class AdaptivePolicy:
         used, horizon_L = np.unique(h_L, return_inverse=True)
         order = self._mem.order()      # ring rows, oldest first
         return horizon_L.reshape(-1), [horizon_windows(windows, order, h, self.recent_weight) for h in used]
-
-    def _repair_rows(self, placement, old_LP, windows, w_M, rounds_L, check_L, price, kw):
-        """Repair (and, where check_L and replan_gap say so, replan) the layers of old_LP [n, P] on
-        windows [M, n, E] weighted w_M [M]; returns (new_LP, cost_L2, moves_LG) for them."""
-        G, E = placement.num_gpus, placement.num_logical_experts
-        new_LP, cost_L2 = repair(old_LP, windows, G, rounds_L=rounds_L, weights_M=w_M, **kw)
-        moves_LG = count_moves(old_LP, new_LP, G, E)
-        if self.replan_gap > 0 and check_L.any():
-            new_LP, cost_L2, moves_LG = self._replan(placement, old_LP, windows, w_M, new_LP, cost_L2, moves_LG,
-                                                     price, check_L)
-        return new_LP, cost_L2, moves_LG
 
     def _replan(self, placement, old_LP, windows, w_M, new_LP, cost_L2, moves_LG, price, check_L):
         """Offer a fresh greedy plan of the windows' (weighted) sum to the layers of check_L the

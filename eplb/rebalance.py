@@ -211,6 +211,7 @@ class Rebalancer:
             params = inspect.signature(self.policy.decide).parameters if takes_budget(self.policy) else {}
             self._decide_kw = {k: v for k, v in (("budget", self._policy_budget),
                                                  ("num_expert_groups", self.num_expert_groups)) if k in params}
+            self._takes_draft = "on_draft" in params
         # Windows closed by observe wait here for the policy, which sees them on the rebalancing
         # thread (under its own lock), so observe never waits for a decision in progress.
         self._closed: collections.deque = collections.deque(maxlen=64)
@@ -537,16 +538,33 @@ class Rebalancer:
                         break
                     window_LE, served = self._closed.popleft()
                 self.policy.observe(window_LE, served)
-            decision = self.policy.decide(pl, **self._decide_kw)
-        if decision is not None:
-            self._check_caps(pl, decision.phy2log_LP)
+            drafts: list[tuple[np.ndarray, ScheduleThread]] = []
+            kw = dict(self._decide_kw, on_draft=lambda d: self._schedule_draft(pl, ranks, d, drafts)) \
+                if self._takes_draft else self._decide_kw
+            try:
+                decision = self.policy.decide(pl, **kw)
+                if decision is not None:
+                    self._check_caps(pl, decision.phy2log_LP)
+            except BaseException:
+                for _, draft in drafts:
+                    draft.stop()
+                raise
         new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
                                                   planner=self.policy.name)
         t1 = time.perf_counter()
-        # Both maps are Placements' (checked when built): the schedule trusts them, and runs
-        # beside the scoring below.
-        side = ScheduleThread(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
-                              self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
+        # The draft's schedule is the decision's when the decision came out as drafted (a schedule
+        # depends on the two maps alone); else it is stopped and the decision's starts now. Both
+        # maps are Placements' (checked when built): the schedule trusts them, and runs beside the
+        # scoring below.
+        side = None
+        for rows, draft in drafts:
+            if side is None and decision is not None and np.array_equal(rows, new.phy2log_LP):
+                side = draft
+            else:
+                draft.stop()
+        if side is None:
+            side = ScheduleThread(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
+                                  self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
         # One bound for both scores (the same load on the same topology): proven from the new
         # placement's counts in the layers where they are min-max optimal for this load, solved
         # (greedy's compiled counts) in the others.
@@ -565,6 +583,15 @@ class Rebalancer:
                                                 else decision.reason)
         return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
                                message=msg, info=info)
+
+    def _schedule_draft(self, pl: Placement, ranks: np.ndarray, draft, drafts: list) -> None:
+        """The policy's draft decision (see `Policy`): its map checked as a Placement's, and its
+        migration schedule started on a side thread, listed in drafts with the map."""
+        if draft is None:
+            return
+        rows = replace(pl, phy2log_LP=draft.phy2log_LP, dispatch_weights_LP=None).phy2log_LP
+        drafts.append((rows, ScheduleThread(pl.phy2log_LP, rows, pl.num_gpus, pl.num_logical_experts,
+                                            self.layers_per_chunk, ranks, self.budget.bytes_per_expert)))
 
     def _score(self, pl: Placement, load: np.ndarray, lb_L: np.ndarray, bound=None) -> stats.LoadReport:
         """pl scored on the window load [L, E] (checked when observed) under the served rule

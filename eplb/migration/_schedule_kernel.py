@@ -45,6 +45,7 @@ from eplb.migration._stage_kernel import FIND, KEEP, LISTED, stage
 STATUS_OK = 0
 STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
 STATUS_NO_PROGRESS = -2   # the round guard ran out (a bug)
+STATUS_STOPPED = -3       # the caller asked it to stop (stop[0] set): the rows so far, unfinished
 
 _Slots = namedtuple("_Slots", [
     "cur", "tgt", "hc", "writing", "sourcing", "inflight", "inpend",
@@ -395,19 +396,19 @@ def _stage_rows(st, done, i, S):
 
 
 @njit(cache=True, nogil=True)
-def schedule(old_LP, new_LP, G, E, chunk, per_rank, full_search):
+def schedule(old_LP, new_LP, G, E, chunk, per_rank, full_search, stop):
     """The plain rounds (`_rounds` without relays): see `_rounds`."""
-    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False, full_search)
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False, full_search, stop)
 
 
 @njit(cache=True, nogil=True)
-def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank, full_search):
+def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank, full_search, stop):
     """The relay mode's rounds: see `_rounds`."""
-    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True, full_search)
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True, full_search, stop)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
+def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
     """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
 
     out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
@@ -418,6 +419,8 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
     mode, `relay` a constant there: the plain rounds carry no relay branch. full_search: break
     deadlocks from the full cycle search's list (`_find_cycles`) instead of `deadlocks`' own (the
     same rows: the reference the tests hold it to; always passed, so one compiled version).
+    stop: int64 [1], read before each round: nonzero ends the schedule there (STATUS_STOPPED), so
+    a caller on another thread can drop a schedule it no longer needs within a round.
     """
     L, P = new_LP.shape
     S = P // G
@@ -460,6 +463,8 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search):
         r0 = R
         guard = 4 * (left + (c1 - c0) * P) + 8
         while left > 0:
+            if stop[0] != 0:
+                return out[:M], chunk_R[:R], STATUS_STOPPED, -1
             guard -= 1
             if guard <= 0:
                 return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1

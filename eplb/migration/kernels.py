@@ -74,5 +74,5 @@ def warm_up_relay() -> float:
     t0 = time.perf_counter()
     old = kernel_ints(np.array([[0, 1, 2, 0], [0, 1, 2, 2]]))
     new = kernel_ints(np.array([[1, 0, 2, 1], [2, 1, 0, 0]]))
-    _schedule_kernel.schedule_relay(old, new, 2, 3, 2, 4, False)
+    _schedule_kernel.schedule_relay(old, new, 2, 3, 2, 4, False, np.zeros(1, dtype=np.int64))
     return time.perf_counter() - t0

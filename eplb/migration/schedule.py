@@ -118,34 +118,43 @@ def schedule(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_
 
 def schedule_trusted(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
                      layers_per_chunk: int | None, rank_ids_G: np.ndarray,
-                     bytes_per_expert: int | None) -> MigrationPlan:
+                     bytes_per_expert: int | None, stop: np.ndarray | None = None) -> MigrationPlan | None:
     """`schedule` for callers that hold checked values: the maps of two Placements of one
     topology (int64 [L, P], every expert of old_LP present in new_LP), layers_per_chunk a whole
     number >= 1 or None, rank_ids_G int64 [G]. The same plan, without the input checks and
-    MigrationPlan's (the Rebalancer's path: its maps are validated when they are built)."""
+    MigrationPlan's (the Rebalancer's path: its maps are validated when they are built).
+    stop: int64 [1] another thread may set nonzero to end the schedule within a round (then
+    None is returned)."""
     L = old_LP.shape[0]
     chunk = max(L, 1) if layers_per_chunk is None else min(int(layers_per_chunk), max(L, 1))
     ranks = np.array(rank_ids_G, dtype=np.int64)    # the plan's own (it freezes it)
-    return _scheduled(old_LP, new_LP, num_gpus, num_logical_experts, chunk, ranks, bytes_per_expert, True)
+    return _scheduled(old_LP, new_LP, num_gpus, num_logical_experts, chunk, ranks, bytes_per_expert, True,
+                      stop=stop)
 
 
 class ScheduleThread:
     """`schedule_trusted(*args)` on a side thread, started at once. Its kernel releases the GIL,
     so the caller's own work (the Rebalancer scores the placements meanwhile) runs beside it on
     another core. `result()` waits for the MigrationPlan, or raises what the schedule raised;
-    `seconds` is the schedule's own run time."""
+    `seconds` is the schedule's own run time. `stop()` drops a schedule no longer wanted: its
+    kernel ends within a round, and result() is then not to be asked for."""
 
     def __init__(self, *args):
         self.seconds = 0.0
         self._out: tuple = (None, None)
+        self._stop = np.zeros(1, dtype=np.int64)
         self._thread = threading.Thread(target=self._run, args=args, name="eplb-schedule", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        self._stop[0] = 1
 
     def _run(self, *args) -> None:
         t0 = time.perf_counter()
         try:
-            plan = schedule_trusted(*args)
-            _ = plan.moves              # counted here, off the caller's thread (cached)
+            plan = schedule_trusted(*args, stop=self._stop)
+            if plan is not None:
+                _ = plan.moves          # counted here, off the caller's thread (cached)
             self._out = (plan, None)
         except BaseException as exc:  # handed to the caller's thread by result()
             self._out = (None, exc)
@@ -160,29 +169,39 @@ class ScheduleThread:
 
 
 def _scheduled(old_LP, new_LP, G: int, E: int, chunk: int, ranks_G, bytes_per_expert, trusted: bool,
-               relay: bool | None = None) -> MigrationPlan:
+               relay: bool | None = None, stop: np.ndarray | None = None) -> MigrationPlan | None:
     """The kernel's plan for checked input; identical maps need no kernel (no rows, no rounds).
     relay None: the plain rounds, and where they exceed RELAY_GATE x the round bound (on clusters
     of at most RELAY_SLOTS_PER_GPU slots per GPU) the relay mode's too, the shorter kept; True /
-    False: that mode alone (the tests hold each to the replay)."""
+    False: that mode alone (the tests hold each to the replay). stop: see `schedule_trusted`
+    (None: never stopped); a stopped schedule returns None."""
     if np.array_equal(old_LP, new_LP):
         return plan_from_rows(old_LP, new_LP, G, E, np.zeros((0, 8), dtype=np.int64), np.zeros(0, dtype=np.int64),
                               ranks_G, bytes_per_expert, trusted=trusted)
     old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
-    rows, chunk_R, layer = _kernel_rounds(old_k, new_k, G, E, chunk, bool(relay))
+    stop = np.zeros(1, dtype=np.int64) if stop is None else stop
+    rows, chunk_R, layer = _kernel_rounds(old_k, new_k, G, E, chunk, bool(relay), stop)
+    if layer == _STOPPED:
+        return None
     if layer is not None:
         raise EplbError(f"{NO_SAFE_MIGRATION} (layer index {layer})")
     if (relay is None and old_k.shape[1] <= RELAY_SLOTS_PER_GPU * G
             and chunk_R.size > RELAY_GATE * _round_bound(old_k, new_k, G)):
-        rows2, chunk2, failed = _kernel_rounds(old_k, new_k, G, E, chunk, True)
+        rows2, chunk2, failed = _kernel_rounds(old_k, new_k, G, E, chunk, True, stop)
+        if failed == _STOPPED:
+            return None
         if failed is None and chunk2.size < chunk_R.size:
             rows, chunk_R = rows2, chunk2
     return plan_from_rows(old_LP, new_LP, G, E, rows, chunk_R, ranks_G, bytes_per_expert, trusted=trusted)
 
 
-def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool):
-    """The kernel's (rows, chunk of each round, None), or (..., the layer that cannot stage), in
-    plain or relay mode."""
+_STOPPED = "stopped"
+"""`_kernel_rounds`' third item for a schedule its caller stopped."""
+
+
+def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool, stop: np.ndarray):
+    """The kernel's (rows, chunk of each round, None), or (..., the layer that cannot stage), or
+    (..., _STOPPED) once stop[0] is set, in plain or relay mode."""
     from eplb.migration import _schedule_kernel  # numba: imported on first use, `eplb plan` starts fast
 
     if old_k.size >= 2**31:  # the kernel's slot codes are int32 (`_schedule_kernel._new_state`)
@@ -190,9 +209,11 @@ def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool):
                         f"codes, more than the schedule's 2^31 - 1: schedule the layers in parts")
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
     kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
-    rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank, False)
+    rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank, False, stop)
     if status == _schedule_kernel.STATUS_NO_SPARE:
         return rows, chunk_R, layer
+    if status == _schedule_kernel.STATUS_STOPPED:
+        return rows, chunk_R, _STOPPED
     assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
     return rows, chunk_R, None
 

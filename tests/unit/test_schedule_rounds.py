@@ -92,7 +92,7 @@ def _kernel_rows(old, new, G, E, chunk, relay, full_search):
 
     kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
-    return kernel(kernel_ints(old), kernel_ints(new), G, E, chunk, per_rank, full_search)
+    return kernel(kernel_ints(old), kernel_ints(new), G, E, chunk, per_rank, full_search, np.zeros(1, dtype=np.int64))
 
 
 def test_deadlock_list_is_the_full_cycle_search():
