@@ -9,15 +9,13 @@ from eplb.migration import schedule
 from eplb.migration.schedule import ScheduleThread, schedule_trusted
 from eplb.policy import AdaptivePolicy
 from eplb.rebalance import Rebalancer
+from tests.placements import skewed_counts
 
 L, E, G, S = 4, 32, 16, 3
 
 
-def workload(seed, tokens=400_000):
-    rng = np.random.default_rng(seed)
-    p = rng.lognormal(0.0, 1.2, (L, E))
-    p /= p.sum(axis=1, keepdims=True)
-    return np.stack([rng.multinomial(tokens, q) for q in p]).astype(float)
+def workload(seed):
+    return skewed_counts(seed, L, E)
 
 
 def drifted(load, seed):

@@ -9,16 +9,13 @@ from eplb.migration import count_moves, relabel
 from eplb.placement import Placement
 from eplb.policy import AdaptivePolicy, get_policy, renamed
 from eplb.repair import fewest_moves
+from tests.placements import skewed_counts
 
 L, E, G, S = 2, 64, 64, 2
 
 
-def workload(seed, tokens=400_000):
-    """Skewed counts [L, E]: every layer's expert popularity drawn afresh from the seed."""
-    rng = np.random.default_rng(seed)
-    p = rng.lognormal(0.0, 1.2, (L, E))
-    p /= p.sum(axis=1, keepdims=True)
-    return np.stack([rng.multinomial(tokens, q) for q in p]).astype(float)
+def workload(seed):
+    return skewed_counts(seed, L, E)
 
 
 def greedy_maps(seed_old, seed_new):
