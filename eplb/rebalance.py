@@ -500,8 +500,7 @@ class Rebalancer:
         t1 = time.perf_counter()
         # Both maps are Placements' (checked when built): the schedule trusts them, and runs
         # beside the scoring of the placement that was serving.
-        side = ScheduleThread(served.phy2log_LP, new.phy2log_LP, new.num_gpus, E, self.layers_per_chunk,
-                              ranks[alive], self.budget.bytes_per_expert)
+        side = self._start_schedule(served, new, ranks[alive])
         # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
         before = self._score(pl, load, lower_bound(load, pl.topology) if failed.size else res.lower_bound_L, bound)
         mig = side.result()
@@ -538,7 +537,7 @@ class Rebalancer:
                         break
                     window_LE, served = self._closed.popleft()
                 self.policy.observe(window_LE, served)
-            drafts: list[tuple[np.ndarray, ScheduleThread]] = []
+            drafts: list[tuple[Placement, ScheduleThread]] = []
             kw = dict(self._decide_kw, on_draft=lambda d: self._schedule_draft(pl, ranks, d, drafts)) \
                 if self._takes_draft else self._decide_kw
             try:
@@ -549,22 +548,21 @@ class Rebalancer:
                 for _, draft in drafts:
                     draft.stop()
                 raise
-        new = pl if decision is None else replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None,
-                                                  planner=self.policy.name)
-        t1 = time.perf_counter()
-        # The draft's schedule is the decision's when the decision came out as drafted (a schedule
-        # depends on the two maps alone); else it is stopped and the decision's starts now. Both
-        # maps are Placements' (checked when built): the schedule trusts them, and runs beside the
-        # scoring below.
-        side = None
-        for rows, draft in drafts:
-            if side is None and decision is not None and np.array_equal(rows, new.phy2log_LP):
-                side = draft
+        # A draft that came out as the decision is its placement, and its schedule the decision's
+        # (a schedule depends on the two maps alone); the others are stopped.
+        new, side = pl, None
+        for draft_pl, draft in drafts:
+            if side is None and decision is not None and np.array_equal(draft_pl.phy2log_LP, decision.phy2log_LP):
+                new, side = draft_pl, draft
             else:
                 draft.stop()
+        if decision is not None and side is None:
+            new = replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name)
+        t1 = time.perf_counter()
+        # Both maps are Placements' (checked when built): the schedule trusts them, and runs beside
+        # the scoring below.
         if side is None:
-            side = ScheduleThread(pl.phy2log_LP, new.phy2log_LP, pl.num_gpus, pl.num_logical_experts,
-                                  self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
+            side = self._start_schedule(pl, new, ranks)
         # One bound for both scores (the same load on the same topology): proven from the new
         # placement's counts in the layers where they are min-max optimal for this load, solved
         # (greedy's compiled counts) in the others.
@@ -585,13 +583,18 @@ class Rebalancer:
                                message=msg, info=info)
 
     def _schedule_draft(self, pl: Placement, ranks: np.ndarray, draft, drafts: list) -> None:
-        """The policy's draft decision (see `Policy`): its map checked as a Placement's, and its
-        migration schedule started on a side thread, listed in drafts with the map."""
+        """The policy's draft decision (see `Policy`) as a Placement (its map checked) and its
+        migration schedule, started on a side thread: listed in drafts together."""
         if draft is None:
             return
-        rows = replace(pl, phy2log_LP=draft.phy2log_LP, dispatch_weights_LP=None).phy2log_LP
-        drafts.append((rows, ScheduleThread(pl.phy2log_LP, rows, pl.num_gpus, pl.num_logical_experts,
-                                            self.layers_per_chunk, ranks, self.budget.bytes_per_expert)))
+        draft_pl = replace(pl, phy2log_LP=draft.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name)
+        drafts.append((draft_pl, self._start_schedule(pl, draft_pl, ranks)))
+
+    def _start_schedule(self, served: Placement, new: Placement, ranks: np.ndarray) -> ScheduleThread:
+        """The migration schedule from served to new (Placements of one topology, their maps
+        checked when built: the schedule trusts them) on a side thread."""
+        return ScheduleThread(served.phy2log_LP, new.phy2log_LP, new.num_gpus, new.num_logical_experts,
+                              self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
 
     def _score(self, pl: Placement, load: np.ndarray, lb_L: np.ndarray, bound=None) -> stats.LoadReport:
         """pl scored on the window load [L, E] (checked when observed) under the served rule
