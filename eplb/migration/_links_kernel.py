@@ -6,7 +6,8 @@ Stages of `_schedule_kernel.schedule`: in every round each rank receives at most
 sends at most one expert over the network. `take_links` (inlined into the schedule) matches
 destination ranks to source columns (ranks 0..G-1, checkpoint G + d) with `_match` and
 takes, per matched rank, its first candidate still possible; `commit` records one copy (the
-scan takes local copies with it too). `st` is the schedule's state (`_schedule_kernel._Slots`),
+scan takes local copies with it too); `_exchange_stage` spares a send-critical rank the send an
+exchange would leave to it. `st` is the schedule's state (`_schedule_kernel._Slots`),
 `rd` the round's candidates (`_schedule_kernel._Round`).
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from eplb.migration._stage_kernel import FINAL, PENDING, _spare
 
 
 @njit(cache=True, nogil=True)
@@ -188,6 +191,65 @@ def commit(l, p, e, src_rank, src, d, st, done, nd):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def held_back(hold_LP, cur, tgt, l, p, late):
+    """Does pending slot p (hold_LP[l, p] >= 0) still keep its expert for the slot of an exchange
+    (`_exchange_stage`), which has not taken it yet? late: p's rank is receive-critical now, so p
+    lets go (the hold is dropped)."""
+    q = hold_LP[l, p]
+    if not late and cur[l, q] != cur[l, p] and tgt[l, q] == cur[l, p]:
+        return True
+    hold_LP[l, p] = -1
+    return False
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _exchange_stage(st, crit, l, p, src, S, P, depth, rin, rmax, done, nd, hold_LP):
+    """Pending slot p (layer l) is about to take its target from slot src on a rank that is not
+    send-critical, and src waits for p's expert o while it holds the only complete replica of its
+    own (an exchange of two slots: the caller checked these). When every other complete replica of
+    o is on a send-critical rank (crit), that rank would have to send o to src afterwards, a send
+    its rounds cannot spare; instead src's expert is first staged into a spare slot of src's rank
+    (a local copy, no link) and p keeps o until src has it (`held_back`). Returns the new row
+    count (nd: nothing staged, p may take its copy)."""
+    E = st.hc.shape[1]
+    o = st.cur[l, p]
+    h = st.hhead[l * E + o]
+    while h >= 0:
+        s = h - l * P
+        if s != p and not st.writing[l, s] and not crit[s // S]:
+            return nd                      # a rank that is not critical can send o too
+        h = st.hnext[h]
+    r = src // S
+    best = -1
+    bw = 0
+    for s in range(r * S, r * S + S):
+        x = st.cur[l, s]
+        if s == src:
+            continue
+        kind = _spare(x, st.tgt[l, s], st.writing[l, s] or st.sourcing[l, s], st.hc[l, x] if x >= 0 else 0,
+                      st.staged_blk[l, s] >= 0)
+        # A pending spare is free unless its own wait becomes the longest; a final one takes
+        # one more copy into rank r later (its restore), free while r is not receive-critical.
+        if kind == PENDING and depth[l, s] + 2 <= rmax:
+            w = depth[l, s]
+        elif kind == FINAL and rin[r] + 2 <= rmax:
+            w = rmax + rin[r]
+        else:
+            continue
+        if best < 0 or w < bw:
+            best = s
+            bw = w
+    if best < 0:
+        return nd
+    if st.cur[l, best] == st.tgt[l, best]:
+        rin[r] += 1                        # the final slot's restore (as `_stage_kernel.stage`)
+    commit(l, best, st.cur[l, src], r, src, r, st, done, nd)
+    done[nd, 6] = 1
+    hold_LP[l, p] = src
+    return nd + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _send_key(r, d, rout, sent, f, G):
     """Order of source column r for destination rank d (lower first): the candidate's planned
     source f (relay mode; else -1) first; then r's sends so far plus those only r can make (its
@@ -201,12 +263,14 @@ def _send_key(r, d, rout, sent, f, G):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay):
+def take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, ncrit, late, depth, rmax, hold_LP):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
     candidate that is still possible. relay: fsrc holds each candidate's planned source (tried
-    first) and rout the planned sends (`_sources_kernel.plan_sources`). Returns the copies of
-    the round so far."""
+    first) and rout the planned sends (`_sources_kernel.plan_sources`). crit, late: the
+    send-critical and receive-critical ranks (ncrit of the first), rmax the most rounds a rank's
+    receives still need, depth the chain lengths, hold_LP the slots kept for an exchange (all
+    for `_exchange_stage`). Returns the copies of the round so far."""
     G = st.npend.size
     cur, hc = st.cur, st.hc
     any_edge = False                   # (every candidate has a source: rd.adj has its links)
@@ -268,6 +332,14 @@ def take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay):
                 continue               # the source is being written this round
             if src < 0 and st.inflight[l, e]:
                 continue
+            if hold_LP[l, p] >= 0 and held_back(hold_LP, cur, st.tgt, l, p, late[d]):
+                continue
+            if ncrit > 0 and o >= 0 and src >= 0 and not crit[d] and not late[d] and not crit[r] \
+                    and st.tgt[l, src] == o and hc[l, cur[l, src]] < 2:
+                n2 = _exchange_stage(st, crit, l, p, src, P // G, P, depth, rin, rmax, rd.done, nd, hold_LP)
+                if n2 > nd:
+                    nd = n2
+                    continue           # p waits; the link goes to a later candidate
             if src < 0 and tight:
                 if P - st.ndist[l] < 2 and st.npl[l] > 1:
                     continue           # another reload this round took the room

@@ -20,7 +20,9 @@ takes local copies at once and lists network and checkpoint candidates;
 scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
 are the last to wait; each rank tries the sources of its candidates in its queue order (its
 longest chain first), each candidate's source ranks by the fewest sends (made, plus those
-only they can make), so that free copies do not pile onto a few senders; when nothing can
+only they can make), so that free copies do not pile onto a few senders; a slot about to be
+overwritten in an exchange whose expert would then have its only sources on a send-critical
+rank keeps it, the other side staged first (`_links_kernel.exchange_stage`); when nothing can
 move, `_stage_kernel.stage` breaks the cycles (`_cycles_kernel` finds them); `_apply_round`
 writes the round. In the relay mode (`schedule_relay`) `_sources_kernel.plan_sources` plans
 a levelled source per network copy at each round's start, relays included, and the link
@@ -38,7 +40,7 @@ from numba import njit
 
 from eplb.migration._chain_kernel import chain_order, forced_sources, touch
 from eplb.migration._cycles_kernel import deadlocks, new_staging
-from eplb.migration._links_kernel import commit, take_links
+from eplb.migration._links_kernel import commit, held_back, take_links
 from eplb.migration._sources_kernel import plan_sources, unlink
 from eplb.migration._stage_kernel import FIND, KEEP, LISTED, stage
 
@@ -216,7 +218,7 @@ def _kept(st, l, x, E, P):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scan(st, rd, S, P, tight, nd):
+def _scan(st, rd, S, P, tight, nd, hold_LP, late_G):
     """Local copies are taken at once (no link); network and checkpoint candidates (at most
     K per destination rank) go to rd for the link matching. nd: rows of rd.done taken
     already this round. Returns the copies taken so far."""
@@ -261,6 +263,8 @@ def _scan(st, rd, S, P, tight, nd):
                         local = s
                     h = st.hnext[h]
                 if local >= 0:
+                    if hold_LP[l, p] >= 0 and held_back(hold_LP, cur, tgt, l, p, late_G[d]):
+                        continue
                     commit(l, p, e, d, local, d, st, rd.done, nd)
                     nd += 1
                     continue
@@ -301,6 +305,20 @@ def _scan(st, rd, S, P, tight, nd):
                 rd.adj[d, G + d] = True
                 rd.ncand[d] += 1
     return nd
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _release_holds(hold_LP, pend, npend, P):
+    """Nothing moved this round: the slots held back for an exchange (`_links_kernel.held_back`)
+    give way. Returns whether any did."""
+    any_held = False
+    for d in range(npend.size):
+        for k in range(npend[d]):
+            c = pend[d, k]
+            if hold_LP[c // P, c % P] >= 0:
+                hold_LP[c // P, c % P] = -1
+                any_held = True
+    return any_held
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -437,6 +455,9 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
     sent = np.zeros(G, dtype=np.int64)     # network copies each rank has sent
     fsrc = np.full((L, P), -1, dtype=np.int32)
     depth = np.zeros((L, P), dtype=np.int32)
+    crit = np.zeros(G, dtype=np.bool_)        # ranks whose sends may set the rounds (`take_links`)
+    late = np.zeros(G, dtype=np.bool_)        # ranks whose receives may set the rounds
+    hold_LP = np.full((L, P), -1, dtype=np.int32)   # the slot a pending slot keeps its expert for
     key = np.empty(L * S, dtype=np.int32)
     nh = np.zeros(E, dtype=np.int64)
     hr = np.zeros(E, dtype=np.int64)
@@ -473,6 +494,16 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
             if relay and R > r0 and (R - r0) % every == 0:
                 plan_sources(st, c0, c1, S, P, fsrc, rout)
             ndl = chain_order(st, sg, S, P, depth, key, rin)
+            # A rank is send-critical when the copies only it can send come within an eighth of the
+            # rounds its busiest receiver still needs (its sends may set the rounds), and
+            # receive-critical (late) when its own receives come within a round of them.
+            rmax = rin.max()
+            lim = rmax - max(2, rmax // 8)
+            ncrit = 0
+            for g in range(G):
+                crit[g] = not relay and rout[g] >= 2 and rout[g] >= lim
+                ncrit += crit[g]
+                late[g] = rin[g] + 2 > rmax
             # Deadlocked cycles of blocked slots break as soon as they appear: first through
             # pending slots of their own ranks (free), before this round's copies take those;
             # then through the spares and links the round left; when nothing could move at
@@ -490,24 +521,29 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
                 start[c, 1] = st.cur[code // P, code % P]
             ns = 0
             if staged and full_search:
-                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND)
+                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND, crit, ncrit)
             elif staged:
                 deadlocks(st, sg, rd.done, 0, S, P, start, nstart)
-                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, LISTED)
-            nd = _scan(st, rd, S, P, tight, ns)
-            nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay)
-            n1 = nd
+                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, LISTED, crit, ncrit)
+            nd = _scan(st, rd, S, P, tight, ns, hold_LP, late)
+            nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, ncrit, late, depth, rmax, hold_LP)
             # (The queues and slot contents have not changed since stage 0: same cycles.)
+            # A held slot may close a cycle of waits the deadlock search does not know of: when
+            # nothing moved, the holds give way before anything is staged.
+            if nd == 0 and _release_holds(hold_LP, st.pend, st.npend, P):
+                nd = _scan(st, rd, S, P, tight, ns, hold_LP, late)
+                nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, 0, late, depth, rmax, hold_LP)
             if nd == 0:
-                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged and full_search else FIND)
+                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged and full_search else FIND,
+                           crit, ncrit)
             elif staged and full_search:
-                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, KEEP)
+                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, KEEP, crit, ncrit)
             elif not tight and deadlocks(st, sg, rd.done, nd, S, P, start, nstart) > 0:
-                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, FIND if full_search else LISTED)
+                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, FIND if full_search else LISTED, crit, ncrit)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
             for i in range(nd):
-                if i < ns or i >= n1:
+                if rd.done[i, 6]:
                     _stage_rows(st, rd.done, i, S)
             for i in range(nd):
                 if not relay and rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:

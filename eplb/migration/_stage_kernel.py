@@ -42,8 +42,23 @@ def _spare(x, target, busy, copies, staged):
     return FINAL if x >= 0 else 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _left_to_critical(st, crit, l, s, x, S, P):
+    """Would overwriting slot s (layer l) leave every other complete replica of its expert x on
+    send-critical ranks (crit)? They would then have to send every copy of x still to be made,
+    a final slot's restore included: sends their rounds cannot spare."""
+    E = st.hc.shape[1]
+    h = st.hhead[l * E + x]
+    while h >= 0:
+        q = h - l * P
+        if q != s and not st.writing[l, q] and not crit[q // S]:
+            return False
+        h = st.hnext[h]
+    return True
+
+
 @njit(cache=True, nogil=True)
-def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
+def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     """Break cycles of blocked slots, one staging copy per cycle, as rows nd.. of done; returns
     the new row count (nd: no cycle could be broken).
 
@@ -55,7 +70,14 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
     rank adds nothing (no link, and it changes anyway); a final slot there adds the copy
     that restores it later; a pending slot on another rank adds that rank's receive now (a
     final one there, two). Each is weighed by the rounds the receiving rank still needs
-    (rin, see `_chain_kernel.chain_order`), which bound the rounds. A pending spare's
+    (rin, see `_chain_kernel.chain_order`), which bound the rounds; a final slot's restore is
+    counted into rin at once (several cycles of a round may pick one rank), and a final slot on
+    a rank whose receives already bound the rounds (rin = max rin) is not taken while other
+    copies move (modes 0, 1): its cycle waits for a spare that costs no round (at a round's
+    start every deadlock of a migration made of exchanges appears at once, and restores piled
+    onto the busiest receivers cost up to 8% more rounds on decision migrations); nor, then,
+    a spare whose expert it would leave on send-critical ranks alone (crit, ncrit of them:
+    `_left_to_critical`). A pending spare's
     own copy waits while it holds the staged expert, and so does the chain of slots waiting
     on it (depth [L, P]: the chain lengths of `_chain_kernel.chain_order`), so it is free only when that
     chain plus the cycle fits in the longest wait (max rin), else it weighs their sum. Links
@@ -78,9 +100,12 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
             if done[i, 4] >= 0:
                 sg.send_busy[done[i, 3]] = True
             sg.recv_busy[done[i, 5]] = True
+    spare_crit = ncrit > 0 and mode < 2    # while other copies move, spare the send-critical ranks
     rmax = 0
+    nfree = 0                               # ranks that can still receive over a link
     for g in range(G):
         rmax = max(rmax, rin[g])
+        nfree += not sg.recv_busy[g]
     c = -1
     while c + 1 < sg.tally[1]:              # (LISTED: the list grows as stagings make deadlocks)
         c += 1
@@ -118,15 +143,15 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
                         w = -1.0 / (1.0 + depth[l, s])
                     elif mode == 0:
                         continue
-                elif mode > 0 and kind == FINAL:
+                elif mode > 0 and kind == FINAL and (mode == 2 or rin[r0] < rmax):
                     w = rin[r0] + 1.0
                 else:
                     continue
-                if w < best:
+                if w < best and not (spare_crit and x >= 0 and _left_to_critical(st, crit, l, s, x, S, P)):
                     best = w
                     bp = p
                     bs = s
-            if best < 0.0 or mode == 0 or sg.send_busy[r0]:
+            if best < 0.0 or mode == 0 or sg.send_busy[r0] or nfree == 0:
                 continue
             for rc in range(G):
                 # A slot of rank rc weighs rin[rc] + 1 at least: a rank that cannot beat best is skipped.
@@ -140,19 +165,22 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles):
                                   staged_blk[l, s] >= 0)
                     if kind == PENDING:
                         w = max(rin[rc] + 1.0, depth[l, s] + clen)
-                    elif kind == FINAL:
+                    elif kind == FINAL and (mode == 2 or rin[rc] < rmax):
                         w = 2.0 * (rin[rc] + 1.0)
                     else:
                         continue
-                    if w < best:
+                    if w < best and not (spare_crit and x >= 0 and _left_to_critical(st, crit, l, s, x, S, P)):
                         best = w
                         bp = p
                         bs = s
         if bp < 0:
             continue
+        if cur[l, bs] == tgt[l, bs]:
+            rin[bs // S] += 1             # a final slot's restore: one more copy into its rank
         if bs // S != bp // S:
             sg.send_busy[bp // S] = True
             sg.recv_busy[bs // S] = True
+            nfree -= 1
         st.writing[l, bs] = True
         st.sourcing[l, bp] = True
         if cur[l, bs] >= 0:

@@ -85,6 +85,29 @@ def test_relays_bring_a_two_slot_cluster_within_ten_percent_of_the_round_bound()
     assert m.num_rounds <= 1.10 * bound, (m.num_rounds, bound)
 
 
+def test_an_exchange_spares_the_send_critical_rank():
+    """4 GPUs of 5 slots, 8 layers: rank 0 alone holds experts 0-3, which rank 3 must receive in
+    every layer, so its 32 sends (and rank 3's 32 receives) set the round bound. In layer 0 rank 1
+    holds the only replica of expert 4 and takes expert 9, of which rank 2 holds the only replica
+    and takes 4: an exchange that must stage. Settled through a copy of 4 on rank 0, it would
+    leave rank 0 a 33rd send; the schedule stages 9 on rank 2 instead and has rank 2 take 4 from
+    rank 1 (`_links_kernel._exchange_stage`): the bound, exactly."""
+    G, L, E = 4, 8, 14
+    row = [0, 1, 2, 3, 5, 5, 6, 7, 8, 4, 9, 10, 11, 12, 12, 13, 13, 13, 13, 13]
+    old = np.array([row] * L)
+    new = old.copy()
+    new[:, 15:19] = [0, 1, 2, 3]
+    new[0, 9], new[0, 10] = 9, 4
+    m = mg.schedule(old, new, G, E)
+    m.check()
+    assert np.array_equal(m.state_before(m.num_rounds), new)
+    assert m.num_rounds == 32
+    to_rank2 = (m.layer_M == 0) & (m.expert_M == 4) & (m.dst_slot_M == 10)
+    assert to_rank2.sum() == 1 and m.src_rank_M[to_rank2][0] == 1
+    assert not ((m.layer_M == 0) & (m.src_rank_M == 0) & (m.dst_rank_M != 0)
+                & ~np.isin(m.expert_M, [0, 1, 2, 3])).any()
+
+
 def _kernel_rows(old, new, G, E, chunk, relay, full_search):
     from eplb.migration import _schedule_kernel
     from eplb.migration.checks import kernel_ints
