@@ -525,14 +525,18 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
             elif staged:
                 deadlocks(st, sg, rd.done, 0, S, P, start, nstart)
                 ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, LISTED, crit, ncrit)
-            nd = _scan(st, rd, S, P, tight, ns, hold_LP, late)
-            nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, ncrit, late, depth, rmax, hold_LP)
-            # (The queues and slot contents have not changed since stage 0: same cycles.)
             # A held slot may close a cycle of waits the deadlock search does not know of: when
-            # nothing moved, the holds give way before anything is staged.
-            if nd == 0 and _release_holds(hold_LP, st.pend, st.npend, P):
+            # nothing moved, the holds give way and the round is tried again before anything is
+            # staged. (One call site each: numba inlines `_scan` and `take_links` where called.)
+            retried = False
+            while True:
                 nd = _scan(st, rd, S, P, tight, ns, hold_LP, late)
-                nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, 0, late, depth, rmax, hold_LP)
+                nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, 0 if retried else ncrit,
+                                late, depth, rmax, hold_LP)
+                if nd > 0 or retried or not _release_holds(hold_LP, st.pend, st.npend, P):
+                    break
+                retried = True
+            # (The queues and slot contents have not changed since stage 0: same cycles.)
             if nd == 0:
                 nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged and full_search else FIND,
                            crit, ncrit)
