@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from eplb.migration._stage_kernel import FINAL, PENDING, _spare
+from eplb.migration._stage_kernel import FINAL, PENDING, _left_to_critical, _spare
 
 
 @njit(cache=True, nogil=True)
@@ -211,14 +211,8 @@ def _exchange_stage(st, crit, l, p, src, S, P, depth, rin, rmax, done, nd, hold_
     its rounds cannot spare; instead src's expert is first staged into a spare slot of src's rank
     (a local copy, no link) and p keeps o until src has it (`held_back`). Returns the new row
     count (nd: nothing staged, p may take its copy)."""
-    E = st.hc.shape[1]
-    o = st.cur[l, p]
-    h = st.hhead[l * E + o]
-    while h >= 0:
-        s = h - l * P
-        if s != p and not st.writing[l, s] and not crit[s // S]:
-            return nd                      # a rank that is not critical can send o too
-        h = st.hnext[h]
+    if not _left_to_critical(st, crit, l, p, st.cur[l, p], S, P):
+        return nd                          # a rank that is not critical can send o too
     r = src // S
     best = -1
     bw = 0
