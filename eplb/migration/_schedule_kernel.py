@@ -22,7 +22,7 @@ are the last to wait; each rank tries the sources of its candidates in its queue
 longest chain first), each candidate's source ranks by the fewest sends (made, plus those
 only they can make), so that free copies do not pile onto a few senders; a slot about to be
 overwritten in an exchange whose expert would then have its only sources on a send-critical
-rank keeps it, the other side staged first (`_links_kernel.exchange_stage`); when nothing can
+rank keeps it, the other side staged first (`_links_kernel._exchange_stage`); when nothing can
 move, `_stage_kernel.stage` breaks the cycles (`_cycles_kernel` finds them); `_apply_round`
 writes the round. In the relay mode (`schedule_relay`) `_sources_kernel.plan_sources` plans
 a levelled source per network copy at each round's start, relays included, and the link

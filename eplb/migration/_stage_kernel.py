@@ -77,10 +77,10 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     start every deadlock of a migration made of exchanges appears at once, and restores piled
     onto the busiest receivers cost up to 8% more rounds on decision migrations); nor, then,
     a spare whose expert it would leave on send-critical ranks alone (crit, ncrit of them:
-    `_left_to_critical`). A pending spare's
-    own copy waits while it holds the staged expert, and so does the chain of slots waiting
-    on it (depth [L, P]: the chain lengths of `_chain_kernel.chain_order`), so it is free only when that
-    chain plus the cycle fits in the longest wait (max rin), else it weighs their sum. Links
+    `_left_to_critical`). A pending spare's own copy waits while it holds the staged expert,
+    and so does the chain of slots waiting on it (depth [L, P]: the chain lengths of
+    `_chain_kernel.chain_order`), so it is free only when that chain plus the cycle fits in
+    the longest wait (max rin), else it weighs their sum. Links
     already used this round are respected. mode 0: deadlocks only, through a pending slot on
     the member's rank only (free: run before the round's other copies take those slots);
     mode 1: deadlocks, any spare; mode 2 (nothing else moved this round): every cycle, any
