@@ -14,7 +14,7 @@ average (timings on a shared machine are upper bounds), then the output in a cod
 Paths of this machine are written as a reader's checkout sees them (`portable`): the shared
 data beside the checkout as `../shared/...`, the checkout itself as `.`, a site-packages or
 PYTHONPATH copy of SGLang from its package folder on (`sglang/srt/...`).
-It is written atomically through eplb.files (a temporary file, synced, then renamed), so a
+It is written atomically through eplb.core.files (a temporary file, synced, then renamed), so a
 failed run never leaves half a page and a run that raises leaves the old page untouched.
 """
 
@@ -34,7 +34,7 @@ RESULTS = ROOT / "docs" / "results"
 if str(ROOT) not in sys.path:  # the benchmarks put the checkout first; a lone import of this module too
     sys.path.insert(0, str(ROOT))
 
-from eplb.files import write_text  # noqa: E402
+from eplb.core.files import write_text  # noqa: E402
 
 
 def portable(text: str) -> str:

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
 
-from eplb.backtest import backtest, leave_one_out  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
+from eplb.evaluate.backtest import backtest, leave_one_out  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "traces"

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
 
-from eplb.collect import RouterCollector  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
+from eplb.runtime.collect import RouterCollector  # noqa: E402
 from eplb.runtime.model import DeepSeekModel, ModelConfig, Router  # noqa: E402
 
 CASES = {

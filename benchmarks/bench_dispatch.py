@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_report.py)
 
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.dispatch import Resplitter, optimal_weights  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
+from eplb.dispatch.rules import Resplitter, optimal_weights  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
-from eplb.planning import plan  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
 
 SWEEPS = (1, 2, 4, 8, 16, 32)
 

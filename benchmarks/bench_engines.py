@@ -15,7 +15,7 @@ global and hierarchical (eplb's exact port of deepseek-ai/EPLB). Figures: busies
 per layer, median and max over every (workload, layer), under
 - "eplb": the plan's own weights (even split without them), what `eplb plan` reports;
 - "vLLM / TensorRT-LLM": even split (hash or round-robin over replicas);
-- "SGLang static" and "SGLang dynamic": eplb.sglang_dispatch, the start-up path (the map an
+- "SGLang static" and "SGLang dynamic": eplb.dispatch.sglang, the start-up path (the map an
   `--init-expert-location` export gets), checked against SGLang's own function in tests/engines.
 Part "migration" (benchmarks/bench_engines_migration.py, docs/results/engines-migration.md):
 planning from the placement served now under SGLang's rules.
@@ -37,11 +37,11 @@ import bench_engines_migration  # noqa: E402
 from _report import write_results  # noqa: E402  (benchmarks/_report.py)
 
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.dispatch import EvenSplit, engine_rule  # noqa: E402
+from eplb.core.trace import Trace  # noqa: E402
+from eplb.dispatch.rules import EvenSplit, engine_rule  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
-from eplb.planning import plan  # noqa: E402
-from eplb.stats import imbalance  # noqa: E402
-from eplb.trace import Trace  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
+from eplb.stats.loads import imbalance  # noqa: E402
 
 DEFAULT_TRACES = str(ROOT.parent / "shared" / "traces" / "deepseek_v3_sglang")
 PLANNERS = [
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
             f"Written by `{cmd}` ({setup}).\n\n"
             "Busiest / mean GPU per layer, median (max) over every workload and layer. Columns: the dispatch "
             "rule the figure is scored under (`eplb`: the plan's own weights, an even split without them; "
-            "SGLang: the start-up path of an `--init-expert-location` export, eplb.sglang_dispatch). "
+            "SGLang: the start-up path of an `--init-expert-location` export, eplb.dispatch.sglang). "
             "In-sample: planned and served on the same workload; leave-one-out: planned on the other "
             "workloads (as windows), served on the held-out one. Plan time: wall seconds of one in-sample "
             "plan on this machine (2 shared cores).\n\n"

@@ -32,12 +32,12 @@ import numpy as np
 from _report import write_results  # benchmarks/_report.py, a sibling like this module
 
 from eplb.commands.common import format_table
+from eplb.core.placement import Placement
+from eplb.core.trace import Trace
+from eplb.dispatch.sglang import SglangStatic
 from eplb.migration import Budget, count_moves, migrate
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.sglang_dispatch import SglangStatic
-from eplb.stats import imbalance
-from eplb.trace import Trace
+from eplb.planning.front_door import plan
+from eplb.stats.loads import imbalance
 
 RULES = [("start-up map", SglangStatic()), ("after a rebalance", SglangStatic(path="rebalance"))]
 BUDGETS = [("no move limit", Budget()), ("max_moves=200", Budget(max_moves=200)),
@@ -123,7 +123,7 @@ def main(args, data_source, page: str, cmd: str) -> None:
             f"Written by `{cmd}` ({setup}).\n\n"
             "For each workload, the rule-aware plan of the next workload is serving when traffic becomes this "
             "one; every row is planned on this workload and served on it under the rule named above the table "
-            "(eplb.sglang_dispatch). `from scratch`: the rule-aware plan with no previous placement; `keep`: the "
+            "(eplb.dispatch.sglang). `from scratch`: the rule-aware plan with no previous placement; `keep`: the "
             "previous placement as it is; `even-split migration`: the plan from scratch relabelled onto the "
             "previous placement by eplb.migration.migrate, the migration step for even splits, served under this "
             "rule; `from previous`: `eplb.plan(..., previous=..., budget=...)`. "

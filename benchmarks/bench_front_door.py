@@ -31,8 +31,8 @@ from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 import eplb  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.planner_api import PlanRequest, get_planner  # noqa: E402
-from eplb.topology import Topology  # noqa: E402
+from eplb.core.topology import Topology  # noqa: E402
+from planners.api import PlanRequest, get_planner  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,10 +34,10 @@ from _report import add_write_docs, results_page  # noqa: E402  (benchmarks/_rep
 from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 from eplb import stats  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
-from eplb.planner_api import PlanRequest, get_planner  # noqa: E402
-from eplb.stats import group_span  # noqa: E402
-from eplb.topology import Topology  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
+from eplb.core.topology import Topology  # noqa: E402
+from eplb.stats.loads import group_span  # noqa: E402
+from planners.api import PlanRequest, get_planner  # noqa: E402
 
 
 def load_reference():

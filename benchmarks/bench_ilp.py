@@ -35,9 +35,9 @@ from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 
 from eplb import stats  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.dispatch import optimal_weights  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
-from eplb.planning import plan  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
+from eplb.dispatch.rules import optimal_weights  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
 from planners.greedy import plan_greedy  # noqa: E402
 from planners.ilp import scale_loads, solve_layer  # noqa: E402
 

@@ -44,7 +44,7 @@ from _report import add_write_docs, results_page  # noqa: E402
 from eplb import migration as mg  # noqa: E402
 from eplb import plan  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.rebalance import Rebalancer  # noqa: E402
+from eplb.serving.rebalance import Rebalancer  # noqa: E402
 from tests.oracles.migration import schedule as python_schedule  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "traces")
@@ -292,7 +292,7 @@ def part3(args):
 
 
 def part4(args):
-    from eplb.stats import group_span
+    from eplb.stats.loads import group_span
 
     loads, source = v3_workloads(args.v3_dir)
     names = list(loads)

@@ -6,14 +6,14 @@
 
 Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
-Each trace is replayed in time order with `eplb.replay.replay`: the first half of its windows is
+Each trace is replayed in time order with `eplb.evaluate.replay.replay`: the first half of its windows is
 history only (the placement served from then on is the robust plan of it), the second half is
-served, decisions take effect after one window of delay. Policies (eplb.policy): static (never
+served, decisions take effect after one window of delay. Policies (eplb.serving.policy): static (never
 rebalance), window N (plan on the sum of the newest N windows with greedy at every decision,
 migration-aware, move_cost 0.001: the Rebalancer's window=N rule), adaptive (the default), and
 hindsight (greedy planned on the served window itself); on v2 also the static and adaptive
 runs planned for re-split (`plan_for="resplit"`: the warm-up plan and the policy searched under
-exact re-split scores, eplb.resplit_repair), whose re-split column is what that engine serves.
+exact re-split scores, eplb.serving.resplit_repair), whose re-split column is what that engine serves.
 Scores: busiest / mean GPU over every
 (served window, layer), median and p95, under an even split and under per-batch re-split
 (`resplit` on the window's own counts); moves are experts copied, summed over layers, per
@@ -44,7 +44,7 @@ Static floors (issue 15, `--floors`, on by default, v2 only): even-split scores 
 across them (planned on the even-numbered scored windows, scored on the odd ones and the other
 way round), on the first half of v2 (10 windows of history, 11 scored: the selection data the
 policy's settings were chosen on) and on the reported split. The same under per-batch re-split
-(exact, `eplb.resplit_repair`): the history's robust plan, that plan searched for re-split on
+(exact, `eplb.serving.resplit_repair`): the history's robust plan, that plan searched for re-split on
 the history (a past-only plan), and the search on the scored windows (in sample) and across them.
 
 Time in the loop (issue 14, `--time`, on by default): v2 and v3 replayed again with the
@@ -71,10 +71,10 @@ sys.path.insert(0, str(ROOT))
 from _report import write_results  # noqa: E402  (benchmarks/_report.py)
 
 from eplb.commands.common import format_table  # noqa: E402
+from eplb.core.topology import Topology  # noqa: E402
+from eplb.evaluate.replay import replay  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
-from eplb.replay import replay  # noqa: E402
-from eplb.synth import SynthSettings, generate, topic_shift_stats  # noqa: E402
-from eplb.topology import Topology  # noqa: E402
+from eplb.stats.synth import SynthSettings, generate, topic_shift_stats  # noqa: E402
 
 SYNTH = ROOT / "traces" / "deepseek.npz"
 POLICIES = [("static", "static", {}), ("window 2", "window", {"window": 2}), ("window 8", "window", {"window": 8}),
@@ -178,12 +178,12 @@ def decision_speed(shared: Path) -> list[str]:
     """Median decision times at DeepSeek-V3 shape against SGLang's from-scratch plan (see the docstring)."""
     from bench_greedy import load_reference
 
+    from eplb.core.placement import Placement
     from eplb.migration import warm_up
-    from eplb.placement import Placement
-    from eplb.planning import plan
-    from eplb.policy import AdaptivePolicy
-    from eplb.policy import warm_up as warm_up_policy
-    from eplb.rebalance import Rebalancer
+    from eplb.planning.front_door import plan
+    from eplb.serving.policy import AdaptivePolicy
+    from eplb.serving.policy import warm_up as warm_up_policy
+    from eplb.serving.rebalance import Rebalancer
 
     ref, note = load_reference()
     traces = load_traces(shared, ["v3"]) or load_traces(shared, ["deepseek"])
@@ -243,9 +243,9 @@ def static_floors(counts: np.ndarray, topo: Topology) -> list[str]:
     the scored windows themselves (in sample, a bound no policy can use) and across the scored
     windows (planned on every other one, scored on the rest: the traffic's own distribution
     known, its noise not)."""
-    from eplb.placement import Placement
-    from eplb.planning import plan
-    from eplb.stats import imbalance
+    from eplb.core.placement import Placement
+    from eplb.planning.front_door import plan
+    from eplb.stats.loads import imbalance
 
     T, L, E = counts.shape
     G = topo.num_gpus
@@ -282,10 +282,10 @@ def static_floors(counts: np.ndarray, topo: Topology) -> list[str]:
 def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
     """What a static plan can reach on v2 when the engine re-splits every batch (see the module
     docstring): the history's robust plan, the same plan searched for re-split on the history
-    (`eplb.resplit_repair`, the windows alone and with their deviations widened 1.5x), and the
+    (`eplb.serving.resplit_repair`, the windows alone and with their deviations widened 1.5x), and the
     search on the scored windows themselves (in sample) and across them."""
-    from eplb.planning import plan
-    from eplb.resplit_repair import resplit_imbalance, resplit_repair
+    from eplb.planning.front_door import plan
+    from eplb.serving.resplit_repair import resplit_imbalance, resplit_repair
 
     T = counts.shape[0]
     G = topo.num_gpus
@@ -319,7 +319,8 @@ def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
         lines.append(f"\n{label}: {len(hist)} windows of history, {len(served)} scored; per-batch re-split (exact: "
                      f"the best split of each window), busiest / mean GPU median (p95) over (scored window, layer)")
         lines.append("```\n" + format_table(["plan", "re-split median (p95)", "changed / search time"], rows) + "\n```")
-    lines.append("searched: eplb.resplit_repair from the robust plan (slot swaps and rewritten spare replicas, no move "
+    lines.append("searched: eplb.serving.resplit_repair from the robust plan (slot swaps and rewritten spare replicas, "
+                 "no move "
                  "price, 8 passes) under exact re-split scores; spread 1.5: the windows and their deviations from the "
                  "mean widened 1.5x; in sample / even -> odd: searched from the robust plan of those windows")
     return lines
@@ -327,8 +328,8 @@ def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
 
 def time_in_the_loop(shared: Path) -> list[str]:
     """Replays planned for and scored in modeled step time (see the module docstring)."""
-    from eplb.cost import TimeObjective, cost_model
-    from eplb.replay import Scoring
+    from eplb.dispatch.cost import TimeObjective, cost_model
+    from eplb.evaluate.replay import Scoring
 
     lines = []
     models = {"v2": "deepseek-v2-lite", "v3": "deepseek-v3"}

@@ -8,7 +8,7 @@ Legend: L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 Parts (data: every SGLang DeepSeek-V3 JSON in --traces, summed over its windows, else the shipped
 synthetic traces/deepseek.npz; the Kimi-K2 (61 x 384) and Qwen3-235B (94 x 128) shapes use
 seeded synthetic loads, no real data of them exists here: for the greedy plan a Pareto draw, for
-schedules and decisions four workloads of an `eplb.synth` trace at that shape that drift like one
+schedules and decisions four workloads of an `eplb.stats.synth` trace at that shape that drift like one
 model's traffic, and four independent Pareto draws, an abrupt switch, as a stress case):
 - start: a fresh process with an empty NUMBA_CACHE_DIR (a fresh install's cache), then one with
   that cache warm: `Rebalancer(...)` return time and the wait of its first rebalance().
@@ -59,8 +59,8 @@ from workloads import workloads  # noqa: E402
 
 import eplb.migration as mg  # noqa: E402
 from eplb import stats  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
-from eplb.planning import plan  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
 from planners._threads import THREADS_ENV, num_blocks, usable_cores  # noqa: E402
 
 SHAPES = [(32, 288), (64, 320), (128, 384), (256, 512)]
@@ -69,9 +69,9 @@ SHAPES = [(32, 288), (64, 320), (128, 384), (256, 512)]
 _START = r"""
 import time, numpy as np
 t0 = time.perf_counter()
-from eplb.placement import Placement
-from eplb.rebalance import Rebalancer
-from eplb.planning import plan
+from eplb.core.placement import Placement
+from eplb.serving.rebalance import Rebalancer
+from eplb.planning.front_door import plan
 load = np.random.default_rng(0).pareto(1.2, (58, 256)) * 100 + 1
 pl = plan(load, num_gpus=32, num_redundant=32).placement
 t1 = time.perf_counter()
@@ -143,11 +143,11 @@ MODEL_SHAPES = [("Kimi-K2 shape", 61, 384, 64, 448), ("Qwen3-235B shape", 94, 12
 
 @functools.cache
 def drift_loads(L: int, E: int, seed: int) -> dict[str, np.ndarray]:
-    """Four workloads of one model shape from eplb.synth (the generator calibrated on DeepSeek-V3's
+    """Four workloads of one model shape from eplb.stats.synth (the generator calibrated on DeepSeek-V3's
     counts, no expert groups): a 16-window trace cut into quarters, each summed. Consecutive
     quarters differ as that model's traffic drifts (prefill / decode runs, the windows' random
     walk), the way the real DeepSeek-V3 workloads differ from one another."""
-    from eplb.synth import SynthSettings, generate
+    from eplb.stats.synth import SynthSettings, generate
 
     trace = generate(SynthSettings(num_windows=16, num_hidden_layers=L + 1, first_moe_layer=1, num_experts=E,
                                    num_expert_groups=1, topk_groups=1, seed=seed))
@@ -211,7 +211,7 @@ def part_start(args, out):
 def part_schedule(args, out, loads):
     out.append("## Migration schedule rounds vs the round bound (workload pairs)\n")
     out.append("DeepSeek-V3: the real workloads; the other shapes: 4 synthetic workloads each (12 pairs), "
-               "drifting (`eplb.synth`) or switching abruptly (independent seeded draws).\n")
+               "drifting (`eplb.stats.synth`) or switching abruptly (independent seeded draws).\n")
     out.append("| data | GPUs | slots | pairs | rounds / bound: median | worst | worst pair's rounds (bound) "
                "| schedule ms median |\n|---|---:|---:|---:|---:|---:|---|---:|")
     worst_all = 0.0
@@ -246,7 +246,7 @@ def part_schedule(args, out, loads):
 def part_decision(args, out, loads, ref):
     import torch
 
-    from eplb.rebalance import Rebalancer
+    from eplb.serving.rebalance import Rebalancer
 
     out.append("## rebalance() decision vs SGLang's from-scratch plan (same run)\n")
     out.append("Two Rebalancers: the default (policy \"auto\": the adaptive online policy, which repairs "
@@ -423,9 +423,9 @@ def part_engine(args, out, ref):
     """eplb's SGLang hook and plan() under SGLang static against SGLang's own algorithm."""
     import torch
 
+    from eplb.core.trace import Trace, default_meta
+    from eplb.dispatch.sglang import SglangStatic
     from eplb.integrations import sglang as hook
-    from eplb.sglang_dispatch import SglangStatic
-    from eplb.trace import Trace, default_meta
 
     G, N, S, K = ENGINE["num_gpus"], ENGINE["num_nodes"], ENGINE["slots_per_gpu"], ENGINE["num_groups"]
     P = G * S

@@ -9,7 +9,7 @@ Part 1, decode (DeepSeek-V3 shape, H200, FP8 experts): placements are planned on
   workload and scored on batches of B tokens drawn from the *other* one (both folds); the
   reference is token-balanced greedy with an even split, `--objective time` is greedy on the
   time objective served with the per-batch time dispatch. Figure: the busiest GPU's routed-expert
-  time summed over layers (eplb.cost), mean over batches; token ratios (busiest / mean GPU rows)
+  time summed over layers (eplb.dispatch.cost), mean over batches; token ratios (busiest / mean GPU rows)
   beside it.
 Part 2, traffic (DeepSeek-V2-Lite per-token prefill windows of 4096 tokens, 8 GPUs on 2 nodes,
   H200): node-blind greedy vs the `traffic` planner, planned on 8 windows and scored on the next
@@ -21,7 +21,7 @@ Part 3, the runtime shim on 4 gloo ranks (this machine): `eplb calibrate`'s 24 c
 Part 4, speed: the time dispatch for 58 layers (compiled, and its numpy reference) against the
   token re-split, `simulate` at 58 x 256, and whether planning with the time objective imports torch.
 Real traces are read from --traces when present; else the shipped synthetic trace (and a
-synthetic per-token trace from eplb.synth for Part 2), and the tables say so.
+synthetic per-token trace from eplb.stats.synth for Part 2), and the tables say so.
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ sys.path.insert(0, str(ROOT))
 
 from _report import write_results  # noqa: E402  (benchmarks/_report.py)
 
-from eplb.calibration import fit_profile, measured_compute  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
-from eplb.cost import TimeObjective, cost_model  # noqa: E402
-from eplb.dispatch import Resplitter, get_rule  # noqa: E402
+from eplb.core.trace import Trace  # noqa: E402
+from eplb.dispatch.calibration import fit_profile, measured_compute  # noqa: E402
+from eplb.dispatch.cost import TimeObjective, cost_model  # noqa: E402
+from eplb.dispatch.rules import Resplitter, get_rule  # noqa: E402
+from eplb.dispatch.timed import TimeDispatch, TimeSolver  # noqa: E402
+from eplb.evaluate.simulate import cut_batches, score_batch, simulate  # noqa: E402
 from eplb.formats import load_trace, save_placement  # noqa: E402
-from eplb.planning import plan  # noqa: E402
-from eplb.simulate import cut_batches, score_batch, simulate  # noqa: E402
-from eplb.synth import SynthSettings, generate  # noqa: E402
-from eplb.time_dispatch import TimeDispatch, TimeSolver  # noqa: E402
-from eplb.trace import Trace  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
+from eplb.stats.synth import SynthSettings, generate  # noqa: E402
 
 SYNTH = ROOT / "traces" / "deepseek.npz"
 
@@ -107,7 +107,7 @@ def part_decode(args, out: list[str]) -> dict:
                f"target: never worse at B = 128 -> smallest cut {min(large):.1%} "
                f"({'met' if min(large) >= 0 else 'NOT met'})" if large else ""]
     out += [f"## Part 1: decode, time objective vs token-balanced greedy ({source})", "",
-            f"DeepSeek-V3 shape on H200 (FP8 experts, eplb.cost); {args.batches} batches of B tokens (whole "
+            f"DeepSeek-V3 shape on H200 (FP8 experts, eplb.dispatch.cost); {args.batches} batches of B tokens (whole "
             f"group) drawn from the held-out workload's expert frequencies per case (independent choices); "
             f"288 slots. Columns 4-7: busiest GPU's routed-expert time summed over 58 layers, mean over "
             f"batches (change against the reference). 'tokens ratio': busiest / mean GPU rows. 'step ms': "
@@ -133,7 +133,7 @@ def v2_lite_trace(traces: Path, tokens_per_window: int) -> tuple[Trace, str, str
         return (Trace(counts, np.arange(1, L + 1), meta, topk_NLK, win.astype(np.int32)), "deepseek-v2-lite",
                 f"real: {path.name}, {N:,} tokens in {T} windows of {tokens_per_window}")
     t = generate(SynthSettings(num_windows=24, tokens_per_window=tokens_per_window, keep_tokens=tokens_per_window))
-    return t, "deepseek-v3", f"{path} not found: eplb.synth per-token DeepSeek-V3-shaped trace (24 windows)"
+    return t, "deepseek-v3", f"{path} not found: eplb.stats.synth per-token DeepSeek-V3-shaped trace (24 windows)"
 
 
 def _sub(trace: Trace, t0: int, t1: int) -> Trace:
@@ -286,8 +286,8 @@ def part_speed(args, out: list[str]) -> dict:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     cli = time.perf_counter() - t0
-    probe = ("import sys, numpy as np; from eplb.planning import plan; from eplb.cost import TimeObjective, "
-             "cost_model; from eplb.simulate import simulate; from eplb.formats import load_trace; "
+    probe = ("import sys, numpy as np; from eplb.planning import plan; from eplb.dispatch.cost import TimeObjective, "
+             "cost_model; from eplb.evaluate.simulate import simulate; from eplb.formats import load_trace; "
              f"t = load_trace({str(trace_path)!r}); "
              "r = plan(t, num_gpus=32, slots_per_gpu=9, objective=TimeObjective(cost_model('deepseek-v3', 'h200'))); "
              "simulate(cost_model('deepseek-v3', 'h200'), r.placement, t, rule='time', batch_tokens=32); "

@@ -3,13 +3,13 @@
     python benchmarks/make_figures.py                      # -> benchmarks/figures/*.png
     python benchmarks/make_figures.py --real ../shared/traces --out benchmarks/figures
 
-Shipped trace: traces/deepseek.npz (synthetic, eplb.synth); when it is missing a seeded
-synthetic trace is generated (eplb.synth, or a log-normal fallback if that module is absent),
+Shipped trace: traces/deepseek.npz (synthetic, eplb.stats.synth); when it is missing a seeded
+synthetic trace is generated (eplb.stats.synth, or a log-normal fallback if that module is absent),
 and the script says so. Real traces: SGLang DeepSeek-V3 expert statistics under
 ../shared/traces/deepseek_v3_sglang (never copied into the repo); figures made from them are
 named real_*.png. Everything is seeded: the same inputs give the same figures.
 
-Backtest figure: `eplb.backtest.backtest` on the shipped trace, each plan made from the 8
+Backtest figure: `eplb.evaluate.backtest.backtest` on the shipped trace, each plan made from the 8
 windows before it and scored (even dispatch) on the windows it serves: contiguous (no EPLB),
 greedy re-planned every 8 and every 2 windows, robust every 8; moves are experts copied per
 rebalance after relabelling GPUs. The same figure from the CLI:
@@ -30,13 +30,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eplb import plot  # noqa: E402
+from eplb.core.placement import Placement, contiguous_map  # noqa: E402
+from eplb.core.topology import Topology  # noqa: E402
+from eplb.core.trace import Trace, default_meta  # noqa: E402
+from eplb.evaluate import plot  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
-from eplb.placement import Placement, contiguous_map  # noqa: E402
-from eplb.planner_api import planner_names  # noqa: E402
-from eplb.planning import plan  # noqa: E402
-from eplb.topology import Topology  # noqa: E402
-from eplb.trace import Trace, default_meta  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
+from planners.api import planner_names  # noqa: E402
 
 MAX_BYTES = 200_000
 
@@ -45,14 +45,14 @@ def shipped_trace(path: Path) -> tuple[Trace, str]:
     if path.exists():
         return load_trace(path), f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
     try:
-        from eplb.synth import SynthSettings, generate
+        from eplb.stats.synth import SynthSettings, generate
 
-        return generate(SynthSettings(seed=0)), f"eplb.synth seed 0 ({path} not found)"
+        return generate(SynthSettings(seed=0)), f"eplb.stats.synth seed 0 ({path} not found)"
     except ImportError:
         rng = np.random.default_rng(0)
         counts = np.round(rng.lognormal(4.0, 0.9, size=(16, 58, 256))).astype(np.int64)
         meta = default_meta(61, 256, synthetic=True, source="make_figures log-normal fallback")
-        return Trace(counts, np.arange(3, 61), meta), "seeded log-normal fallback (eplb.synth absent)"
+        return Trace(counts, np.arange(3, 61), meta), "seeded log-normal fallback (eplb.stats.synth absent)"
 
 
 def contiguous(trace: Trace, num_gpus: int, num_redundant: int | None = None) -> Placement:
@@ -73,7 +73,7 @@ BACKTEST_RUNS = (
 
 def backtest_series(trace: Trace, num_gpus: int) -> list:
     """The backtest figure's series: each window served by a plan made from earlier windows only."""
-    from eplb.backtest import backtest
+    from eplb.evaluate.backtest import backtest
 
     results = []
     for legend, planner, every in BACKTEST_RUNS:

@@ -1,6 +1,6 @@
 """eplb: expert-parallel load balancing for Mixture-of-Experts serving.
 
-Pipeline: collect (eplb.collect, importers in eplb.formats) -> statistics (eplb.stats) ->
+Pipeline: collect (eplb.runtime.collect, importers in eplb.formats) -> statistics (eplb.stats) ->
 plan (eplb.plan, planners in the `planners` package) -> apply (exports in eplb.formats,
 eplb.runtime) -> see (CLI reports, plots, backtests). torch is imported only by collectors,
 the runtime and the `.pt` importer/exporter.
@@ -24,16 +24,16 @@ _EXPORTS = {
     "load_history": "eplb.formats", "load_placement": "eplb.formats", "load_trace": "eplb.formats",
     "save_placement": "eplb.formats", "save_trace": "eplb.formats",
     "Budget": "eplb.migration", "MigrationPlan": "eplb.migration",
-    "Placement": "eplb.placement",
-    "PlanRequest": "eplb.planner_api", "Solution": "eplb.planner_api", "get_planner": "eplb.planner_api",
-    "planner_names": "eplb.planner_api", "register": "eplb.planner_api",
+    "Placement": "eplb.core.placement",
+    "PlanRequest": "planners.api", "Solution": "planners.api", "get_planner": "planners.api",
+    "planner_names": "planners.api", "register": "planners.api",
     "PlanResult": "eplb.planning", "plan": "eplb.planning",
-    "get_policy": "eplb.policy",
-    "Rebalancer": "eplb.rebalance", "RebalanceResult": "eplb.rebalance",
-    "ReplayResult": "eplb.replay", "Scoring": "eplb.replay", "replay": "eplb.replay",
+    "get_policy": "eplb.serving.policy",
+    "Rebalancer": "eplb.serving.rebalance", "RebalanceResult": "eplb.serving.rebalance",
+    "ReplayResult": "eplb.evaluate.replay", "Scoring": "eplb.evaluate.replay", "replay": "eplb.evaluate.replay",
     "LoadReport": "eplb.stats", "evaluate": "eplb.stats", "lower_bound": "eplb.stats",
-    "Topology": "eplb.topology",
-    "Trace": "eplb.trace",
+    "Topology": "eplb.core.topology",
+    "Trace": "eplb.core.trace",
 }
 
 __all__ = [  # a literal, so linters and editors read it; a test checks it names _EXPORTS
@@ -44,18 +44,18 @@ __all__ = [  # a literal, so linters and editors read it; a test checks it names
 ]
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__ imports on use
+    from eplb.core.placement import Placement
+    from eplb.core.topology import Topology
+    from eplb.core.trace import Trace
     from eplb.errors import EplbError, PlanningError
+    from eplb.evaluate.replay import ReplayResult, Scoring, replay
     from eplb.formats import load_history, load_placement, load_trace, save_placement, save_trace
     from eplb.migration import Budget, MigrationPlan
-    from eplb.placement import Placement
-    from eplb.planner_api import PlanRequest, Solution, get_planner, planner_names, register
-    from eplb.planning import PlanResult, plan
-    from eplb.policy import get_policy
-    from eplb.rebalance import Rebalancer, RebalanceResult
-    from eplb.replay import ReplayResult, Scoring, replay
-    from eplb.stats import LoadReport, evaluate, lower_bound
-    from eplb.topology import Topology
-    from eplb.trace import Trace
+    from eplb.planning.front_door import PlanResult, plan
+    from eplb.serving.policy import get_policy
+    from eplb.serving.rebalance import Rebalancer, RebalanceResult
+    from eplb.stats.loads import LoadReport, evaluate, lower_bound
+    from planners.api import PlanRequest, Solution, get_planner, planner_names, register
 
 
 def __getattr__(name: str):

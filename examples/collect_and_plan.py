@@ -6,7 +6,7 @@ Steps: build the reference model (MLA + MoE with DeepSeek-V3 routing) with the r
 of the trace (E, K, groups, MoE layer ids) at a small hidden size; drive its routing with the
 per-layer expert frequencies of the trace's windows (one collected window per trace window),
 or, with `--natural` or when the trace file is absent, let its random-weight router choose;
-record the routers with `eplb.collect.RouterCollector`; write the collected trace; plan from it
+record the routers with `eplb.runtime.collect.RouterCollector`; write the collected trace; plan from it
 with `eplb.plan` and print the report (contiguous placement vs the planner), plus the KV-cache
 bytes per token of MLA next to MHA/GQA. Runs on CPU in well under a minute.
 """
@@ -24,11 +24,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import eplb  # noqa: E402
-from eplb.collect import RouterCollector  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
+from eplb.runtime.collect import RouterCollector  # noqa: E402
 from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402
-from eplb.stats import hot_ratio  # noqa: E402
+from eplb.stats.loads import hot_ratio  # noqa: E402
 
 
 def model_config(source: eplb.Trace | None, layers: int | None) -> ModelConfig:
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                                     dict(source.meta, num_hidden_layers=int(source.layer_ids[args.layers - 1]) + 1))
         else:
             print(f"{args.trace} not found: using the model's own (natural) routing; "
-                  f"generate the trace with eplb.synth to drive it")
+                  f"generate the trace with eplb.stats.synth to drive it")
     cfg = model_config(source, args.layers)
     torch.manual_seed(args.seed)
     model = DeepSeekModel(cfg).eval()

@@ -32,16 +32,16 @@ import torch.distributed as dist
 
 from eplb import plan
 from eplb.commands.common import positive_int
+from eplb.core.files import write_text
+from eplb.core.placement import Placement, contiguous_map
+from eplb.core.topology import Topology
+from eplb.core.trace import Trace
 from eplb.errors import EplbError
-from eplb.files import write_text
 from eplb.formats import load_trace
-from eplb.placement import Placement, contiguous_map
 from eplb.runtime.apply import apply_placement, plan_migration
 from eplb.runtime.ep import MODES, ExpertParallelMoE
 from eplb.runtime.measure import Recorder
 from eplb.runtime.model import ModelConfig, MoE
-from eplb.topology import Topology
-from eplb.trace import Trace
 
 
 def parse(argv):
@@ -64,10 +64,10 @@ def parse(argv):
 def load(path: str, rank: int) -> Trace:
     if Path(path).exists():
         return load_trace(path)
-    from eplb.synth import generate
+    from eplb.stats.synth import generate
 
     if rank == 0:
-        print(f"trace {path!r} not found: using the synthetic DeepSeek-V3-shaped trace of eplb.synth (seed 0)",
+        print(f"trace {path!r} not found: using the synthetic DeepSeek-V3-shaped trace of eplb.stats.synth (seed 0)",
               flush=True)
     return generate()
 

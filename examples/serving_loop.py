@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from eplb import Budget, plan  # noqa: E402
-from eplb.rebalance import Rebalancer  # noqa: E402
+from eplb.serving.rebalance import Rebalancer  # noqa: E402
 
 BYTES_PER_EXPERT = 3 * 7168 * 2048  # DeepSeek-V3 expert: 3 matrices 7168 x 2048 at 1 byte (FP8)
 

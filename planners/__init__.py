@@ -1,5 +1,5 @@
 """Built-in planners, one module per algorithm (greedy, robust, ...).
 
 Nothing is imported here: the front door finds each planner through the static table in
-`eplb.planner_api.PLANNERS` and imports its module on first use.
+`planners.api.PLANNERS` and imports its module on first use.
 """

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError
-from eplb.planner_api import PlanRequest, Solution
+from planners.api import PlanRequest, Solution
 
 POLICIES = ("auto", "hierarchical", "global")
 

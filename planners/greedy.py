@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.compiled import kernel_floats, kernel_ints
+from eplb.core.jit import kernel_floats, kernel_ints
 from eplb.errors import EplbError, fraction, whole_number
-from eplb.planner_api import PlanRequest, Solution
 from planners._threads import run_blocks
+from planners.api import PlanRequest, Solution
 
 # The greedy planner (and the adaptive policy's fresh plans) stop refining a layer once its
 # busiest GPU is within this fraction of its floor. The last swaps before the floor cost the
@@ -44,7 +44,7 @@ def _kernel():
 
 def warm_up() -> None:
     """Load (or, on a fresh install, compile) the greedy kernels now, on the argument types
-    the real calls use (eplb.compiled runs this in the background)."""
+    the real calls use (eplb.core.jit runs this in the background)."""
     plan_greedy(np.array([[3.0, 1.0, 1.0], [1.0, 2.0, 0.0]]), 2, 2)
 
 

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb.core.placement import gpu_loads
 from eplb.errors import EplbError, fraction, whole_number
-from eplb.placement import gpu_loads
-from eplb.planner_api import PlanRequest, Solution
-from eplb.stats import group_span
+from eplb.stats.loads import group_span
+from planners.api import PlanRequest, Solution
 from planners.greedy import pack, pack_replicas, refine, replicate
 
 

@@ -35,11 +35,11 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import numpy as np
 
 from eplb import stats
-from eplb.dispatch import optimal_weights
+from eplb.core.placement import Placement
+from eplb.core.progress import Progress
+from eplb.dispatch.rules import optimal_weights
 from eplb.errors import EplbError
-from eplb.placement import Placement
-from eplb.planner_api import PlanRequest, Solution
-from eplb.progress import Progress
+from planners.api import PlanRequest, Solution
 from planners.greedy import plan_greedy
 
 RESOLUTION = 1 << 24

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.compiled import CachedKernels, kernel_array
+from eplb.core.jit import CachedKernels, kernel_array
 from eplb.errors import EplbError, fraction, positive_number, whole_number
-from eplb.planner_api import PlanRequest, Solution
-from eplb.stats import replica_counts_minmax
+from eplb.stats.loads import replica_counts_minmax
 from planners._threads import run_blocks
+from planners.api import PlanRequest, Solution
 
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
 
@@ -239,7 +239,7 @@ def _kept_count(quantile: float, T: int) -> int:
 
 
 def warm_up() -> None:
-    """Load (or, on a fresh install, compile) the robust kernels now (eplb.compiled runs this in
+    """Load (or, on a fresh install, compile) the robust kernels now (eplb.core.jit runs this in
     the background for a Rebalancer that plans with robust)."""
     robust_kernels(wait=True)
 

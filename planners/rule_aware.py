@@ -5,7 +5,7 @@ P = G x S slots, U = units (nodes when N > 1, else GPUs).
 
 Why: a placement fixes where replicas are; the engine's dispatch rule fixes what share of an
 expert's tokens each replica takes. Planners that assume an even split are scored on shares
-the engine does not apply: under SGLang's `static` dispatch (eplb.sglang_dispatch) a replica
+the engine does not apply: under SGLang's `static` dispatch (eplb.dispatch.sglang) a replica
 takes (ranks mapped to it) / G of its expert's tokens, and which ranks map to it depends on
 where its siblings are and on a seeded draw. This planner plans with the shares the rule
 will really give, for rules whose shares stay fixed once each replicated expert's *units*
@@ -38,13 +38,13 @@ import importlib
 
 import numpy as np
 
-from eplb.compiled import CachedKernels, kernel_array, kernel_floats
-from eplb.dispatch import EvenSplit, PlanWeights
+from eplb.core.jit import CachedKernels, kernel_array, kernel_floats
+from eplb.core.placement import Placement
+from eplb.dispatch.rules import EvenSplit, PlanWeights
+from eplb.dispatch.sglang import SglangDynamic, SglangStatic
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
-from eplb.placement import Placement
-from eplb.planner_api import PlanRequest, Solution
-from eplb.sglang_dispatch import SglangDynamic, SglangStatic
-from eplb.stats import replica_counts_minmax
+from eplb.stats.loads import replica_counts_minmax
+from planners.api import PlanRequest, Solution
 from planners.greedy import plan_greedy
 from planners.robust import RobustPlanner, normalise_windows, parse_blends, robust_demand, smooth_max_swaps
 from planners.robust import warm_up as warm_up_robust
@@ -158,11 +158,11 @@ def rule_pack_kernel(wait: bool = False):
 
 def warm_up() -> None:
     """Load (or, on a fresh install, compile) the rule-aware planner's kernels now: its packing
-    and the robust swap search it refines with (eplb.compiled runs this in the background for a
+    and the robust swap search it refines with (eplb.core.jit runs this in the background for a
     Rebalancer that plans with rule-aware)."""
     rule_pack_kernel(wait=True)
     warm_up_robust()
-    importlib.import_module("eplb._sglang_draws_kernel").warm_up()  # the rule's draws
+    importlib.import_module("eplb.dispatch._sglang_draws_kernel").warm_up()  # the rule's draws
 
 
 def _items(share_TLE, count_LE, units_LEU, table_LEU, l: int):
@@ -314,7 +314,7 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
                         f"the rule-aware plan for {rule.name} keeps replicas of an expert on distinct "
                         f"{'nodes' if U == N else 'GPUs'}")
     held_LGE = None if previous_LP is None else held_by_gpu(np.asarray(previous_LP), G, E)
-    rule_pack_kernel()  # loaded before the first bind, which then draws compiled too (eplb.sglang_dispatch)
+    rule_pack_kernel()  # loaded before the first bind, which then draws compiled too (eplb.dispatch.sglang)
     share_TLE = normalise_windows(history_TLE, G)
     blends = (0.0,) if T == 1 else tuple(blends)
     fit = dict(beta=beta, refine_rounds=refine_rounds, held_LGE=held_LGE, move_slack=move_slack)

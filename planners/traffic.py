@@ -4,7 +4,7 @@ Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G 
 T = sampled tokens, K = experts per token, I = replicas of one layer (= P), N = nodes.
 
 Dispatch sends a token's hidden state once to every GPU that holds one of its experts, and
-combine brings one result back from each (eplb.cost). Tokens sit on every GPU alike
+combine brings one result back from each (eplb.dispatch.cost). Tokens sit on every GPU alike
 (attention is data-parallel), so a token's expected inter-node bytes are (N - 1) / N of its
 distinct destination GPUs and its intra-node bytes 1/N - 1/G of them: both fall when experts
 that the same tokens choose share a GPU. No engine's balancer looks at this.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError, fraction, whole_number
-from eplb.planner_api import PlanRequest, Solution, get_planner
+from planners.api import PlanRequest, Solution, get_planner
 
 
 def _deal(ids_TK: np.ndarray, phy2log_P: np.ndarray, E: int) -> np.ndarray:

@@ -22,12 +22,12 @@ def kernels_compiled():
     """Every kernel a Rebalancer warms, loaded (after an install: compiled) before the first test.
 
     In the first process after an install a Rebalancer holds back due checks while its kernels
-    compile (eplb.rebalance `_unless_compiling`): a test's outcome must not depend on the numba
+    compile (eplb.serving.rebalance `_unless_compiling`): a test's outcome must not depend on the numba
     cache it happens to find (CI's is empty)."""
-    from eplb.compiled import warm_up_in_background
-    from eplb.kernel_sets import kernel_modules
-    from eplb.planner_api import planner_names
-    from eplb.policy import AdaptivePolicy
+    from eplb.core.jit import warm_up_in_background
+    from eplb.planning.kernel_sets import kernel_modules
+    from eplb.serving.policy import AdaptivePolicy
+    from planners.api import planner_names
 
     policy = AdaptivePolicy(rule="resplit")
     names = sorted({m for p in planner_names() for m in kernel_modules(p, policy, 2)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.core.placement import Placement
 
 
 def spread_placement(rng, L: int = 3, E: int = 12, G: int = 4, N: int = 2, S: int = 4) -> Placement:

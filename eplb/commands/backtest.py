@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from eplb.backtest import DISPATCH, backtest, leave_one_out
 from eplb.commands.common import (
     add_command,
     add_output_flags,
@@ -18,11 +17,12 @@ from eplb.commands.common import (
 )
 from eplb.commands.plan import objective_from_args, parse_settings
 from eplb.commands.simulate import add_time_scoring_arguments
+from eplb.core.files import write_text
 from eplb.errors import EplbError
-from eplb.files import write_text
+from eplb.evaluate.backtest import DISPATCH, backtest, leave_one_out
 from eplb.formats import load_history, load_trace
-from eplb.planner_api import planner_names
-from eplb.stats import AGGREGATIONS
+from eplb.stats.loads import AGGREGATIONS
+from planners.api import planner_names
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import time
 
-from eplb.calibration import fit_profile
 from eplb.commands.common import (
     add_command,
     add_output_flags,
@@ -15,8 +14,9 @@ from eplb.commands.common import (
     positive_int,
     print_json,
 )
+from eplb.core.files import MAX_INPUT_ENV, format_size, max_input_bytes
+from eplb.dispatch.calibration import fit_profile
 from eplb.errors import EplbError
-from eplb.files import MAX_INPUT_ENV, format_size, max_input_bytes
 
 
 def _tokens(text: str) -> tuple[int, ...]:
@@ -52,7 +52,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _check_sizes(args) -> None:
-    """Sizes typed on a command line are bounded like inputs (eplb.files): the ranks' expert
+    """Sizes typed on a command line are bounded like inputs (eplb.core.files): the ranks' expert
     weights (fp32 gate, up and down of every slot; ceil(E / G) + 2 slots per rank, as
     eplb.runtime.calibrate.default_cases places them) and one batch's activations."""
     if args.ranks > args.experts:

@@ -2,14 +2,17 @@
 
 Also the capacity options `eplb plan --slots-per-gpu auto` shares (`add_arguments`,
 `slots_from_args`) and the printed report (`format_report`); the memory model itself is
-eplb.capacity.
+eplb.stats.capacity.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from eplb.capacity import (
+from eplb.commands.common import add_command, add_output_flags, print_json
+from eplb.core.topology import Topology
+from eplb.errors import EplbError
+from eplb.stats.capacity import (
     ATTENTION_MODES,
     DTYPE_BITS,
     GPU_MEMORY_MIB,
@@ -24,9 +27,6 @@ from eplb.capacity import (
     plan_capacity,
     with_overrides,
 )
-from eplb.commands.common import add_command, add_output_flags, print_json
-from eplb.errors import EplbError
-from eplb.topology import Topology
 
 # Explicit model numbers: option name -> ModelShape field.
 NUMBERS = {

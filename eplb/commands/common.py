@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from eplb.core.files import same_file
 from eplb.errors import EplbError
-from eplb.files import same_file
 
 REDUNDANT_HELP = ("redundant slots in total (default: ceil(E / G) + 1 slots per GPU, i.e. one redundant slot per "
                   "GPU plus what rounds the E experts up to a multiple of the G GPUs)")

@@ -8,9 +8,9 @@ import numpy as np
 
 from eplb import stats
 from eplb.commands.common import add_command, add_output_flags, format_table, print_json
+from eplb.core.placement import check_same_layers
 from eplb.errors import EplbError
 from eplb.formats import load_placement, load_trace
-from eplb.placement import check_same_layers
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

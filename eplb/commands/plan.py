@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from eplb import planning, stats
+from eplb import stats
 from eplb.commands.capacity import add_arguments as add_capacity_arguments
 from eplb.commands.capacity import slots_from_args
 from eplb.commands.common import (
@@ -21,18 +21,19 @@ from eplb.commands.common import (
     print_json,
 )
 from eplb.commands.simulate import add_cost_arguments, batch_from_args, cost_from_args, modeled_table
-from eplb.cost import TimeObjective
-from eplb.dispatch import ENGINES, DispatchRule, engine_rule
+from eplb.core.placement import contiguous_placement
+from eplb.core.progress import Notice
+from eplb.core.trace import Trace
+from eplb.dispatch.cost import TimeObjective
+from eplb.dispatch.rules import ENGINES, DispatchRule, engine_rule
 from eplb.errors import EplbError
+from eplb.evaluate.simulate import simulate
 from eplb.formats import load_history, load_placement
 from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
-from eplb.placement import contiguous_placement
-from eplb.planner_api import planner_names, planner_settings, setting_value
-from eplb.progress import Notice
-from eplb.simulate import simulate
-from eplb.stats import AGGREGATIONS, Aggregation, window_balancedness
-from eplb.trace import Trace
+from eplb.planning import front_door as planning
+from eplb.stats.loads import AGGREGATIONS, Aggregation, window_balancedness
+from planners.api import planner_names, planner_settings, setting_value
 
 MIGRATION_FLAGS = ("max_moves", "max_moves_per_gpu", "move_cost", "span_cost", "bytes_per_expert")
 """Options that become the plan's eplb.Budget (they act only with --previous)."""

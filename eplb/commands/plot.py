@@ -7,15 +7,16 @@ import os
 
 import numpy as np
 
-from eplb import plot, stats
-from eplb.backtest import DISPATCH
+from eplb import stats
 from eplb.commands.common import REDUNDANT_HELP, add_command, add_output_flags, check_output_path, print_json
+from eplb.core.placement import check_same_layers, contiguous_placement
+from eplb.core.progress import progress
 from eplb.errors import EplbError
+from eplb.evaluate import plot
+from eplb.evaluate.backtest import DISPATCH
 from eplb.formats import load_history, load_placement, load_trace, read_json_file, read_replay
-from eplb.placement import check_same_layers, contiguous_placement
-from eplb.planner_api import planner_names
-from eplb.planning import plan, size_topology
-from eplb.progress import progress
+from eplb.planning.front_door import plan, size_topology
+from planners.api import planner_names
 
 EXAMPLES = {
     "heatmap": "eplb plot heatmap traces/deepseek.npz -o heatmap.png",

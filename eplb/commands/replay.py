@@ -16,11 +16,11 @@ from eplb.commands.common import (
 )
 from eplb.commands.plan import objective_from_args, parse_settings
 from eplb.commands.simulate import add_time_scoring_arguments, cost_from_args
-from eplb.cost import TimeObjective
+from eplb.dispatch.cost import TimeObjective
+from eplb.evaluate.replay import Scoring, replay
 from eplb.formats import load_trace, write_replay
-from eplb.planning import size_topology
-from eplb.policy import POLICIES, get_policy
-from eplb.replay import Scoring, replay
+from eplb.planning.front_door import size_topology
+from eplb.serving.policy import POLICIES, get_policy
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -6,13 +6,13 @@ import argparse
 
 import numpy as np
 
-from eplb.capacity import DTYPE_BITS, PRESETS
 from eplb.commands.common import add_command, add_output_flags, format_table, positive_int, print_json
-from eplb.cost import PHASE_TOKENS_PER_GPU, PHASES, cost_model, default_batch_tokens
+from eplb.core.hardware import PROFILES
+from eplb.dispatch.cost import PHASE_TOKENS_PER_GPU, PHASES, cost_model, default_batch_tokens
 from eplb.errors import EplbError
+from eplb.evaluate.simulate import DISPATCH_CHOICES, simulate
 from eplb.formats import load_history, load_placement
-from eplb.hardware import PROFILES
-from eplb.simulate import DISPATCH_CHOICES, simulate
+from eplb.stats.capacity import DTYPE_BITS, PRESETS
 
 
 def add_cost_arguments(p, *, model_flag: bool = True) -> None:

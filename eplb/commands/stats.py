@@ -8,9 +8,9 @@ import numpy as np
 
 from eplb import stats
 from eplb.commands.common import REDUNDANT_HELP, add_command, add_output_flags, format_table, positive_int, print_json
+from eplb.core.placement import contiguous_placement
 from eplb.formats import load_history
-from eplb.placement import contiguous_placement
-from eplb.planning import size_topology
+from eplb.planning.front_door import size_topology
 
 DEFAULT_GPUS = 32
 """GPUs of the GPU-level figures when --gpus is not given (fewer for a model with fewer experts)."""

@@ -7,7 +7,6 @@ from dataclasses import fields
 
 import numpy as np
 
-from eplb import synth
 from eplb.commands.common import (
     add_command,
     add_output_flags,
@@ -18,9 +17,10 @@ from eplb.commands.common import (
     print_json,
 )
 from eplb.commands.plan import parse_settings
+from eplb.core.progress import Progress
 from eplb.errors import EplbError
 from eplb.formats import load_trace, save_trace
-from eplb.progress import Progress
+from eplb.stats import synth
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="abrupt topic shifts over the trace: at each, a cold expert of some layers turns hot "
                         "(default 0)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any generator setting of eplb.synth.SynthSettings, e.g. --set num_experts=64 --set "
+                   help="any generator setting of eplb.stats.synth.SynthSettings, e.g. --set num_experts=64 --set "
                         "topic_hot=0.2,0.3 (repeatable; pairs as two comma-separated numbers)")
     shape = p.add_argument_group("model shape (default DeepSeek-V3: 61 hidden layers, MoE from layer 3, 256 experts, "
                                  "top-8, 8 groups, 4 per token)")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb.core.placement import Placement
 from eplb.errors import EplbError, whole_number
-from eplb.placement import Placement
 
 
 def replica_ranks(phy2log, log2phy) -> np.ndarray:

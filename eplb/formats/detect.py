@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from eplb.core.files import check_archive, check_npy, input_file, parse_json, read_bytes
+from eplb.core.trace import Trace, default_meta
 from eplb.errors import EplbError, reason
-from eplb.files import check_archive, check_npy, input_file, parse_json, read_bytes
 from eplb.formats.native import read_npz
 from eplb.formats.sglang import read_json, read_pt
 from eplb.formats.trtllm import is_expert_statistic_dir, read_expert_statistic
-from eplb.trace import Trace, default_meta
 
 _ZIP = b"PK\x03\x04"
 _NPY = b"\x93NUMPY"
@@ -36,7 +36,7 @@ def _read_npy(path: Path) -> Trace:
         raise EplbError(f"{path}: shape {header.shape} has one expert per layer, which is nothing to balance; "
                         f"a .npy trace holds counts [windows, layers, experts]. Per-token expert ids "
                         f"[tokens, layers, top_k] are not counts: count them per expert first "
-                        f"(np.bincount per layer) or collect with eplb.collect")
+                        f"(np.bincount per layer) or collect with eplb.runtime.collect")
     try:
         a = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.formats.native import load_placement, save_placement
 from eplb.formats.sglang import read_sglang, write_sglang
 from eplb.formats.trtllm import read_trtllm, write_trtllm
 from eplb.formats.vllm import read_vllm, write_vllm
-from eplb.placement import Placement
 
 FORMATS = ("eplb", "sglang", "vllm", "trtllm")
 EXTENSIONS = {"eplb": (".json",), "sglang": (".json",), "vllm": (".pt", ".pth"), "trtllm": (".yaml", ".yml")}

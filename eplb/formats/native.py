@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from eplb.core.files import ZIP_ERRORS, atomic_output, load_npz, parse_json, read_json, write_text
+from eplb.core.placement import Placement
+from eplb.core.trace import Trace
 from eplb.errors import EplbError
-from eplb.files import ZIP_ERRORS, atomic_output, load_npz, parse_json, read_json, write_text
-from eplb.placement import Placement
-from eplb.trace import Trace
 
 TRACE_ARRAYS = ("counts", "layer_ids", "meta")
 """Arrays every trace `.npz` holds (plus the optional per-token `topk_ids`, `token_window`)."""
@@ -53,7 +53,7 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
 def read_npz(path: str | Path) -> Trace:
     """A Trace from eplb's `.npz` (no pickle); errors name the file and what is wrong.
 
-    Every array's declared shape is checked against the input limit (eplb.files) first."""
+    Every array's declared shape is checked against the input limit (eplb.core.files) first."""
     path = Path(path)
     arrays = load_npz(path)
     missing = [k for k in TRACE_ARRAYS if k not in arrays]
@@ -75,7 +75,7 @@ def read_npz(path: str | Path) -> Trace:
 
 def read_json_file(path: str | Path, what: str) -> Any:
     """Parse a JSON file, or raise EplbError naming the file (`what` says what it should be);
-    bounded by the input limit and MAX_JSON_DEPTH (eplb.files.read_json)."""
+    bounded by the input limit and MAX_JSON_DEPTH (eplb.core.files.read_json)."""
     return read_json(path, what)
 
 

@@ -28,15 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
+from eplb.core.files import atomic_output, input_file, load_npz, parse_json
 from eplb.errors import EplbError
-from eplb.files import atomic_output, input_file, load_npz, parse_json
 
 REQUIRED = ("phy2log_TLP", "weights_TLP", "counts_TLE", "window_T", "decided_T", "applied_T", "moves_T",
             "rounds_T", "policy_imbalance_RTL", "policy_balancedness_RT", "meta")
 
 
 def write_replay(result, path: str | Path) -> Path:
-    """Write a ReplayResult atomically (eplb.files): a failed write leaves an existing file as it was."""
+    """Write a ReplayResult atomically (eplb.core.files): a failed write leaves an existing file as it was."""
     path = Path(path)
     meta = {k: v for k, v in result.summary().items() if k != "per_window"}
     meta["weights_rule"] = result.weights_rule

@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
+from eplb.core.files import check_input_size, write_text
+from eplb.core.placement import Placement
+from eplb.core.trace import Trace, default_meta
 from eplb.errors import EplbError, number_array, reason, whole_array
-from eplb.files import check_input_size, write_text
 from eplb.formats.native import read_json_file
-from eplb.placement import Placement
-from eplb.trace import Trace, default_meta
 
 
 def trace_from_logical_count(logical_count: Any, *, source: str) -> Trace:

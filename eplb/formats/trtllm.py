@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole, reason, whole_number
-from eplb.files import (
+from eplb.core.files import (
     check_input_size,
     format_size,
     input_file,
@@ -39,8 +38,9 @@ from eplb.files import (
     write_bytes,
     write_text,
 )
-from eplb.placement import Placement
-from eplb.trace import MAX_COUNT, Trace, default_meta
+from eplb.core.placement import Placement
+from eplb.core.trace import MAX_COUNT, Trace, default_meta
+from eplb.errors import EplbError, is_whole, reason, whole_number
 
 _ST_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
               "F64": "<f8", "F32": "<f4", "F16": "<f2"}

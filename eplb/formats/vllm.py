@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from eplb.core.files import check_archive, check_input_size, input_file, write_bytes
+from eplb.core.placement import Placement
 from eplb.errors import EplbError, whole_array, whole_number
-from eplb.files import check_archive, check_input_size, input_file, write_bytes
 from eplb.formats.deepseek import from_deepseek, to_deepseek
-from eplb.placement import Placement
 
 KEYS = ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from eplb.errors import EplbError
-from eplb.planner_api import setting_value
+from planners.api import setting_value
 
 
 def check_version(engine: str, version: str, supported: tuple[str, ...], override_env: str) -> None:
@@ -47,15 +47,15 @@ def parse_spec(spec: str, env: str) -> tuple[str, dict]:
 
 def compile_aside(planner: str) -> None:
     """Start compiling the kernels a plan with `planner` runs, in detached processes (one per
-    warm-up, eplb.compiled.compile_detached).
+    warm-up, eplb.core.jit.compile_detached).
 
     Engines plan synchronously inside their rebalance, so after an install the first one would
     compile numba's kernels inside it, a stall of seconds. Started while the engine loads the
     model, the compile is done before then; on a warm cache each process only loads the
     kernels and exits (about a second). Concurrent compiles of one warm-up take turns
-    (eplb.compiled.compile_once), so several processes starting this cost one compile."""
-    from eplb.compiled import compile_detached
-    from eplb.kernel_sets import kernel_modules
+    (eplb.core.jit.compile_once), so several processes starting this cost one compile."""
+    from eplb.core.jit import compile_detached
+    from eplb.planning.kernel_sets import kernel_modules
 
     for name in kernel_modules(planner):
         compile_detached(name)

@@ -45,17 +45,17 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.dispatch import EvenSplit
+from eplb.core.files import check_archive, parse_json, read_json
+from eplb.core.placement import Placement
+from eplb.core.trace import Trace, default_meta
+from eplb.dispatch.rules import EvenSplit
+from eplb.dispatch.sglang import SglangStatic
 from eplb.errors import EplbError, reason
-from eplb.files import check_archive, parse_json, read_json
 from eplb.formats.deepseek import to_deepseek
 from eplb.integrations import check_version, compile_aside, parse_spec
 from eplb.migration import Budget
-from eplb.placement import Placement
-from eplb.planner_api import planner_names, planner_settings
-from eplb.planning import plan
-from eplb.sglang_dispatch import SglangStatic
-from eplb.trace import Trace, default_meta
+from eplb.planning.front_door import plan
+from planners.api import planner_names, planner_settings
 
 ENV_PLANNER = "EPLB_SGLANG_PLANNER"
 DEFAULT_PLANNER = "rule-aware"
@@ -104,7 +104,7 @@ def read_expert_location(value: str):
             raise EplbError(f"--init-expert-location {value}: cannot load as a weights-only torch file "
                             f"({type(exc).__name__}: {reason(exc)})") from None
     if value.endswith(".json"):
-        return read_json(value, "--init-expert-location file")  # bounded size and depth (eplb.files)
+        return read_json(value, "--init-expert-location file")  # bounded size and depth (eplb.core.files)
     return parse_json(value.encode("utf-8"), f"--init-expert-location {value[:40]!r}")
 
 
@@ -171,11 +171,11 @@ def _configured() -> tuple[str, dict]:
 
 
 def _planner_warm_up(planner: str):
-    """The process's warm-up of the planner's kernels (eplb.compiled), started on first call:
+    """The process's warm-up of the planner's kernels (eplb.core.jit), started on first call:
     they load on a daemon thread (on a cold cache their compile takes turns with the
     launcher's, and then only loads)."""
-    from eplb.compiled import warm_up_in_background
-    from eplb.kernel_sets import kernel_modules
+    from eplb.core.jit import warm_up_in_background
+    from eplb.planning.kernel_sets import kernel_modules
 
     return warm_up_in_background(kernel_modules(planner))
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from eplb.core.files import read_bytes
+from eplb.core.placement import Placement
 from eplb.errors import EplbError
-from eplb.files import read_bytes
 from eplb.formats.trtllm import read_trtllm
 from eplb.integrations import check_version
-from eplb.placement import Placement
 
 SUPPORTED_VERSIONS = ("1.2.1",)
 ENV_ANY_VERSION = "EPLB_TRTLLM_ANY_VERSION"

@@ -32,14 +32,14 @@ from functools import lru_cache
 
 import numpy as np
 
+from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.formats import load_placement
 from eplb.formats.export import read_placement
 from eplb.integrations import check_version, compile_aside, parse_spec
 from eplb.migration import Budget, keep_slots
-from eplb.placement import Placement
-from eplb.planner_api import planner_names, planner_settings
-from eplb.planning import plan
+from eplb.planning.front_door import plan
+from planners.api import planner_names, planner_settings
 
 ENV_POLICY = "EPLB_VLLM_POLICY"
 ENV_INITIAL = "EPLB_VLLM_INITIAL_MAP"

@@ -24,7 +24,7 @@ Three parts:
    one expert through a slot whose own expert has another complete replica.
 
 The hot loops are numba kernels (`kernels` says which, and `warm_up` loads them); the
-package imports only eplb.errors, eplb.placement, eplb.stats and, for `rule`, eplb.sglang_dispatch
+package imports only eplb.errors, eplb.core.placement, eplb.stats and, for `rule`, eplb.dispatch.sglang
 (and numpy, numba).
 """
 
@@ -33,7 +33,7 @@ from eplb.migration.kernels import warm_up
 from eplb.migration.moves import count_moves, holdings, keep_slots, relabel
 from eplb.migration.plan import CHECKPOINT, MigrationPlan
 from eplb.migration.rule import layout_dependent
-from eplb.migration.schedule import schedule
+from eplb.migration.schedule.rounds import schedule
 from eplb.migration.search import Budget, budgeted_search
 
 __all__ = [

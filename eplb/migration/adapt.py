@@ -15,13 +15,13 @@ import time
 
 import numpy as np
 
+from eplb.core.placement import gpu_loads
 from eplb.errors import EplbError
 from eplb.migration.checks import check_load_and_maps
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.rule import layout_dependent, migrate_for_rule
 from eplb.migration.search import Budget, budgeted_search, span_priced
-from eplb.placement import gpu_loads
-from eplb.stats import group_span
+from eplb.stats.loads import group_span
 
 
 def max_load(load_LE: np.ndarray, phy2log_LP: np.ndarray, num_gpus: int) -> np.ndarray:

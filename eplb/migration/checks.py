@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.compiled import kernel_ints  # noqa: F401  (the migration kernels' int type, re-exported)
+from eplb.core.jit import kernel_ints  # noqa: F401  (the migration kernels' int type, re-exported)
 from eplb.errors import EplbError, whole_number
 
 

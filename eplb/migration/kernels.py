@@ -36,7 +36,7 @@ import numpy as np
 
 from eplb.migration.checks import kernel_ints
 from eplb.migration.moves import count_moves, keep_slots, relabel
-from eplb.migration.schedule import schedule
+from eplb.migration.schedule.rounds import schedule
 from eplb.migration.search import Budget, budgeted_search
 
 
@@ -69,7 +69,7 @@ def warm_up_relay() -> float:
     """`warm_up` for the schedule's relay mode, which only clusters of at most
     RELAY_SLOTS_PER_GPU slots per GPU run (`schedule`'s gate): a Rebalancer warms it for those
     alone, as its compile costs as much as the plain schedule's. Returns the seconds it took."""
-    from eplb.migration import _schedule_kernel
+    from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
 
     t0 = time.perf_counter()
     old = kernel_ints(np.array([[0, 1, 2, 0], [0, 1, 2, 2]]))

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.core.placement import Placement
 from eplb.errors import EplbError, readonly
 from eplb.migration.checks import check_count, check_maps
 from eplb.migration.moves import count_moves
-from eplb.placement import Placement
 
 CHECKPOINT = -1
 """Source rank of a transfer that reloads an expert from the checkpoint (no replica survived)."""

@@ -5,7 +5,7 @@ P = G x S slots, C = candidate placements.
 
 Why: relabelling a plan (renaming its nodes and GPUs) keeps an even split's balance, but not
 SGLang's: which ranks draw, and what they draw, follow the nodes and slot order of every
-replica (eplb.sglang_dispatch), so a renamed plan is served with other shares than it was
+replica (eplb.dispatch.sglang), so a renamed plan is served with other shares than it was
 packed for; and the budgeted search prices even splits. Here every candidate is a whole
 placement judged by binding the rule to it, which is exact:
 - "planned": the planner's plan, only its slots inside each GPU reordered to their old slots
@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.core.placement import Placement, gpu_loads
+from eplb.dispatch.sglang import SglangDynamic, SglangStatic
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.search import Budget, budgeted_search, span_priced
-from eplb.placement import Placement, gpu_loads
-from eplb.sglang_dispatch import SglangDynamic, SglangStatic
-from eplb.stats import group_span
+from eplb.stats.loads import group_span
 
 LAYOUT_RULES = (SglangStatic, SglangDynamic)
 """Rule types whose shares depend on where replicas are, not only on how many there are."""

@@ -1,6 +1,6 @@
 """Torch side of eplb: the reference model (model.py) and the expert-parallel shim.
 
-torch is imported here (and only under eplb.runtime and eplb.collect); nothing in the
+torch is imported here (and only under eplb.runtime and eplb.runtime.collect); nothing in the
 planning path or the CLI's start-up imports this package.
 """
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.migration import CHECKPOINT, MigrationPlan, schedule
-from eplb.placement import Placement
 from eplb.runtime.ep import ranks_agree
 
 Reload = Callable[[int, int], Mapping[str, torch.Tensor]]

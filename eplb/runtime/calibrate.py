@@ -10,7 +10,7 @@ torch.multiprocessing (gloo on CPU, one torch thread each, so a rank's thread CP
 whole expert computation; NCCL on one GPU per rank where CUDA is there, which is written but
 untested here: no GPU was available). Traffic: each token picks K distinct experts from a
 skewed popularity (Zipf, exponent `skew`, shuffled per layer), seeded identically on every rank.
-A case's dispatch is "even" (the engines' rule) or "time" (`eplb.time_dispatch.TimeDispatch`,
+A case's dispatch is "even" (the engines' rule) or "time" (`eplb.dispatch.timed.TimeDispatch`,
 re-solved every step from the counts of all ranks, then served as per-step replica weights).
 Rows per slot come from the same replica choice the layer makes (`choose_slots`), summed over
 ranks, so the fit sees exactly which replicas were active.
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.calibration import ShimMeasurements, shim_model
-from eplb.cost import CostModel, TimeObjective
+from eplb.core.hardware import get_hardware
+from eplb.core.placement import Placement, contiguous_placement
+from eplb.dispatch.calibration import ShimMeasurements, shim_model
+from eplb.dispatch.cost import CostModel, TimeObjective
+from eplb.dispatch.timed import TimeDispatch
 from eplb.errors import EplbError, PlanningError
-from eplb.hardware import get_hardware
-from eplb.placement import Placement, contiguous_placement
-from eplb.planning import plan
+from eplb.planning.front_door import plan
 from eplb.runtime.ep import ExpertParallelMoE, ReplicaTable, choose_slots
-from eplb.time_dispatch import TimeDispatch
 
 
 @dataclass(frozen=True, eq=False)

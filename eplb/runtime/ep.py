@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.dispatch import Resplitter
+from eplb.core.placement import Placement
+from eplb.dispatch.rules import Resplitter
 from eplb.errors import EplbError
-from eplb.placement import Placement
 from eplb.runtime.model import swiglu
 
 MODES = ("even", "weights", "local", "resplit")

@@ -6,7 +6,7 @@ E = routed (logical) experts, K = top-k, F = expert intermediate size, V = vocab
 L = MoE layers (hidden layers first_moe_layer .. num_layers - 1).
 
 What this is for: the numerical reference the expert-parallel shim (eplb.runtime.ep) must
-match, and a model the collectors (eplb.collect) can record router traces from. It is written
+match, and a model the collectors (eplb.runtime.collect) can record router traces from. It is written
 as plain single-device code; placing experts on ranks is a separate step.
 
 - MLA (DeepSeek-V2/V3 multi-head latent attention): keys and values are rebuilt from a
@@ -158,7 +158,7 @@ class ModelConfig:
         return 2 * self.num_layers * kv_heads * head_dim * int(dtype_bytes)
 
     def trace_meta(self) -> dict:
-        """Trace metadata (eplb.trace.REQUIRED_META keys, plus topk_groups) describing this model."""
+        """Trace metadata (eplb.core.trace.REQUIRED_META keys, plus topk_groups) describing this model."""
         return {
             "model": self.name,
             "num_hidden_layers": self.num_layers,

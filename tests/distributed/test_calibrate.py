@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 def test_calibrate_cli_measures_fits_and_writes_a_profile(tmp_path, capsys):
     from eplb.cli import main
-    from eplb.hardware import get_hardware
+    from eplb.core.hardware import get_hardware
 
     out = tmp_path / "cpu.json"
     rc = main(["calibrate", "--ranks", "2", "--experts", "8", "--layers", "1", "--hidden", "32",

@@ -58,8 +58,8 @@ def tokens(rank: int, world: int, salt: int = 0):
 
 def placements(world: int, num_layers: int = 2):
     from eplb import plan
-    from eplb.placement import Placement, contiguous_map
-    from eplb.topology import Topology
+    from eplb.core.placement import Placement, contiguous_map
+    from eplb.core.topology import Topology
 
     S = E // world + 1
     topo = Topology(num_gpus=world, slots_per_gpu=S)

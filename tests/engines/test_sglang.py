@@ -22,12 +22,12 @@ torch = pytest.importorskip("torch")
 import sglang.srt.eplb.eplb_algorithms as algorithms  # noqa: E402
 import sglang.srt.eplb.expert_location as el  # noqa: E402
 
+from eplb.dispatch.sglang import SglangStatic, _candidates, hidden_rows, static_dispatch_maps  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.formats.sglang import write_sglang  # noqa: E402
 from eplb.integrations import sglang as launcher  # noqa: E402
-from eplb.planning import plan  # noqa: E402
-from eplb.sglang_dispatch import SglangStatic, _candidates, hidden_rows, static_dispatch_maps  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 G, N, H, E, R = 32, 4, 61, 256, 32
@@ -139,7 +139,7 @@ def test_sglang_loader_installs_eplb_algorithm(trace, server, hooks, monkeypatch
     assert np.array_equal(phy_HP, mine[0].numpy())
     assert np.array_equal(meta.logical_to_all_physical_map.numpy()[:, :, :mine[1].shape[2]], mine[1].numpy())
     # The dispatch SGLang built there is the rebalance-path model eplb planned for (rank 0 here).
-    from eplb.placement import Placement
+    from eplb.core.placement import Placement
 
     moe = trace.layer_ids
     p = Placement(phy_HP[moe], G, E, N, moe)
@@ -154,8 +154,8 @@ def test_sglang_loader_installs_eplb_algorithm(trace, server, hooks, monkeypatch
 def test_periodic_rebalance_plans_from_the_served_map(trace, server, hooks, monkeypatch, world_of_one):
     """SGLang's periodic rebalance (`init_by_eplb` while a map is served) keeps the served
     replicas and the balance a plan from scratch gets under the rule it applies then."""
+    from eplb.core.placement import Placement
     from eplb.migration import count_moves
-    from eplb.placement import Placement
 
     monkeypatch.setenv(launcher.ENV_PLANNER, "rule-aware,refine_rounds=50")
     monkeypatch.setenv(launcher.ENV_DISPATCH, "static")
@@ -190,8 +190,8 @@ def test_periodic_rebalance_plans_from_the_served_map(trace, server, hooks, monk
 
 
 def test_startup_file_is_checked_inside_sglang(server, hooks, monkeypatch, tmp_path):
-    from eplb import compiled
-    from eplb.kernel_sets import kernel_modules
+    from eplb.core import jit as compiled
+    from eplb.planning.kernel_sets import kernel_modules
 
     monkeypatch.setenv(launcher.ENV_PLANNER, "rule-aware")
     monkeypatch.setattr(compiled, "_warmups", {})

@@ -8,7 +8,7 @@ import pytest
 from eplb.errors import EplbError
 from eplb.formats.trtllm import write_trtllm
 from eplb.integrations.trtllm import check_load_balancer
-from eplb.planning import plan
+from eplb.planning.front_door import plan
 
 G, E, R = 8, 32, 8
 
@@ -18,7 +18,7 @@ def yaml_file(tmp_path):
     rng = np.random.default_rng(5)
     load = rng.integers(1, 1000, size=(4, E)).astype(float)
     p = plan(load, num_gpus=G, num_redundant=R, dispatch="even").placement
-    from eplb.placement import Placement
+    from eplb.core.placement import Placement
 
     p = Placement(p.phy2log_LP, G, E, 1, np.arange(3, 7))
     path = tmp_path / "lb.yaml"

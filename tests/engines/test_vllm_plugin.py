@@ -15,7 +15,7 @@ from vllm.distributed.eplb.policy.default import DefaultEplbPolicy  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
 from eplb.formats import save_placement  # noqa: E402
 from eplb.integrations import vllm as plugin  # noqa: E402
-from eplb.planning import plan  # noqa: E402
+from eplb.planning.front_door import plan  # noqa: E402
 
 
 @pytest.fixture

@@ -31,14 +31,14 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from eplb.calibration import CostModel, ShimMeasurements
 from eplb.cli import build_parser, main
-from eplb.files import TEMP_SUFFIX
+from eplb.core.files import TEMP_SUFFIX
+from eplb.core.hardware import Hardware
+from eplb.core.trace import Trace, default_meta
+from eplb.dispatch.calibration import CostModel, ShimMeasurements
 from eplb.formats import save_placement, save_trace
 from eplb.formats.export import write_placement
-from eplb.hardware import Hardware
-from eplb.planning import plan
-from eplb.trace import Trace, default_meta
+from eplb.planning.front_door import plan
 from tests.fuzz.common import examples
 
 

@@ -28,14 +28,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from eplb.core.hardware import PROFILES, load_hardware
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
+from eplb.core.trace import Trace, default_meta
+from eplb.evaluate.replay import replay
 from eplb.formats import load_history, load_placement, load_trace, read_replay, save_placement, save_trace, write_replay
 from eplb.formats.export import FORMATS, read_placement, write_placement
 from eplb.formats.trtllm import write_safetensors
-from eplb.hardware import PROFILES, load_hardware
-from eplb.placement import Placement
-from eplb.replay import replay
-from eplb.topology import Topology
-from eplb.trace import Trace, default_meta
 from tests.fuzz.common import examples, outcome
 
 try:

@@ -14,7 +14,7 @@ import numpy as np
 
 from eplb.errors import EplbError
 from eplb.migration import CHECKPOINT, MigrationPlan
-from eplb.migration.schedule import CANDIDATES_PER_RANK, NO_SAFE_MIGRATION, check_schedule_input, plan_from_rows
+from eplb.migration.schedule.rounds import CANDIDATES_PER_RANK, NO_SAFE_MIGRATION, check_schedule_input, plan_from_rows
 
 
 def schedule(old_LP, new_LP, num_gpus: int, num_logical_experts: int, *, layers_per_chunk=None, rank_ids=None,

@@ -1,4 +1,4 @@
-"""Reference twin of the adaptive policy's repair kernel (eplb/_policy_kernel.py), kept as a test oracle.
+"""Reference twin of the adaptive policy's repair kernel (eplb/serving/_policy_kernel.py), kept as a test oracle.
 
 Legend: M = windows, L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.stats import replica_counts_minmax
+from eplb.stats.loads import replica_counts_minmax
 
 _TIE = 1e-12  # as the kernel: closer choices are ties, the first in order wins
 
@@ -105,7 +105,7 @@ def _swaps(old_P, phy_P, share_EM, G, rounds, beta, partners, cap_total, cap_G):
 
 def repair(phy2log_LP, windows_MLE, num_gpus, *, rounds_L, beta=50.0, blends=(0.0, 1.0), partners=8,
            max_moves=np.inf, max_moves_G=None):
-    """`eplb.policy.repair` (one fill swapped, the default), the obvious way: (new_LP, cost_L2)."""
+    """`eplb.serving.policy.repair` (one fill swapped, the default), the obvious way: (new_LP, cost_L2)."""
     old_LP = np.asarray(phy2log_LP, dtype=np.int64)
     L, P = old_LP.shape
     G = num_gpus

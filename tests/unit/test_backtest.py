@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from eplb.backtest import DISPATCH, backtest, leave_one_out
 from eplb.cli import main
+from eplb.core.trace import Trace, default_meta
 from eplb.errors import EplbError
+from eplb.evaluate.backtest import DISPATCH, backtest, leave_one_out
 from eplb.formats import save_trace
-from eplb.trace import Trace, default_meta
 
 
 def _counts(rng, T=6, L=2, E=16):
@@ -29,7 +29,7 @@ def test_sequential_plans_on_the_past_only(rng):
 
 def test_moves_count_copies_after_relabelling(rng):
     from eplb.migration import count_moves, holdings
-    from eplb.planning import plan
+    from eplb.planning.front_door import plan
 
     c = _counts(rng, T=7)
     r = backtest(c, num_gpus=4, planner="greedy", interval=2, history=3, dispatch=("even",), oracle=False, quiet=True)
@@ -171,7 +171,7 @@ def test_cli_refuses_options_that_cannot_apply(rng, tmp_path, capsys, argv, matc
 
 
 def test_backtest_reports_modeled_time_with_a_time_objective():
-    from eplb.cost import TimeObjective, cost_model
+    from eplb.dispatch.cost import TimeObjective, cost_model
 
     rng = np.random.default_rng(4)
     p = rng.gamma(1.0, 1.0, (3, 64))
@@ -193,8 +193,8 @@ def test_backtest_reports_modeled_time_with_a_time_objective():
 
 def test_cli_backtest_in_modeled_time(tmp_path, capsys):
     from eplb.cli import main
+    from eplb.core.trace import Trace, default_meta
     from eplb.formats import save_trace
-    from eplb.trace import Trace, default_meta
 
     rng = np.random.default_rng(5)
     counts = rng.poisson(50.0, (4, 2, 64))
@@ -210,7 +210,7 @@ def test_cli_backtest_in_modeled_time(tmp_path, capsys):
 
 
 def test_leave_one_out_reports_modeled_time_with_a_time_objective():
-    from eplb.cost import TimeObjective, cost_model
+    from eplb.dispatch.cost import TimeObjective, cost_model
 
     rng = np.random.default_rng(6)
     loads = [rng.poisson(80.0, (1, 2, 64)) for _ in range(3)]

@@ -16,10 +16,10 @@ import pytest
 
 import eplb
 from eplb.cli import main
+from eplb.core.placement import Placement
+from eplb.core.trace import MAX_COUNT, Trace, default_meta
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_placement, load_trace, save_trace
-from eplb.placement import Placement
-from eplb.trace import MAX_COUNT, Trace, default_meta
 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
@@ -143,7 +143,7 @@ def test_an_npy_export_says_what_it_assumed_and_takes_the_models_layers(tmp_path
 @pytest.mark.parametrize("change, message", [
     ({"version": 2}, "version 2 is not one this eplb reads"),
     ({"version": "1"}, "version '1' is not one"),
-    ({"format": "other.tool"}, "format is 'other.tool', not 'eplb.placement'"),
+    ({"format": "other.tool"}, "format is 'other.tool', not 'eplb.core.placement'"),
     ({"metrics": [1, 2, 3]}, "metrics must be a JSON object"),  # not "cannot convert dictionary update sequence"
     ({"planner": ["greedy"]}, "planner must be a name"),
     ({"physical_to_logical_map": [[True, 1, 2, 3]]}, "must be numbers, not true/false"),

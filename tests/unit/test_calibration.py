@@ -1,13 +1,13 @@
-"""Fitting a profile to shim measurements (eplb.calibration), on measurements made from a known one."""
+"""Fitting a profile to shim measurements (eplb.dispatch.calibration), on measurements made from a known one."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from eplb.calibration import ShimMeasurements, fit_profile, predicted_compute
+from eplb.core.hardware import Hardware
+from eplb.dispatch.calibration import ShimMeasurements, fit_profile, predicted_compute
 from eplb.errors import EplbError
-from eplb.hardware import Hardware
 
 
 def _measurements(hw: Hardware, C=12, noise=0.02, seed=0) -> ShimMeasurements:
@@ -19,7 +19,7 @@ def _measurements(hw: Hardware, C=12, noise=0.02, seed=0) -> ShimMeasurements:
     m = ShimMeasurements(tuple(f"case {i}" for i in range(C)), tokens, rows.astype(float), np.zeros((C, B, L, G)),
                          np.zeros((C, B, L, G)), np.zeros((C, B, L, G)), rows.sum(axis=4).astype(float),
                          hidden=256, expert_hidden=512, num_logical_experts=24, top_k=4)
-    from eplb.calibration import CostModel
+    from eplb.dispatch.calibration import CostModel
 
     cost = CostModel(m.model(), hw, expert_dtype="fp32", dispatch_dtype="fp32", combine_dtype="fp32")
     compute = cost.replica_seconds(rows).sum(axis=4) * (1 + noise * rng.standard_normal((C, B, L, G)))

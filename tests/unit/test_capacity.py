@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from eplb.capacity import (
+from eplb.errors import EplbError
+from eplb.stats.capacity import (
     PRESETS,
     Deployment,
     ModelShape,
@@ -15,7 +16,6 @@ from eplb.capacity import (
     parse_memory,
     plan_capacity,
 )
-from eplb.errors import EplbError
 
 # Worked figures ---------------------------------------------------------------------------------
 
@@ -167,7 +167,7 @@ def test_bad_model_numbers_and_names():
 
 def test_top_k_cannot_exceed_the_experts():
     """`eplb capacity --model deepseek-v3 --top-k 1000` described a top-1000 of 256 experts."""
-    from eplb.capacity import with_overrides
+    from eplb.stats.capacity import with_overrides
 
     with pytest.raises(EplbError, match=r"top_k \(1000\) must be at most num_logical_experts \(256\)"):
         with_overrides(get_model("deepseek-v3"), top_k=1000)

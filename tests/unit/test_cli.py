@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from eplb.cli import COMMANDS, main
+from eplb.core.progress import Notice
+from eplb.core.trace import Trace, default_meta
 from eplb.formats import load_placement, save_trace
-from eplb.progress import Notice
-from eplb.trace import Trace, default_meta
 
 L, E, G = 6, 32, 4
 
@@ -109,7 +109,7 @@ def test_plan_scores_each_window_alone(files, capsys):
     """The per-window columns are the balancedness of each window of the trace under the plan."""
     from eplb import plan
     from eplb.formats import load_trace
-    from eplb.stats import balancedness
+    from eplb.stats.loads import balancedness
 
     assert main(["plan", files["trace"], "--gpus", str(G), "-p", "greedy", "--json"]) == 0
     wb = json.loads(capsys.readouterr().out)["window_balancedness"]
@@ -228,7 +228,8 @@ def test_plan_does_not_import_heavy_libraries(files):
     code = (
         "import sys; from eplb.cli import main\n"
         f"rc = main(['plan', {files['trace']!r}, '--gpus', '{G}', '--quiet'])\n"
-        f"heavy = [m for m in ('torch', 'matplotlib', 'ortools', 'eplb.policy', *{others!r}) if m in sys.modules]\n"
+        f"heavy = [m for m in ('torch', 'matplotlib', 'ortools', 'eplb.serving.policy', *{others!r})\n"
+        f"         if m in sys.modules]\n"
         "print(rc, ','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -281,14 +282,14 @@ def test_inspect_refuses_a_trace_of_other_layers(tmp_path, capsys):
 @pytest.mark.parametrize("where", ["missing folder", "a folder", "empty"])
 def test_unwritable_output_is_refused_before_the_work(tmp_path, capsys, monkeypatch, command, where):
     """An ILP plan or a full synth takes minutes; a bad -o used to fail only after it (-o '' wrote nothing)."""
-    import eplb.planning
-    import eplb.synth
+    import eplb.planning.front_door
+    import eplb.stats.synth
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the work started before the output path was checked")
 
     monkeypatch.setattr(eplb.planning, "plan", must_not_run)
-    monkeypatch.setattr(eplb.synth, "generate", must_not_run)
+    monkeypatch.setattr(eplb.stats.synth, "generate", must_not_run)
     out = {"missing folder": str(tmp_path / "no" / "x.out"), "a folder": str(tmp_path), "empty": ""}[where]
     path = tmp_path / "t.npz"
     save_trace(Trace(np.ones((1, 2, 8), dtype=np.int64), np.arange(2), default_meta(2, 8)), path)

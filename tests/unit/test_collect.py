@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import eplb  # noqa: E402
-from eplb.collect import RouterCollector, collect_trace, count_experts, scatter_count  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
+from eplb.runtime.collect import RouterCollector, collect_trace, count_experts, scatter_count  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402

@@ -1,4 +1,4 @@
-"""eplb.compiled: kernels load in the background, compile in side processes on a cold cache."""
+"""eplb.core.jit: kernels load in the background, compile in side processes on a cold cache."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.compiled import compile_in_side_processes, load_cached, warm_up_in_background
+from eplb.core.jit import compile_in_side_processes, load_cached, warm_up_in_background
 
 
 def test_background_warm_up_loads_the_greedy_and_migration_kernels():
@@ -79,7 +79,7 @@ def test_rebalancer_starts_without_waiting_for_kernels():
     rng = np.random.default_rng(0)
     load = rng.gamma(0.5, 1.0, (2, 16)) * 100
     rb = eplb.Rebalancer(eplb.plan(load, num_gpus=4).placement, min_improvement=0.0)
-    from eplb.kernel_sets import WARM_UP_MODULES
+    from eplb.planning.kernel_sets import WARM_UP_MODULES
 
     assert rb.warmup.modules == WARM_UP_MODULES and "eplb.migration.kernels" in WARM_UP_MODULES
     rb.observe(load[:, ::-1].copy())
@@ -93,11 +93,12 @@ def test_a_kernel_module_still_importing_counts_as_not_loaded(monkeypatch):
     # Placement's counts, SGLang's draws) must read it as not loaded and go on in numpy, not
     # raise AttributeError from a serving loop's first observe() (seen in bench_speed's start-up
     # part). (An import of it waits for the other thread, by Python's per-module import lock.)
-    from eplb import sglang_dispatch, stats
-    from eplb.compiled import loaded_kernel
-    from eplb.placement import Placement
+    from eplb import stats
+    from eplb.core.jit import loaded_kernel
+    from eplb.core.placement import Placement
+    from eplb.dispatch import sglang as sglang_dispatch
 
-    for name in ("eplb._score_kernel", "eplb._sglang_draws_kernel"):
+    for name in ("eplb.stats._score_kernel", "eplb.dispatch._sglang_draws_kernel"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
         assert loaded_kernel(name) is None
     monkeypatch.setattr(sglang_dispatch, "_load_tried", True)
@@ -148,12 +149,12 @@ def test_a_due_check_waits_for_compiling_kernels_and_a_policy_keeps_its_windows(
 
 
 def test_a_policy_names_the_kernels_its_settings_use():
-    from eplb.kernel_sets import kernel_modules
-    from eplb.policy import AdaptivePolicy
+    from eplb.planning.kernel_sets import kernel_modules
+    from eplb.serving.policy import AdaptivePolicy
 
-    assert "eplb.resplit_repair" not in kernel_modules("greedy", AdaptivePolicy())
+    assert "eplb.serving.resplit_repair" not in kernel_modules("greedy", AdaptivePolicy())
     assert kernel_modules("greedy", AdaptivePolicy(rule="resplit"))[:3] == (
-        "planners.greedy", "eplb.policy", "eplb.resplit_repair")
+        "planners.greedy", "eplb.serving.policy", "eplb.serving.resplit_repair")
     # The schedule's relay mode runs (and is compiled) only on clusters of <= 2 slots per GPU.
     assert "eplb.migration.kernels:warm_up_relay" not in kernel_modules("greedy", None, 9)
     assert kernel_modules("greedy", None, 2)[-1] == "eplb.migration.kernels:warm_up_relay"
@@ -209,12 +210,12 @@ def test_greedy_refinement_never_raises_the_busiest_gpu(G, S):
 def test_engines_compile_the_planners_kernels_aside(monkeypatch):
     """Before an engine starts (the SGLang launcher, vLLM's top process): one detached process
     per warm-up of the planner's kernels, so that no rebalance inside the engine compiles."""
-    import eplb.compiled
+    import eplb.core.jit
     from eplb.integrations import compile_aside
-    from eplb.kernel_sets import kernel_modules
+    from eplb.planning.kernel_sets import kernel_modules
 
     started = []
-    monkeypatch.setattr(eplb.compiled, "compile_detached", started.append)
+    monkeypatch.setattr(eplb.core.jit, "compile_detached", started.append)
     compile_aside("greedy")
     assert started == list(kernel_modules("greedy")) and "planners.greedy" in started
 
@@ -223,7 +224,7 @@ def test_a_detached_compile_is_reaped_when_it_ends(tmp_path, monkeypatch):
     """A server that starts one keeps no zombie: a daemon thread waits for it."""
     import time
 
-    from eplb.compiled import compile_detached
+    from eplb.core.jit import compile_detached
 
     (tmp_path / "quick_warm_up_mod.py").write_text("def warm_up():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.capacity import get_model
-from eplb.cost import (
+from eplb.core.hardware import PROFILES, get_hardware
+from eplb.core.placement import Placement
+from eplb.dispatch.cost import (
     CostModel,
     TimeObjective,
     assign_pairs,
@@ -25,8 +26,7 @@ from eplb.cost import (
     step_cost,
 )
 from eplb.errors import EplbError
-from eplb.hardware import PROFILES, get_hardware
-from eplb.placement import Placement
+from eplb.stats.capacity import get_model
 
 # Hardware profiles -------------------------------------------------------------------------------
 
@@ -140,7 +140,7 @@ def test_expected_traffic_is_the_independence_expectation():
     """Counts-only traces: the bytes are the expectation when every expert is picked
     independently (checked against tokens drawn that way), and within a few per cent of tokens
     that pick K distinct experts (the real router), which touch slightly more GPUs."""
-    from eplb.cost import _expected_hits
+    from eplb.dispatch.cost import _expected_hits
 
     rng = np.random.default_rng(0)
     E, G, B = 64, 8, 20000
@@ -233,8 +233,8 @@ def test_rebalancer_hands_the_objective_to_plan():
 
 
 def test_planning_and_simulating_for_time_never_import_torch():
-    code = ("import sys, numpy as np, eplb; from eplb.cost import TimeObjective, cost_model; "
-            "from eplb.simulate import simulate; from eplb.formats import load_trace; "
+    code = ("import sys, numpy as np, eplb; from eplb.dispatch.cost import TimeObjective, cost_model; "
+            "from eplb.evaluate.simulate import simulate; from eplb.formats import load_trace; "
             "t = load_trace('traces/deepseek.npz').windows(0, 2); c = cost_model('deepseek-v3', 'h200'); "
             "r = eplb.plan(t, num_gpus=16, objective=TimeObjective(c, batch_tokens=32)); "
             "simulate(c, r.placement, t, rule='time', batch_tokens=32, batches_per_window=1); "

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb.dispatch import Resplitter, max_gpu_load, optimal_weights, resplit
+from eplb.core.placement import Placement, contiguous_map
+from eplb.core.topology import Topology
+from eplb.dispatch.rules import Resplitter, max_gpu_load, optimal_weights, resplit
 from eplb.errors import EplbError
-from eplb.placement import Placement, contiguous_map
-from eplb.topology import Topology
 from planners.greedy import plan_greedy
 
 

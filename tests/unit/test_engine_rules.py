@@ -8,15 +8,15 @@ planning for a rule.
 import numpy as np
 import pytest
 
-from eplb.dispatch import ENGINES, EvenSplit, engine_rule, get_rule
+from eplb.core.placement import Placement
+from eplb.core.trace import Trace, default_meta
+from eplb.dispatch.rules import ENGINES, EvenSplit, engine_rule, get_rule
+from eplb.dispatch.sglang import SglangDynamic, SglangStatic, static_dispatch_maps
 from eplb.errors import EplbError
 from eplb.formats import save_trace
 from eplb.formats.deepseek import from_deepseek, replica_ranks, to_deepseek
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.sglang_dispatch import SglangDynamic, SglangStatic, static_dispatch_maps
-from eplb.stats import imbalance
-from eplb.trace import Trace, default_meta
+from eplb.planning.front_door import plan
+from eplb.stats.loads import imbalance
 from planners.deepseek import rebalance_experts
 from tests.placements import spread_placement
 

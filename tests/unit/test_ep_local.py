@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from eplb.core.placement import Placement  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
 from eplb.migration import schedule  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
 from eplb.runtime.apply import apply_placement, check_plan, migrate_weights, plan_migration  # noqa: E402
 from eplb.runtime.ep import (  # noqa: E402
     ExpertParallelMoE,

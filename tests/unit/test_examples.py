@@ -71,7 +71,7 @@ def test_collect_and_plan_refuses_bad_counts_before_collecting(bad, msg, tmp_pat
 def test_collect_and_plan_rebuilds_the_router_of_a_collected_trace(tmp_path, torch_one_thread):
     import torch
 
-    from eplb.collect import RouterCollector
+    from eplb.runtime.collect import RouterCollector
     from eplb.runtime.model import DeepSeekModel, ModelConfig
 
     cfg = ModelConfig(num_layers=2, num_logical_experts=16, num_expert_groups=4, topk_groups=3, top_k=10)

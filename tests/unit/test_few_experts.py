@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb import synth
 from eplb.cli import main
+from eplb.core.topology import Topology
 from eplb.formats.export import read_placement
-from eplb.planner_api import PlanRequest, get_planner, planner_names
-from eplb.topology import Topology
+from eplb.stats import synth
+from planners.api import PlanRequest, get_planner, planner_names
 from tests.unit.test_planners import check_invariants, fast_settings, is_time_limited
 
 # name: (E, top-k, hidden layers, first MoE layer, [(G, S or None, nodes), ...])

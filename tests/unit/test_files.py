@@ -1,4 +1,4 @@
-"""Atomic outputs and bounded inputs (eplb.files, issue 11): nothing lost, nothing leaked.
+"""Atomic outputs and bounded inputs (eplb.core.files, issue 11): nothing lost, nothing leaked.
 
 - every writer leaves the previous file byte-for-byte intact and no temporary file behind when
   the write fails: on a real full file system (a small tmpfs this test mounts when it runs as
@@ -23,10 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eplb.calibration import ShimMeasurements
 from eplb.cli import main
-from eplb.errors import EplbError
-from eplb.files import (
+from eplb.core.files import (
     MAX_INPUT_ENV,
     TEMP_SUFFIX,
     atomic_output,
@@ -37,13 +35,15 @@ from eplb.files import (
     write_bytes,
     write_text,
 )
+from eplb.core.hardware import PROFILES
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
+from eplb.core.trace import Trace, default_meta
+from eplb.dispatch.calibration import ShimMeasurements
+from eplb.errors import EplbError
+from eplb.evaluate.replay import replay
 from eplb.formats import load_placement, load_trace, save_placement, save_trace, write_replay
 from eplb.formats.export import write_placement
-from eplb.hardware import PROFILES
-from eplb.placement import Placement
-from eplb.replay import replay
-from eplb.topology import Topology
-from eplb.trace import Trace, default_meta
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_a_read_only_file_is_not_replaced(tmp_path):
 
 KILLED_WRITER = """
 import sys, time
-from eplb.files import atomic_output
+from eplb.core.files import atomic_output
 with atomic_output(sys.argv[1]) as f:
     f.write(b"new data " * 100000)
     f.flush()

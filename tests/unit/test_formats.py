@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
+from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.formats import load_trace
 from eplb.formats.deepseek import from_deepseek, to_deepseek
 from eplb.formats.export import FORMATS, read_placement, write_placement
 from eplb.formats.sglang import sglang_map
 from eplb.formats.trtllm import read_safetensors, write_safetensors
-from eplb.placement import Placement
 
 
 def _torch():
@@ -47,7 +47,7 @@ def test_round_trip_every_format(tmp_path, placement, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_unwritable_path_is_a_named_error_in_every_format(tmp_path, placement, fmt):
-    """One error for every writer (eplb.files.atomic_output); torch.save alone raised RuntimeError."""
+    """One error for every writer (eplb.core.files.atomic_output); torch.save alone raised RuntimeError."""
     if fmt == "vllm":
         _torch()
     for bad, why in ((tmp_path / "no" / "plan.out", "does not exist"), (tmp_path, "it is a folder")):

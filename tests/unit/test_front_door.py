@@ -6,16 +6,18 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb import planner_api, planning, stats
-from eplb.backtest import backtest
-from eplb.dispatch import Resplit
+from eplb import stats
+from eplb.core.placement import Placement, contiguous_map, gpu_loads
+from eplb.core.topology import Topology
+from eplb.dispatch.rules import Resplit
 from eplb.errors import EplbError
+from eplb.evaluate.backtest import backtest
 from eplb.migration import Budget
-from eplb.placement import Placement, contiguous_map, gpu_loads
-from eplb.planner_api import PlanRequest, Solution
-from eplb.rebalance import Rebalancer
-from eplb.stats import Aggregation
-from eplb.topology import Topology
+from eplb.planning import front_door as planning
+from eplb.serving.rebalance import Rebalancer
+from eplb.stats.loads import Aggregation
+from planners import api as planner_api
+from planners.api import PlanRequest, Solution
 
 
 def _load(rng, L=3, E=16):

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from eplb import stats
-from eplb.placement import contiguous_placement
-from eplb.planning import lower_bound, plan
-from eplb.topology import Topology
+from eplb.core.placement import contiguous_placement
+from eplb.core.topology import Topology
+from eplb.planning.front_door import lower_bound, plan
 from planners import greedy
 
 

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-import eplb.planning as planning
-from eplb.dispatch import max_gpu_load, optimal_weights
+import eplb.planning.front_door as planning
+from eplb.core.placement import Placement
+from eplb.dispatch.rules import max_gpu_load, optimal_weights
 from eplb.errors import EplbError
-from eplb.placement import Placement
 from planners.ilp import balanced_groups, chain_fill, integer_lower_bound, integer_shares, scale_loads, solve_layer
 
 
@@ -194,7 +194,7 @@ def test_bad_settings_raise(settings, match):
 
 def test_boolean_and_time_settings_are_checked():
     from eplb.errors import EplbError
-    from eplb.planner_api import get_planner
+    from planners.api import get_planner
 
     for bad in ({"chain": "abc"}, {"quiet": 1}, {"time_limit": True}, {"time_limit": 0}):
         with pytest.raises(EplbError):

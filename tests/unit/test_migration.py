@@ -15,7 +15,7 @@ from tests.oracles import migration as oracle
 
 def relay_schedule(old_LP, new_LP, G, E, *, layers_per_chunk=None, bytes_per_expert=None):
     """The kernel's relay mode alone (`schedule` runs it only past RELAY_GATE x the round bound)."""
-    from eplb.migration.schedule import _scheduled, check_schedule_input
+    from eplb.migration.schedule.rounds import _scheduled, check_schedule_input
 
     old, new, chunk, ranks = check_schedule_input(old_LP, new_LP, G, E, layers_per_chunk, None)
     return _scheduled(old, new, G, E, chunk, ranks, bytes_per_expert, False, relay=True)
@@ -377,9 +377,11 @@ def test_budgeted_plan_schedule_on_a_realistic_shape(rng):
 def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     """Read-only Placement arrays, int32 maps, float32 and non-contiguous loads all reach the
     kernels as the types warm_up compiled: a decision never compiles (seconds) on first use."""
-    from eplb.migration import _moves_kernel, _schedule_kernel, _search_kernel, _sources_kernel
+    from eplb.migration import _moves_kernel, _search_kernel
     from eplb.migration.kernels import warm_up_relay
-    from eplb.rebalance import Rebalancer
+    from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
+    from eplb.migration.schedule import _sources_kernel
+    from eplb.serving.rebalance import Rebalancer
 
     assert mg.warm_up() >= 0.0 and warm_up_relay() >= 0.0
     kernels = [(_search_kernel, "search"), (_search_kernel, "holdings_LEG"), (_moves_kernel, "keep_slots"),
@@ -433,7 +435,7 @@ def _two_node_case(seed=5, L=4, E=64, G=8, N=2, K=8):
 
 
 def test_span_cost_prices_spreading_groups_over_nodes():
-    from eplb.stats import group_span
+    from eplb.stats.loads import group_span
 
     prev, load, G, N, K, E = _two_node_case()
     old = prev.phy2log_LP
@@ -455,8 +457,8 @@ def test_span_cost_prices_spreading_groups_over_nodes():
 
 
 def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
-    from eplb.rebalance import Rebalancer
-    from eplb.stats import group_span
+    from eplb.serving.rebalance import Rebalancer
+    from eplb.stats.loads import group_span
 
     prev, load, G, N, K, E = _two_node_case(seed=9)
     span = lambda pl: group_span(pl.phy2log_LP, G, N, K, E).mean()  # noqa: E731

@@ -229,7 +229,7 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
     """After the kernel ran: its (group, node) counts, replica counts and moves per GPU equal
     the ones recomputed from the map it returns (the prices of the next change read them)."""
     from eplb.migration import _search_kernel
-    from eplb.stats import group_span
+    from eplb.stats.loads import group_span
 
     seen = {}
     real = _search_kernel.search
@@ -260,7 +260,7 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
 
 
 def test_prohibitive_span_cost_never_adds_a_group_node_pair():
-    from eplb.stats import group_span
+    from eplb.stats.loads import group_span
 
     for num_nodes, groups, G, E, old, load in _node_cases():
         # With move_cost 0 the price only ranks changes (any gain passes the threshold): a

@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.errors import EplbError
 from eplb.formats import load_placement, save_placement
-from eplb.placement import Placement
-from eplb.topology import Topology
 
 PHY = np.array([[0, 1, 2, 0, 3, 0],
                 [3, 2, 1, 0, 1, 2]])  # 2 layers, 4 experts, 6 slots

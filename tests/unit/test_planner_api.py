@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb import planner_api
 from eplb.cli import build_parser
 from eplb.errors import EplbError
-from eplb.planner_api import PLANNERS, PlanRequest, Solution, get_planner, planner_class, planner_names, register
+from planners import api as planner_api
+from planners.api import PLANNERS, PlanRequest, Solution, get_planner, planner_class, planner_names, register
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ class _Echo:
         self.tag = tag
 
     def plan(self, request: PlanRequest) -> Solution:
-        from eplb.placement import contiguous_map
+        from eplb.core.placement import contiguous_map
 
         return Solution(contiguous_map(request.num_logical_experts, request.topology, request.num_layers),
                         status="FEASIBLE", message=self.tag)

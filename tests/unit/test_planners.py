@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 import eplb
 from eplb import stats
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.errors import EplbError
-from eplb.placement import Placement
-from eplb.planner_api import PlanRequest, get_planner, planner_class, planner_names
-from eplb.stats import group_span
-from eplb.topology import Topology
+from eplb.stats.loads import group_span
+from planners.api import PlanRequest, get_planner, planner_class, planner_names
 from planners.deepseek import rebalance_experts
 
 # DeepSeek's EPLB README worked example (github.com/deepseek-ai/EPLB, "Interface and Example"):

@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
-from eplb import plot
+from eplb.core.placement import Placement, contiguous_map
+from eplb.core.topology import Topology
 from eplb.errors import EplbError
+from eplb.evaluate import plot
 from eplb.formats import save_placement, save_trace
-from eplb.placement import Placement, contiguous_map
-from eplb.planning import plan
-from eplb.topology import Topology
+from eplb.planning.front_door import plan
 
 L, E, G = 6, 32, 4
 
@@ -48,7 +48,7 @@ def test_heatmap_png(tmp_path, load_LE):
 
 
 def test_heatmap_accepts_a_trace_and_svg(tmp_path):
-    from eplb.trace import Trace, default_meta
+    from eplb.core.trace import Trace, default_meta
 
     counts = np.random.default_rng(1).poisson(20, size=(3, L, E))
     counts[:, :, 0] = 0  # an idle expert is drawn, not an error
@@ -95,7 +95,7 @@ def test_backtest_timeline(tmp_path):
 
 @pytest.fixture(scope="module")
 def backtests():
-    from eplb.backtest import backtest
+    from eplb.evaluate.backtest import backtest
 
     rng = np.random.default_rng(5)
     counts = rng.poisson(rng.gamma(0.7, 40.0, size=(9, 2, 16)))
@@ -129,7 +129,7 @@ def test_timeline_from_backtest_results_and_their_json(backtests):
 
 
 def test_timeline_from_backtest_errors_name_the_problem(backtests):
-    from eplb.backtest import backtest
+    from eplb.evaluate.backtest import backtest
 
     with pytest.raises(EplbError, match="has no 'optimal' dispatch scores \\(it scored even, resplit\\)"):
         plot.timeline_from_backtest(backtests, dispatch="optimal")
@@ -139,7 +139,7 @@ def test_timeline_from_backtest_errors_name_the_problem(backtests):
         plot.timeline_from_backtest([backtests[0], other])
     with pytest.raises(EplbError, match="lacks 'per_window'"):
         plot.timeline_from_backtest([{"planner": "greedy"}])
-    with pytest.raises(EplbError, match="read it with eplb.plot.timeline_from_json"):
+    with pytest.raises(EplbError, match="read it with eplb.evaluate.plot.timeline_from_json"):
         plot.as_timeline(backtests[0].summary())
     with pytest.raises(EplbError, match="expected the output of `eplb backtest --json`"):
         plot.timeline_from_json({"runs": []})
@@ -197,7 +197,7 @@ def test_plotting_does_not_touch_pyplot_state(tmp_path, load_LE):
 
 def test_cli_refuses_a_placement_for_other_layer_ids(tmp_path, load_LE, capsys):
     from eplb.cli import main
-    from eplb.trace import Trace, default_meta
+    from eplb.core.trace import Trace, default_meta
 
     counts = load_LE.astype(np.int64)[None]
     trace = Trace(counts, np.arange(3, 3 + L), default_meta(3 + L, E, source="t"))

@@ -1,10 +1,10 @@
-"""Online policies (eplb.policy): load estimate, change detector, repair, decisions."""
+"""Online policies (eplb.serving.policy): load estimate, change detector, repair, decisions."""
 
 import numpy as np
 import pytest
 
 from eplb import EplbError, plan
-from eplb.policy import (
+from eplb.serving.policy import (
     AdaptivePolicy,
     BucketedSum,
     ChangeDetector,
@@ -137,7 +137,7 @@ def test_get_policy_checks_names_and_settings():
 def test_repair_kernel_matches_the_numpy_reference_slot_by_slot(seed):
     """The compiled repair (incremental loads, factored swap gains) against tests/oracles/policy.py
     (loads afresh, gains summed directly), with and without move caps and partner limits."""
-    from eplb.policy import repair
+    from eplb.serving.policy import repair
     from tests.oracles import policy as oracle
 
     rng = np.random.default_rng(seed)

@@ -6,9 +6,9 @@ import pytest
 
 from eplb import plan
 from eplb.migration import schedule
-from eplb.migration.schedule import ScheduleThread, schedule_trusted
-from eplb.policy import AdaptivePolicy
-from eplb.rebalance import Rebalancer
+from eplb.migration.schedule.rounds import ScheduleThread, schedule_trusted
+from eplb.serving.policy import AdaptivePolicy
+from eplb.serving.rebalance import Rebalancer
 from tests.placements import skewed_counts
 
 L, E, G, S = 4, 32, 16, 3

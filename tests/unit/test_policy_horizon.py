@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from eplb import EplbError, plan
-from eplb.policy import AdaptivePolicy, HorizonChooser, get_policy
+from eplb.serving.policy import AdaptivePolicy, HorizonChooser, get_policy
 
 L, E, G, S = 3, 16, 4, 5
 
@@ -62,7 +62,7 @@ def test_the_newest_windows_count_again_beside_every_kept_one(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_a_window_weighed_k_times_is_the_window_counted_k_times(seed):
     """The repair's window weights (means and smooth maximum) against the same windows repeated."""
-    from eplb.policy import repair
+    from eplb.serving.policy import repair
 
     rng = np.random.default_rng(seed)
     win = np.concatenate([draws(rng, shares(rng, (0,), 6.0), 4), draws(rng, shares(rng, (3, 9), 4.0), 2)])
@@ -88,7 +88,7 @@ def test_chooser_follows_the_trace_short_on_regimes_long_on_noise(rng):
             pol.observe(c, cur)
             d = pol.decide(cur)
             if d is not None:
-                from eplb.placement import Placement
+                from eplb.core.placement import Placement
                 cur = Placement(d.phy2log_LP, G, E)
         return pol._chooser.choose()
 

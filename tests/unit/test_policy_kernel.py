@@ -1,4 +1,4 @@
-"""The adaptive policy's compiled steps (eplb/_policy_kernel.py) against their references: the
+"""The adaptive policy's compiled steps (eplb/serving/_policy_kernel.py) against their references: the
 ends of the GPU order a swap round reads, the targets' heap, and the whole repair on one window
 and on more GPUs than the partners a swap may reach."""
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from eplb import _policy_kernel as kernel
 from eplb import plan
-from eplb.repair import repair
-from eplb.stats import replica_counts_minmax
+from eplb.serving import _policy_kernel as kernel
+from eplb.serving.repair import repair
+from eplb.stats.loads import replica_counts_minmax
 from tests.oracles import policy as oracle
 
 

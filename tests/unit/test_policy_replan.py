@@ -1,14 +1,14 @@
 """The adaptive policy's replan path: a workload switch that a few swaps cannot follow gets a
-fresh plan, renamed onto the placement in force (eplb.policy.renamed)."""
+fresh plan, renamed onto the placement in force (eplb.serving.policy.renamed)."""
 
 import numpy as np
 import pytest
 
 from eplb import EplbError, plan, stats
+from eplb.core.placement import Placement
 from eplb.migration import count_moves, relabel
-from eplb.placement import Placement
-from eplb.policy import AdaptivePolicy, get_policy, renamed
-from eplb.repair import fewest_moves
+from eplb.serving.policy import AdaptivePolicy, get_policy, renamed
+from eplb.serving.repair import fewest_moves
 from tests.placements import skewed_counts
 
 L, E, G, S = 2, 64, 64, 2

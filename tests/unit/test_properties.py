@@ -25,14 +25,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eplb import backtest as backtest_mod
 from eplb import stats
-from eplb.capacity import Deployment, bytes_per_expert, get_model, kv_bytes_per_token, plan_capacity
-from eplb.dispatch import Resplitter, optimal_weights, resplit
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
+from eplb.dispatch.rules import Resplitter, optimal_weights, resplit
 from eplb.errors import EplbError
-from eplb.placement import Placement
-from eplb.planner_api import PlanRequest, get_planner, planner_class, planner_names
-from eplb.topology import Topology
+from eplb.evaluate import backtest as backtest_mod
+from eplb.stats.capacity import Deployment, bytes_per_expert, get_model, kv_bytes_per_token, plan_capacity
+from planners.api import PlanRequest, get_planner, planner_class, planner_names
 
 FAST = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""Rebalancer: observe / decide / rebalance, failed ranks, threads (eplb.rebalance)."""
+"""Rebalancer: observe / decide / rebalance, failed ranks, threads (eplb.serving.rebalance)."""
 
 import threading
 
@@ -7,7 +7,7 @@ import pytest
 
 from eplb import Budget, EplbError, Placement, plan, stats
 from eplb.migration import count_moves
-from eplb.rebalance import Rebalancer
+from eplb.serving.rebalance import Rebalancer
 
 L, E, G = 3, 32, 4
 
@@ -94,8 +94,8 @@ def test_rebalance_without_apply_leaves_placement(rng, start):
 
 def test_failed_ranks_plan_on_survivors_and_report_lost_experts(rng):
     # Rank 1 holds the only replicas of experts 8..15 (contiguous placement): they are lost.
-    from eplb.placement import contiguous_map
-    from eplb.topology import Topology
+    from eplb.core.placement import contiguous_map
+    from eplb.core.topology import Topology
 
     topo = Topology(num_gpus=G, slots_per_gpu=12)
     pl = Placement(contiguous_map(E, topo, L), G, E)
@@ -406,7 +406,7 @@ def test_the_policy_pays_the_budgets_move_cost(rng):
 
 
 def test_the_policy_prices_spreading_groups_over_nodes():
-    from eplb.stats import group_span
+    from eplb.stats.loads import group_span
 
     rng = np.random.default_rng(9)
     a, b = rng.gamma(0.4, 100.0, (2, 4, 64))
@@ -420,7 +420,7 @@ def test_the_policy_prices_spreading_groups_over_nodes():
 
 
 def test_the_policy_plans_for_the_time_objective():
-    from eplb.cost import TimeObjective, cost_model
+    from eplb.dispatch.cost import TimeObjective, cost_model
 
     r = np.random.default_rng(3)
     load = np.floor(r.pareto(1.2, (2, 256)) * 100) + 1
@@ -453,6 +453,6 @@ def test_policy_objects_that_cannot_honour_a_budget_are_refused(rng):
     with pytest.raises(EplbError, match="decides without a budget"):
         Rebalancer(start, policy=Keep(), budget=Budget(max_moves=4))
     with pytest.raises(EplbError, match="objective 'time' applies to a policy given by name"):
-        from eplb.cost import TimeObjective, cost_model
+        from eplb.dispatch.cost import TimeObjective, cost_model
 
         Rebalancer(start, policy=Keep(), objective=TimeObjective(cost_model("deepseek-v3", "h200")))

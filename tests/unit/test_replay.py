@@ -1,4 +1,4 @@
-"""Closed-loop replay (eplb.replay), its file (eplb.formats.replay) and `eplb replay` / `eplb plot replay`."""
+"""Closed-loop replay (eplb.evaluate.replay), its file (eplb.formats.replay) and `eplb replay` / `eplb plot replay`."""
 
 import json
 
@@ -7,12 +7,12 @@ import pytest
 
 from eplb import EplbError
 from eplb.cli import main
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
+from eplb.core.trace import Trace, default_meta
+from eplb.evaluate.replay import Scoring, cut_windows, replay
 from eplb.formats import save_trace
 from eplb.formats.replay import read_replay, write_replay
-from eplb.placement import Placement
-from eplb.replay import Scoring, cut_windows, replay
-from eplb.topology import Topology
-from eplb.trace import Trace, default_meta
 
 L, E, G, S = 3, 16, 4, 5
 TOPO = Topology(G, S)
@@ -156,8 +156,8 @@ def v2_shape(seed=0, T=10, tokens=2048):
 
 
 def test_replay_scores_modeled_step_time_with_the_time_dispatch():
-    from eplb.cost import TimeObjective, cost_model, slot_rows, step_cost
-    from eplb.simulate import window_batches
+    from eplb.dispatch.cost import TimeObjective, cost_model, slot_rows, step_cost
+    from eplb.evaluate.simulate import window_batches
 
     counts = v2_shape()
     obj = TimeObjective(cost_model("deepseek-v2-lite", "h200"), batch_tokens=64)

@@ -1,15 +1,15 @@
-"""Placements for the re-split rule (eplb.resplit_repair): exact scores and the local search."""
+"""Placements for the re-split rule (eplb.serving.resplit_repair): exact scores and the local search."""
 
 import numpy as np
 import pytest
 
 from eplb import EplbError
-from eplb.dispatch import Resplitter, optimal_weights
+from eplb.core.placement import Placement
+from eplb.dispatch.rules import Resplitter, optimal_weights
 from eplb.migration import Budget
-from eplb.placement import Placement
-from eplb.policy import AdaptivePolicy
-from eplb.resplit_repair import resplit_decision, resplit_imbalance, resplit_repair, scenarios
-from eplb.stats import imbalance
+from eplb.serving.policy import AdaptivePolicy
+from eplb.serving.resplit_repair import resplit_decision, resplit_imbalance, resplit_repair, scenarios
+from eplb.stats.loads import imbalance
 
 L, E, G, S = 3, 10, 4, 3
 
@@ -100,8 +100,8 @@ def test_bad_settings_and_inputs_name_the_value():
 
 def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
     """A read-only Placement map and a policy's windows reach the kernels as warm_up's types."""
-    from eplb import _resplit_kernel as k
-    from eplb.resplit_repair import warm_up
+    from eplb.serving import _resplit_kernel as k
+    from eplb.serving.resplit_repair import warm_up
 
     warm_up()
     before = [len(f.signatures) for f in (k.resplit_search, k.resplit_busiest)]

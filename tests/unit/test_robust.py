@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.errors import EplbError
-from eplb.placement import Placement
-from eplb.planner_api import PlanRequest
-from eplb.planning import plan
-from eplb.stats import replica_counts_minmax
-from eplb.topology import Topology
+from eplb.planning.front_door import plan
+from eplb.stats.loads import replica_counts_minmax
+from planners.api import PlanRequest
 from planners.greedy import plan_greedy
 from planners.robust import (
     RobustPlanner,

@@ -4,11 +4,11 @@ runs numpy (the same plan) while the kernels compile in the background."""
 import numpy as np
 import pytest
 
-import eplb.compiled
-from eplb.planner_api import PlanRequest
-from eplb.stats import replica_counts_minmax
-from eplb.topology import Topology
+import eplb.core.jit
+from eplb.core.topology import Topology
+from eplb.stats.loads import replica_counts_minmax
 from planners import _threads, robust
+from planners.api import PlanRequest
 from planners.robust import RobustPlanner, normalise_windows, pack_vector, robust_demand, smooth_max_swaps
 
 
@@ -80,12 +80,12 @@ def test_a_cold_cache_plans_in_numpy_while_the_kernels_compile_in_the_background
         def __init__(self, args, **kwargs):
             started.append(args)
 
-        def wait(self):  # the reaper thread's (eplb.compiled.compile_detached)
+        def wait(self):  # the reaper thread's (eplb.core.jit.compile_detached)
             return 0
 
-    monkeypatch.setattr(robust, "_KERNELS", eplb.compiled.CachedKernels(robust._KERNELS.module))
-    monkeypatch.setattr(eplb.compiled, "load_cached", lambda modules: False)
-    monkeypatch.setattr(eplb.compiled.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(robust, "_KERNELS", eplb.core.jit.CachedKernels(robust._KERNELS.module))
+    monkeypatch.setattr(eplb.core.jit, "load_cached", lambda modules: False)
+    monkeypatch.setattr(eplb.core.jit.subprocess, "Popen", FakePopen)
     cold = RobustPlanner().plan(request)
     assert cold.info["compiled"] is False and "numpy" in cold.message
     np.testing.assert_array_equal(cold.phy2log_LP, warm.phy2log_LP)

@@ -4,7 +4,7 @@ Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, N = nodes, S
 
 - `planners._rule_pack_kernel`: Step 4's packing, against `rule_aware._pack_numpy` on seeded
   cases with ties (integer loads) and window counts on both sides of numpy's pairwise blocks;
-- `eplb._sglang_draws_kernel`: SGLang's seeded draws, against Python's `random.Random`;
+- `eplb.dispatch._sglang_draws_kernel`: SGLang's seeded draws, against Python's `random.Random`;
 - `eplb.migration._repair_kernel`: the repair's search step, against its numpy twin (tests/oracles/repair.py);
 - the Rebalancer warms them (`kernel_modules("rule-aware")`), and a real call compiles nothing else.
 """
@@ -16,11 +16,11 @@ import random
 import numpy as np
 import pytest
 
-from eplb import sglang_dispatch as sd
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.sglang_dispatch import SglangStatic, static_dispatch_maps
-from eplb.stats import replica_counts_minmax
+from eplb.core.placement import Placement
+from eplb.dispatch import sglang as sd
+from eplb.dispatch.sglang import SglangStatic, static_dispatch_maps
+from eplb.planning.front_door import plan
+from eplb.stats.loads import replica_counts_minmax
 from planners import rule_aware as ra
 from planners.robust import normalise_windows, robust_demand
 from planners.rule_previous import held_by_gpu
@@ -56,7 +56,7 @@ def test_compiled_pack_is_the_numpy_pack(T, G, N, S, E, ties):
 
 
 def test_compiled_draws_are_pythons():
-    from eplb import _sglang_draws_kernel as k
+    from eplb.dispatch import _sglang_draws_kernel as k
 
     k.warm_up()
     assert k.ready
@@ -86,10 +86,10 @@ def test_maps_with_compiled_draws_are_the_python_maps(path, monkeypatch):
 
 
 def test_rebalancer_warms_the_rule_aware_kernels_and_a_plan_compiles_no_other_version():
-    from eplb import _sglang_draws_kernel
+    from eplb.dispatch import _sglang_draws_kernel
     from eplb.migration import Budget, _repair_kernel
     from eplb.migration.kernels import warm_up as warm_up_migration
-    from eplb.rebalance import kernel_modules
+    from eplb.serving.rebalance import kernel_modules
     from planners import _robust_kernel, _rule_pack_kernel
 
     modules = kernel_modules("rule-aware")

@@ -9,13 +9,13 @@ keep every share exactly, and that the Rebalancer and the SGLang plug-in take th
 import numpy as np
 import pytest
 
+from eplb.core.placement import Placement
+from eplb.dispatch.sglang import SglangDynamic, SglangStatic
 from eplb.errors import EplbError
 from eplb.migration import Budget, count_moves, layout_dependent
 from eplb.migration.rule import repair_swaps
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.rebalance import Rebalancer
-from eplb.sglang_dispatch import SglangDynamic, SglangStatic
+from eplb.planning.front_door import plan
+from eplb.serving.rebalance import Rebalancer
 from planners.rule_previous import fit_gpus, held_by_gpu, match_units
 from tests.placements import spread_placement
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eplb import migration as mg
-from eplb.planning import plan
+from eplb.planning.front_door import plan
 
 SHIPPED = Path(__file__).resolve().parents[2] / "traces" / "deepseek.npz"
 
@@ -40,7 +40,7 @@ def test_trusted_schedule_is_the_checked_one():
     """The Rebalancer's path (schedule_trusted: no input or MigrationPlan checks) gives the very
     plan `schedule` gives, field by field, with layer chunks and engine rank ids; identical maps
     give an empty plan without running the kernel."""
-    from eplb.migration.schedule import schedule_trusted
+    from eplb.migration.schedule.rounds import schedule_trusted
 
     loads = _group_loads()
     G, P, E = 32, 288, 256
@@ -69,7 +69,7 @@ def test_relays_bring_a_two_slot_cluster_within_ten_percent_of_the_round_bound()
     the senders set the rounds (the plain rounds of this pair take 64 against a bound of 58).
     The relay mode, run past 1.10x the bound, plans levelled sources with relays; `schedule`
     keeps the shorter; the relay mode's plan is safe and ends exact."""
-    from eplb.migration.schedule import _scheduled
+    from eplb.migration.schedule.rounds import _scheduled
 
     loads = _group_loads()
     G, P, E = 256, 512, 256
@@ -109,9 +109,9 @@ def test_an_exchange_spares_the_send_critical_rank():
 
 
 def _kernel_rows(old, new, G, E, chunk, relay, full_search):
-    from eplb.migration import _schedule_kernel
     from eplb.migration.checks import kernel_ints
-    from eplb.migration.schedule import CANDIDATES_PER_RANK, RELAY_CANDIDATES_PER_RANK
+    from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
+    from eplb.migration.schedule.rounds import CANDIDATES_PER_RANK, RELAY_CANDIDATES_PER_RANK
 
     kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK

@@ -1,4 +1,4 @@
-"""The compiled scores (eplb/_score_kernel.py) give numpy's scores to the bit, compile only the
+"""The compiled scores (eplb/stats/_score_kernel.py) give numpy's scores to the bit, compile only the
 versions real calls use, and load only in a process that plans again and again."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb import _score_kernel as kernel
 from eplb import planning, stats
-from eplb.placement import Placement, contiguous_placement
+from eplb.core.placement import Placement, contiguous_placement
+from eplb.stats import _score_kernel as kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,7 +144,7 @@ def test_the_kernels_load_from_a_processs_second_scored_plan():
         from eplb import stats
         load = np.arange(1.0, 65.0).reshape(2, 32)
         eplb.plan(load, num_gpus=4).placement
-        assert "numba" in sys.modules and "eplb._score_kernel" not in sys.modules
+        assert "numba" in sys.modules and "eplb.stats._score_kernel" not in sys.modules
         eplb.plan(load, num_gpus=4).placement
         assert stats.score_kernel() is not None
     """)
@@ -155,7 +155,7 @@ def test_the_kernels_load_from_a_processs_second_scored_plan():
         load = np.arange(1.0, 65.0).reshape(2, 32)
         for _ in range(3):
             eplb.plan(load, num_gpus=4, planner="contiguous").placement
-        assert "numba" not in sys.modules and "eplb._score_kernel" not in sys.modules
+        assert "numba" not in sys.modules and "eplb.stats._score_kernel" not in sys.modules
     """)
 
 

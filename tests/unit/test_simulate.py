@@ -11,12 +11,12 @@ import pytest
 
 import eplb
 from eplb.cli import build_parser, main
-from eplb.cost import cost_model
-from eplb.dispatch import RULES
+from eplb.core.trace import Trace
+from eplb.dispatch.cost import cost_model
+from eplb.dispatch.rules import RULES
 from eplb.errors import EplbError
+from eplb.evaluate.simulate import cut_batches, simulate
 from eplb.formats import load_placement, load_trace, save_placement
-from eplb.simulate import cut_batches, simulate
-from eplb.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 SYNTH = ROOT / "traces" / "deepseek.npz"

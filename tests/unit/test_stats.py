@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from eplb import stats
+from eplb.core.placement import Placement
 from eplb.errors import EplbError
-from eplb.placement import Placement
 
 
 def brute_lower_bound(load_E: np.ndarray, num_gpus: int, slots: int) -> float:

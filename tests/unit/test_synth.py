@@ -9,7 +9,7 @@ import pytest
 from eplb.cli import main
 from eplb.errors import EplbError
 from eplb.formats import load_trace
-from eplb.synth import (
+from eplb.stats.synth import (
     SynthSettings,
     calibration_stats,
     contiguous_imbalance,
@@ -37,7 +37,7 @@ def test_shipped_trace_shape_and_provenance(shipped):
     m = shipped.meta
     assert m["synthetic"] is True and m["num_hidden_layers"] == 61
     assert m["top_k"] == 8 and m["num_expert_groups"] == 8
-    assert "eplb.synth" in m["source"] and "seed=0" in m["source"] and "calibrated" in m["source"]
+    assert "eplb.stats.synth" in m["source"] and "seed=0" in m["source"] and "calibrated" in m["source"]
     # every token is routed to exactly top_k experts in every layer
     assert (shipped.counts_TLE.sum(axis=2) == m["tokens_per_window"] * m["top_k"]).all()
     assert SHIPPED.stat().st_size < 2_000_000

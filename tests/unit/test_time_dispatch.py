@@ -1,4 +1,4 @@
-"""The per-batch time dispatch (eplb.time_dispatch) and the traffic-aware planner."""
+"""The per-batch time dispatch (eplb.dispatch.timed) and the traffic-aware planner."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.cost import cost_model, slot_rows, step_cost
-from eplb.dispatch import get_rule
+from eplb.core.placement import Placement
+from eplb.core.trace import Trace
+from eplb.dispatch.cost import cost_model, slot_rows, step_cost
+from eplb.dispatch.rules import get_rule
+from eplb.dispatch.timed import TimeDispatch, TimeSolver
 from eplb.errors import EplbError
-from eplb.placement import Placement
-from eplb.simulate import get_dispatch
-from eplb.time_dispatch import TimeDispatch, TimeSolver
-from eplb.trace import Trace
+from eplb.evaluate.simulate import get_dispatch
 from planners.traffic import colocate_layer
 
 COST = cost_model("deepseek-v3", "h200")
@@ -167,7 +167,7 @@ def _shuffled_placement(seed, L=3, E=64, G=8, S=10, nodes=2):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_compiled_kernel_matches_the_numpy_reference(seed):
-    """The kernel (TimeSolver's call) and TimeSolver.numpy (Step 3 through eplb.cost.step_cost)
+    """The kernel (TimeSolver's call) and TimeSolver.numpy (Step 3 through eplb.dispatch.cost.step_cost)
     give the same shares, on planned and shuffled placements, one and two nodes, whole rows
     from 1-token to prefill batches and fractional counts."""
     rng = np.random.default_rng(seed)

@@ -7,9 +7,9 @@ import zipfile
 import numpy as np
 import pytest
 
+from eplb.core.trace import REQUIRED_META, Trace, default_meta
 from eplb.errors import EplbError
 from eplb.formats import load_history, load_trace, save_trace
-from eplb.trace import REQUIRED_META, Trace, default_meta
 
 
 def meta(**kw):
@@ -221,7 +221,7 @@ def test_history_of_traces_that_disagree_on_the_router_is_refused(tmp_path):
 
 def test_small_api_inputs_are_named_errors(tmp_path):
     from eplb import plan
-    from eplb.dispatch import Resplitter
+    from eplb.dispatch.rules import Resplitter
     from eplb.formats.deepseek import to_deepseek
     from eplb.formats.sglang import read_sglang
 

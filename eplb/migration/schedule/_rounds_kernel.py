@@ -1,0 +1,564 @@
+"""Compiled migration schedule (numba): the rounds of `eplb.migration.schedule`.
+
+Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = G x S slots,
+K = candidates per destination rank and round, M = transfers, R = rounds.
+
+The greedy rounds of the Python reference (tests/oracles/migration_schedule.py, held to the
+same replay in the tests, not to equal rounds), on flat arrays instead of dicts and sets;
+the kernel alone orders links and sources by chain and send load and weighs staging slots by
+the chains behind them (docs/migration-internals.md, "Rounds against the round bound").
+Its state lives in namedtuples:
+- `_Slots`, the schedule's state: cur_LP (slot contents), hc_LE (each expert's *complete*
+  replicas: slots that hold it and are not being written this round), the round's flags
+  writing_LP, sourcing_LP, inflight_LE, and pend_GK, each rank's pending slots (code
+  l * P + p) in the reference's order;
+- `_Round`, one round's network candidates and its transfers so far (done rows).
+A round: `_chain_kernel.chain_order` orders each rank's queue by the chains of waits; `_scan`
+takes local copies at once and lists network and checkpoint candidates;
+`_links_kernel.take_links` gives the links to a maximum matching of destination ranks to source ranks
+(augmenting paths, the ranks with the most copies left tried first: the reference asks
+scipy for any maximum matching), so the busiest receivers, which bound the number of rounds,
+are the last to wait; each rank tries the sources of its candidates in its queue order (its
+longest chain first), each candidate's source ranks by the fewest sends (made, plus those
+only they can make), so that free copies do not pile onto a few senders; a slot about to be
+overwritten in an exchange whose expert would then have its only sources on a send-critical
+rank keeps it, the other side staged first (`_links_kernel._exchange_stage`); when nothing can
+move, `_stage_kernel.stage` breaks the cycles (`_cycles_kernel` finds them); `_apply_round`
+writes the round. In the relay mode (`schedule_relay`) `_sources_kernel.plan_sources` plans
+a levelled source per network copy at each round's start, relays included, and the link
+matching follows it. Ties among
+replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
+running while a side thread schedules.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from eplb.migration.schedule._chain_kernel import chain_order, forced_sources, touch
+from eplb.migration.schedule._cycles_kernel import deadlocks, new_staging
+from eplb.migration.schedule._links_kernel import commit, held_back, take_links
+from eplb.migration.schedule._sources_kernel import plan_sources, unlink
+from eplb.migration.schedule._stage_kernel import FIND, KEEP, LISTED, stage
+
+STATUS_OK = 0
+STATUS_NO_SPARE = -1      # every pending slot is blocked and no spare slot can stage
+STATUS_NO_PROGRESS = -2   # the round guard ran out (a bug)
+STATUS_STOPPED = -3       # the caller asked it to stop (stop[0] set): the rows so far, unfinished
+
+_Slots = namedtuple("_Slots", [
+    "cur", "tgt", "hc", "writing", "sourcing", "inflight", "inpend",
+    "staged_blk",   # staging slot -> the blocked slot it stages for (-1: none)
+    "staged_exp",   # ... and the expert it holds for it
+    "pend", "npend",
+    "ndist",        # experts held per layer, at round start + reloads (tight layers)
+    "npl",          # pending slots per layer at round start (tight layers)
+    "hsum",         # sum of the slots holding each expert (cur): its holder where it has one
+    "ncur",         # slots holding each expert (cur, written or not)
+    "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
+    "mayloc",       # [L, P] may another slot of its rank ever hold its target (a local source)?
+    "nstaged",      # [1] slots with a staging mark (staged_blk >= 0)
+    # The chain order's per-slot links, kept from round to round (`_chain_kernel.chain_order`):
+    "loc",          # [L, P] a pending slot has a local source (its rank holds its target)
+    "dirty",        # [L * E] an expert whose holders or their staging marks changed since
+    "dlist",        # ... the chain order last ran, listed here; dn[0] of them,
+    "dn",           # [2]: dn[1] = 1: every pending slot's links are recomputed (a new chunk)
+])
+_Round = namedtuple("_Round", [
+    "cand", "cand_e",     # [G, K] each rank's candidate slots (code l * P + p) and their targets
+    "ncand", "adj",       # [G] candidates per rank; [G, 2G] a rank's candidates have a source there
+    # Candidate i of rank d: for cstart[d, i] <= j < cstart[d, i + 1], a column cols[d, j] (ranks
+    # 0..G-1, checkpoint G + d) with a source and the lowest source slot there srcs[d, j] (-1: checkpoint).
+    "cols", "srcs", "cstart",
+    "done",               # the round's transfers: l, p, e, src rank, src, d, staging
+    "pref", "npref",      # [G, 2G] each rank's columns in the order its link matching tries them
+])
+
+
+@njit(cache=True, nogil=True)
+def _grow(a, n):
+    """a with room for at least n rows (doubling), rows kept."""
+    if n <= a.shape[0]:
+        return a
+    b = np.empty((max(n, 2 * a.shape[0]),) + a.shape[1:], dtype=a.dtype)
+    b[:a.shape[0]] = a
+    return b
+
+
+@njit(cache=True, nogil=True)
+def pend_layer(pend, npend, P):
+    """Layer of the first pending slot (for the error message), or -1."""
+    for d in range(npend.size):
+        if npend[d]:
+            return pend[d, 0] // P
+    return -1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _hold(head, nxt, prv, he, code):
+    """Put slot code (l * P + p) at the front of the holders of he (l * E + e)."""
+    h = head[he]
+    nxt[code] = h
+    prv[code] = -1
+    if h >= 0:
+        prv[h] = code
+    head[he] = code
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _may_local(old_LP, new_LP, S):
+    """[L, P]: may another slot of p's rank hold p's target while p is pending? A slot only
+    ever holds its old expert, its target or a staged expert (`_stage_rows` adds those, and
+    sets a slot staged out of its final state, pending from then on), so where no other slot
+    of the rank starts with or ends with p's target, p never has a local source: the scan and
+    the chain order skip its holder walks (their busiest loops)."""
+    L, P = new_LP.shape
+    out = np.zeros((L, P), dtype=np.bool_)
+    for l in range(L):
+        for p in range(P):
+            if old_LP[l, p] != new_LP[l, p]:
+                out[l, p] = _local_ahead(old_LP, new_LP, l, p, S)
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _local_ahead(cur_LP, new_LP, l, p, S):
+    """Does another slot of p's rank hold p's target now (cur_LP) or at the end (new_LP)?"""
+    e = new_LP[l, p]
+    g0 = p - p % S
+    for q in range(g0, g0 + S):
+        if q != p and (cur_LP[l, q] == e or new_LP[l, q] == e):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _new_state(old_LP, new_LP, G, E):
+    """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
+    L, P = new_LP.shape
+    S = P // G
+    # The [L, P] and [L, E] state is int32 (slot codes l * P + p, expert ids, counts: all below
+    # L x P, which `eplb.migration.schedule` checks is below 2^31): the kernel's time goes to
+    # visiting pending slots across these arrays, and half their width is 0.88-0.94x its time
+    # (the gain largest at 128 GPUs, whose state outgrows the L2 cache; the rows are the same).
+    hc = np.zeros((L, E), dtype=np.int32)
+    hsum = np.zeros((L, E), dtype=np.int32)
+    hhead = np.full(L * E, -1, dtype=np.int32)
+    hnext = np.full(L * P, -1, dtype=np.int32)
+    hprev = np.full(L * P, -1, dtype=np.int32)
+    # Each expert's holders, each slot put in front (`_hold`, written out: numba reference-counts
+    # an inlined helper's array arguments at every call; measured at 32 GPUs, writing it out
+    # saves 33k reference-count pairs, about 5% of the kernel's time).
+    for l in range(L):
+        for p in range(P):
+            o = old_LP[l, p]
+            if o >= 0:
+                hc[l, o] += 1
+                hsum[l, o] += p
+                h = hhead[l * E + o]
+                hnext[l * P + p] = h
+                if h >= 0:
+                    hprev[h] = l * P + p
+                hhead[l * E + o] = l * P + p
+    return _Slots(
+        old_LP.astype(np.int32), new_LP.astype(np.int32), hc, np.zeros((L, P), dtype=np.bool_),
+        np.zeros((L, P), dtype=np.bool_), np.zeros((L, E), dtype=np.bool_), np.zeros((L, P), dtype=np.bool_),
+        np.full((L, P), -1, dtype=np.int32), np.full((L, P), -1, dtype=np.int32),
+        np.empty((G, L * S), dtype=np.int32), np.zeros(G, dtype=np.int64),
+        np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), hsum, hc.copy(), hhead, hnext, hprev,
+        _may_local(old_LP, new_LP, S), np.zeros(1, dtype=np.int64),
+        np.zeros((L, P), dtype=np.bool_), np.zeros(L * E, dtype=np.bool_), np.empty(L * E, dtype=np.int32),
+        np.zeros(2, dtype=np.int64))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _queue_chunk(st, c0, c1, S, P, depth):
+    """Queue the slots of layers c0..c1-1 that change on their ranks (their chain depths cleared);
+    returns how many."""
+    st.npend[:] = 0
+    for l in range(c0, c1):
+        for p in range(P):
+            if st.cur[l, p] != st.tgt[l, p]:
+                g = p // S
+                st.pend[g, st.npend[g]] = l * P + p
+                st.npend[g] += 1
+                st.inpend[l, p] = True
+                depth[l, p] = -1
+    st.dn[1] = 1
+    return st.npend.sum()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count_room(st, c0, c1, E, P):
+    """Round-start counts of a layer's spare room (tight layers): experts held, pending slots."""
+    for l in range(c0, c1):
+        st.npl[l] = 0
+        st.ndist[l] = 0
+        for e in range(E):
+            if st.hc[l, e] > 0:
+                st.ndist[l] += 1
+    for d in range(st.npend.size):
+        for k in range(st.npend[d]):
+            st.npl[st.pend[d, k] // P] += 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _kept(st, l, x, E, P):
+    """Does a slot in its final state hold expert x of layer l completely? (Then a staging copy of x
+    is not needed any more: the slot it staged for may be written without it.)"""
+    h = st.hhead[l * E + x]
+    while h >= 0:
+        if st.tgt[l, h - l * P] == x and not st.writing[l, h - l * P]:
+            return True
+        h = st.hnext[h]
+    return False
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scan(st, rd, S, P, tight, nd, hold_LP, late_G):
+    """Local copies are taken at once (no link); network and checkpoint candidates (at most
+    K per destination rank) go to rd for the link matching. nd: rows of rd.done taken
+    already this round. Returns the copies taken so far."""
+    G = st.npend.size
+    K = rd.cand.shape[1]
+    E = st.hc.shape[1]
+    cur, tgt, hc = st.cur, st.tgt, st.hc
+    for d in range(G):                     # last round's candidates' links, cleared
+        for j in range(rd.cstart[d, rd.ncand[d]]):
+            rd.adj[d, rd.cols[d, j]] = False
+        rd.ncand[d] = 0
+    mayloc, staged_blk = st.mayloc.reshape(-1), st.staged_blk.reshape(-1)
+    for d in range(G):
+        lo = d * S
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            # With its rank's candidates listed, a slot without a local source and no staging
+            # mark to clear has nothing left to do here.
+            if rd.ncand[d] >= K and not mayloc[code] and staged_blk[code] < 0:
+                continue
+            l = code // P
+            p = code - l * P
+            if st.sourcing[l, p] or st.writing[l, p]:
+                continue
+            if st.staged_blk[l, p] >= 0:
+                if cur[l, st.staged_blk[l, p]] == st.staged_exp[l, p] and not _kept(st, l, st.staged_exp[l, p], E, P):
+                    continue               # its blocked slot still needs the copy
+                st.staged_blk[l, p] = -1
+                st.nstaged[0] -= 1
+                touch(st, l * E + cur[l, p])
+            o = cur[l, p]
+            e = tgt[l, p]
+            if o >= 0 and hc[l, o] < 2:
+                continue                   # p holds the last complete replica of o
+            if hc[l, e] > 0:
+                # The lowest complete slot holding e on each rank (a local one first).
+                local = -1
+                h = st.hhead[l * E + e] if st.mayloc[l, p] else -1
+                while h >= 0:
+                    s = h - l * P
+                    if lo <= s < lo + S and not st.writing[l, s] and (local < 0 or s < local):
+                        local = s
+                    h = st.hnext[h]
+                if local >= 0:
+                    if hold_LP[l, p] >= 0 and held_back(hold_LP, cur, tgt, l, p, late_G[d]):
+                        continue
+                    commit(l, p, e, d, local, d, st, rd.done, nd)
+                    nd += 1
+                    continue
+                if rd.ncand[d] < K:
+                    i = rd.ncand[d]
+                    rd.cand[d, i] = code
+                    rd.cand_e[d, i] = e
+                    j0 = rd.cstart[d, i]
+                    j = j0
+                    h = st.hhead[l * E + e]
+                    while h >= 0:
+                        s = h - l * P
+                        if not st.writing[l, s]:
+                            t = j0
+                            while t < j and rd.cols[d, t] != s // S:
+                                t += 1
+                            if t == j:
+                                rd.cols[d, j] = s // S
+                                rd.srcs[d, j] = s
+                                j += 1
+                                rd.adj[d, s // S] = True
+                            elif s < rd.srcs[d, t]:
+                                rd.srcs[d, t] = s
+                        h = st.hnext[h]
+                    rd.cstart[d, i + 1] = j
+                    rd.ncand[d] += 1
+            elif st.inflight[l, e]:
+                continue                   # e's only copy is still being written
+            elif tight and P - st.ndist[l] < 2 and st.npl[l] > 1:
+                continue                   # the layer's last spare room: reload last
+            elif rd.ncand[d] < K:          # lost with every replica: checkpoint reload
+                i = rd.ncand[d]
+                rd.cand[d, i] = code
+                rd.cand_e[d, i] = e
+                rd.cols[d, rd.cstart[d, i]] = G + d
+                rd.srcs[d, rd.cstart[d, i]] = -1
+                rd.cstart[d, i + 1] = rd.cstart[d, i] + 1
+                rd.adj[d, G + d] = True
+                rd.ncand[d] += 1
+    return nd
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _release_holds(hold_LP, pend, npend, P):
+    """Nothing moved this round: the slots held back for an exchange (`_links_kernel.held_back`)
+    give way. Returns whether any did."""
+    any_held = False
+    for d in range(npend.size):
+        for k in range(npend[d]):
+            c = pend[d, k]
+            if hold_LP[c // P, c % P] >= 0:
+                hold_LP[c // P, c % P] = -1
+                any_held = True
+    return any_held
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _apply_round(st, done, nd, out, M, R):
+    """Write the nd copies of round R into the slots and as rows M.. of out (grown as needed);
+    returns (out, new M)."""
+    out = _grow(out, M + nd)
+    E = st.hc.shape[1]
+    P = st.cur.shape[1]
+    for i in range(nd):
+        l = done[i, 0]
+        p = done[i, 1]
+        e = done[i, 2]
+        o = st.cur[l, p]
+        if o >= 0:
+            st.hsum[l, o] -= p
+            st.ncur[l, o] -= 1
+            unlink(st.hhead, st.hnext, st.hprev, l * E + o, l * P + p)
+            touch(st, l * E + o)
+        touch(st, l * E + e)
+        _hold(st.hhead, st.hnext, st.hprev, l * E + e, l * P + p)
+        st.cur[l, p] = e
+        st.hc[l, e] += 1
+        st.hsum[l, e] += p
+        st.ncur[l, e] += 1
+        st.writing[l, p] = False
+        if done[i, 4] >= 0:
+            st.sourcing[l, done[i, 4]] = False
+        st.inflight[l, e] = False
+        out[M, 0] = R
+        out[M, 1] = l
+        out[M, 2] = e
+        out[M, 3] = done[i, 3]
+        out[M, 4] = done[i, 4]
+        out[M, 5] = done[i, 5]
+        out[M, 6] = p
+        out[M, 7] = done[i, 6]
+        M += 1
+    return out, M
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _requeue(st, done, nd, S, P, depth):
+    """Drop the slots that reached their target from the queues; a staging copy makes its slot
+    pending again (it must get its own expert back). Clears the chain depths of the slots still
+    pending for the next chain order. Returns the slots still pending."""
+    cur, tgt, inpend = st.cur.reshape(-1), st.tgt.reshape(-1), st.inpend.reshape(-1)
+    dep = depth.reshape(-1)
+    for d in range(st.npend.size):
+        n = 0
+        for k in range(st.npend[d]):
+            code = st.pend[d, k]
+            if cur[code] != tgt[code]:
+                st.pend[d, n] = code
+                n += 1
+                dep[code] = -1
+            else:
+                inpend[code] = False
+        st.npend[d] = n
+    for i in range(nd):
+        l = done[i, 0]
+        p = done[i, 1]
+        if st.cur[l, p] != st.tgt[l, p] and not st.inpend[l, p]:
+            g = p // S
+            st.pend[g, st.npend[g]] = l * P + p
+            st.npend[g] += 1
+            st.inpend[l, p] = True
+            dep[l * P + p] = -1
+            touch(st, l * st.hc.shape[1] + st.tgt[l, p])
+    return st.npend.sum()
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _stage_rows(st, done, i, S):
+    """Row i of the round is a staging copy: mark its slot (pending from now on, see
+    `_may_local`), and let the slots of its rank whose target it stages find a local source there."""
+    l = done[i, 0]
+    s = done[i, 1]
+    x = done[i, 2]
+    E = st.hc.shape[1]
+    if not st.mayloc[l, s]:
+        st.mayloc[l, s] = _local_ahead(st.cur, st.tgt, l, s, S)
+    touch(st, l * E + st.tgt[l, s])
+    touch(st, l * E + x)
+    if st.staged_blk[l, s] < 0:
+        st.nstaged[0] += 1
+    st.staged_blk[l, s] = done[i, 4]
+    st.staged_exp[l, s] = x
+    g0 = done[i, 5] * S
+    for q in range(g0, g0 + S):
+        if q != s and st.tgt[l, q] == x:
+            st.mayloc[l, q] = True
+
+
+@njit(cache=True, nogil=True)
+def schedule(old_LP, new_LP, G, E, chunk, per_rank, full_search, stop):
+    """The plain rounds (`_rounds` without relays): see `_rounds`."""
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False, full_search, stop)
+
+
+@njit(cache=True, nogil=True)
+def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank, full_search, stop):
+    """The relay mode's rounds: see `_rounds`."""
+    return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True, full_search, stop)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
+    """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
+
+    out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
+    dst slot, staging). status STATUS_NO_SPARE names the layer that could not stage.
+    chunk: layers per chunk (rounds never mix chunks); per_rank: K. relay: plan a balanced
+    source per network copy, relays included (`_sources_kernel.plan_sources`), replanned every
+    few rounds, instead of counting only the forced sends. Inlined into one entry point per
+    mode, `relay` a constant there: the plain rounds carry no relay branch. full_search: break
+    deadlocks from the full cycle search's list (`_find_cycles`) instead of `deadlocks`' own (the
+    same rows: the reference the tests hold it to; always passed, so one compiled version).
+    stop: int64 [1], read before each round: nonzero ends the schedule there (STATUS_STOPPED), so
+    a caller on another thread can drop a schedule it no longer needs within a round.
+    """
+    L, P = new_LP.shape
+    S = P // G
+    st = _new_state(old_LP, new_LP, G, E)
+    rd = _Round(np.empty((G, per_rank), dtype=np.int64), np.empty((G, per_rank), dtype=np.int64),
+                np.zeros(G, dtype=np.int64), np.zeros((G, 2 * G), dtype=np.bool_),
+                np.empty((G, per_rank * (G + 1)), dtype=np.int64), np.empty((G, per_rank * (G + 1)), dtype=np.int64),
+                np.zeros((G, per_rank + 1), dtype=np.int64),
+                np.empty((L * P + G, 7), dtype=np.int64),
+                np.empty((G, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64))
+    sg = new_staging(new_LP, E, G)
+    rin = np.zeros(G, dtype=np.int64)
+    rout = np.zeros(G, dtype=np.int64)
+    sent = np.zeros(G, dtype=np.int64)     # network copies each rank has sent
+    fsrc = np.full((L, P), -1, dtype=np.int32)
+    depth = np.zeros((L, P), dtype=np.int32)
+    crit = np.zeros(G, dtype=np.bool_)        # ranks whose sends may set the rounds (`take_links`)
+    late = np.zeros(G, dtype=np.bool_)        # ranks whose receives may set the rounds
+    hold_LP = np.full((L, P), -1, dtype=np.int32)   # the slot a pending slot keeps its expert for
+    key = np.empty(L * S, dtype=np.int32)
+    nh = np.zeros(E, dtype=np.int64)
+    hr = np.zeros(E, dtype=np.int64)
+    start = np.empty((L * P, 2), dtype=np.int32)    # (layer, expert) in a deadlock at a round's start
+    out = np.empty((1024, 8), dtype=np.int64)
+    chunk_R = np.empty(64, dtype=np.int64)
+    # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
+    # keep it, reloads of lost experts use it up, and a cycle needs one unit to stage through:
+    # a reload that would leave none waits until it is its layer's last pending slot. Only
+    # with E >= P can a reload leave none (else it leaves >= P - E + 1 - 1 >= 1).
+    tight = E >= P
+    M = 0
+    R = 0
+    for chunk_id, c0 in enumerate(range(0, L, chunk)):
+        c1 = min(L, c0 + chunk)
+        left = _queue_chunk(st, c0, c1, S, P, depth)
+        if relay:
+            plan_sources(st, c0, c1, S, P, fsrc, rout)
+        else:
+            forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
+        # Relay mode replans about 64 times per chunk's sends per rank (a plan goes stale as
+        # the matching takes other sources than the planned ones).
+        every = max(1, rout.sum() // (64 * G))
+        r0 = R
+        guard = 4 * (left + (c1 - c0) * P) + 8
+        while left > 0:
+            if stop[0] != 0:
+                return out[:M], chunk_R[:R], STATUS_STOPPED, -1
+            guard -= 1
+            if guard <= 0:
+                return out[:M], chunk_R[:R], STATUS_NO_PROGRESS, -1
+            if tight:
+                _count_room(st, c0, c1, E, P)
+            if relay and R > r0 and (R - r0) % every == 0:
+                plan_sources(st, c0, c1, S, P, fsrc, rout)
+            ndl = chain_order(st, sg, S, P, depth, key, rin)
+            # A rank is send-critical when the copies only it can send come within an eighth of the
+            # rounds its busiest receiver still needs (its sends may set the rounds), and
+            # receive-critical (late) when its own receives come within a round of them.
+            rmax = rin.max()
+            lim = rmax - max(2, rmax // 8)
+            ncrit = 0
+            for g in range(G):
+                crit[g] = not relay and rout[g] >= 2 and rout[g] >= lim
+                ncrit += crit[g]
+                late[g] = rin[g] + 2 > rmax
+            # Deadlocked cycles of blocked slots break as soon as they appear: first through
+            # pending slots of their own ranks (free), before this round's copies take those;
+            # then through the spares and links the round left; when nothing could move at
+            # all, every cycle does.
+            # (Not with as many slots as experts: there the few spare slots wait for reloads.)
+            # A deadlock at the round's start closes a chain into a cycle (the chain order finds
+            # them); later in the round only through a replica this round's copies overwrite.
+            # `deadlocks` lists both, walking from those alone (the full search walks every
+            # pending slot: a fifth of the schedule's time at the Qwen3-235B shape).
+            staged = ndl > 0 and not tight
+            nstart = ndl if staged else 0
+            for c in range(nstart):
+                code = sg.cyc_start[c]
+                start[c, 0] = code // P
+                start[c, 1] = st.cur[code // P, code % P]
+            ns = 0
+            if staged and full_search:
+                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND, crit, ncrit)
+            elif staged:
+                deadlocks(st, sg, rd.done, 0, S, P, start, nstart)
+                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, LISTED, crit, ncrit)
+            # A held slot may close a cycle of waits the deadlock search does not know of: when
+            # nothing moved, the holds give way and the round is tried again before anything is
+            # staged. (One call site each: numba inlines `_scan` and `take_links` where called.)
+            retried = False
+            while True:
+                nd = _scan(st, rd, S, P, tight, ns, hold_LP, late)
+                nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, 0 if retried else ncrit,
+                                late, depth, rmax, hold_LP)
+                if nd > 0 or retried or not _release_holds(hold_LP, st.pend, st.npend, P):
+                    break
+                retried = True
+            # (The queues and slot contents have not changed since stage 0: same cycles.)
+            if nd == 0:
+                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged and full_search else FIND,
+                           crit, ncrit)
+            elif staged and full_search:
+                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, KEEP, crit, ncrit)
+            elif not tight and deadlocks(st, sg, rd.done, nd, S, P, start, nstart) > 0:
+                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, FIND if full_search else LISTED, crit, ncrit)
+            if nd == 0:
+                return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
+            for i in range(nd):
+                if rd.done[i, 6]:
+                    _stage_rows(st, rd.done, i, S)
+            for i in range(nd):
+                if not relay and rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
+                    sent[rd.done[i, 3]] += 1
+                f = fsrc[rd.done[i, 0], rd.done[i, 1]]
+                if f >= 0:
+                    rout[f] -= 1
+                    fsrc[rd.done[i, 0], rd.done[i, 1]] = -1
+            out, M = _apply_round(st, rd.done, nd, out, M, R)
+            chunk_R = _grow(chunk_R, R + 1)
+            chunk_R[R] = chunk_id
+            R += 1
+            left = _requeue(st, rd.done, nd, S, P, depth)
+    return out[:M], chunk_R[:R], STATUS_OK, -1
