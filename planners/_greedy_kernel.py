@@ -20,12 +20,12 @@ and releases the GIL.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from eplb.core.jit import kernel
 from planners._pack_kernel import pack  # noqa: F401  (the greedy steps live here as one set)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _first(v_a, a, v_b, b, cnt):
     """Does expert a (load per replica v_a) get the next slot before b (v_b): higher load per
     replica, then fewer replicas, then the lower id."""
@@ -36,7 +36,7 @@ def _first(v_a, a, v_b, b, cnt):
     return a < b
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _sift(key, heap, cnt, n, i, v, e):
     """Put expert e (load per replica v) at position i of the heap heap[:n] (`_first` on
     top) and let it sink; key[j] is the load per replica of heap[j], kept beside it so a
@@ -56,7 +56,7 @@ def _sift(key, heap, cnt, n, i, v, e):
     key[i] = v
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _replicate_row(load_E, P, G, cnt_E, key_E, heap):
     """Replica counts of one row into cnt_E: sum P, 1 <= cnt <= G (key_E, heap: scratch)."""
     E = load_E.size
@@ -77,7 +77,7 @@ def _replicate_row(load_E, P, G, cnt_E, key_E, heap):
             _sift(key_E, heap, cnt_E, n, 0, load_E[e] / cnt_E[e], e)
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def replicate(load_RE, P, G):
     """Replica counts int64 [R, E] (each row sums to P, 1 <= count <= G) minimising each
     row's largest load per replica."""
@@ -90,7 +90,7 @@ def replicate(load_RE, P, G):
     return cnt_RE
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _place(order, pos, gl, g, G):
     """Move GPU g to its place in order (ascending load, lower index among ties) after its
     load changed; pos is the inverse of order."""
@@ -108,7 +108,7 @@ def _place(order, pos, gl, g, G):
     pos[g] = i
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _sort_gpu_items(phy, per_E, g, S, srt, ws):
     """srt[g S:(g + 1) S] = GPU g's slots by the load of their replica, ascending, lower slot
     among ties (ws: the loads). Inserted last slot first: `pack` fills a GPU's slots heaviest
@@ -126,7 +126,7 @@ def _sort_gpu_items(phy, per_E, g, S, srt, ws):
         ws[o + b] = w
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _resort_slot(phy, per_E, p, S, srt, ws):
     """Move slot p to its place in its GPU's list srt (ascending load, lower slot among ties,
     the order `_sort_gpu_items` makes) after its replica changed: O(S), not a fresh sort."""
@@ -147,7 +147,7 @@ def _resort_slot(phy, per_E, p, S, srt, ws):
     ws[o + i] = w
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _refine_row(phy, per_E, G, S, max_swaps, settle, gap, holds, gl, order, pos, srt, ws):
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
@@ -259,7 +259,7 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, gap, holds, gl, order, pos,
     return swaps
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def refine(phy_RP, per_RE, G, max_swaps, settle, gap):
     """Lower each row's busiest GPU by replica swaps, in place (at most max_swaps per row);
     returns the swaps made in all rows. Each replica of expert e carries per_RE[r, e]. settle:

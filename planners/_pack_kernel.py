@@ -17,10 +17,11 @@ and releases the GIL.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _ties_by_id(key, order, n):
     """Sort each run of equal keys in order[:n] by index (an unstable sort left them in any order)."""
     i = 0
@@ -38,13 +39,13 @@ def _ties_by_id(key, order, n):
         i = j
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _before(gl, a, b):
     """Does GPU a come before GPU b in load order (lighter, then the lower index)?"""
     return gl[a] < gl[b] or (gl[a] == gl[b] and a < b)
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _sort_gpus(gl, gorder, G):
     """Insertion-sort gorder[:G] by load ascending, lower index among ties (cheap when the order
     is nearly right already)."""
@@ -57,7 +58,7 @@ def _sort_gpus(gl, gorder, G):
         gorder[b] = g
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _replicas(per_E, cnt_E, order_E, order, rep):
     """rep[:P] = each expert's replicas, heaviest first (order_E, with ties put in id order in
     the scratch order [E])."""
@@ -73,7 +74,7 @@ def _replicas(per_E, cnt_E, order_E, order, rep):
             n += 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _place_round(per_E, rep, base, G, S, k, phy, gl, gorder, last):
     """Round k: replica rep[base + j] to GPU gorder[j]."""
     for j in range(G):
@@ -84,7 +85,7 @@ def _place_round(per_E, rep, base, G, S, k, phy, gl, gorder, last):
         last[e] = k
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _lpt_agrees(s, G, gl, gl0, gorder):
     """Did round k (placed from loads gl0) give every run of one expert's replicas the GPUs
     LPT would: the c lightest open ones (before the last round every GPU is open)? The round
@@ -100,7 +101,7 @@ def _lpt_agrees(s, G, gl, gl0, gorder):
     return gl[m] > gl0[h] or (gl[m] == gl0[h] and m > h)
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _round_until_lpt_differs(per_E, rep, base, G, S, k, phy, gl, gorder, last):
     """Round k run by run until a run's GPUs differ from LPT's (see `_lpt_agrees`): returns
     that run's start (nothing of it placed), or base + G."""
@@ -126,7 +127,7 @@ def _round_until_lpt_differs(per_E, rep, base, G, S, k, phy, gl, gorder, last):
     return base + G
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _rounds(per_E, rep, G, S, phy, gl, gl0, gorder, chosen, last, guard):
     """Place the replicas rep[:P] of one row in S rounds (the module docstring). With guard,
     stop where a run of one expert's replicas would get other GPUs than longest-processing-
@@ -191,7 +192,7 @@ def _rounds(per_E, rep, G, S, phy, gl, gl0, gorder, chosen, last, guard):
     return G * S
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _lpt_from(per_E, rep, n, G, S, phy, gl, fill, q, took):
     """Longest-processing-time for the replicas rep[n:P] of one row, from a partial placement
     (gl, fill: each GPU's load and filled slots; no GPU holds rep[n]'s expert yet): each run
@@ -247,7 +248,7 @@ def _lpt_from(per_E, rep, n, G, S, phy, gl, fill, q, took):
     return True
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def pack(per_RE, cnt_RE, order_RE, G, S):
     """phy2log int64 [R, P]: cnt_RE[r, e] replicas of load per_RE[r, e] each, longest-
     processing-time with a slot limit (see the module docstring). order_RE: each row's experts

@@ -12,8 +12,8 @@ Step 3: refine. Swap a replica on the busiest GPU with one on a lighter GPU whil
         no swap helps, the first GPU, lightest first, whose swap leaves the pair at or below
         the second-busiest GPU); the greedy planner stops once the busiest GPU is within
         REFINE_GAP (0.1%) of the floor max(mean GPU load, heaviest replica).
-The steps are compiled (planners/_greedy_kernel.py, numba, imported on first use); the
-functions here check their input and hand whole [L, E] arrays to the kernels.
+The steps are kernels (planners/_greedy_kernel.py, eplb.core.jit); the functions here check
+their input and hand whole [L, E] arrays to them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from eplb.core.jit import kernel_floats, kernel_ints
 from eplb.errors import EplbError, fraction, whole_number
+from planners import _greedy_kernel
 from planners._threads import run_blocks
 from planners.api import PlanRequest, Solution
 
@@ -36,22 +37,10 @@ from planners.api import PlanRequest, Solution
 REFINE_GAP = 1e-3
 
 
-def _kernel():
-    from planners import _greedy_kernel  # numba: imported on first use
-
-    return _greedy_kernel
-
-
-def warm_up() -> None:
-    """Load (or, on a fresh install, compile) the greedy kernels now, on the argument types
-    the real calls use (eplb.core.jit runs this in the background)."""
-    plan_greedy(np.array([[3.0, 1.0, 1.0], [1.0, 2.0, 0.0]]), 2, 2)
-
-
 def replicate(load_LE: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
     """Replica count per expert r [L, E]: sum P, 1 <= r_e <= G (ties: fewer replicas, then the
     lower expert id). Rows are independent: blocks of them run on threads."""
-    kernel, load = _kernel(), kernel_floats(load_LE)
+    kernel, load = _greedy_kernel, kernel_floats(load_LE)
     count_LE = np.empty(load.shape, dtype=np.int64)
 
     def rows(a: int, b: int) -> None:
@@ -83,7 +72,7 @@ def pack_replicas(per_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots
     expert with more replicas than GPUs with free slots left) is packed in rounds, which
     always fit.
     """
-    return _pack_rows(_kernel(), kernel_floats(per_LE), kernel_ints(count_LE), int(num_gpus), int(slots_per_gpu))
+    return _pack_rows(_greedy_kernel, kernel_floats(per_LE), kernel_ints(count_LE), int(num_gpus), int(slots_per_gpu))
 
 
 def _pack_rows(kernel, per_LE: np.ndarray, count_LE: np.ndarray, G: int, S: int) -> np.ndarray:
@@ -113,7 +102,7 @@ def refine(phy2log_LP: np.ndarray, load_LE: np.ndarray | None, count_LE: np.ndar
     cap = _swap_cap(phy.shape[1], max_rounds)
     if cap > 0:
         per_LE = kernel_floats(per_LE)
-        kernel = _kernel()
+        kernel = _greedy_kernel
         settle = max_rounds is None
         run_blocks(lambda a, b: kernel.refine(phy[a:b], per_LE[a:b], int(num_gpus), cap, settle, float(gap)),
                    *phy.shape)
@@ -148,7 +137,7 @@ def plan_greedy(load_LE: np.ndarray, num_gpus: int, slots_per_gpu: int, refine_r
     gap = float(refine_gap)
     if count_LE is not None:
         count_LE = kernel_ints(count_LE)
-    kernel = _kernel()
+    kernel = _greedy_kernel
     phy2log_LP = np.empty((L, P), dtype=np.int64)
 
     def rows(a: int, b: int) -> None:

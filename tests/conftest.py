@@ -7,6 +7,11 @@ from hypothesis import HealthCheck, settings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
 
+# Kernels compile in the calling thread on first use (eplb.core.jit's "wait" mode), as plain numba
+# does: a test's timing must not depend on whether a side process has finished (CI's numba cache
+# starts empty). tests/unit/test_jit.py runs the other modes.
+os.environ.setdefault("EPLB_JIT", "wait")
+
 # Hypothesis profiles. "ci" (the default) is derandomised, so a CI run is reproducible, and keeps
 # Hypothesis' 100 examples per test; the fuzz suite (tests/fuzz) scales its own counts by
 # max_examples / 100. For long local runs: `pytest tests/fuzz --hypothesis-profile=long`
@@ -15,25 +20,6 @@ _COMMON = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.
 settings.register_profile("ci", max_examples=100, derandomize=True, **_COMMON)
 settings.register_profile("long", max_examples=3000, derandomize=False, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def kernels_compiled():
-    """Every kernel a Rebalancer warms, loaded (after an install: compiled) before the first test.
-
-    In the first process after an install a Rebalancer holds back due checks while its kernels
-    compile (eplb.serving.rebalance `_unless_compiling`): a test's outcome must not depend on the numba
-    cache it happens to find (CI's is empty)."""
-    from eplb.core.jit import warm_up_in_background
-    from eplb.planning.kernel_sets import kernel_modules
-    from eplb.serving.policy import AdaptivePolicy
-    from planners.api import planner_names
-
-    policy = AdaptivePolicy(rule="resplit")
-    names = sorted({m for p in planner_names() for m in kernel_modules(p, policy, 2)})
-    warmup = warm_up_in_background(tuple(names))
-    warmup.wait()
-    assert warmup.status.startswith("ready"), warmup.status
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ Each module checks the engine version it was written for. See docs/engines.md.
 from __future__ import annotations
 
 import os
+import threading
 
 from eplb.errors import EplbError
 from planners.api import setting_value
@@ -45,17 +46,24 @@ def parse_spec(spec: str, env: str) -> tuple[str, dict]:
     return parts[0], settings
 
 
-def compile_aside(planner: str) -> None:
-    """Start compiling the kernels a plan with `planner` runs, in detached processes (one per
-    warm-up, eplb.core.jit.compile_detached).
+def prime(planner: str, settings: dict | None = None) -> threading.Thread:
+    """Plan a tiny load with `planner`, from scratch and from a served map, on a daemon thread.
 
-    Engines plan synchronously inside their rebalance, so after an install the first one would
-    compile numba's kernels inside it, a stall of seconds. Started while the engine loads the
-    model, the compile is done before then; on a warm cache each process only loads the
-    kernels and exits (about a second). Concurrent compiles of one warm-up take turns
-    (eplb.core.jit.compile_once), so several processes starting this cost one compile."""
-    from eplb.core.jit import compile_detached
-    from eplb.planning.kernel_sets import kernel_modules
+    Engines plan synchronously inside their rebalance. Run while the engine loads its model,
+    this makes every kernel such a plan calls meet the argument types real calls use
+    (eplb.core.jit): on a warm cache each loads its machine code here, not inside the first
+    rebalance; after an install each asks for its compile in a side process, done long before
+    the engine's first rebalance (which meanwhile would run the kernels as plain Python)."""
+    def run() -> None:
+        import numpy as np
 
-    for name in kernel_modules(planner):
-        compile_detached(name)
+        from eplb.planning.front_door import plan
+
+        load = np.array([[5.0, 3.0, 2.0, 1.0, 1.0, 1.0, 1.0, 2.0]] * 2)
+        first = plan(load, num_gpus=2, num_redundant=2, planner=planner, settings=settings)
+        plan(load[:, ::-1].copy(), num_gpus=2, num_redundant=2, planner=planner, settings=settings,
+             previous=first.placement)
+
+    thread = threading.Thread(target=run, name="eplb-prime", daemon=True)
+    thread.start()
+    return thread

@@ -17,8 +17,8 @@ What it does, in this order:
 3. Installs eplb's algorithm in place of `sglang.srt.eplb.eplb_algorithms.rebalance_experts`,
    the one function behind both SGLang's start-up plan from statistics (`--init-expert-location`
    with `logical_count`) and its periodic rebalance (`--enable-eplb`).
-4. Starts compiling the planner's numba kernels in detached processes (`compile_aside`), then
-   SGLang's server (`sglang.launch_server`) in this process.
+4. Starts the compiles of the planner's kernels (`eplb.integrations.prime`: a tiny plan on a
+   daemon thread), then SGLang's server (`sglang.launch_server`) in this process.
 SGLang starts its schedulers with the `spawn` method, so a patch made in this process alone
 would not reach them; SGLang loads `sglang.srt.plugins` entry points in every process
 (`load_plugins()`), and eplb's (`register`, pyproject.toml) installs the hooks wherever
@@ -52,7 +52,7 @@ from eplb.dispatch.rules import EvenSplit
 from eplb.dispatch.sglang import SglangStatic
 from eplb.errors import EplbError, reason
 from eplb.formats.deepseek import to_deepseek
-from eplb.integrations import check_version, compile_aside, parse_spec
+from eplb.integrations import check_version, parse_spec, prime
 from eplb.migration import Budget
 from eplb.planning.front_door import plan
 from planners.api import planner_names, planner_settings
@@ -147,13 +147,13 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
     """Check the start-up file against the model config SGLang loaded, then run SGLang's code.
 
     SGLang runs this in the scheduler processes only (each model runner computes its expert
-    locations at start-up), the processes whose rebalance calls eplb's algorithm: they start
-    loading the planner's kernels here (`_planner_warm_up`), so that their first rebalance does
-    not load them inside its stall."""
+    locations at start-up), the processes whose rebalance calls eplb's algorithm: they load the
+    planner's kernels here (`eplb.integrations.prime`), so that their first rebalance does not
+    load them inside its stall."""
     from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
     from sglang.srt.runtime_context import get_exec
 
-    _planner_warm_up(_configured()[0])
+    prime(*_configured())
     # The plan from the served map imports the assignment solver on first use (about 0.5 s).
     threading.Thread(target=importlib.import_module, args=("scipy.optimize",), daemon=True).start()
     moe = get_exec().moe
@@ -168,16 +168,6 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
 def _configured() -> tuple[str, dict]:
     """(planner, settings) that EPLB_SGLANG_PLANNER names (the launcher sets it; default rule-aware)."""
     return parse_spec(os.environ.get(ENV_PLANNER, DEFAULT_PLANNER), ENV_PLANNER)
-
-
-def _planner_warm_up(planner: str):
-    """The process's warm-up of the planner's kernels (eplb.core.jit), started on first call:
-    they load on a daemon thread (on a cold cache their compile takes turns with the
-    launcher's, and then only loads)."""
-    from eplb.core.jit import warm_up_in_background
-    from eplb.planning.kernel_sets import kernel_modules
-
-    return warm_up_in_background(kernel_modules(planner))
 
 
 def _current_map():
@@ -202,9 +192,6 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
     import torch
 
     planner, settings = _configured()
-    # Kernels still loading (or, after an install, compiling) since start-up: wait for them
-    # rather than compile them a second time in this call.
-    _planner_warm_up(planner).wait()
     counts = tokens_per_expert.detach().cpu().to(torch.float64).numpy()
     if counts.ndim == 2:
         counts = counts[None]
@@ -303,10 +290,10 @@ def prepare(argv: list[str]) -> list[str]:
 
 
 def launch_server(sglang_args: list[str]) -> None:
-    """Compile the planner's kernels aside (eplb.integrations.compile_aside: SGLang plans
+    """Start the compiles of the planner's kernels (eplb.integrations.prime: SGLang plans
     synchronously in every scheduler's rebalance), then run `python -m sglang.launch_server
     <args>` in this process."""
-    compile_aside(_configured()[0])
+    prime(*_configured())
     sys.argv = ["sglang.launch_server"] + list(sglang_args)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

@@ -36,7 +36,7 @@ from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.formats import load_placement
 from eplb.formats.export import read_placement
-from eplb.integrations import check_version, compile_aside, parse_spec
+from eplb.integrations import check_version, parse_spec, prime
 from eplb.migration import Budget, keep_slots
 from eplb.planning.front_door import plan
 from planners.api import planner_names, planner_settings
@@ -67,9 +67,10 @@ def register() -> None:
     cls = policy_class()
     configure(cls, spec, os.environ.get(ENV_INITIAL))
     if cls.planner != "static" and multiprocessing.parent_process() is None:
-        # vLLM plans synchronously in every worker's rearrangement: compile the kernels now, once
-        # (from the top process: vLLM's own processes are its children), while the model loads.
-        compile_aside(cls.planner)
+        # vLLM plans synchronously in every worker's rearrangement: start the kernels' compiles
+        # now, once (from the top process: vLLM's own processes are its children), while the
+        # model loads.
+        prime(cls.planner, cls.settings)
     # eplb_state imported the same dict object (`from .policy import EPLB_POLICIES`): mutate it.
     policies.EPLB_POLICIES["default"] = cls
     logger.info("eplb: vLLM EPLB policy 'default' is eplb's %s", spec)

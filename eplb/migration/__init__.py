@@ -23,13 +23,12 @@ Three parts:
    Cycles (two GPUs exchanging the only replicas of two experts) are broken by *staging*
    one expert through a slot whose own expert has another complete replica.
 
-The hot loops are numba kernels (`kernels` says which, and `warm_up` loads them); the
+The hot loops are kernels (`eplb.core.jit`: compiled by numba, interpreted until then); the
 package imports only eplb.errors, eplb.core.placement, eplb.stats and, for `rule`, eplb.dispatch.sglang
 (and numpy, numba).
 """
 
 from eplb.migration.adapt import adapt_solution, max_load, migrate, restore_missing
-from eplb.migration.kernels import warm_up
 from eplb.migration.moves import count_moves, holdings, keep_slots, relabel
 from eplb.migration.plan import CHECKPOINT, MigrationPlan
 from eplb.migration.rule import layout_dependent
@@ -38,5 +37,5 @@ from eplb.migration.search import Budget, budgeted_search
 
 __all__ = [
     "CHECKPOINT", "Budget", "MigrationPlan", "adapt_solution", "budgeted_search", "count_moves", "holdings",
-    "keep_slots", "layout_dependent", "max_load", "migrate", "relabel", "restore_missing", "schedule", "warm_up",
+    "keep_slots", "layout_dependent", "max_load", "migrate", "relabel", "restore_missing", "schedule",
 ]

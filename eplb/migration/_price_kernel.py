@@ -18,16 +18,17 @@ loads from their heads and hands each stage the tails, which the stages reuse in
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def _carve(buf, o, n):
     """The next n entries of scratch buf from offset o, and the offset after them."""
     return buf[o:o + n], o + n
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def _keep_smallest(values, i, out, n, k):
     """Insert index i into out[:n], the indices of the (at most k) smallest values seen so far
     in increasing order, earlier insertions first among ties (a stable sort's first k, in one
@@ -43,7 +44,7 @@ def _keep_smallest(values, i, out, n, k):
     return n + 1 if n < k else n
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def _span_delta_swap(A, B, nh, ng, gn_KN):
     """(group, node) pairs added minus removed when group A's replica moves from node nh to ng
     and group B's from ng to nh."""
@@ -54,7 +55,7 @@ def _span_delta_swap(A, B, nh, ng, gn_KN):
     return new - gone
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def _span_delta_copy(X, B, ng, gn_KN):
     """(group, node) pairs added minus removed when a replica of group X overwrites one of
     group B on node ng."""
@@ -63,7 +64,7 @@ def _span_delta_copy(X, B, ng, gn_KN):
     return (1 if gn_KN[X, ng] == 0 else 0) - (1 if gn_KN[B, ng] == 1 else 0)
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _layer_loads(ld, r, ph, G, S, C, wE, w, gl, light):
     """Fill w (load of each slot, [P]) and gl (of each GPU, [G], summed slot by slot as the
     reference does) and light (the C lightest GPUs, lightest first); returns the busiest GPU h.
@@ -91,7 +92,7 @@ def _layer_loads(ld, r, ph, G, S, C, wE, w, gl, light):
     return h
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _price_swaps(ph, cnt, old, w, gl, h, light, room_G, room_tot, need, S, span, grp_E, node_G, gn_KN, fw, iw):
     """Best swap of slot a on the busiest GPU h with slot q on one of the lightest GPUs
     `light`: (key, flat index s * Q + qi), key -inf when none passes the threshold."""
@@ -159,7 +160,7 @@ def _price_swaps(ph, cnt, old, w, gl, h, light, room_G, room_tot, need, S, span,
     return skey, s_i
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _donors(ld, r, ph, cnt, old, w, gl, h, S, hE, harm, q_D, b_D, gq_D, db_D, wdb_D, cb_D, out_D, nb):
     """Choose the D donor slots of a replication (harm: how little losing a replica hurts,
     light GPU and light expert first; slots on h and of single-replica experts are inf) and
@@ -198,7 +199,7 @@ def _donors(ld, r, ph, cnt, old, w, gl, h, S, hE, harm, q_D, b_D, gq_D, db_D, wd
         nb[d] = -1
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _touched_max(cnt, gl, x, b, gq, dx, db, gx, nx, gb, nb):
     """Busiest GPU a replication of x over b touches other than gq: the max over GPUs holding x
     (gx[:nx], any b) and over GPUs holding b (gb[:nb], any x), as the reference's two passes.
@@ -220,7 +221,7 @@ def _touched_max(cnt, gl, x, b, gq, dx, db, gx, nx, gb, nb):
     return top
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _price_replications(ld, r, ph, cnt, old, w, gl, h, room_G, room_tot, need, S, D, span, grp_E, node_G, gn_KN,
                         fw, iw):
     """Best replication: expert x on the busiest GPU h gets one more replica in donor slot q
@@ -300,7 +301,7 @@ def _price_replications(ld, r, ph, cnt, old, w, gl, h, room_G, room_tot, need, S
     return rkey, r_i, q_D
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
                 span, grp_E, node_G, gn_KN):
     """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D).

@@ -12,10 +12,11 @@ that copy nothing, else among all allowed ones. It trusts its input (rule.repair
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G):
     """(found, gain, moves, a, b) of the layer's best swap (found False: none lowers the busiest GPU)."""
     P = phy_P.shape[0]
@@ -74,10 +75,3 @@ def best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G):
                 best_b = b
     return found, best_gain, best_moves, best_a, best_b
 
-
-def warm_up() -> None:
-    """Run the kernel once on tiny inputs of the argument types the real calls use."""
-    phy = np.array([0, 1, 2, 0], dtype=np.int64)
-    gpu = np.array([0, 0, 1, 1], dtype=np.int64)
-    best_swap(phy, np.array([3.0, 2.0, 1.0, 1.0]), np.full(4, 2, dtype=np.int8), np.ones((2, 3), dtype=np.bool_),
-              gpu, gpu, 2)

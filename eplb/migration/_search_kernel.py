@@ -18,12 +18,12 @@ so a serving thread keeps running while a side thread plans.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from eplb.core.jit import kernel
 from eplb.migration._price_kernel import price_layer
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _move_deltas(l, a, q, S, phy, cnt_LEG, old_LEG):
     """Moves a change of layer l adds onto slot q's GPU (dg) and, for a swap, onto slot a's GPU
     (dh): +1 for an expert landing on a GPU that did not hold it in the old placement, -1 for
@@ -37,7 +37,7 @@ def _move_deltas(l, a, q, S, phy, cnt_LEG, old_LEG):
     return dg, dh
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN):
     """Apply one change to layer l (copy slot a's expert over slot q, or swap a and q); returns its moves."""
     g = q // S
@@ -70,7 +70,7 @@ def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E
     return dg + dh
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _best_change(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
                  span, grp_E, node_G, gn_LKN):
     """Layer l's best change: (key, replicate?, slot a on the busiest GPU, slot q it goes to);
@@ -84,7 +84,7 @@ def _best_change(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need
     return skey, False, h * S + s_i // (C * S), light[qi // S] * S + qi % S
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _search_uncapped(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, min_gain_L, active, G, S, C, D, iters,
                      span, grp_E, node_G, gn_LKN, fw, iw):
     """No move cap: no change is ever refused and layers share nothing, so each layer runs all
@@ -103,7 +103,7 @@ def _search_uncapped(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, min_gain
     return total
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _price_active(load_LE, phy, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L, active, G, S, C, D,
                   span, grp_E, node_G, gn_LKN, fw, iw, kind, slot_a, slot_q):
     """Best change of every active layer l into kind[l] (1 replicate, 0 swap), slot_a[l],
@@ -133,7 +133,7 @@ def _price_active(load_LE, phy, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_ga
     return order
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _apply_in_order(order, kind, slot_a, slot_q, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
                     G, S, span, grp_E, node_G, gn_LKN):
     """Apply the changes of the layers in `order` that the budget can pay for; returns
@@ -173,7 +173,7 @@ def _apply_in_order(order, kind, slot_a, slot_q, phy, r_LE, cnt_LEG, old_LEG, in
     return total, applied
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
            min_gain_L, active, G, S, C, D, iters, span, grp_E, node_G, gn_LKN):
     """Run the budgeted search in place on phy, r_LE, cnt_LEG, in_G (and gn_LKN when span > 0);
@@ -223,7 +223,7 @@ def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu
     return total
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def holdings_LEG(phy2log_LP, G, E):
     """Compiled `migration.holdings` in the search's layout: replicas of each expert on each
     GPU, int16 [L, E, G] (slots < 0 skipped)."""

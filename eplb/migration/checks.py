@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.core.jit import kernel_ints  # noqa: F401  (the migration kernels' int type, re-exported)
 from eplb.errors import EplbError, whole_number
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from eplb.core.placement import Placement, gpu_loads
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
+from eplb.migration import _repair_kernel
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.search import Budget, budgeted_search, span_priced
 from eplb.stats.loads import group_span
@@ -90,8 +91,6 @@ def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
     that copy nothing (moves <= 0) come first, by gain. Compiled (eplb/migration/_repair_kernel.py;
     its numpy twin is tests/oracles/repair.py): the repair runs it once per swap bought.
     """
-    from eplb.migration import _repair_kernel  # numba: imported on first use, `eplb plan` starts fast
-
     found, gain, moves, a, b = _repair_kernel.best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, int(G))
     return (float(gain), int(moves), int(a), int(b)) if found else None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.errors import EplbError, finite_number, is_whole
+from eplb.migration import _search_kernel
 from eplb.migration.checks import check_count, check_load_and_maps, check_nodes
 
 
@@ -147,8 +148,6 @@ def prepare_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=
     L, P = phy.shape
     E = load_LE.shape[1]
     G, S = num_gpus, P // num_gpus
-    from eplb.migration import _search_kernel  # numba: imported on first use, `eplb plan` starts fast
-
     cnt_LEG = _search_kernel.holdings_LEG(phy, G, E)          # phy is old_LP: one count serves both
     old_LEG = cnt_LEG > 0
     r_LE = cnt_LEG.sum(axis=2).astype(np.int64)
@@ -204,8 +203,6 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
                            max_iters=max_iters)
     if state.num_gpus < 2:
         return state.phy2log_LP
-    from eplb.migration import _search_kernel
-
     s = state
     s.total = _search_kernel.search(
         s.load_LE, s.phy2log_LP, s.r_LE, s.cnt_LEG, s.old_LEG, s.in_G, s.total, s.cap_total, s.cap_gpu,

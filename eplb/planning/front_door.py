@@ -13,7 +13,6 @@ report away does not pay for them.
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -161,23 +160,15 @@ class PlanResult:
 def lower_bound(load_LE: np.ndarray, topology: Topology, count_LE: np.ndarray | None = None) -> np.ndarray:
     """`stats.lower_bound(load_LE, G, P)`, [L]. count_LE: a plan's replica counts [L, E] (sum P
     per layer); the layers where `stats.proven_bound` proves them min-max optimal take their
-    largest load per replica as the bound's second term. The other layers (all of them without
-    counts) are solved: with greedy's compiled `replicate` (the same problem, uncapped: at most
-    P replicas) when its kernels are loaded in this process, which beats numpy's loop of P - E
-    steps, else by stats. The optimum is unique, so every way gives it to the bit (ties only
-    change which expert attains it); a process without the kernels does not load numba for it."""
+    largest load per replica as the bound's second term, and only the others are solved. The
+    optimum is unique, so both ways give it to the bit (ties only change which expert attains it)."""
     G, P = topology.num_gpus, topology.num_slots
-    if count_LE is not None:
-        bound_L, proven_L = stats.proven_bound(load_LE, count_LE, G, P)
-        if not proven_L.all():
-            bound_L[~proven_L] = lower_bound(load_LE[~proven_L], topology)
-        return bound_L
-    if "planners._greedy_kernel" not in sys.modules:
+    if count_LE is None:
         return stats.lower_bound(load_LE, G, P)
-    from planners.greedy import replicate
-
-    # Optimal counts: their largest load per replica is the optimum, proven or not.
-    return stats.proven_bound(load_LE, replicate(load_LE, P, P), G, P)[0]
+    bound_L, proven_L = stats.proven_bound(load_LE, count_LE, G, P)
+    if not proven_L.all():
+        bound_L[~proven_L] = stats.lower_bound(load_LE[~proven_L], G, P)
+    return bound_L
 
 
 def even_split(rule: DispatchRule, placement: Placement) -> bool:

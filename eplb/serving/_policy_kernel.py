@@ -19,13 +19,14 @@ the repair with, slot by slot.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 _TIE = 1e-12      # choices closer than this (relative) are ties, broken by order: equal swaps and GPUs
 _EXP_CLIP = 600.0  # exp(600) is finite; only replicas above 12x the mean GPU load reach it at beta 50
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _shares(ring_MLE, l, G, share_EM):
     """Layer l of every window scaled so the mean GPU load is 1 (idle windows stay 0)."""
     M, _, E = ring_MLE.shape
@@ -37,7 +38,7 @@ def _shares(ring_MLE, l, G, share_EM):
             share_EM[e, m] = ring_MLE[m, l, e] * G / tot if tot > 0 else 0.0
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _loads(phy_P, cnt_E, share_EM, S, load_GM):
     """GPU loads of every window under an even split."""
     G, M = load_GM.shape
@@ -49,7 +50,7 @@ def _loads(phy_P, cnt_E, share_EM, S, load_GM):
             load_GM[g, m] += share_EM[e, m] / cnt_E[e]
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _cost(load_GM, w_M, worst_weight):
     """(the mean (windows weighted by w_M) and the worst window of the busiest GPU, weighted
     1 - worst_weight and worst_weight; the worst window's busiest)."""
@@ -67,7 +68,7 @@ def _cost(load_GM, w_M, worst_weight):
     return (1.0 - worst_weight) * total / wsum + worst_weight * worst, worst
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def window_busiest(ring_MLE, phy2log_LP, num_gpus):
     """Busiest GPU of the placement on each window and layer, [M, L] (mean GPU load 1)."""
     M, L, E = ring_MLE.shape
@@ -91,7 +92,7 @@ def window_busiest(ring_MLE, phy2log_LP, num_gpus):
     return out_ML
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _demand(share_EM, w_M, blend, key_E):
     """Each expert's demand, blending its mean (windows weighted by w_M) and worst share (with
     `_targets`' tie-break bonus), into key_E."""
@@ -114,7 +115,7 @@ def _demand(share_EM, w_M, blend, key_E):
         key_E[e] = key_E[e] + bonus * (E - e) / E
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _targets(key_E, P, G, r_E, per_E, heap_E):
     """Replica counts for the demand key_E (`_demand`), as
     `eplb.stats.replica_counts_minmax(demand, P, max_replicas=G)` sets them (same tie-break).
@@ -139,7 +140,7 @@ def _targets(key_E, P, G, r_E, per_E, heap_E):
         _sift_down(heap_E, per_E, 0, best, -np.inf if r_E[best] >= G else key_E[best] / r_E[best])
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _sift_down(heap_E, per_E, i, e, v):
     """Put expert e with demand per replica v at heap position i and let it sink below the
     entries taken before it (more demand per replica, or as much and a lower id); its
@@ -160,19 +161,19 @@ def _sift_down(heap_E, per_E, i, e, v):
     per_E[i] = v
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _arrival(e, g, hold_EG, was_EG):
     """Moves onto GPU g if expert e lands there (0 when g held it before the repair)."""
     return 0 if (hold_EG[e, g] > 0 or was_EG[e, g]) else 1
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _departure(e, g, hold_EG, was_EG):
     """Moves onto GPU g undone if one replica of e leaves it (its only copy, moved there)."""
     return 1 if (hold_EG[e, g] == 1 and not was_EG[e, g]) else 0
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap_total, cap_G, load_GM, peak_G):
     """Replicas from experts above their target count to experts below it, one slot at a time:
     each new replica overwrites a slot of an expert with replicas to spare, on a GPU without
@@ -221,7 +222,7 @@ def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap
     return moved
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _shift(hold_EG, cnt_E, share_EM, load_GM, x, e, sign, peak_G):
     """Add (sign 1) or take out (-1) the loads of every replica of experts x and e, and refresh
     the worst window of each GPU holding one (after adding: those GPUs include every GPU that
@@ -243,7 +244,7 @@ def _shift(hold_EG, cnt_E, share_EM, load_GM, x, e, sign, peak_G):
             _peak(load_GM, g, peak_G)
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _peak(load_GM, g, peak_G):
     """GPU g's worst window."""
     peak_G[g] = 0.0
@@ -251,7 +252,7 @@ def _peak(load_GM, g, peak_G):
         peak_G[g] = max(peak_G[g], load_GM[g, m])
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, work):
     """At most `rounds` swaps between a replica on one of the two GPUs with the heaviest worst
     window and a replica on one of the `partners` GPUs with the lightest, each the swap that
@@ -362,7 +363,7 @@ def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, wo
     return moved
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _ready(e, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM):
     """Expert e's load per replica w, x = exp(beta w) and 1 / x, per window (once per swap phase:
     callers test ready_E[e] first, as numba reference-counts an inlined helper's array
@@ -374,7 +375,7 @@ def _ready(e, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM):
     ready_E[e] = True
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _rank(peak_G, order_G):
     """GPUs by worst window, heaviest first; among equals the lower GPU first (insertion sort:
     G is small and nothing is allocated)."""
@@ -390,13 +391,13 @@ def _rank(peak_G, order_G):
         order_G[j + 1] = g
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _before(peak_G, a, b):
     """Does GPU a come before GPU b in `_rank`'s order (heavier, or as heavy and lower)?"""
     return peak_G[a] > peak_G[b] or (peak_G[a] == peak_G[b] and a < b)
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _rank_ends(peak_G, order_G, n_top, n_bottom):
     """The first n_top and the last n_bottom entries of `_rank`'s order, the rest left as they
     were, in one pass over the GPUs (a swap round reads only the two heaviest and the `partners`
@@ -425,7 +426,7 @@ def _rank_ends(peak_G, order_G, n_top, n_bottom):
             order_G[G - 1 - j] = g
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G):
     """GPU g's worst window, its terms of Z (each window's weighted by w_M) and their sum."""
     M = load_GM.shape[1]
@@ -437,7 +438,7 @@ def _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G):
         esum_G[g] += e_GM[g, m]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel(error_model="numpy")
 def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, worst_weight, cap_total, cap_G,
            new_LP, cost_L2, first, stop):
     """Repair layers first..stop-1 of old_LP against the windows of ring_MLE, window m weighted
@@ -550,7 +551,7 @@ def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills,
             was_EG[old_LP[l, p], p // S] = False
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _hold(phy_P, S, hold_EG, cnt_E):
     """Count phy_P's replicas per expert (into cnt_E) and per expert and GPU (into hold_EG, all
     zero before)."""
@@ -559,7 +560,7 @@ def _hold(phy_P, S, hold_EG, cnt_E):
         hold_EG[phy_P[p], p // S] += 1
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@kernel(inline=True, error_model="numpy")
 def _unhold(phy_P, S, hold_EG):
     """Zero hold_EG again, given the map it counts (the fills and swaps keep it equal to their
     map's holdings): P writes, where clearing all E x G entries for every use would outweigh a

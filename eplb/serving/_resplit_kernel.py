@@ -14,10 +14,11 @@ eight GPUs N = 256. (The rule `eplb.dispatch.Resplitter` converges to the same o
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _inverse_sizes(G):
     """1 / |X| for every non-empty subset X of G GPUs, [N] (0 for the empty set)."""
     n = 1 << G
@@ -31,7 +32,7 @@ def _inverse_sizes(G):
     return inv
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _add(f_MN, load_M, m, sign):
     """f[:, X] += sign x load for every X that contains mask m (its supersets, enumerated)."""
     full = f_MN.shape[1] - 1
@@ -44,7 +45,7 @@ def _add(f_MN, load_M, m, sign):
         s = (s + 1) | m
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _add_scenario(acc, seen, worst, t, w, wsum):
     """Fold one scenario's busiest / mean GPU t, of weight w, into the running cost's weighted
     sum, weight seen and worst; also returns a lower bound on the whole cost: the scenarios not
@@ -56,7 +57,7 @@ def _add_scenario(acc, seen, worst, t, w, wsum):
     return acc, seen, worst, 0.5 * (acc + (wsum - seen)) / wsum + 0.5 * worst
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _cost(f_MN, inv_N, mean_M, w_M, wsum, bound):
     """Half the weighted mean, half the worst scenario of busiest / mean GPU; stops early (returns
     a value >= bound) once the scenarios seen already cost at least `bound`."""
@@ -75,7 +76,7 @@ def _cost(f_MN, inv_N, mean_M, w_M, wsum, bound):
     return 0.5 * acc / wsum + 0.5 * worst
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _masks(cnt_EG, e):
     m = 0
     for g in range(cnt_EG.shape[1]):
@@ -84,7 +85,7 @@ def _masks(cnt_EG, e):
     return m
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _try(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, g2, h2):
     """Move one replica of e from GPU g to h and one of e2 (e2 >= 0) from g2 to h2 in the counts;
     update f for the masks that change. Returns (new mask of e, new mask of e2)."""
@@ -106,7 +107,7 @@ def _try(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, g2, h2):
     return me, me2
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _undo(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, g2, h2, me, me2):
     if me != m_E[e]:
         _add(f_MN, loadT_EM[e], me, -1.0)
@@ -121,7 +122,7 @@ def _undo(f_MN, loadT_EM, m_E, cnt_EG, e, g, h, e2, g2, h2, me, me2):
         cnt_EG[e2, h2] -= 1
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _pair_tables(f_MN, G, out_GGM, top_GGKM):
     """For every ordered GPU pair (g, h): the best f[X] / |X| over the sets X holding both or
     neither (out_GGM), and the largest f[X] over the sets of each size k holding g but not h
@@ -154,7 +155,7 @@ def _pair_tables(f_MN, G, out_GGM, top_GGKM):
                             top_GGKM[g, h, k, w] = f_MN[w, s]
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _swap_cost(out_GGM, top_GGKM, loadT_EM, e, g, e2, h, mean_M, w_M, wsum, bound):
     """`_cost` after single-replica expert e moves from GPU g to h and e2 from h to g (tables of
     `_pair_tables`); stops early as `_cost` does."""
@@ -178,7 +179,7 @@ def _swap_cost(out_GGM, top_GGKM, loadT_EM, e, g, e2, h, mean_M, w_M, wsum, boun
     return 0.5 * acc / wsum + 0.5 * worst
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _layer(phy_P, load_ME, w_M, G, rounds, price):
     """Local search on one layer: swaps of two slots' experts between GPUs (two moves) and a
     spare replica rewritten to another expert (one move), each kept when it lowers the cost by
@@ -279,7 +280,7 @@ def _layer(phy_P, load_ME, w_M, G, rounds, price):
     return before, best
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def resplit_search(phy_LP, load_MLE, w_M, G, rounds, price):
     """The local search of every layer (see _layer); returns (new map [L, P], cost [L, 2]: before,
     after)."""
@@ -294,7 +295,7 @@ def resplit_search(phy_LP, load_MLE, w_M, G, rounds, price):
     return out, cost_L2
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def resplit_busiest(phy_LP, load_MLE, G):
     """Busiest / mean GPU under the best re-split of each scenario and layer, [M, L]."""
     L, P = phy_LP.shape

@@ -53,6 +53,7 @@ from eplb.core.placement import Placement
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.migration import Budget, count_moves
+from eplb.migration.moves import fewest_moves
 from eplb.migration.search import span_priced
 from eplb.planning.front_door import plan
 from eplb.serving.load_estimate import (
@@ -65,14 +66,12 @@ from eplb.serving.load_estimate import (
     true_or_false,
 )
 from eplb.serving.repair import (
-    fewest_moves,
     group_pairs,
     normalise,
     renamed,
     repair,
     replica_counts,
     robust_repair,
-    warm_up,
     window_imbalance,
     within_caps,
 )
@@ -80,14 +79,13 @@ from eplb.serving.resplit_repair import PLAN_ROUNDS, resplit_decision
 from planners.api import get_planner
 from planners.greedy import REFINE_GAP, plan_greedy, replicate
 
-# The load estimate and the compiled steps live in eplb.serving.load_estimate and eplb.serving.repair; their names
-# are importable from here too, and `warm_up` here is what the Rebalancer's background loading
-# finds (eplb.planning.kernel_sets.kernel_modules).
+# The load estimate and the kernels' Python side live in eplb.serving.load_estimate and
+# eplb.serving.repair; their names are importable from here too.
 __all__ = [
     "POLICIES", "AdaptivePolicy", "BucketedSum", "ChangeDetector", "Decision", "HorizonChooser", "Policy",
     "StaticPolicy",
     "WindowMemory", "WindowPolicy", "get_policy", "group_pairs", "normalise", "policy_settings", "renamed",
-    "repair", "robust_repair", "takes_budget", "warm_up", "window_imbalance",
+    "repair", "robust_repair", "takes_budget", "window_imbalance",
 ]
 
 # Decisions -------------------------------------------------------------------------------------
@@ -207,12 +205,6 @@ class AdaptivePolicy:
     @property
     def memory_bytes(self) -> int:
         return sum(0 if m is None else m.nbytes for m in (self._mem, self._load, self._chooser))
-
-    @property
-    def kernel_modules(self) -> tuple[str, ...]:
-        """Kernel modules these settings use beyond this module's own `warm_up` (the Rebalancer
-        loads them in the background): the re-split search only when the engine re-splits."""
-        return ("eplb.serving.resplit_repair",) if self.rule == "resplit" else ()
 
     def _windows(self, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
         """The kept windows as planned on (raw, in ring order: every use sums or maximises over

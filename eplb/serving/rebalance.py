@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from eplb import stats
-from eplb.core.jit import warm_up_in_background
+from eplb.core.jit import record
 from eplb.core.placement import Placement
 from eplb.core.trace import MAX_COUNT
 from eplb.dispatch.cost import TimeObjective, check_objective
@@ -47,16 +47,10 @@ from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent
 from eplb.migration.schedule.rounds import ScheduleThread
 from eplb.migration.search import span_priced
 from eplb.planning.front_door import even_split, lower_bound, plan
-from eplb.planning.kernel_sets import kernel_modules
 from eplb.serving.load_estimate import BucketedSum
 from eplb.serving.policy import Policy, get_policy, takes_budget
 from eplb.stats.loads import group_span
 from planners.api import get_planner
-
-KNOWN_TIMEOUT_S = 30.0
-"""Longest a due check waits to learn whether the kernels load from the cache or compile (the
-warm-up's probe takes about a second; past this the check goes ahead as due)."""
-
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
 """The budget of `eplb.plan` when the Rebalancer is given none (failed ranks, policy=None): no
@@ -88,8 +82,8 @@ class RebalanceResult:
     seconds: float = 0.0
     """Wall time of planning + scheduling (info has "decision_seconds" for the placement,
     "schedule_seconds" for the migration schedule, which runs on a side thread beside the
-    scoring of both placements, and "kernel_wait_seconds" for the wait, first decision only,
-    for kernels still loading)."""
+    scoring of both placements, and "interpreted_kernels": the kernels that ran as plain Python,
+    before their machine code was ready (eplb.core.jit: the first decisions after an install))."""
     message: str = ""
     """How the plan was made (planner status, budget, fallbacks)."""
     info: dict = field(default_factory=dict)
@@ -201,11 +195,7 @@ class Rebalancer:
         self.objective = check_objective(objective)
         self.planner = planner
         self.settings = dict(settings or {})
-        # The kernels of the planner, the migration step and the policy load on a side thread
-        # (and, on the first run after an install, compile in side processes): construction
-        # returns at once and the first rebalance waits only for what is not ready yet.
         self.policy = None if policy is None else get_policy(policy, objective=self.objective)
-        self.warmup = warm_up_in_background(kernel_modules(planner, self.policy, placement.slots_per_gpu))
         if self.policy is not None:
             self._check_policy_budget(placement)
             params = inspect.signature(self.policy.decide).parameters if takes_budget(self.policy) else {}
@@ -276,9 +266,7 @@ class Rebalancer:
         """Add one step's (or batch's) router counts; True when a rebalance is due.
 
         counts: logical [L, E], or physical-slot [L, P] (mapped back through the current
-        placement). When E == P the shape does not say which: pass `physical`. In the first
-        process after an install, a due check is held back while the kernels compile
-        (`last_check["reason"]` says so), so `rebalance()` called on True never waits for them.
+        placement). When E == P the shape does not say which: pass `physical`.
         """
         if physical is not None and not isinstance(physical, (bool, np.bool_)):
             raise EplbError(f"physical must be True, False or None, got {physical!r}")
@@ -328,25 +316,7 @@ class Rebalancer:
                 due = True
             else:
                 due = self._check_locked()
-        return due and self._unless_compiling()
-
-    def _unless_compiling(self) -> bool:
-        """False (and the check says why) while the kernels a decision runs are compiling, the
-        first process after an install only: a serving loop that rebalances when observe says so
-        then never waits tens of seconds in rebalance(). The next check asks again; a policy
-        keeps the closed windows meanwhile and sees them all at its next decision.
-
-        A check due in a new process's first second may come before the warm-up knows whether
-        the cache holds the kernels; it waits for that (about a second, numba's import), not
-        for a compile."""
-        self.warmup.wait_until_known(KNOWN_TIMEOUT_S)
-        if not self.warmup.compiling:
-            return True
-        with self._lock:
-            self.last_check = {**self.last_check, "due": False,
-                               "reason": f"due, but held back: the kernels are compiling ({self.warmup.status}); "
-                                         f"the next check asks again"}
-        return False
+        return due
 
     def _checked_counts(self, counts) -> np.ndarray:
         """One observation as float64, refused (state unchanged) unless it is real token counts.
@@ -411,16 +381,14 @@ class Rebalancer:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
-        # The first decision after construction may find the kernels still loading (or, after
-        # an install, compiling): wait for them rather than compile them a second time here.
-        self.warmup.wait()
-        waited = time.perf_counter() - t0
-        if self.policy is not None and not failed.size:
-            result = self._plan_policy(pl, ranks, load, step, bound)
-        else:
-            result = self._plan(pl, ranks, load, failed, step, bound)
+        with record() as interpreted:
+            if self.policy is not None and not failed.size:
+                result = self._plan_policy(pl, ranks, load, step, bound)
+            else:
+                result = self._plan(pl, ranks, load, failed, step, bound)
+        interpreted |= result.info.pop("_schedule_interpreted", set())
         result = replace(result, seconds=time.perf_counter() - t0,
-                         info={**result.info, "kernel_wait_seconds": waited})
+                         info={**result.info, "interpreted_kernels": sorted(interpreted)})
         if apply:
             self.adopt(result, _expect_version=version)
         return result
@@ -505,7 +473,7 @@ class Rebalancer:
         before = self._score(pl, load, lower_bound(load, pl.topology) if failed.size else res.lower_bound_L, bound)
         mig = side.result()
         info = dict(res.info.get("migration", {}))
-        info.update(decision_seconds=t1 - t0, schedule_seconds=side.seconds)
+        info.update(decision_seconds=t1 - t0, schedule_seconds=side.seconds, _schedule_interpreted=side.interpreted)
         message = f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else "")
         lost: tuple[tuple[int, int], ...] = ()
         if failed.size:
@@ -572,7 +540,8 @@ class Rebalancer:
         new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
         mig = side.result()
         info = {"decision_seconds": t1 - t0, "schedule_seconds": side.seconds,
-                "moves": mig.moves, "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
+                "_schedule_interpreted": side.interpreted, "moves": mig.moves,
+                "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
         if pl.num_nodes > 1 and self.num_expert_groups:
             for k, m in (("before", pl), ("after", new)):
                 info[f"group_span_{k}"] = float(group_span(m.phy2log_LP, pl.num_gpus, pl.num_nodes,

@@ -1,22 +1,22 @@
-"""The adaptive policy's compiled steps, called from Python: window scores, the repair of a
-placement in force (kernels in eplb/serving/_policy_kernel.py), and the renaming of a fresh plan onto it
-(eplb/serving/_rename_kernel.py).
+"""The adaptive policy's kernels, called from Python: window scores and the repair of a placement
+in force (eplb/serving/_policy_kernel.py), and the renaming of a fresh plan onto it (by
+`eplb.migration.rename_gpus`).
 
 Legend: M = windows in memory, L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU,
 P = G x S physical slots.
 
-Every function here trusts its input (eplb.serving.policy and the Rebalancer check it at the boundary)
-and imports numba on first use. eplb.serving.policy re-exports every public name.
+Every function here trusts its input (eplb.serving.policy and the Rebalancer check it at the
+boundary). eplb.serving.policy re-exports every public name.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
 from eplb.core.jit import kernel_floats, kernel_ints
 from eplb.migration import count_moves, relabel
+from eplb.migration.moves import rename_gpus
+from eplb.serving import _policy_kernel
 from eplb.stats.loads import group_span
 from planners._threads import run_blocks
 from planners.robust import normalise_windows
@@ -33,8 +33,6 @@ def window_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: 
     windows_MLE: loads per window (counts, planning loads or `normalise`d shares: each window
     and layer is normalised so its mean GPU load is 1).
     """
-    from eplb.serving import _policy_kernel  # numba: imported on first use
-
     return _policy_kernel.window_busiest(kernel_floats(windows_MLE), kernel_ints(phy2log_LP), int(num_gpus))
 
 
@@ -74,8 +72,6 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     layer, cost = (1 - worst_weight) x the mean + worst_weight x the worst window of busiest /
     mean GPU (the adaptive policy's decision uses half and half).
     """
-    from eplb.serving import _policy_kernel  # numba: imported on first use
-
     old = kernel_ints(phy2log_LP)
     G = int(num_gpus)
     new_LP = np.empty_like(old)
@@ -106,53 +102,12 @@ def robust_repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int
 def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int,
             num_nodes: int = 1) -> np.ndarray:
     """new_LP with its GPUs renamed (and slots ordered) to keep the most replicas of old_LP in
-    place, [L, P]. One node: a compiled greedy matching of GPUs by shared experts (a few ms at
-    256 GPUs); more nodes: `eplb.migration.relabel` (nodes renamed as wholes)."""
+    place, [L, P]. One node: a greedy matching of GPUs by shared experts
+    (`eplb.migration.rename_gpus`, a few ms at 256 GPUs); more nodes: `eplb.migration.relabel`
+    (nodes renamed as wholes)."""
     if num_nodes > 1:
         return np.take_along_axis(new_LP, relabel(old_LP, new_LP, num_gpus, num_logical_experts, num_nodes), axis=1)
-    from eplb.serving import _rename_kernel  # numba: imported on first use
-
-    L, P = new_LP.shape
-    G, E = int(num_gpus), int(num_logical_experts)
-    old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
-    out_LP = np.empty_like(new_k)
-
-    def rows(a: int, b: int) -> None:   # rows are independent: blocks of them on threads
-        _rename_kernel.rename_gpus(old_k[a:b], new_k[a:b], G, E, out_LP[a:b])
-
-    run_blocks(rows, L, P)
-    return out_LP
-
-
-def fewest_moves(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_experts: int) -> np.ndarray:
-    """A lower bound on the moves (`count_moves`) of new_LP onto old_LP with new_LP's GPUs
-    renamed in any way (`renamed`'s way included), per layer, int [L], before a renaming is made:
-    each new GPU keeps at most what it shares with the old GPU it shares most with (compiled,
-    blocks of layers on threads)."""
-    from eplb.serving import _rename_kernel  # numba: imported on first use
-
-    old_k, new_k = kernel_ints(old_LP), kernel_ints(new_LP)
-    out_L = np.empty(old_k.shape[0], dtype=np.int64)
-
-    def rows(a: int, b: int) -> None:
-        out_L[a:b] = _rename_kernel.fewest_moves(old_k[a:b], new_k[a:b], int(num_gpus), int(num_logical_experts))
-
-    run_blocks(rows, *old_k.shape)
-    return out_L
-
-
-def warm_up() -> float:
-    """Load (or, after an install, compile) the adaptive policy's kernels now; returns seconds."""
-    t0 = time.perf_counter()
-    phy = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
-    win = np.array([[[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]]] * 4)
-    window_imbalance(phy, win, 2)
-    repair(phy, win, 2, rounds_L=np.array([2, 2]))
-    repair(phy, win, 2, rounds_L=np.array([2, 2]), max_moves=1, max_moves_G=np.array([1, 1]))
-    repair(phy, win, 2, rounds_L=np.array([2, 2]), weights_M=np.array([1.0, 1.0, 2.0, 2.0]))
-    renamed(phy, phy[::-1].copy(), 2, 3)
-    fewest_moves(phy, phy[::-1].copy(), 2, 3)
-    return time.perf_counter() - t0
+    return rename_gpus(old_LP, new_LP, num_gpus, num_logical_experts)
 
 
 def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,

@@ -21,12 +21,11 @@ larger draws than the ones seen.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from eplb.core.jit import kernel_floats, kernel_ints
 from eplb.errors import EplbError
+from eplb.serving import _resplit_kernel
 from planners.robust import normalise_windows
 
 MAX_GPUS = 12
@@ -56,8 +55,6 @@ def scenarios(windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | No
 
 def resplit_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
     """Busiest / mean GPU of each window and layer under the best re-split, [M, L] (idle layers 1)."""
-    from eplb.serving import _resplit_kernel  # numba: imported on first use
-
     check_gpus(num_gpus)
     return _resplit_kernel.resplit_busiest(kernel_ints(phy2log_LP), kernel_floats(windows_MLE), int(num_gpus))
 
@@ -74,22 +71,10 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
     mean GPU, `scenarios` of the windows with `spread`) drops by more than `price` per move, for at
     most `rounds` passes. A layer already balanced in every scenario is left as it is.
     """
-    from eplb.serving import _resplit_kernel
-
     check_gpus(num_gpus)
     load_MLE, w_M = scenarios(windows_MLE, num_gpus, weights_M, spread)
     return _resplit_kernel.resplit_search(kernel_ints(old_LP), kernel_floats(load_MLE), kernel_floats(w_M),
                                           int(num_gpus), int(rounds), float(price))
-
-
-def warm_up() -> float:
-    """Load (or, after an install, compile) the re-split repair's kernels now; returns seconds."""
-    t0 = time.perf_counter()
-    phy = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
-    win = np.array([[[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]]] * 4)
-    resplit_imbalance(phy, win, 2)
-    resplit_repair(phy, win, 2, weights_M=np.array([1.0, 1.0, 2.0, 2.0]), price=0.01)
-    return time.perf_counter() - t0
 
 
 def resplit_decision(old_LP: np.ndarray, windows_MLE: np.ndarray, weights_M: np.ndarray, num_gpus: int,

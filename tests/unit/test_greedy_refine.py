@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import eplb
+from eplb import stats
 from planners import _greedy_kernel as kernel
-from planners.greedy import pack_replicas, replicate
+from planners.greedy import pack_replicas, plan_greedy, replicate
 
 
 def _case(rng, L: int, G: int, S: int, E: int, ties: bool):
@@ -135,3 +137,16 @@ def test_the_greedy_planner_takes_the_gap_and_refine_gap_0_refines_to_the_floor(
     floor_L = np.maximum(load_LE.sum(axis=1) / 8, (load_LE / count_LE).max(axis=1))
     assert np.all((busiest_L <= floor_L * (1 + REFINE_GAP + 1e-9)) | (busiest_L == exact_L))
     assert np.all(exact_L <= busiest_L) and (exact_L < busiest_L).any()  # the gap stopped some layer early
+
+
+@pytest.mark.parametrize("G, S", [(4, 9), (8, 5), (16, 3)])
+def test_greedy_refinement_never_raises_the_busiest_gpu(G, S):
+    rng = np.random.default_rng(G)
+    load = np.floor(rng.gamma(2.0, 100.0, (6, 32))) + 1
+    packed = plan_greedy(load, G, S, refine_rounds=0)
+    refined = plan_greedy(load, G, S)
+    busiest = lambda phy: eplb.Placement(phy, G, 32).gpu_loads(load).max(axis=1)  # noqa: E731
+    assert (busiest(refined) <= busiest(packed) + 1e-9).all()
+    assert (busiest(refined) < busiest(packed) - 1e-9).any()
+    lb = stats.lower_bound(load, G, G * S)
+    assert (busiest(refined) >= lb - 1e-9).all()

@@ -7,8 +7,8 @@ import pytest
 from eplb import EplbError, plan, stats
 from eplb.core.placement import Placement
 from eplb.migration import count_moves, relabel
+from eplb.migration.moves import fewest_moves
 from eplb.serving.policy import AdaptivePolicy, get_policy, renamed
-from eplb.serving.repair import fewest_moves
 from tests.placements import skewed_counts
 
 L, E, G, S = 2, 64, 64, 2

@@ -98,13 +98,11 @@ def test_bad_settings_and_inputs_name_the_value():
     assert d is None or d.phy2log_LP.shape == phy.shape
 
 
-def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
-    """A read-only Placement map and a policy's windows reach the kernels as warm_up's types."""
+def test_real_calls_reach_the_kernels_with_one_argument_type_list():
+    """A read-only Placement map, a policy's windows and float32 windows reach the kernels as one
+    type list each (eplb.core.jit: one cache entry each)."""
     from eplb.serving import _resplit_kernel as k
-    from eplb.serving.resplit_repair import warm_up
 
-    warm_up()
-    before = [len(f.signatures) for f in (k.resplit_search, k.resplit_busiest)]
     rng = np.random.default_rng(8)
     pl = Placement(random_placement(rng), G, E)
     pol = AdaptivePolicy(rule="resplit", resplit_move_cost=0.0)
@@ -112,4 +110,5 @@ def test_warm_up_compiles_the_only_kernel_versions_real_calls_use():
         pol.observe(w, pl)
     pol.decide(pl)
     resplit_imbalance(pl.phy2log_LP, windows(rng).astype(np.float32), G)
-    assert [len(f.signatures) for f in (k.resplit_search, k.resplit_busiest)] == before
+    resplit_imbalance(pl.phy2log_LP, windows(rng), G)
+    assert [len(f._state) for f in (k.resplit_search, k.resplit_busiest)] == [1, 1]

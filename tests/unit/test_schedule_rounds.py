@@ -109,7 +109,7 @@ def test_an_exchange_spares_the_send_critical_rank():
 
 
 def _kernel_rows(old, new, G, E, chunk, relay, full_search):
-    from eplb.migration.checks import kernel_ints
+    from eplb.core.jit import kernel_ints
     from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
     from eplb.migration.schedule.rounds import CANDIDATES_PER_RANK, RELAY_CANDIDATES_PER_RANK
 

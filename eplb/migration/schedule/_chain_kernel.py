@@ -15,12 +15,11 @@ Stages of `_schedule_kernel.schedule`, inlined into it:
 
 from __future__ import annotations
 
-from numba import njit
-
+from eplb.core.jit import kernel
 from eplb.migration.schedule._cycles_kernel import is_deadlock
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
     """For the chunk's pending slots whose expert only one rank holds (and not their own):
     fsrc[l, p] = that rank, which must send it; rout counts them per rank (a priority of the
@@ -44,7 +43,7 @@ def forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr):
             rout[hr[e]] += 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def touch(st, le):
     """Expert le = l * E + e of the schedule's state st gained or lost a holder or a holder's
     staging mark: the chain order recomputes the links of the slots that want it."""
@@ -54,7 +53,7 @@ def touch(st, le):
         st.dn[0] += 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _link(st, nxt, code, d, S, P, E):
     """The chain link of pending slot code = l * P + p on rank d at a round's start: the slot
     it lets be written (the only holder of its target; or a staging slot holding it, of two
@@ -82,7 +81,7 @@ def _link(st, nxt, code, d, S, P, E):
     st.loc[l, code - l * P] = local
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def chain_order(st, sg, S, P, depth, key, rin):
     """At the start of a round: order each rank's pending slots by the chain each one heads,
     longest first; rin[d] = the copies rank d must still receive over a link (its pending

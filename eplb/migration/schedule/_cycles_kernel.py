@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 _Staging = namedtuple("_Staging", [
     "wf",           # first pending slot waiting for (l, e) (code l * P + p), valid where
@@ -40,7 +41,7 @@ _Staging = namedtuple("_Staging", [
 ])
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def new_staging(new_LP, E, G):
     """Scratch of `stage` for the target new_LP [L, P] of E experts over G ranks."""
     L, P = new_LP.shape
@@ -66,14 +67,14 @@ def new_staging(new_LP, E, G):
                     np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int32), np.empty(L * P, dtype=np.int32))
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _first_waiting(st, sg, l, o, S, P):
     """The pending slot that waits for expert o of layer l in `_find_cycles` (the first in
     queue order whose target is o), or -1."""
     return _waiter(st.inpend, sg.want_ptr, sg.want, st.pend, st.npend, l, o, S, P, sg.wf.shape[1])
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def is_deadlock(st, sg, code, S, P):
     """Is the cycle of chain links through pending slot code = l * P + q (sg.path_LP: the slot
     each pending slot waits on, as such codes, see `_chain_kernel.chain_order`) a
@@ -93,7 +94,7 @@ def is_deadlock(st, sg, code, S, P):
             return True
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _waiter(inpend, want_ptr, want, pend, npend, l, x, S, P, E):
     """The first pending slot in queue order whose target is expert x of layer l, or -1
     (`_first_waiting` on arrays: the walks below pass the state's arrays, not the state,
@@ -119,7 +120,7 @@ def _waiter(inpend, want_ptr, want, pend, npend, l, x, S, P, E):
     return best
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _list_deadlocks(st, sg, pairs_N2, n, S, P, after):
     """List the deadlocked cycles through the pending holders of the experts pairs_N2[:n]
     ((layer, expert), each with < 2 complete replicas now) where `_find_cycles` would: a
@@ -224,7 +225,7 @@ def _list_deadlocks(st, sg, pairs_N2, n, S, P, after):
             tally[1] = ncyc + 1
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def deadlocks(st, sg, done, nd, S, P, start_N2, nstart):
     """List for `stage` the deadlocked cycles now, after the round's copies done[:nd]: exactly
     the ones `_find_cycles` would list (every cycle of the round, whose graph the round's copies
@@ -248,7 +249,7 @@ def deadlocks(st, sg, done, nd, S, P, start_N2, nstart):
     return sg.tally[1]
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def more_deadlocks(st, sg, l, o, S, P, c):
     """`stage` staged into a slot of expert o of layer l, which has < 2 complete replicas now,
     while breaking listed cycle c: list the cycles that became deadlocks through it and come
@@ -259,7 +260,7 @@ def more_deadlocks(st, sg, l, o, S, P, c):
     _list_deadlocks(st, sg, pairs, 1, S, P, c)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _find_cycles(st, sg, P):
     """Walk the "waits for" links from every pending slot; returns the cycles found as
     (count, sg.cyc_buf of codes l * P + p, sg.cyc_start, sg.cyc_len)."""

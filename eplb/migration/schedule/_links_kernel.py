@@ -14,12 +14,12 @@ exchange would leave to it. `st` is the schedule's state (`_schedule_kernel._Slo
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from eplb.core.jit import kernel
 from eplb.migration.schedule._stage_kernel import FINAL, PENDING, _left_to_critical, _spare
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _match(adj, pref, npref, rin, rout, G, relay):
     """Maximum matching of destination ranks (rows) to columns (ranks 0..G-1, checkpoint
     G + d), rows with the most network copies still to receive first (they bound the
@@ -96,7 +96,7 @@ def _match(adj, pref, npref, rin, rout, G, relay):
     return match_row
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _rows_by_column(pref, npref, G, C):
     """The transpose of the G rows' candidate columns pref[d, :npref[d]], keeping columns < C:
     (cptr [C + 1], rows), column c's rows in ascending order at rows[cptr[c]:cptr[c + 1]]."""
@@ -118,7 +118,7 @@ def _rows_by_column(pref, npref, G, C):
     return cptr, rows
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _cover_senders(pref, npref, rout, G, match_row, match_col, parent):
     """Each source rank left out of the matching, the most planned sends left (rout) first,
     takes a row through an alternating path c - d1 - c1 - d2 - c2 ... (d_i matched to c_i)
@@ -170,7 +170,7 @@ def _cover_senders(pref, npref, rout, G, match_row, match_col, parent):
             x = u
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def commit(l, p, e, src_rank, src, d, st, done, nd):
     """Take the copy of expert e into slot p (layer l) from slot src on rank src_rank (-1: the
     checkpoint) as row nd of this round: p stops being a complete replica of what it holds."""
@@ -190,7 +190,7 @@ def commit(l, p, e, src_rank, src, d, st, done, nd):
     done[nd, 6] = 0
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def held_back(hold_LP, cur, tgt, l, p, late):
     """Does pending slot p (hold_LP[l, p] >= 0) still keep its expert for the slot of an exchange
     (`_exchange_stage`), which has not taken it yet? late: p's rank is receive-critical now, so p
@@ -202,7 +202,7 @@ def held_back(hold_LP, cur, tgt, l, p, late):
     return False
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _exchange_stage(st, crit, l, p, src, S, P, depth, rin, rmax, done, nd, hold_LP):
     """Pending slot p (layer l) is about to take its target from slot src on a rank that is not
     send-critical, and src waits for p's expert o while it holds the only complete replica of its
@@ -243,7 +243,7 @@ def _exchange_stage(st, crit, l, p, src, S, P, depth, rin, rmax, done, nd, hold_
     return nd + 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _send_key(r, d, rout, sent, f, G):
     """Order of source column r for destination rank d (lower first): the candidate's planned
     source f (relay mode; else -1) first; then r's sends so far plus those only r can make (its
@@ -256,7 +256,7 @@ def _send_key(r, d, rout, sent, f, G):
     return (rout[r] + sent[r]) * (G + 1) + (r - d) % G
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, ncrit, late, depth, rmax, hold_LP):
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first

@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit
 
+from eplb.core.jit import kernel
 from eplb.migration.schedule._chain_kernel import chain_order, forced_sources, touch
 from eplb.migration.schedule._cycles_kernel import deadlocks, new_staging
 from eplb.migration.schedule._links_kernel import commit, held_back, take_links
@@ -78,7 +78,7 @@ _Round = namedtuple("_Round", [
 ])
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def _grow(a, n):
     """a with room for at least n rows (doubling), rows kept."""
     if n <= a.shape[0]:
@@ -88,7 +88,7 @@ def _grow(a, n):
     return b
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def pend_layer(pend, npend, P):
     """Layer of the first pending slot (for the error message), or -1."""
     for d in range(npend.size):
@@ -97,7 +97,7 @@ def pend_layer(pend, npend, P):
     return -1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _hold(head, nxt, prv, he, code):
     """Put slot code (l * P + p) at the front of the holders of he (l * E + e)."""
     h = head[he]
@@ -108,7 +108,7 @@ def _hold(head, nxt, prv, he, code):
     head[he] = code
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _may_local(old_LP, new_LP, S):
     """[L, P]: may another slot of p's rank hold p's target while p is pending? A slot only
     ever holds its old expert, its target or a staged expert (`_stage_rows` adds those, and
@@ -124,7 +124,7 @@ def _may_local(old_LP, new_LP, S):
     return out
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _local_ahead(cur_LP, new_LP, l, p, S):
     """Does another slot of p's rank hold p's target now (cur_LP) or at the end (new_LP)?"""
     e = new_LP[l, p]
@@ -135,7 +135,7 @@ def _local_ahead(cur_LP, new_LP, l, p, S):
     return False
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _new_state(old_LP, new_LP, G, E):
     """The _Slots of a schedule from old_LP to new_LP: nothing pending yet."""
     L, P = new_LP.shape
@@ -174,7 +174,7 @@ def _new_state(old_LP, new_LP, G, E):
         np.zeros(2, dtype=np.int64))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _queue_chunk(st, c0, c1, S, P, depth):
     """Queue the slots of layers c0..c1-1 that change on their ranks (their chain depths cleared);
     returns how many."""
@@ -191,7 +191,7 @@ def _queue_chunk(st, c0, c1, S, P, depth):
     return st.npend.sum()
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _count_room(st, c0, c1, E, P):
     """Round-start counts of a layer's spare room (tight layers): experts held, pending slots."""
     for l in range(c0, c1):
@@ -205,7 +205,7 @@ def _count_room(st, c0, c1, E, P):
             st.npl[st.pend[d, k] // P] += 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _kept(st, l, x, E, P):
     """Does a slot in its final state hold expert x of layer l completely? (Then a staging copy of x
     is not needed any more: the slot it staged for may be written without it.)"""
@@ -217,7 +217,7 @@ def _kept(st, l, x, E, P):
     return False
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _scan(st, rd, S, P, tight, nd, hold_LP, late_G):
     """Local copies are taken at once (no link); network and checkpoint candidates (at most
     K per destination rank) go to rd for the link matching. nd: rows of rd.done taken
@@ -307,7 +307,7 @@ def _scan(st, rd, S, P, tight, nd, hold_LP, late_G):
     return nd
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _release_holds(hold_LP, pend, npend, P):
     """Nothing moved this round: the slots held back for an exchange (`_links_kernel.held_back`)
     give way. Returns whether any did."""
@@ -321,7 +321,7 @@ def _release_holds(hold_LP, pend, npend, P):
     return any_held
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _apply_round(st, done, nd, out, M, R):
     """Write the nd copies of round R into the slots and as rows M.. of out (grown as needed);
     returns (out, new M)."""
@@ -360,7 +360,7 @@ def _apply_round(st, done, nd, out, M, R):
     return out, M
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _requeue(st, done, nd, S, P, depth):
     """Drop the slots that reached their target from the queues; a staging copy makes its slot
     pending again (it must get its own expert back). Clears the chain depths of the slots still
@@ -391,7 +391,7 @@ def _requeue(st, done, nd, S, P, depth):
     return st.npend.sum()
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _stage_rows(st, done, i, S):
     """Row i of the round is a staging copy: mark its slot (pending from now on, see
     `_may_local`), and let the slots of its rank whose target it stages find a local source there."""
@@ -413,19 +413,19 @@ def _stage_rows(st, done, i, S):
             st.mayloc[l, q] = True
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def schedule(old_LP, new_LP, G, E, chunk, per_rank, full_search, stop):
     """The plain rounds (`_rounds` without relays): see `_rounds`."""
     return _rounds(old_LP, new_LP, G, E, chunk, per_rank, False, full_search, stop)
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def schedule_relay(old_LP, new_LP, G, E, chunk, per_rank, full_search, stop):
     """The relay mode's rounds: see `_rounds`."""
     return _rounds(old_LP, new_LP, G, E, chunk, per_rank, True, full_search, stop)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
     """Rounds of copies from old_LP to new_LP; returns (out_M8, chunk_R, status, layer).
 

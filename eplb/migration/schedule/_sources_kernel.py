@@ -17,10 +17,11 @@ state (`_schedule_kernel._Slots`).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from eplb.core.jit import kernel
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _pending_copies(st, c0, c1, S, P, fsrc):
     """The network copies pending in layers c0..c1-1 (codes l * P + p, whose rank holds no
     replica of the target and whose target some rank holds), with the ranks holding each
@@ -71,7 +72,7 @@ def _pending_copies(st, c0, c1, S, P, fsrc):
     return codes[:m], nhold[:m], hptr[:m + 1], hranks
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def plan_sources(st, c0, c1, S, P, fsrc, rout):
     """Plan a source rank for each pending network copy of layers c0..c1-1: fsrc[l, p] = that
     rank (-1: none planned), rout[g] = the sends planned on rank g.
@@ -134,7 +135,7 @@ def plan_sources(st, c0, c1, S, P, fsrc, rout):
             fsrc[codes[order[k]] // P, codes[order[k]] % P] = assign[k]
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _level(order, dst, gfirst, assign, hptr, hranks, rout, cap):
     """Move planned sends off the ranks with more than cap along augmenting paths (a send moves
     from rank u to another of its choices v, whose own send moves on, ... to a rank below cap),
@@ -207,7 +208,7 @@ def _level(order, dst, gfirst, assign, hptr, hranks, rout, cap):
             rout[end] += 1
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def unlink(head, nxt, prv, i, k):
     """Take item k out of list i of a doubly linked set of lists (head[i] its first item, nxt /
     prv the links; -1 ends a list)."""

@@ -13,8 +13,8 @@ found a deadlock (or nothing else moved).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from eplb.core.jit import kernel
 from eplb.migration.schedule._cycles_kernel import _find_cycles, more_deadlocks
 
 # Where `stage` takes its cycles from (its `cycles` argument):
@@ -27,7 +27,7 @@ PENDING = 1   # a pending slot (it changes anyway)
 FINAL = 2     # a slot in its final state (restored after the staging)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _spare(x, target, busy, copies, staged):
     """Can a slot take a staged expert this round? x: the expert it holds, target: its target,
     busy: written or sourcing this round, copies: complete replicas of x, staged: it has a
@@ -42,7 +42,7 @@ def _spare(x, target, busy, copies, staged):
     return FINAL if x >= 0 else 0
 
 
-@njit(cache=True, nogil=True, inline="always")
+@kernel(inline=True)
 def _left_to_critical(st, crit, l, s, x, S, P):
     """Would overwriting slot s (layer l) leave every other complete replica of its expert x on
     send-critical ranks (crit)? They would then have to send every copy of x still to be made,
@@ -57,7 +57,7 @@ def _left_to_critical(st, crit, l, s, x, S, P):
     return True
 
 
-@njit(cache=True, nogil=True)
+@kernel
 def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     """Break cycles of blocked slots, one staging copy per cycle, as rows nd.. of done; returns
     the new row count (nd: no cycle could be broken).

@@ -16,10 +16,12 @@ import time
 
 import numpy as np
 
+from eplb.core.jit import kernel_ints, record
 from eplb.errors import EplbError
-from eplb.migration.checks import check_count, check_maps, kernel_ints
-from eplb.migration.moves import holdings
+from eplb.migration.checks import check_count, check_maps
+from eplb.migration.moves import count_moves, holdings
 from eplb.migration.plan import MigrationPlan
+from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
 
 NO_SAFE_MIGRATION = (
     "no safe migration: every pending slot holds the only replica of its expert and no slot holds "
@@ -141,6 +143,8 @@ class ScheduleThread:
 
     def __init__(self, *args):
         self.seconds = 0.0
+        self.interpreted: set[str] = set()
+        """Kernels that ran as plain Python (eplb.core.jit: no machine code yet)."""
         self._out: tuple = (None, None)
         self._stop = np.zeros(1, dtype=np.int64)
         self._thread = threading.Thread(target=self._run, args=args, name="eplb-schedule", daemon=True)
@@ -152,7 +156,8 @@ class ScheduleThread:
     def _run(self, *args) -> None:
         t0 = time.perf_counter()
         try:
-            plan = schedule_trusted(*args, stop=self._stop)
+            with record() as self.interpreted:
+                plan = schedule_trusted(*args, stop=self._stop)
             if plan is not None:
                 _ = plan.moves          # counted here, off the caller's thread (cached)
             self._out = (plan, None)
@@ -202,10 +207,6 @@ _STOPPED = "stopped"
 def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool, stop: np.ndarray):
     """The kernel's (rows, chunk of each round, None), or (..., the layer that cannot stage), or
     (..., _STOPPED) once stop[0] is set, in plain or relay mode."""
-    from eplb.migration.schedule import (
-        _rounds_kernel as _schedule_kernel,  # numba: imported on first use, `eplb plan` starts fast
-    )
-
     if old_k.size >= 2**31:  # the kernel's slot codes are int32 (`_schedule_kernel._new_state`)
         raise EplbError(f"a migration of {old_k.shape[0]} layers x {old_k.shape[1]} slots has {old_k.size} slot "
                         f"codes, more than the schedule's 2^31 - 1: schedule the layers in parts")
@@ -222,8 +223,4 @@ def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool, stop: 
 
 def _round_bound(old_k, new_k, G: int) -> int:
     """The round bound: the most network copies into one GPU (`count_moves(old, new).sum(axis=0).max()`)."""
-    from eplb.migration import _moves_kernel
-
-    L, P = new_k.shape
-    return int(_moves_kernel.count_moves(old_k.reshape(L * G, P // G), new_k.reshape(L * G, P // G))
-               .reshape(L, G).sum(axis=0).max())
+    return int(count_moves(old_k, new_k, G, int(max(old_k.max(), new_k.max())) + 1).sum(axis=0).max())
