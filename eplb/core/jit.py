@@ -173,6 +173,7 @@ def kernel(fn: Callable | None = None, *, inline: bool = False, error_model: str
         options["inline"] = "always"
 
     def wrap(f: Callable) -> Kernel:
+        f._eplb_kernel = True   # cached under its folder's kernels' stamp (`_install_folder_stamps`)
         return Kernel(f, options)
 
     return wrap if fn is None else wrap(fn)
@@ -238,6 +239,7 @@ def _numba():
             return types.Dispatcher(val.dispatcher)
 
         _install_refusal()
+        _install_folder_stamps()
         _numba_module = numba
     return _numba_module
 
@@ -254,6 +256,37 @@ def _compile_here(dispatcher, sig) -> None:
     finally:
         for d in loaded:
             d.disable_compile()
+
+
+def _install_folder_stamps() -> None:
+    """Cache kernels under a stamp of every kernel file in their folder, not their own file's.
+
+    numba compiles a kernel's callees into its machine code but stamps the cache entry with the
+    kernel's own source file only: after an edit of a callee in another file (the schedule's
+    stages are six files) the caller would load stale machine code. Kernels call only kernels
+    of their own folder, so the folder's `*_kernel.py` files are what an entry depends on."""
+    from numba.core import caching
+
+    class FolderStamp:
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not getattr(py_func, "_eplb_kernel", False):
+                return None
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            folder = os.path.dirname(self._py_file)
+            parts = []
+            own = os.path.basename(self._py_file)
+            for name in sorted(os.listdir(folder)):
+                if name.endswith("_kernel.py") or name == own:
+                    st = os.stat(os.path.join(folder, name))
+                    parts.append((name, st.st_mtime, st.st_size))
+            return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+    ours = [type(f"Folder{base.__name__}", (FolderStamp, base), {})
+            for base in (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
+    caching.CacheImpl._locator_classes = ours + [c for c in caching.CacheImpl._locator_classes if c not in ours]
 
 
 class _Uncached(Exception):
@@ -327,15 +360,18 @@ def _from_spec(spec):
 
 
 class _SideCompiles:
-    """The queue of compile requests, run in side processes by daemon threads."""
+    """The queue of compile requests, run in batches by side processes that daemon threads start."""
+
+    GATHER_S = 0.3
+    """A worker waits this long after a request for the others a call sequence makes: one side
+    process then compiles them all, and compiles the kernels they share once."""
 
     def __init__(self):
         self._queue: list = []
         self._busy = 0
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
-        cores = os.cpu_count() or 1
-        self._workers = 2 if cores > 4 else 1
+        self._workers = 2 if (os.cpu_count() or 1) > 4 else 1
 
     def request(self, k: Kernel, sig) -> None:
         try:
@@ -359,10 +395,12 @@ class _SideCompiles:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue)
-                k, sig, spec = self._queue.pop(0)
                 self._busy += 1
             try:
-                k._finished(sig, _compile_aside(k, spec))
+                threading.Event().wait(self.GATHER_S)
+                with self._cv:
+                    batch, self._queue = self._queue, []
+                _compile_aside(batch)
             finally:
                 with self._cv:
                     self._busy -= 1
@@ -372,42 +410,64 @@ class _SideCompiles:
 _SIDE = _SideCompiles()
 
 
-def _compile_aside(k: Kernel, spec: list) -> str:
-    """Compile kernel `k` for the argument types `spec` in a side process: "compiled", or
-    "failed: reason"."""
-    request = json.dumps({"module": k.py_func.__module__, "name": k.py_func.__qualname__, "signature": spec})
+def _compile_aside(batch: list) -> None:
+    """Compile the batch's (kernel, types) in one side process, in order; each kernel's state
+    turns "compiled" or "failed: reason" as the side process reports it."""
+    requests = [{"module": k.py_func.__module__, "name": k.py_func.__qualname__, "signature": spec}
+                for k, _, spec in batch]
     # The side process imports the same eplb (sys.path may have been extended at run time).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **{MODE_ENV: "wait"})
+    done = [False] * len(batch)
     try:
         proc = subprocess.Popen([sys.executable, "-c", "from eplb.core.jit import _side_main; _side_main()"],
-                                env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        _, err = proc.communicate(request.encode(), timeout=SIDE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return f"failed: still compiling after {SIDE_TIMEOUT_S:.0f} s"
-    except OSError as exc:  # no subprocesses here (a sandbox): the kernel stays interpreted
-        return f"failed: cannot start a side process ({exc})"
-    if proc.returncode != 0:
-        last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        return f"failed: {last[0]}"
-    return "compiled"
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)   # not stopped by the caller's Ctrl-C, nor its exit
+    except OSError as exc:  # no subprocesses here (a sandbox): the kernels stay interpreted
+        for k, sig, _ in batch:
+            k._finished(sig, f"failed: cannot start a side process ({exc})")
+        return
+    timer = threading.Timer(SIDE_TIMEOUT_S, proc.kill)
+    timer.start()
+    try:
+        proc.stdin.write(json.dumps(requests).encode())
+        proc.stdin.close()
+        for line in proc.stdout:          # "<i> compiled" or "<i> failed: reason", one per request
+            i, _, state = line.decode(errors="replace").strip().partition(" ")
+            k, sig, _ = batch[int(i)]
+            k._finished(sig, state)
+            done[int(i)] = True
+        err = proc.stderr.read().decode(errors="replace").strip().splitlines()
+        proc.wait()
+    finally:
+        timer.cancel()
+    why = err[-1] if err else f"exit status {proc.returncode}"
+    for (k, sig, _), ok in zip(batch, done):
+        if not ok:
+            k._finished(sig, f"failed: the side process ended ({why})")
 
 
 def _side_main() -> None:
-    """A side process: compile the kernel and argument types read from stdin into numba's
-    cache. Processes asking for the same kernel, types and cache take turns; a later one finds
-    the machine code cached and only loads it."""
-    request = json.loads(sys.stdin.read())
-    module = importlib.import_module(request["module"])
-    k = getattr(module, request["name"])
-    sig = tuple(_from_spec(s) for s in request["signature"])
-    key = json.dumps([getattr(module, "__file__", ""), request, os.environ.get("NUMBA_CACHE_DIR", ""),
-                      sys.version_info[:2]])
-    path = os.path.join(tempfile.gettempdir(), f"eplb-jit-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock")
-    with _turn(path):
-        k.dispatcher.compile(sig)
+    """A side process: compile each (kernel, types) read from stdin into numba's cache, saying
+    so on stdout as each is done. Processes asking for the same kernel, types and cache take
+    turns; a later one finds the machine code cached and only loads it. A caller that exits
+    leaves this process to finish the list (the next run finds the cache warm)."""
+    for i, request in enumerate(json.loads(sys.stdin.read())):
+        try:
+            module = importlib.import_module(request["module"])
+            k = getattr(module, request["name"])
+            sig = tuple(_from_spec(s) for s in request["signature"])
+            key = json.dumps([getattr(module, "__file__", ""), request, os.environ.get("NUMBA_CACHE_DIR", ""),
+                              sys.version_info[:2]])
+            path = os.path.join(tempfile.gettempdir(), f"eplb-jit-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock")
+            with _turn(path):
+                k.dispatcher.compile(sig)
+            state = "compiled"
+        except Exception as exc:  # reported to the caller, whose kernel stays interpreted
+            state = "failed: " + " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+        try:
+            print(i, state, flush=True)
+        except OSError:  # the caller has exited: go on filling the cache for its next run
+            pass
 
 
 @contextmanager

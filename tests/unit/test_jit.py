@@ -102,6 +102,28 @@ def test_wait_and_off_modes(kernel_module, monkeypatch):
         jit.mode()
 
 
+def test_an_edited_callee_in_another_kernel_file_invalidates_its_callers_cache(tmp_path):
+    """numba stamps a cache entry with its own file only; eplb stamps it with its folder's kernel
+    files, so a caller never loads machine code built with an old callee."""
+    import os
+    import subprocess
+
+    (tmp_path / "probe_callee_kernel.py").write_text(
+        "from eplb.core.jit import kernel\n\n\n@kernel\ndef step(x):\n    return x + 1\n")
+    (tmp_path / "probe_caller_kernel.py").write_text(
+        "from eplb.core.jit import kernel\nfrom probe_callee_kernel import step\n\n\n"
+        "@kernel\ndef twice(x):\n    return step(step(x))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]), EPLB_JIT="wait")
+    run = ["-c", "import probe_caller_kernel as k; print(k.twice(1), k.twice.dispatcher.stats.cache_hits)"]
+    first = subprocess.run([sys.executable, *run], env=env, capture_output=True, text=True, check=True).stdout
+    assert first.startswith("3 ")
+    callee = tmp_path / "probe_callee_kernel.py"
+    callee.write_text(callee.read_text().replace("x + 1", "x + 10"))
+    os.utime(callee, (time.time() + 5, time.time() + 5))
+    again = subprocess.run([sys.executable, *run], env=env, capture_output=True, text=True, check=True).stdout
+    assert again.startswith("21 ")
+
+
 def test_side_processes_wanting_one_kernel_take_turns(tmp_path):
     spans = []
 

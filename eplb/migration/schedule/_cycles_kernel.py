@@ -128,101 +128,117 @@ def _list_deadlocks(st, sg, pairs_N2, n, S, P, after):
     waits reaches it and written from the member that slot's walk meets first. Cycles keyed at
     or before listed cycle `after` are left out (`stage` is past them; -1: none). sg.cyc_*
     stays sorted by key, sg.tally[1] counts it; members are marked with tally[3]."""
-    cur, tgt, hc, inpend, pend, npend = st.cur, st.tgt, st.hc, st.inpend, st.pend, st.npend
-    hhead, hnext = st.hhead, st.hnext
-    want_ptr, want, seen, member, tree, queue = sg.want_ptr, sg.want, sg.seen, sg.member, sg.tree, sg.queue
-    cyc_buf, cyc_start, cyc_len, cyc_key, tally = sg.cyc_buf, sg.cyc_start, sg.cyc_len, sg.cyc_key, sg.tally
-    E = hc.shape[1]
-    G = npend.size
-    call = tally[3]
+    E = st.hc.shape[1]
+    call = sg.tally[3]
     for i in range(n):
         l = pairs_N2[i, 0]
-        h = hhead[l * E + pairs_N2[i, 1]]
+        h = st.hhead[l * E + pairs_N2[i, 1]]
         while h >= 0:
             m = h - l * P
-            h = hnext[h]
-            if not inpend[l, m] or member[l, m] == call:
+            h = st.hnext[h]
+            if not st.inpend[l, m] or sg.member[l, m] == call or not _closes(st, sg, l, m, S, P):
                 continue
-            # Does the chain of waits from m, every slot on it blocked, come back to m?
-            tally[0] += 1
-            node = m
-            back = False
-            while True:
-                x = cur[l, node]
-                if x < 0 or hc[l, x] >= 2:
-                    break
-                nxt = _waiter(inpend, want_ptr, want, pend, npend, l, x, S, P, E)
-                if nxt == m:
-                    back = True
-                    break
-                if nxt < 0 or seen[l, nxt] == tally[0]:
-                    break
-                seen[l, nxt] = tally[0]
-                node = nxt
-            if not back:
+            first, key, clen = _keyed(st, sg, l, m, S, P)
+            if after >= 0 and key <= sg.cyc_key[after]:
                 continue
-            # The members, marked and queued; then the in-tree (the slots whose chains reach the
-            # cycle): w's waiters are the pending holders of w's target when w comes first for it.
-            node = m
-            nq = 0
-            while True:
-                member[l, node] = call
-                queue[nq] = node
+            _insert_cycle(st, sg, l, first, key, clen, S, P)
+
+
+@kernel(inline=True)
+def _closes(st, sg, l, m, S, P):
+    """Does the chain of waits from pending slot m, every slot on it blocked, come back to m?"""
+    E = st.hc.shape[1]
+    sg.tally[0] += 1
+    node = m
+    while True:
+        x = st.cur[l, node]
+        if x < 0 or st.hc[l, x] >= 2:
+            return False
+        nxt = _waiter(st.inpend, sg.want_ptr, sg.want, st.pend, st.npend, l, x, S, P, E)
+        if nxt == m:
+            return True
+        if nxt < 0 or sg.seen[l, nxt] == sg.tally[0]:
+            return False
+        sg.seen[l, nxt] = sg.tally[0]
+        node = nxt
+
+
+@kernel(inline=True)
+def _keyed(st, sg, l, m, S, P):
+    """The cycle through m: its members marked (tally[3]), then its in-tree (the slots whose
+    chains reach it: w's waiters are the pending holders of w's target when w comes first for it);
+    returns (the member the first in-tree slot in queue order meets first, that slot's queue key,
+    the cycle's length)."""
+    inpend, pend, npend, queue, tree = st.inpend, st.pend, st.npend, sg.queue, sg.tree
+    E = st.hc.shape[1]
+    G = npend.size
+    call = sg.tally[3]
+    node = m
+    nq = 0
+    while True:
+        sg.member[l, node] = call
+        queue[nq] = node
+        nq += 1
+        node = _waiter(inpend, sg.want_ptr, sg.want, pend, npend, l, st.cur[l, node], S, P, E)
+        if node == m:
+            break
+    clen = nq
+    sg.tally[4] += 1
+    mark = sg.tally[4]
+    for t in range(nq):
+        tree[l, queue[t]] = mark
+    dmin = G
+    t = 0
+    while t < nq:
+        w = queue[t]
+        t += 1
+        dmin = min(dmin, w // S)
+        x = st.tgt[l, w]
+        if _waiter(inpend, sg.want_ptr, sg.want, pend, npend, l, x, S, P, E) != w:
+            continue
+        u = st.hhead[l * E + x]
+        while u >= 0:
+            if inpend[l, u - l * P] and tree[l, u - l * P] != mark:
+                tree[l, u - l * P] = mark
+                queue[nq] = u - l * P
                 nq += 1
-                node = _waiter(inpend, want_ptr, want, pend, npend, l, cur[l, node], S, P, E)
-                if node == m:
-                    break
-            clen = nq
-            tally[4] += 1
-            mark = tally[4]
-            for t in range(nq):
-                tree[l, queue[t]] = mark
-            dmin = G
-            t = 0
-            while t < nq:
-                w = queue[t]
-                t += 1
-                dmin = min(dmin, w // S)
-                x = tgt[l, w]
-                if _waiter(inpend, want_ptr, want, pend, npend, l, x, S, P, E) != w:
-                    continue
-                u = hhead[l * E + x]
-                while u >= 0:
-                    if inpend[l, u - l * P] and tree[l, u - l * P] != mark:
-                        tree[l, u - l * P] = mark
-                        queue[nq] = u - l * P
-                        nq += 1
-                    u = hnext[u]
-            first = -1
-            key = 0
-            for k in range(npend[dmin]):
-                c = pend[dmin, k]
-                if c // P == l and tree[l, c - l * P] == mark:
-                    first = c - l * P
-                    key = dmin * pend.shape[1] + k
-                    break
-            if after >= 0 and key <= cyc_key[after]:
-                continue
-            while member[l, first] != call:   # the member the walk from `first` meets
-                first = _waiter(inpend, want_ptr, want, pend, npend, l, cur[l, first], S, P, E)
-            ncyc = tally[1]
-            nbuf = 0                           # the buffer's end (the list is by key, not by buffer)
-            for c in range(ncyc):
-                nbuf += cyc_len[c]
-            c = ncyc
-            while c > 0 and cyc_key[c - 1] > key:
-                cyc_key[c] = cyc_key[c - 1]
-                cyc_start[c] = cyc_start[c - 1]
-                cyc_len[c] = cyc_len[c - 1]
-                c -= 1
-            cyc_key[c] = key
-            cyc_start[c] = nbuf
-            cyc_len[c] = clen
-            node = first
-            for t in range(clen):
-                cyc_buf[nbuf + t] = l * P + node
-                node = _waiter(inpend, want_ptr, want, pend, npend, l, cur[l, node], S, P, E)
-            tally[1] = ncyc + 1
+            u = st.hnext[u]
+    first = -1
+    key = 0
+    for k in range(npend[dmin]):
+        c = pend[dmin, k]
+        if c // P == l and tree[l, c - l * P] == mark:
+            first = c - l * P
+            key = dmin * pend.shape[1] + k
+            break
+    while sg.member[l, first] != call:   # the member the walk from `first` meets
+        first = _waiter(inpend, sg.want_ptr, sg.want, pend, npend, l, st.cur[l, first], S, P, E)
+    return first, key, clen
+
+
+@kernel(inline=True)
+def _insert_cycle(st, sg, l, first, key, clen, S, P):
+    """Add the cycle from member `first` (layer l) to sg.cyc_*, kept sorted by key."""
+    cyc_buf, cyc_start, cyc_len, cyc_key = sg.cyc_buf, sg.cyc_start, sg.cyc_len, sg.cyc_key
+    E = st.hc.shape[1]
+    ncyc = sg.tally[1]
+    nbuf = 0                           # the buffer's end (the list is by key, not by buffer)
+    for c in range(ncyc):
+        nbuf += cyc_len[c]
+    c = ncyc
+    while c > 0 and cyc_key[c - 1] > key:
+        cyc_key[c] = cyc_key[c - 1]
+        cyc_start[c] = cyc_start[c - 1]
+        cyc_len[c] = cyc_len[c - 1]
+        c -= 1
+    cyc_key[c] = key
+    cyc_start[c] = nbuf
+    cyc_len[c] = clen
+    node = first
+    for t in range(clen):
+        cyc_buf[nbuf + t] = l * P + node
+        node = _waiter(st.inpend, sg.want_ptr, sg.want, st.pend, st.npend, l, st.cur[l, node], S, P, E)
+    sg.tally[1] = ncyc + 1
 
 
 @kernel

@@ -76,6 +76,16 @@ _Round = namedtuple("_Round", [
     "done",               # the round's transfers: l, p, e, src rank, src, d, staging
     "pref", "npref",      # [G, 2G] each rank's columns in the order its link matching tries them
 ])
+_Work = namedtuple("_Work", [
+    "rin", "rout",        # [G] network copies each rank still receives / must send alone (chain_order)
+    "sent",               # [G] network copies each rank has sent
+    "fsrc",               # [L, P] the forced (or, relay mode, planned) source rank of a pending copy
+    "depth",              # [L, P] chain depth of a pending slot (`_chain_kernel.chain_order`)
+    "crit", "late",       # [G] send-critical ranks (`take_links`), receive-critical ones
+    "hold_LP",            # [L, P] the slot a pending slot keeps its expert for (-1: none)
+    "key", "nh", "hr",    # scratch of the chain order and the forced sources
+    "start",              # [L * P, 2] (layer, expert) in a deadlock at a round's start
+])
 
 
 @kernel
@@ -450,18 +460,11 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
                 np.empty((L * P + G, 7), dtype=np.int64),
                 np.empty((G, 2 * G), dtype=np.int64), np.zeros(G, dtype=np.int64))
     sg = new_staging(new_LP, E, G)
-    rin = np.zeros(G, dtype=np.int64)
-    rout = np.zeros(G, dtype=np.int64)
-    sent = np.zeros(G, dtype=np.int64)     # network copies each rank has sent
-    fsrc = np.full((L, P), -1, dtype=np.int32)
-    depth = np.zeros((L, P), dtype=np.int32)
-    crit = np.zeros(G, dtype=np.bool_)        # ranks whose sends may set the rounds (`take_links`)
-    late = np.zeros(G, dtype=np.bool_)        # ranks whose receives may set the rounds
-    hold_LP = np.full((L, P), -1, dtype=np.int32)   # the slot a pending slot keeps its expert for
-    key = np.empty(L * S, dtype=np.int32)
-    nh = np.zeros(E, dtype=np.int64)
-    hr = np.zeros(E, dtype=np.int64)
-    start = np.empty((L * P, 2), dtype=np.int32)    # (layer, expert) in a deadlock at a round's start
+    w = _Work(np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64),
+              np.full((L, P), -1, dtype=np.int32), np.zeros((L, P), dtype=np.int32),
+              np.zeros(G, dtype=np.bool_), np.zeros(G, dtype=np.bool_), np.full((L, P), -1, dtype=np.int32),
+              np.empty(L * S, dtype=np.int32), np.zeros(E, dtype=np.int64), np.zeros(E, dtype=np.int64),
+              np.empty((L * P, 2), dtype=np.int32))
     out = np.empty((1024, 8), dtype=np.int64)
     chunk_R = np.empty(64, dtype=np.int64)
     # Spare room of a layer: P minus the experts it holds (empty slots and duplicates). Copies
@@ -473,14 +476,14 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
     R = 0
     for chunk_id, c0 in enumerate(range(0, L, chunk)):
         c1 = min(L, c0 + chunk)
-        left = _queue_chunk(st, c0, c1, S, P, depth)
+        left = _queue_chunk(st, c0, c1, S, P, w.depth)
         if relay:
-            plan_sources(st, c0, c1, S, P, fsrc, rout)
+            plan_sources(st, c0, c1, S, P, w.fsrc, w.rout)
         else:
-            forced_sources(st, c0, c1, S, P, fsrc, rout, nh, hr)
+            forced_sources(st, c0, c1, S, P, w.fsrc, w.rout, w.nh, w.hr)
         # Relay mode replans about 64 times per chunk's sends per rank (a plan goes stale as
         # the matching takes other sources than the planned ones).
-        every = max(1, rout.sum() // (64 * G))
+        every = max(1, w.rout.sum() // (64 * G))
         r0 = R
         guard = 4 * (left + (c1 - c0) * P) + 8
         while left > 0:
@@ -492,73 +495,89 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
             if tight:
                 _count_room(st, c0, c1, E, P)
             if relay and R > r0 and (R - r0) % every == 0:
-                plan_sources(st, c0, c1, S, P, fsrc, rout)
-            ndl = chain_order(st, sg, S, P, depth, key, rin)
-            # A rank is send-critical when the copies only it can send come within an eighth of the
-            # rounds its busiest receiver still needs (its sends may set the rounds), and
-            # receive-critical (late) when its own receives come within a round of them.
-            rmax = rin.max()
-            lim = rmax - max(2, rmax // 8)
-            ncrit = 0
-            for g in range(G):
-                crit[g] = not relay and rout[g] >= 2 and rout[g] >= lim
-                ncrit += crit[g]
-                late[g] = rin[g] + 2 > rmax
-            # Deadlocked cycles of blocked slots break as soon as they appear: first through
-            # pending slots of their own ranks (free), before this round's copies take those;
-            # then through the spares and links the round left; when nothing could move at
-            # all, every cycle does.
-            # (Not with as many slots as experts: there the few spare slots wait for reloads.)
-            # A deadlock at the round's start closes a chain into a cycle (the chain order finds
-            # them); later in the round only through a replica this round's copies overwrite.
-            # `deadlocks` lists both, walking from those alone (the full search walks every
-            # pending slot: a fifth of the schedule's time at the Qwen3-235B shape).
-            staged = ndl > 0 and not tight
-            nstart = ndl if staged else 0
-            for c in range(nstart):
-                code = sg.cyc_start[c]
-                start[c, 0] = code // P
-                start[c, 1] = st.cur[code // P, code % P]
-            ns = 0
-            if staged and full_search:
-                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, FIND, crit, ncrit)
-            elif staged:
-                deadlocks(st, sg, rd.done, 0, S, P, start, nstart)
-                ns = stage(st, sg, rd.done, S, P, 0, 0, rin, depth, LISTED, crit, ncrit)
-            # A held slot may close a cycle of waits the deadlock search does not know of: when
-            # nothing moved, the holds give way and the round is tried again before anything is
-            # staged. (One call site each: numba inlines `_scan` and `take_links` where called.)
-            retried = False
-            while True:
-                nd = _scan(st, rd, S, P, tight, ns, hold_LP, late)
-                nd = take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, 0 if retried else ncrit,
-                                late, depth, rmax, hold_LP)
-                if nd > 0 or retried or not _release_holds(hold_LP, st.pend, st.npend, P):
-                    break
-                retried = True
-            # (The queues and slot contents have not changed since stage 0: same cycles.)
-            if nd == 0:
-                nd = stage(st, sg, rd.done, S, P, nd, 2, rin, depth, KEEP if staged and full_search else FIND,
-                           crit, ncrit)
-            elif staged and full_search:
-                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, KEEP, crit, ncrit)
-            elif not tight and deadlocks(st, sg, rd.done, nd, S, P, start, nstart) > 0:
-                nd = stage(st, sg, rd.done, S, P, nd, 1, rin, depth, FIND if full_search else LISTED, crit, ncrit)
+                plan_sources(st, c0, c1, S, P, w.fsrc, w.rout)
+            nd = _round_copies(st, rd, sg, w, S, P, tight, relay, full_search)
             if nd == 0:
                 return out[:M], chunk_R[:R], STATUS_NO_SPARE, pend_layer(st.pend, st.npend, P)
-            for i in range(nd):
-                if rd.done[i, 6]:
-                    _stage_rows(st, rd.done, i, S)
-            for i in range(nd):
-                if not relay and rd.done[i, 4] >= 0 and rd.done[i, 3] != rd.done[i, 5]:
-                    sent[rd.done[i, 3]] += 1
-                f = fsrc[rd.done[i, 0], rd.done[i, 1]]
-                if f >= 0:
-                    rout[f] -= 1
-                    fsrc[rd.done[i, 0], rd.done[i, 1]] = -1
+            _count_sends(st, rd.done, nd, w, S, relay)
             out, M = _apply_round(st, rd.done, nd, out, M, R)
             chunk_R = _grow(chunk_R, R + 1)
             chunk_R[R] = chunk_id
             R += 1
-            left = _requeue(st, rd.done, nd, S, P, depth)
+            left = _requeue(st, rd.done, nd, S, P, w.depth)
     return out[:M], chunk_R[:R], STATUS_OK, -1
+
+
+@kernel(inline=True)
+def _round_copies(st, rd, sg, w, S, P, tight, relay, full_search):
+    """The copies of one round, as rows 0..nd-1 of rd.done; returns nd (0: nothing could move
+    and no cycle could be staged)."""
+    G = st.npend.size
+    ndl = chain_order(st, sg, S, P, w.depth, w.key, w.rin)
+    # Step 1: a rank is send-critical when the copies only it can send come within an eighth of
+    # the rounds its busiest receiver still needs (its sends may set the rounds), and
+    # receive-critical (late) when its own receives come within a round of them.
+    rmax = w.rin.max()
+    lim = rmax - max(2, rmax // 8)
+    ncrit = 0
+    for g in range(G):
+        w.crit[g] = not relay and w.rout[g] >= 2 and w.rout[g] >= lim
+        ncrit += w.crit[g]
+        w.late[g] = w.rin[g] + 2 > rmax
+    # Step 2: deadlocked cycles of blocked slots break as soon as they appear: first through
+    # pending slots of their own ranks (free), before this round's copies take those; then
+    # through the spares and links the round left; when nothing could move at all, every cycle
+    # does. (Not with as many slots as experts: there the few spare slots wait for reloads.)
+    # A deadlock at the round's start closes a chain into a cycle (the chain order finds them);
+    # later in the round only through a replica this round's copies overwrite. `deadlocks`
+    # lists both, walking from those alone (the full search walks every pending slot).
+    staged = ndl > 0 and not tight
+    nstart = ndl if staged else 0
+    for c in range(nstart):
+        code = sg.cyc_start[c]
+        w.start[c, 0] = code // P
+        w.start[c, 1] = st.cur[code // P, code % P]
+    ns = 0
+    if staged and full_search:
+        ns = stage(st, sg, rd.done, S, P, 0, 0, w.rin, w.depth, FIND, w.crit, ncrit)
+    elif staged:
+        deadlocks(st, sg, rd.done, 0, S, P, w.start, nstart)
+        ns = stage(st, sg, rd.done, S, P, 0, 0, w.rin, w.depth, LISTED, w.crit, ncrit)
+    # Step 3: local copies and the link matching. A held slot may close a cycle of waits the
+    # deadlock search does not know of: when nothing moved, the holds give way and the round is
+    # tried again before anything is staged. (One call site each: numba inlines `_scan` and
+    # `take_links` where called.)
+    retried = False
+    while True:
+        nd = _scan(st, rd, S, P, tight, ns, w.hold_LP, w.late)
+        nd = take_links(st, rd, nd, P, tight, w.rin, w.rout, w.sent, w.fsrc, relay, w.crit,
+                        0 if retried else ncrit, w.late, w.depth, rmax, w.hold_LP)
+        if nd > 0 or retried or not _release_holds(w.hold_LP, st.pend, st.npend, P):
+            break
+        retried = True
+    # Step 4: the cycles left (the queues and slot contents have not changed since step 2: the
+    # same cycles).
+    if nd == 0:
+        nd = stage(st, sg, rd.done, S, P, nd, 2, w.rin, w.depth, KEEP if staged and full_search else FIND,
+                   w.crit, ncrit)
+    elif staged and full_search:
+        nd = stage(st, sg, rd.done, S, P, nd, 1, w.rin, w.depth, KEEP, w.crit, ncrit)
+    elif not tight and deadlocks(st, sg, rd.done, nd, S, P, w.start, nstart) > 0:
+        nd = stage(st, sg, rd.done, S, P, nd, 1, w.rin, w.depth, FIND if full_search else LISTED, w.crit, ncrit)
+    return nd
+
+
+@kernel(inline=True)
+def _count_sends(st, done, nd, w, S, relay):
+    """After a round's copies are chosen: staging marks, each rank's network sends, and the forced
+    sources the copies used up."""
+    for i in range(nd):
+        if done[i, 6]:
+            _stage_rows(st, done, i, S)
+    for i in range(nd):
+        if not relay and done[i, 4] >= 0 and done[i, 3] != done[i, 5]:
+            w.sent[done[i, 3]] += 1
+        f = w.fsrc[done[i, 0], done[i, 1]]
+        if f >= 0:
+            w.rout[f] -= 1
+            w.fsrc[done[i, 0], done[i, 1]] = -1

@@ -88,7 +88,6 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     the only room, and their reloads wait for the end; see `schedule`). cycles: FIND, KEEP or
     LISTED (modes 0 and 1: a list of deadlocks only), see above.
     """
-    cur, tgt, hc, writing, sourcing, staged_blk = st.cur, st.tgt, st.hc, st.writing, st.sourcing, st.staged_blk
     if cycles == FIND:
         sg.tally[1] = _find_cycles(st, sg, P)
     G = st.npend.size
@@ -110,89 +109,108 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     while c + 1 < sg.tally[1]:              # (LISTED: the list grows as stagings make deadlocks)
         c += 1
         l = sg.cyc_buf[sg.cyc_start[c]] // P
-        if mode < 2:
-            # While other copies move, a cycle of waits is a deadlock only if every member holds
-            # the last complete replica of its expert; otherwise it unwinds by itself.
-            stuck = True
-            for t in range(sg.cyc_len[c]):
-                o = cur[l, sg.cyc_buf[sg.cyc_start[c] + t] % P]
-                if o < 0 or st.hc[l, o] >= 2:
-                    stuck = False
-                    break
-            if not stuck:
+        if mode < 2 and not _stuck(st, sg, c, l, P):
+            continue
+        bp, bs = _best_spare(st, sg, c, l, S, P, mode, rin, depth, rmax, nfree, spare_crit, crit)
+        if bp < 0:
+            continue
+        if st.cur[l, bs] == st.tgt[l, bs]:
+            rin[bs // S] += 1             # a final slot's restore: one more copy into its rank
+        if bs // S != bp // S:
+            sg.send_busy[bp // S] = True
+            sg.recv_busy[bs // S] = True
+            nfree -= 1
+        nd = _staging_row(st, sg, done, nd, c, l, bp, bs, S, P, cycles)
+    return nd
+
+
+@kernel(inline=True)
+def _stuck(st, sg, c, l, P):
+    """While other copies move, a cycle of waits is a deadlock only if every member holds the last
+    complete replica of its expert; otherwise it unwinds by itself."""
+    for t in range(sg.cyc_len[c]):
+        o = st.cur[l, sg.cyc_buf[sg.cyc_start[c] + t] % P]
+        if o < 0 or st.hc[l, o] >= 2:
+            return False
+    return True
+
+
+@kernel(inline=True)
+def _best_spare(st, sg, c, l, S, P, mode, rin, depth, rmax, nfree, spare_crit, crit):
+    """(member slot, spare slot) of cycle c to stage through, the lightest by `stage`'s weights,
+    or (-1, -1): the member's own rank first, then (modes 1, 2) the other ranks' free receivers."""
+    cur, tgt, hc, writing, sourcing, staged_blk = st.cur, st.tgt, st.hc, st.writing, st.sourcing, st.staged_blk
+    G = st.npend.size
+    bp = -1
+    bs = -1
+    best = np.inf
+    clen = sg.cyc_len[c]
+    for t in range(sg.cyc_len[c]):
+        p = sg.cyc_buf[sg.cyc_start[c] + t] % P
+        if writing[l, p] or sourcing[l, p] or cur[l, p] < 0:
+            continue
+        r0 = p // S
+        for s in range(r0 * S, r0 * S + S):
+            x = cur[l, s]
+            if s == p or x == cur[l, p]:
                 continue
-        bp = -1
-        bs = -1
-        best = np.inf
-        clen = sg.cyc_len[c]
-        for t in range(sg.cyc_len[c]):
-            p = sg.cyc_buf[sg.cyc_start[c] + t] % P
-            if st.writing[l, p] or st.sourcing[l, p] or cur[l, p] < 0:
+            kind = _spare(x, tgt[l, s], writing[l, s] or sourcing[l, s], hc[l, x] if x >= 0 else 0,
+                          staged_blk[l, s] >= 0)
+            if kind == PENDING:
+                # s's own copy waits for the cycle: free unless that makes its chain the longest wait.
+                w = depth[l, s] + clen
+                if w <= rmax:
+                    w = -1.0 / (1.0 + depth[l, s])
+                elif mode == 0:
+                    continue
+            elif mode > 0 and kind == FINAL and (mode == 2 or rin[r0] < rmax):
+                w = rin[r0] + 1.0
+            else:
                 continue
-            r0 = p // S
-            for s in range(r0 * S, r0 * S + S):
+            if w < best and not (spare_crit and x >= 0 and _left_to_critical(st, crit, l, s, x, S, P)):
+                best = w
+                bp = p
+                bs = s
+        if best < 0.0 or mode == 0 or sg.send_busy[r0] or nfree == 0:
+            continue
+        for rc in range(G):
+            # A slot of rank rc weighs rin[rc] + 1 at least: a rank that cannot beat best is skipped.
+            if rc == r0 or sg.recv_busy[rc] or rin[rc] + 1.0 >= best:
+                continue
+            for s in range(rc * S, rc * S + S):
                 x = cur[l, s]
-                if s == p or x == cur[l, p]:
+                if x == cur[l, p]:
                     continue
                 kind = _spare(x, tgt[l, s], writing[l, s] or sourcing[l, s], hc[l, x] if x >= 0 else 0,
                               staged_blk[l, s] >= 0)
                 if kind == PENDING:
-                    # s's own copy waits for the cycle: free unless that makes its chain the longest wait.
-                    w = depth[l, s] + clen
-                    if w <= rmax:
-                        w = -1.0 / (1.0 + depth[l, s])
-                    elif mode == 0:
-                        continue
-                elif mode > 0 and kind == FINAL and (mode == 2 or rin[r0] < rmax):
-                    w = rin[r0] + 1.0
+                    w = max(rin[rc] + 1.0, depth[l, s] + clen)
+                elif kind == FINAL and (mode == 2 or rin[rc] < rmax):
+                    w = 2.0 * (rin[rc] + 1.0)
                 else:
                     continue
                 if w < best and not (spare_crit and x >= 0 and _left_to_critical(st, crit, l, s, x, S, P)):
                     best = w
                     bp = p
                     bs = s
-            if best < 0.0 or mode == 0 or sg.send_busy[r0] or nfree == 0:
-                continue
-            for rc in range(G):
-                # A slot of rank rc weighs rin[rc] + 1 at least: a rank that cannot beat best is skipped.
-                if rc == r0 or sg.recv_busy[rc] or rin[rc] + 1.0 >= best:
-                    continue
-                for s in range(rc * S, rc * S + S):
-                    x = cur[l, s]
-                    if x == cur[l, p]:
-                        continue
-                    kind = _spare(x, tgt[l, s], writing[l, s] or sourcing[l, s], hc[l, x] if x >= 0 else 0,
-                                  staged_blk[l, s] >= 0)
-                    if kind == PENDING:
-                        w = max(rin[rc] + 1.0, depth[l, s] + clen)
-                    elif kind == FINAL and (mode == 2 or rin[rc] < rmax):
-                        w = 2.0 * (rin[rc] + 1.0)
-                    else:
-                        continue
-                    if w < best and not (spare_crit and x >= 0 and _left_to_critical(st, crit, l, s, x, S, P)):
-                        best = w
-                        bp = p
-                        bs = s
-        if bp < 0:
-            continue
-        if cur[l, bs] == tgt[l, bs]:
-            rin[bs // S] += 1             # a final slot's restore: one more copy into its rank
-        if bs // S != bp // S:
-            sg.send_busy[bp // S] = True
-            sg.recv_busy[bs // S] = True
-            nfree -= 1
-        st.writing[l, bs] = True
-        st.sourcing[l, bp] = True
-        if cur[l, bs] >= 0:
-            st.hc[l, cur[l, bs]] -= 1
-            if cycles == LISTED and st.hc[l, cur[l, bs]] < 2:
-                more_deadlocks(st, sg, l, cur[l, bs], S, P, c)
-        done[nd, 0] = l
-        done[nd, 1] = bs
-        done[nd, 2] = cur[l, bp]
-        done[nd, 3] = bp // S
-        done[nd, 4] = bp
-        done[nd, 5] = bs // S
-        done[nd, 6] = 1
-        nd += 1
-    return nd
+    return bp, bs
+
+
+@kernel(inline=True)
+def _staging_row(st, sg, done, nd, c, l, bp, bs, S, P, cycles):
+    """Stage cycle c's member bp through spare bs: row nd of done; returns nd + 1."""
+    cur = st.cur
+    st.writing[l, bs] = True
+    st.sourcing[l, bp] = True
+    if cur[l, bs] >= 0:
+        st.hc[l, cur[l, bs]] -= 1
+        if cycles == LISTED and st.hc[l, cur[l, bs]] < 2:
+            more_deadlocks(st, sg, l, cur[l, bs], S, P, c)
+    done[nd, 0] = l
+    done[nd, 1] = bs
+    done[nd, 2] = cur[l, bp]
+    done[nd, 3] = bp // S
+    done[nd, 4] = bp
+    done[nd, 5] = bs // S
+    done[nd, 6] = 1
+    return nd + 1
