@@ -152,21 +152,7 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, gap, holds, gl, order, pos,
     """`refine` on one row (phy [P] in place); returns the swaps made. Scratch: holds [E, G]
     (does the GPU hold the expert; all False on entry and on return), gl, order, pos [G], srt,
     ws [P] (`_sort_gpu_items`)."""
-    total = 0.0
-    wmax = 0.0
-    for g in range(G):  # slot by slot in order, without p // S (an integer division per slot)
-        x = 0.0
-        for p in range(g * S, (g + 1) * S):
-            e = phy[p]
-            x += per_E[e]
-            holds[e, g] = True
-            total += per_E[e]
-            if per_E[e] > wmax:
-                wmax = per_E[e]
-        gl[g] = x
-    # No placement of these replicas has a busiest GPU below the mean or the heaviest one;
-    # swaps stop within `gap` of that floor (1e-12: rounding noise).
-    stop = max(total / G, wmax) * (1.0 + gap + 1e-12)
+    stop = _row_loads(phy, per_E, G, S, gap, holds, gl)
     for g in range(G):
         _sort_gpu_items(phy, per_E, g, S, srt, ws)
     # GPUs by load, lower index among ties: a stable sort (placing each GPU in turn with
@@ -177,63 +163,9 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, gap, holds, gl, order, pos,
     swaps = 0
     while swaps < max_swaps:
         h = order[G - 1]
-        top = gl[h]
-        if top <= stop:
+        if gl[h] <= stop:
             break
-        oh = h * S
-        # The best swap leaves max(top - d, lg + d) lowest, d = the load moved from h to g; it
-        # must lower the busiest GPU by more than rounding noise.
-        best = top * (1.0 - 1e-9)
-        ba = -1
-        bb = -1
-        # Settling: once a GPU's best swap leaves the pair at or below the second-busiest GPU,
-        # the row's busiest load after it is that GPU's, whichever swap is made: a better swap on
-        # a later (heavier) GPU would not lower it, and scanning on for one costs as much as the
-        # swap (about half the GPUs scanned, for a few more swaps; the plans end as balanced).
-        # Under a cap on swaps each swap should do the most, so a capped refine takes the best.
-        second = gl[order[G - 2]] if settle and G > 1 else -np.inf
-        for i in range(G - 1):
-            g = order[i]
-            lg = gl[g]
-            if ba >= 0 and best <= second:
-                break
-            if 0.5 * (top + lg) >= best:
-                break                      # lighter GPUs came first: no later one can do better
-            og = g * S
-            if top - (ws[oh + S - 1] - ws[og]) >= best:
-                continue                   # even its lightest replica cannot take enough load
-            half = 0.5 * (top - lg)
-            j = 0
-            for ia in range(S):            # h's replicas, lightest first
-                a = srt[oh + ia]
-                if holds[phy[a], g]:
-                    continue
-                wa = ws[oh + ia]
-                t = wa - half              # the ideal partner's load: both GPUs end equal
-                while j < S and ws[og + j] < t:
-                    j += 1
-                # Partners at least as heavy as ideal: max = top - d, rising with their load.
-                for jj in range(j, S):
-                    wb = ws[og + jj]
-                    if wb >= wa or top - wa + wb >= best:
-                        break
-                    b = srt[og + jj]
-                    if not holds[phy[b], h]:
-                        best = top - wa + wb
-                        ba = a
-                        bb = b
-                        break
-                # Lighter partners: max = lg + d, rising as their load falls.
-                for jj in range(j - 1, -1, -1):
-                    wb = ws[og + jj]
-                    if lg + wa - wb >= best:
-                        break
-                    b = srt[og + jj]
-                    if not holds[phy[b], h]:
-                        best = lg + wa - wb
-                        ba = a
-                        bb = b
-                        break
+        ba, bb = _best_swap(phy, G, S, settle, holds, gl, order, srt, ws)
         if ba < 0:
             break
         ea = phy[ba]
@@ -257,6 +189,89 @@ def _refine_row(phy, per_E, G, S, max_swaps, settle, gap, holds, gl, order, pos,
         for p in range(g * S, (g + 1) * S):
             holds[phy[p], g] = False
     return swaps
+
+
+@kernel(inline=True)
+def _row_loads(phy, per_E, G, S, gap, holds, gl):
+    """Each GPU's load into gl and its experts into holds; returns the load at which swaps stop."""
+    total = 0.0
+    wmax = 0.0
+    for g in range(G):  # slot by slot in order, without p // S (an integer division per slot)
+        x = 0.0
+        for p in range(g * S, (g + 1) * S):
+            e = phy[p]
+            x += per_E[e]
+            holds[e, g] = True
+            total += per_E[e]
+            if per_E[e] > wmax:
+                wmax = per_E[e]
+        gl[g] = x
+    # No placement of these replicas has a busiest GPU below the mean or the heaviest one;
+    # swaps stop within `gap` of that floor (1e-12: rounding noise).
+    return max(total / G, wmax) * (1.0 + gap + 1e-12)
+
+
+@kernel(inline=True)
+def _best_swap(phy, G, S, settle, holds, gl, order, srt, ws):
+    """The swap (slot on the busiest GPU, slot on a lighter one) that leaves the pair's larger load
+    lowest, lighter GPUs tried first; (-1, -1) when none lowers the busiest GPU."""
+    h = order[G - 1]
+    top = gl[h]
+    oh = h * S
+    # The best swap leaves max(top - d, lg + d) lowest, d = the load moved from h to g; it
+    # must lower the busiest GPU by more than rounding noise.
+    best = top * (1.0 - 1e-9)
+    ba = -1
+    bb = -1
+    # Settling: once a GPU's best swap leaves the pair at or below the second-busiest GPU,
+    # the row's busiest load after it is that GPU's, whichever swap is made: a better swap on
+    # a later (heavier) GPU would not lower it, and scanning on for one costs as much as the
+    # swap (about half the GPUs scanned, for a few more swaps; the plans end as balanced).
+    # Under a cap on swaps each swap should do the most, so a capped refine takes the best.
+    second = gl[order[G - 2]] if settle and G > 1 else -np.inf
+    for i in range(G - 1):
+        g = order[i]
+        lg = gl[g]
+        if ba >= 0 and best <= second:
+            break
+        if 0.5 * (top + lg) >= best:
+            break                      # lighter GPUs came first: no later one can do better
+        og = g * S
+        if top - (ws[oh + S - 1] - ws[og]) >= best:
+            continue                   # even its lightest replica cannot take enough load
+        half = 0.5 * (top - lg)
+        j = 0
+        for ia in range(S):            # h's replicas, lightest first
+            a = srt[oh + ia]
+            if holds[phy[a], g]:
+                continue
+            wa = ws[oh + ia]
+            t = wa - half              # the ideal partner's load: both GPUs end equal
+            while j < S and ws[og + j] < t:
+                j += 1
+            # Partners at least as heavy as ideal: max = top - d, rising with their load.
+            for jj in range(j, S):
+                wb = ws[og + jj]
+                if wb >= wa or top - wa + wb >= best:
+                    break
+                b = srt[og + jj]
+                if not holds[phy[b], h]:
+                    best = top - wa + wb
+                    ba = a
+                    bb = b
+                    break
+            # Lighter partners: max = lg + d, rising as their load falls.
+            for jj in range(j - 1, -1, -1):
+                wb = ws[og + jj]
+                if lg + wa - wb >= best:
+                    break
+                b = srt[og + jj]
+                if not holds[phy[b], h]:
+                    best = lg + wa - wb
+                    ba = a
+                    bb = b
+                    break
+    return ba, bb
 
 
 @kernel

@@ -37,6 +37,7 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -255,7 +256,8 @@ def _compile_here(dispatcher, sig) -> None:
         dispatcher.compile(sig)
     finally:
         for d in loaded:
-            d.disable_compile()
+            if d.signatures:        # numba refuses to disable a dispatcher with none
+                d.disable_compile()
 
 
 def _install_folder_stamps() -> None:
@@ -264,29 +266,53 @@ def _install_folder_stamps() -> None:
     numba compiles a kernel's callees into its machine code but stamps the cache entry with the
     kernel's own source file only: after an edit of a callee in another file (the schedule's
     stages are six files) the caller would load stale machine code. Kernels call only kernels
-    of their own folder, so the folder's `*_kernel.py` files are what an entry depends on."""
+    of their own folder, so the folder's `*_kernel.py` files are what an entry depends on. The
+    entries go to a folder named by that stamp (older ones are removed): numba unpickles a
+    cache index before it compares stamps, and an index naming a type since moved fails to load
+    instead of missing."""
     from numba.core import caching
 
     class FolderStamp:
+        def __init__(self, py_func, py_file):
+            super().__init__(py_func, py_file)
+            self._stamp = _folder_stamp(py_file)
+            self._base = super().get_cache_path()
+
         @classmethod
         def from_function(cls, py_func, py_file):
             if not getattr(py_func, "_eplb_kernel", False):
                 return None
             return super().from_function(py_func, py_file)
 
+        def get_cache_path(self):
+            return os.path.join(self._base, _STAMPED + self._stamp[:16])
+
         def get_source_stamp(self):
-            folder = os.path.dirname(self._py_file)
-            parts = []
-            own = os.path.basename(self._py_file)
-            for name in sorted(os.listdir(folder)):
-                if name.endswith("_kernel.py") or name == own:
-                    st = os.stat(os.path.join(folder, name))
-                    parts.append((name, st.st_mtime, st.st_size))
-            return hashlib.sha256(repr(parts).encode()).hexdigest()
+            return self._stamp
+
+        def ensure_cache_path(self):
+            super().ensure_cache_path()
+            for name in os.listdir(self._base):
+                if name.startswith(_STAMPED) and name != _STAMPED + self._stamp[:16]:
+                    shutil.rmtree(os.path.join(self._base, name), ignore_errors=True)
 
     ours = [type(f"Folder{base.__name__}", (FolderStamp, base), {})
             for base in (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator, caching.UserWideCacheLocator)]
-    caching.CacheImpl._locator_classes = ours + [c for c in caching.CacheImpl._locator_classes if c not in ours]
+    caching.CacheImpl._locator_classes = ours + list(caching.CacheImpl._locator_classes)
+
+
+_STAMPED = "eplb-kernels-"
+
+
+def _folder_stamp(py_file: str) -> str:
+    """A hash of the names, times and sizes of the kernel files beside py_file (and its own)."""
+    folder, own = os.path.split(py_file)
+    parts = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith("_kernel.py") or name == own:
+            st = os.stat(os.path.join(folder, name))
+            parts.append((name, st.st_mtime_ns, st.st_size))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 class _Uncached(Exception):

@@ -5,15 +5,15 @@ P = G x S slots, B = demand blends, C = partner GPUs a swap may reach.
 
 - `window_busiest`: busiest / mean GPU of one placement on every window, [M, L] (even split);
 - `repair`: per layer, the placement in force changed a little to balance every window
-  (see `eplb.serving.repair.robust_repair` for the steps), and its cost before and after.
+  (see `eplb.serving.repair.robust_repair` for the steps), and its cost before and after; its
+  swaps are `_swaps_kernel`'s.
 Windows arrive as they are kept (raw counts or planning loads, any order: every step here is
 a sum or a maximum over windows) and are normalised per (window, layer) inside, so the mean
 GPU load is 1 and a GPU's load reads as busiest / mean directly. Layers are independent: each
 is repaired on its own, one after another. Every kernel trusts its input (eplb.serving.policy checks
-it), releases the GIL (a serving thread keeps running while a side thread decides) and is
-compiled with `cache=True`: only the first process after an install compiles
-(`eplb.serving.repair.warm_up`). tests/oracles/policy.py is the plain numpy reference the tests compare
-the repair with, slot by slot.
+it) and releases the GIL (a serving thread keeps running while a side thread decides).
+tests/oracles/policy.py is the plain numpy reference the tests compare the repair with, slot by
+slot.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.jit import kernel
-
-_TIE = 1e-12      # choices closer than this (relative) are ties, broken by order: equal swaps and GPUs
-_EXP_CLIP = 600.0  # exp(600) is finite; only replicas above 12x the mean GPU load reach it at beta 50
+from eplb.serving._swaps_kernel import _TIE, _arrival, _departure, _loads, _swaps
 
 
 @kernel(inline=True, error_model="numpy")
@@ -36,18 +34,6 @@ def _shares(ring_MLE, l, G, share_EM):
             tot += ring_MLE[m, l, e]
         for e in range(E):
             share_EM[e, m] = ring_MLE[m, l, e] * G / tot if tot > 0 else 0.0
-
-
-@kernel(inline=True, error_model="numpy")
-def _loads(phy_P, cnt_E, share_EM, S, load_GM):
-    """GPU loads of every window under an even split."""
-    G, M = load_GM.shape
-    load_GM[:] = 0.0
-    for p in range(phy_P.shape[0]):
-        e = phy_P[p]
-        g = p // S
-        for m in range(M):
-            load_GM[g, m] += share_EM[e, m] / cnt_E[e]
 
 
 @kernel(inline=True, error_model="numpy")
@@ -162,18 +148,6 @@ def _sift_down(heap_E, per_E, i, e, v):
 
 
 @kernel(inline=True, error_model="numpy")
-def _arrival(e, g, hold_EG, was_EG):
-    """Moves onto GPU g if expert e lands there (0 when g held it before the repair)."""
-    return 0 if (hold_EG[e, g] > 0 or was_EG[e, g]) else 1
-
-
-@kernel(inline=True, error_model="numpy")
-def _departure(e, g, hold_EG, was_EG):
-    """Moves onto GPU g undone if one replica of e leaves it (its only copy, moved there)."""
-    return 1 if (hold_EG[e, g] == 1 and not was_EG[e, g]) else 0
-
-
-@kernel(inline=True, error_model="numpy")
 def _fill(phy_P, cnt_E, target_E, share_EM, S, hold_EG, was_EG, in_G, moved, cap_total, cap_G, load_GM, peak_G):
     """Replicas from experts above their target count to experts below it, one slot at a time:
     each new replica overwrites a slot of an expert with replicas to spare, on a GPU without
@@ -252,192 +226,6 @@ def _peak(load_GM, g, peak_G):
         peak_G[g] = max(peak_G[g], load_GM[g, m])
 
 
-@kernel(inline=True, error_model="numpy")
-def _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds, how, caps, moved, load_GM, work):
-    """At most `rounds` swaps between a replica on one of the two GPUs with the heaviest worst
-    window and a replica on one of the `partners` GPUs with the lightest, each the swap that
-    lowers the smooth maximum Z = sum over (GPU, window) of exp(beta (load - top)) the most,
-    while it drops (top: the heaviest load when the swaps start; Z's scale does not matter).
-
-    A swap of slot a (GPU A, expert ea) with slot b (GPU B, eb) changes only A's and B's loads,
-    and its gain in Z factors per window m, with x = exp(beta x an expert's load per replica):
-    gain = sum_m eA + eB - (eA / x_ea) x_eb - x_ea (eB / x_eb). For one a the gains of all
-    candidate b are accumulated window by window, each b's in the same order (vectorised over b).
-    """
-    beta, partners, sources, floor = how
-    hold_EG, was_EG, in_G, cap_total, cap_G = caps
-    ready_E, w_EM, x_EM, ix_EM, e_GM, peak_G, esum_G, order_G, cand_C, gpu_C, slot_C, free_C, base_C, gain_C, x_MC, \
-        b_MC = work
-    E, M = share_EM.shape
-    G = load_GM.shape[0]
-    capped = cap_total < np.inf or cap_G.min() < np.inf
-    # Per-replica loads and their exponentials, made for an expert when a swap first looks at it.
-    for e in range(E):
-        ready_E[e] = False
-    _loads(phy_P, cnt_E, share_EM, S, load_GM)
-    top = 0.0
-    for g in range(G):
-        for m in range(M):
-            top = max(top, load_GM[g, m])
-    for g in range(G):
-        _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G)
-    n_src = min(sources, G)
-    for _ in range(rounds):
-        z = 0.0
-        for g in range(G):
-            z += esum_G[g]
-        # Heaviest worst window first, lower GPU on a tie: only both ends of the order are read.
-        _rank_ends(peak_G, order_G, n_src, 0 if partners >= G else min(partners, G))
-        nc = 0
-        for j in range(min(partners, G)):
-            # partners >= G: every GPU, in order; else the lightest (order_G from its end)
-            B = j if partners >= G else order_G[G - 1 - j]
-            for sb in range(S):
-                b = B * S + sb
-                eb = phy_P[b]
-                if not ready_E[eb]:       # (tested here: see `_ready`)
-                    _ready(eb, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
-                cand_C[nc] = eb
-                gpu_C[nc] = B
-                slot_C[nc] = sb
-                base_C[nc] = esum_G[B]
-                for m in range(M):
-                    x_MC[m, nc] = x_EM[eb, m]
-                    b_MC[m, nc] = e_GM[B, m] * ix_EM[eb, m]
-                nc += 1
-        best = -np.inf
-        best_a = -1
-        best_b = -1
-        for i in range(n_src):
-            A = order_G[i]
-            for k in range(nc):
-                # Candidates that can never swap with a replica of A: on A, or their expert is on A.
-                free_C[k] = gpu_C[k] != A and hold_EG[cand_C[k], A] == 0
-            for sa in range(S):
-                a = A * S + sa
-                ea = phy_P[a]
-                if not ready_E[ea]:
-                    _ready(ea, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM)
-                for k in range(nc):
-                    gain_C[k] = esum_G[A] + base_C[k]
-                for m in range(M):
-                    am = e_GM[A, m] * ix_EM[ea, m]
-                    xm = x_EM[ea, m]
-                    for k in range(nc):
-                        gain_C[k] -= am * x_MC[m, k] + xm * b_MC[m, k]
-                for k in range(nc):
-                    B = gpu_C[k]
-                    eb = cand_C[k]
-                    if not free_C[k] or eb == ea or hold_EG[ea, B] > 0:
-                        continue
-                    if capped:
-                        dA = _arrival(eb, A, hold_EG, was_EG) - _departure(ea, A, hold_EG, was_EG)
-                        dB = _arrival(ea, B, hold_EG, was_EG) - _departure(eb, B, hold_EG, was_EG)
-                        if moved + dA + dB > cap_total or in_G[A] + dA > cap_G[A] or in_G[B] + dB > cap_G[B]:
-                            continue
-                    if best_a < 0 or gain_C[k] > best + _TIE * abs(best):
-                        best = gain_C[k]
-                        best_a = a
-                        best_b = B * S + slot_C[k]
-        if best_a < 0 or not best > floor * z:
-            break
-        a, b = best_a, best_b
-        A, B = a // S, b // S
-        ea, eb = phy_P[a], phy_P[b]
-        dA = _arrival(eb, A, hold_EG, was_EG) - _departure(ea, A, hold_EG, was_EG)
-        dB = _arrival(ea, B, hold_EG, was_EG) - _departure(eb, B, hold_EG, was_EG)
-        in_G[A] += dA
-        in_G[B] += dB
-        moved += dA + dB
-        phy_P[a] = eb
-        phy_P[b] = ea
-        hold_EG[ea, A] -= 1
-        hold_EG[eb, A] += 1
-        hold_EG[eb, B] -= 1
-        hold_EG[ea, B] += 1
-        for m in range(M):
-            load_GM[A, m] += w_EM[eb, m] - w_EM[ea, m]
-            load_GM[B, m] += w_EM[ea, m] - w_EM[eb, m]
-        _gpu_terms(A, load_GM, w_M, top, beta, e_GM, peak_G, esum_G)
-        _gpu_terms(B, load_GM, w_M, top, beta, e_GM, peak_G, esum_G)
-    return moved
-
-
-@kernel(inline=True, error_model="numpy")
-def _ready(e, share_EM, cnt_E, beta, ready_E, w_EM, x_EM, ix_EM):
-    """Expert e's load per replica w, x = exp(beta w) and 1 / x, per window (once per swap phase:
-    callers test ready_E[e] first, as numba reference-counts an inlined helper's array
-    arguments at every call, which cost more than the test)."""
-    for m in range(share_EM.shape[1]):
-        w_EM[e, m] = share_EM[e, m] / cnt_E[e]
-        x_EM[e, m] = np.exp(min(beta * w_EM[e, m], _EXP_CLIP))
-        ix_EM[e, m] = 1.0 / x_EM[e, m]
-    ready_E[e] = True
-
-
-@kernel(inline=True, error_model="numpy")
-def _rank(peak_G, order_G):
-    """GPUs by worst window, heaviest first; among equals the lower GPU first (insertion sort:
-    G is small and nothing is allocated)."""
-    G = peak_G.shape[0]
-    for g in range(G):
-        order_G[g] = g
-    for i in range(1, G):
-        g = order_G[i]
-        j = i - 1
-        while j >= 0 and peak_G[order_G[j]] < peak_G[g]:
-            order_G[j + 1] = order_G[j]
-            j -= 1
-        order_G[j + 1] = g
-
-
-@kernel(inline=True, error_model="numpy")
-def _before(peak_G, a, b):
-    """Does GPU a come before GPU b in `_rank`'s order (heavier, or as heavy and lower)?"""
-    return peak_G[a] > peak_G[b] or (peak_G[a] == peak_G[b] and a < b)
-
-
-@kernel(inline=True, error_model="numpy")
-def _rank_ends(peak_G, order_G, n_top, n_bottom):
-    """The first n_top and the last n_bottom entries of `_rank`'s order, the rest left as they
-    were, in one pass over the GPUs (a swap round reads only the two heaviest and the `partners`
-    lightest; a full sort of 256 GPUs in every round would outweigh the swaps themselves). A GPU joins
-    an end only if it beats that end's innermost entry, and is then put in its place there."""
-    G = peak_G.shape[0]
-    if n_top + n_bottom > G:
-        _rank(peak_G, order_G)
-        return
-    for g in range(G):
-        # Top: order_G[0] first; a GPU enters if it comes before order_G[n_top - 1].
-        n = min(g, n_top)
-        if n_top > 0 and (n < n_top or _before(peak_G, g, order_G[n - 1])):
-            j = n if n < n_top else n - 1
-            while j > 0 and _before(peak_G, g, order_G[j - 1]):
-                order_G[j] = order_G[j - 1]
-                j -= 1
-            order_G[j] = g
-        # Bottom: order_G[G - 1] last; a GPU enters if it comes after order_G[G - n_bottom].
-        n = min(g, n_bottom)
-        if n_bottom > 0 and (n < n_bottom or _before(peak_G, order_G[G - n], g)):
-            j = n if n < n_bottom else n - 1
-            while j > 0 and _before(peak_G, order_G[G - j], g):
-                order_G[G - 1 - j] = order_G[G - j]
-                j -= 1
-            order_G[G - 1 - j] = g
-
-
-@kernel(inline=True, error_model="numpy")
-def _gpu_terms(g, load_GM, w_M, top, beta, e_GM, peak_G, esum_G):
-    """GPU g's worst window, its terms of Z (each window's weighted by w_M) and their sum."""
-    M = load_GM.shape[1]
-    peak_G[g] = 0.0
-    esum_G[g] = 0.0
-    for m in range(M):
-        peak_G[g] = max(peak_G[g], load_GM[g, m])
-        e_GM[g, m] = w_M[m] * np.exp(beta * (load_GM[g, m] - top))
-        esum_G[g] += e_GM[g, m]
-
-
 @kernel(error_model="numpy")
 def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills, worst_weight, cap_total, cap_G,
            new_LP, cost_L2, first, stop):
@@ -468,14 +256,10 @@ def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills,
             np.empty(C), np.empty((M, C)), np.empty((M, C)))
     cnt_E = np.empty(E, dtype=np.int64)
     B = blends_B.shape[0]
-    target_BE = np.empty((B, E), dtype=np.int64)
-    fill_BP = np.empty((B, P), dtype=np.int64)
-    moved_B = np.zeros(B, dtype=np.int64)
-    in_BG = np.zeros((B, G), dtype=np.int64)
-    worst_B = np.empty(B)
-    key_BE = np.empty((B, E))
-    per_E = np.empty(E)
-    heap_E = np.empty(E, dtype=np.int64)
+    # Each blend's targets, fill, its moves (total, per GPU), worst window, demand; scratch.
+    blend = (np.empty((B, E), dtype=np.int64), np.empty((B, P), dtype=np.int64), np.zeros(B, dtype=np.int64),
+             np.zeros((B, G), dtype=np.int64), np.empty(B), np.empty((B, E)), np.empty(E),
+             np.empty(E, dtype=np.int64))
     # Small enough to stay in the L1 cache; all zero between uses (`_hold`, `_unhold`).
     hold_EG = np.zeros((E, G), dtype=np.int16)
     was_EG = np.zeros((E, G), dtype=np.bool_)
@@ -495,51 +279,25 @@ def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills,
         cost_L2[l, 1] = old_cost
         # Step 1-2 for every blend; the swaps then start from the fills with the lightest worst
         # window (`swap_fills` of them), each blend whose targets differ from an earlier one's.
-        nb = blends_B.shape[0]
-        for k in range(nb):
-            # A blend with the targets of an earlier one has its fill too: never swapped from,
-            # so not made. One window gives every blend the same demand, and its targets are
-            # not counted again either.
-            _demand(share_EM, w_M, blends_B[k], key_BE[k])
-            same = False
-            for j in range(k):
-                if (key_BE[j] == key_BE[k]).all():
-                    same = True
-                    target_BE[k] = target_BE[j]
-                    break
-            if not same:
-                _targets(key_BE[k], P, G, target_BE[k], per_E, heap_E)
-                for j in range(k):
-                    if (target_BE[j] == target_BE[k]).all():
-                        same = True
-            if same:
-                worst_B[k] = np.inf
-                continue
-            fill_BP[k] = old_LP[l]
-            cnt_E[:] = 0
-            _hold(fill_BP[k], S, hold_EG, cnt_E)
-            in_G[:] = 0
-            moved_B[k] = _fill(fill_BP[k], cnt_E, target_BE[k], share_EM, S, hold_EG, was_EG, in_G, 0, cap_total,
-                               cap_G, load_GM, peak_G)
-            _unhold(fill_BP[k], S, hold_EG)
-            in_BG[k] = in_G
-            _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
-            cost, worst_B[k] = _cost(load_GM, w_M, worst_weight)
-        for _ in range(min(swap_fills, nb)):
+        _fill_blends(old_LP[l], blends_B, share_EM, w_M, S, G, worst_weight, cap_total, cap_G, cnt_E, hold_EG,
+                     was_EG, in_G, load_GM, peak_G, blend)
+        # Step 3, from the lightest fills; a result is kept when it beats the best worst window.
+        worst_B = blend[4]
+        for _ in range(min(swap_fills, blends_B.shape[0])):
             k = -1                          # the lightest fill left, the first of (near) equals
-            for j in range(nb):
+            for j in range(blends_B.shape[0]):
                 if worst_B[j] < np.inf and (k < 0 or worst_B[j] < worst_B[k] - _TIE * worst_B[k]):
                     k = j
             if k < 0:
                 break
             worst_B[k] = np.inf
-            phy_P[:] = fill_BP[k]
+            phy_P[:] = blend[1][k]
             cnt_E[:] = 0
             _hold(phy_P, S, hold_EG, cnt_E)
-            in_G[:] = in_BG[k]
+            in_G[:] = blend[3][k]
             if rounds_L[l] > 0:
                 _swaps(phy_P, cnt_E, share_EM, w_M, S, rounds_L[l], how, (hold_EG, was_EG, in_G, cap_total, cap_G),
-                       moved_B[k], load_GM, work)
+                       blend[2][k], load_GM, work)
             _unhold(phy_P, S, hold_EG)
             _loads(phy_P, cnt_E, share_EM, S, load_GM)
             cost, worst = _cost(load_GM, w_M, worst_weight)
@@ -549,6 +307,42 @@ def repair(ring_MLE, w_M, old_LP, blends_B, rounds_L, num_gpus, how, swap_fills,
                 cost_L2[l, 1] = cost
         for p in range(P):
             was_EG[old_LP[l, p], p // S] = False
+
+
+@kernel(inline=True, error_model="numpy")
+def _fill_blends(old_P, blends_B, share_EM, w_M, S, G, worst_weight, cap_total, cap_G, cnt_E, hold_EG, was_EG, in_G,
+                 load_GM, peak_G, blend):
+    """Steps 1-2 of `repair` for one layer: each blend's target counts and fill (into `blend`),
+    and the fill's worst window (inf for a blend whose targets an earlier one has: it is never
+    swapped from, so not made; one window gives every blend the same demand)."""
+    target_BE, fill_BP, moved_B, in_BG, worst_B, key_BE, per_E, heap_E = blend
+    P = old_P.shape[0]
+    for k in range(blends_B.shape[0]):
+        _demand(share_EM, w_M, blends_B[k], key_BE[k])
+        same = False
+        for j in range(k):
+            if (key_BE[j] == key_BE[k]).all():
+                same = True
+                target_BE[k] = target_BE[j]
+                break
+        if not same:
+            _targets(key_BE[k], P, G, target_BE[k], per_E, heap_E)
+            for j in range(k):
+                if (target_BE[j] == target_BE[k]).all():
+                    same = True
+        if same:
+            worst_B[k] = np.inf
+            continue
+        fill_BP[k] = old_P
+        cnt_E[:] = 0
+        _hold(fill_BP[k], S, hold_EG, cnt_E)
+        in_G[:] = 0
+        moved_B[k] = _fill(fill_BP[k], cnt_E, target_BE[k], share_EM, S, hold_EG, was_EG, in_G, 0, cap_total,
+                           cap_G, load_GM, peak_G)
+        _unhold(fill_BP[k], S, hold_EG)
+        in_BG[k] = in_G
+        _loads(fill_BP[k], cnt_E, share_EM, S, load_GM)      # afresh: the fill kept it incrementally
+        worst_B[k] = _cost(load_GM, w_M, worst_weight)[1]
 
 
 @kernel(inline=True, error_model="numpy")

@@ -4,35 +4,35 @@ and on more GPUs than the partners a swap may reach."""
 
 import numpy as np
 import pytest
-from numba import njit
 
 from eplb import plan
-from eplb.serving import _policy_kernel as kernel
+from eplb.core.jit import kernel
+from eplb.serving import _policy_kernel, _swaps_kernel
 from eplb.serving.repair import repair
 from eplb.stats.loads import replica_counts_minmax
 from tests.oracles import policy as oracle
 
 
-@njit
+@kernel
 def _full_order(peak_G):
     order_G = np.empty(peak_G.shape[0], dtype=np.int64)
-    kernel._rank(peak_G, order_G)
+    _swaps_kernel._rank(peak_G, order_G)
     return order_G
 
 
-@njit
+@kernel
 def _end_order(peak_G, n_top, n_bottom):
     order_G = np.full(peak_G.shape[0], -1, dtype=np.int64)
-    kernel._rank_ends(peak_G, order_G, n_top, n_bottom)
+    _swaps_kernel._rank_ends(peak_G, order_G, n_top, n_bottom)
     return order_G
 
 
-@njit
+@kernel
 def _counts(share_EM, blend, P, G):
     E = share_EM.shape[0]
     key_E, r_E = np.empty(E), np.empty(E, dtype=np.int64)
-    kernel._demand(share_EM, np.ones(share_EM.shape[1]), blend, key_E)
-    kernel._targets(key_E, P, G, r_E, np.empty(E), np.empty(E, dtype=np.int64))
+    _policy_kernel._demand(share_EM, np.ones(share_EM.shape[1]), blend, key_E)
+    _policy_kernel._targets(key_E, P, G, r_E, np.empty(E), np.empty(E, dtype=np.int64))
     return r_E
 
 

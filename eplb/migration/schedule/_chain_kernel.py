@@ -9,7 +9,7 @@ Stages of `_schedule_kernel.schedule`, inlined into it:
   landed where it goes; such waits form chains that unwind one copy per round. Each rank's
   queue is ordered by the chain its slots head, longest first. Each slot's link in a chain
   is kept from round to round and recomputed where `touch` marked its target's holders changed.
-`st` is the schedule's state (`_schedule_kernel._Slots`), `sg` the staging scratch
+`st` is the schedule's state (`_state_kernel._Slots`), `sg` the staging scratch
 (`_cycles_kernel._Staging`).
 """
 

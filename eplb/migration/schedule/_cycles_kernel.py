@@ -12,7 +12,7 @@ called by the chain order) a deadlock can only appear through a replica the roun
 overwrite, so `deadlocks` lists just those, in the same order, without the full pass
 (`_find_cycles` walks every pending slot, and about a third of the rounds need a list); in a
 round that starts with deadlocks, it walks from those the chain order found, too.
-`st` is the schedule's state (`_schedule_kernel._Slots`), `sg` this module's scratch
+`st` is the schedule's state (`_state_kernel._Slots`), `sg` this module's scratch
 (`_Staging`), `done` the round's transfer rows.
 """
 
@@ -57,7 +57,7 @@ def new_staging(new_LP, E, G):
             want[fill[l * E + new_LP[l, p]]] = p
             fill[l * E + new_LP[l, p]] += 1
     # Slot codes, slots and offsets are int32 (below L x P, as the schedule's state:
-    # `_schedule_kernel._new_state`); the walk and call stamps stay int64 (they count walks).
+    # `_state_kernel._new_state`); the walk and call stamps stay int64 (they count walks).
     return _Staging(np.full((L, E), -1, dtype=np.int32), np.zeros((L, E), dtype=np.int64),
                     np.zeros((L, P), dtype=np.int64), np.empty(P, dtype=np.int32),
                     np.empty(L * P, dtype=np.int32), np.empty(L * P, dtype=np.int32), np.empty(L * P, dtype=np.int32),

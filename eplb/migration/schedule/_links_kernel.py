@@ -7,8 +7,8 @@ sends at most one expert over the network. `take_links` (inlined into the schedu
 destination ranks to source columns (ranks 0..G-1, checkpoint G + d) with `_match` and
 takes, per matched rank, its first candidate still possible; `commit` records one copy (the
 scan takes local copies with it too); `_exchange_stage` spares a send-critical rank the send an
-exchange would leave to it. `st` is the schedule's state (`_schedule_kernel._Slots`),
-`rd` the round's candidates (`_schedule_kernel._Round`).
+exchange would leave to it. `st` is the schedule's state (`_state_kernel._Slots`),
+`rd` the round's candidates (`_state_kernel._Round`).
 """
 
 from __future__ import annotations

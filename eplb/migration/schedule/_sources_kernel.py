@@ -11,7 +11,7 @@ than the busiest one receives. `plan_sources` gives each pending network copy a 
 source rank, balanced, where a rank that has just received an expert (a relay) counts as a
 source of the later copies of it; the link matching (`_links_kernel`) tries the planned
 source first and covers the ranks with the most planned sends left. `st` is the schedule's
-state (`_schedule_kernel._Slots`).
+state (`_state_kernel._Slots`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Legend: L = MoE layers, E = logical experts, G = ranks, S = slots per rank, P = 
 When no pending slot of a round may be written (each holds the only complete replica of its
 expert), the "waits for" links between pending slots form cycles (`_cycles_kernel` finds
 them); `stage` breaks each with one copy into a spare slot. `st` is the schedule's state
-(`_schedule_kernel._Slots`), `sg` the cycles' scratch (`_cycles_kernel._Staging`), `done` the
+(`_state_kernel._Slots`), `sg` the cycles' scratch (`_cycles_kernel._Staging`), `done` the
 round's transfer rows. The schedule calls `stage` only where `is_deadlock` or `deadlocks`
 found a deadlock (or nothing else moved).
 """

@@ -207,7 +207,7 @@ _STOPPED = "stopped"
 def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool, stop: np.ndarray):
     """The kernel's (rows, chunk of each round, None), or (..., the layer that cannot stage), or
     (..., _STOPPED) once stop[0] is set, in plain or relay mode."""
-    if old_k.size >= 2**31:  # the kernel's slot codes are int32 (`_schedule_kernel._new_state`)
+    if old_k.size >= 2**31:  # the kernel's slot codes are int32 (`_state_kernel._new_state`)
         raise EplbError(f"a migration of {old_k.shape[0]} layers x {old_k.shape[1]} slots has {old_k.size} slot "
                         f"codes, more than the schedule's 2^31 - 1: schedule the layers in parts")
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
