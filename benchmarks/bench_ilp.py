@@ -39,7 +39,7 @@ from eplb.core.placement import Placement  # noqa: E402
 from eplb.dispatch.rules import optimal_weights  # noqa: E402
 from eplb.planning.front_door import plan  # noqa: E402
 from planners.greedy import plan_greedy  # noqa: E402
-from planners.ilp import scale_loads, solve_layer  # noqa: E402
+from planners.ilp_model import scale_loads, solve_layer  # noqa: E402
 
 
 def med_max(a) -> str:

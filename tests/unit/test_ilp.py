@@ -9,7 +9,14 @@ import eplb.planning.front_door as planning
 from eplb.core.placement import Placement
 from eplb.dispatch.rules import max_gpu_load, optimal_weights
 from eplb.errors import EplbError
-from planners.ilp import balanced_groups, chain_fill, integer_lower_bound, integer_shares, scale_loads, solve_layer
+from planners.ilp_model import (
+    balanced_groups,
+    chain_fill,
+    integer_lower_bound,
+    integer_shares,
+    scale_loads,
+    solve_layer,
+)
 
 
 def all_placements(E, G, S):
