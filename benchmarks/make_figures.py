@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from eplb.core.placement import Placement, contiguous_map  # noqa: E402
 from eplb.core.topology import Topology  # noqa: E402
 from eplb.core.trace import Trace, default_meta  # noqa: E402
-from eplb.evaluate import plot  # noqa: E402
+from eplb.evaluate import plot, timeline  # noqa: E402
 from eplb.formats import load_trace  # noqa: E402
 from eplb.planning.front_door import plan  # noqa: E402
 from planners.api import planner_names  # noqa: E402
@@ -85,8 +85,8 @@ def backtest_series(trace: Trace, num_gpus: int) -> list:
               f" median {np.median(r.column('imbalance')):.4f}, moves per rebalance median "
               f"{'n/a' if moves is None else f'{moves:,.0f}'} ({time.perf_counter() - t0:.1f} s)")
         results.append(r)
-    return [plot.TimelineSeries(legend, s.imbalance_T, s.rebalance_at, s.moves)
-            for (legend, _, _), s in zip(BACKTEST_RUNS, plot.timeline_from_backtest(results, dispatch="even"))]
+    return [timeline.TimelineSeries(legend, s.imbalance_T, s.rebalance_at, s.moves)
+            for (legend, _, _), s in zip(BACKTEST_RUNS, timeline.timeline_from_backtest(results, dispatch="even"))]
 
 
 def write(fig, out: Path, name: str, made: list) -> None:
@@ -119,7 +119,7 @@ def figures_for(trace: Trace, out: Path, prefix: str, num_gpus: int, planners: l
         tpw = trace.meta.get("tokens_per_window")
         xl = (f"scored window (0 = trace window {BACKTEST_HISTORY}"
               + (f"; {tpw:,} tokens each)" if tpw else ")"))
-        write(plot.backtest_timeline(series, window_label=xl,
+        write(timeline.backtest_timeline(series, window_label=xl,
                                      metric_label="busiest / mean GPU load,\nmedian over layers (even dispatch)",
                                      title=f"Backtest on {label}: each window served by a plan made from the "
                                            f"{BACKTEST_HISTORY} windows before it ({num_gpus} GPUs)"),

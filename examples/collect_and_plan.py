@@ -27,7 +27,8 @@ import eplb  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
 from eplb.runtime.collect import RouterCollector  # noqa: E402
-from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402
+from eplb.runtime.config import ModelConfig  # noqa: E402
+from eplb.runtime.model import DeepSeekModel  # noqa: E402
 from eplb.stats.loads import hot_ratio  # noqa: E402
 
 

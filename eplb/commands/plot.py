@@ -12,7 +12,7 @@ from eplb.commands.common import REDUNDANT_HELP, add_command, add_output_flags, 
 from eplb.core.placement import check_same_layers, contiguous_placement
 from eplb.core.progress import progress
 from eplb.errors import EplbError
-from eplb.evaluate import plot
+from eplb.evaluate import plot, timeline
 from eplb.evaluate.backtest import DISPATCH
 from eplb.formats import load_history, load_placement, load_trace, read_json_file, read_replay
 from eplb.planning.front_door import plan, size_topology
@@ -82,7 +82,7 @@ def _load_backtest_json(path: str, dispatch: str):
         data = read_json_file(path, "backtest file")
     except EplbError as exc:
         raise EplbError(f"{exc}; plot the JSON that `eplb backtest ... --json` printed, saved to a file") from None
-    return plot.timeline_from_json(data, dispatch, source=path), data
+    return timeline.timeline_from_json(data, dispatch, source=path), data
 
 
 def _backtest_labels(data, dispatch: str) -> tuple[str, str]:
@@ -149,7 +149,7 @@ def _replicas(args):
 def _backtest(args):
     series, data = _load_backtest_json(args.result, args.dispatch)
     xlabel, ylabel = _backtest_labels(data, args.dispatch)
-    fig = plot.backtest_timeline(series, window_label=args.window_label or xlabel, metric_label=ylabel,
+    fig = timeline.backtest_timeline(series, window_label=args.window_label or xlabel, metric_label=ylabel,
                                  title=args.title)
     return fig, {"series": [s.name for s in series],
                  "imbalance_mean": {s.name: float(s.imbalance_T.mean()) for s in series}}
@@ -157,7 +157,7 @@ def _backtest(args):
 
 def _replay(args):
     arrays, meta = read_replay(args.result)
-    fig = plot.replay_timeline(arrays, meta, rule=args.rule, title=args.title)
+    fig = timeline.replay_timeline(arrays, meta, rule=args.rule, title=args.title)
     return fig, {"rule": args.rule or meta["rules"][0], "applied": int(arrays["applied_T"].sum())}
 
 

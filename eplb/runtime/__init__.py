@@ -4,6 +4,7 @@ torch is imported here (and only under eplb.runtime and eplb.runtime.collect); n
 planning path or the CLI's start-up imports this package.
 """
 
-from eplb.runtime.model import DeepSeekModel, MLAttention, ModelConfig, MoE, Router
+from eplb.runtime.config import ModelConfig
+from eplb.runtime.model import DeepSeekModel, MLAttention, MoE, Router
 
 __all__ = ["DeepSeekModel", "MLAttention", "ModelConfig", "MoE", "Router"]

@@ -14,7 +14,8 @@ from eplb.formats import load_trace  # noqa: E402
 from eplb.runtime.collect import RouterCollector, collect_trace, count_experts, scatter_count  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-from eplb.runtime.model import DeepSeekModel, ModelConfig  # noqa: E402
+from eplb.runtime.config import ModelConfig  # noqa: E402
+from eplb.runtime.model import DeepSeekModel  # noqa: E402
 
 
 class IdsGate(nn.Module):

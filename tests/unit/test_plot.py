@@ -6,7 +6,7 @@ import pytest
 from eplb.core.placement import Placement, contiguous_map
 from eplb.core.topology import Topology
 from eplb.errors import EplbError
-from eplb.evaluate import plot
+from eplb.evaluate import plot, timeline
 from eplb.formats import save_placement, save_trace
 from eplb.planning.front_door import plan
 
@@ -84,11 +84,11 @@ def test_replica_map_with_and_without_load(tmp_path, load_LE, placements):
 def test_backtest_timeline(tmp_path):
     rng = np.random.default_rng(3)
     series = [
-        plot.TimelineSeries("static", 1.4 + 0.1 * rng.random(30)),
-        plot.TimelineSeries("greedy every 10", 1.1 + 0.05 * rng.random(30), [0, 10, 20], [96, 20, 18]),
+        timeline.TimelineSeries("static", 1.4 + 0.1 * rng.random(30)),
+        timeline.TimelineSeries("greedy every 10", 1.1 + 0.05 * rng.random(30), [0, 10, 20], [96, 20, 18]),
     ]
     p = tmp_path / "bt.png"
-    fig = plot.backtest_timeline(series, window_label="window (4,096 tokens)", path=p)
+    fig = timeline.backtest_timeline(series, window_label="window (4,096 tokens)", path=p)
     _assert_png_has_content(p)
     assert len(fig.axes) == 2 and fig.axes[1].get_xlabel() == "window (4,096 tokens)"
 
@@ -108,10 +108,11 @@ def backtests():
 def test_timeline_from_backtest_results_and_their_json(backtests):
     import json
 
-    direct = plot.timeline_from_backtest(backtests, dispatch="resplit")
+    direct = timeline.timeline_from_backtest(backtests, dispatch="resplit")
     # What `eplb backtest --json` prints, through a file, gives the same series.
     data = json.loads(json.dumps({"results": [r.summary() for r in backtests]}))
-    for via_json in (plot.timeline_from_json(data, "resplit"), plot.timeline_from_backtest(data["results"], "resplit")):
+    for via_json in (timeline.timeline_from_json(data, "resplit"),
+                     timeline.timeline_from_backtest(data["results"], "resplit")):
         for a, b in zip(direct, via_json):
             assert a.name == b.name and np.array_equal(a.rebalance_at, b.rebalance_at)
             assert np.array_equal(a.imbalance_T, b.imbalance_T)
@@ -125,39 +126,39 @@ def test_timeline_from_backtest_results_and_their_json(backtests):
     assert every2.rebalance_at.tolist() == [0, 2, 4] and every3.rebalance_at.tolist() == [0, 3]
     assert np.isnan(every2.moves[0]) and every2.moves[1:].tolist() == [p.moves for p in r.plans[1:]]
     assert once.rebalance_at.tolist() == [0] and once.moves is None  # one plan: nothing was moved
-    assert [s.name for s in plot.as_timeline(backtests[:1])] == ["greedy"]
+    assert [s.name for s in timeline.as_timeline(backtests[:1])] == ["greedy"]
 
 
 def test_timeline_from_backtest_errors_name_the_problem(backtests):
     from eplb.evaluate.backtest import backtest
 
     with pytest.raises(EplbError, match="has no 'optimal' dispatch scores \\(it scored even, resplit\\)"):
-        plot.timeline_from_backtest(backtests, dispatch="optimal")
+        timeline.timeline_from_backtest(backtests, dispatch="optimal")
     other = backtest(np.random.default_rng(1).poisson(30, size=(9, 2, 16)), num_gpus=4, history=5, dispatch=("even",),
                      oracle=False, quiet=True)
     with pytest.raises(EplbError, match="score different windows \\(greedy: windows 3..8, greedy: windows 5..8\\)"):
-        plot.timeline_from_backtest([backtests[0], other])
+        timeline.timeline_from_backtest([backtests[0], other])
     with pytest.raises(EplbError, match="lacks 'per_window'"):
-        plot.timeline_from_backtest([{"planner": "greedy"}])
-    with pytest.raises(EplbError, match="read it with eplb.evaluate.plot.timeline_from_json"):
-        plot.as_timeline(backtests[0].summary())
+        timeline.timeline_from_backtest([{"planner": "greedy"}])
+    with pytest.raises(EplbError, match="read it with eplb.evaluate.timeline.timeline_from_json"):
+        timeline.as_timeline(backtests[0].summary())
     with pytest.raises(EplbError, match="expected the output of `eplb backtest --json`"):
-        plot.timeline_from_json({"runs": []})
+        timeline.timeline_from_json({"runs": []})
 
 
 def test_timeline_from_explicit_series_and_mapping():
     data = {"series": [{"name": "a", "imbalance": [1.2, 1.1], "rebalance_at": [0, 1], "moves": [None, 5]}]}
-    (a,) = plot.timeline_from_json(data)
+    (a,) = timeline.timeline_from_json(data)
     assert a.name == "a" and np.isnan(a.moves[0]) and a.moves[1] == 5.0
     with pytest.raises(EplbError, match=r"unknown key\(s\) \['imbalance_T'\]"):
-        plot.timeline_from_json({"series": [{"name": "a", "imbalance": [1.0], "imbalance_T": [1.0]}]})
-    runs = plot.as_timeline({"static": [1.3, 1.3, 1.2]})
+        timeline.timeline_from_json({"series": [{"name": "a", "imbalance": [1.0], "imbalance_T": [1.0]}]})
+    runs = timeline.as_timeline({"static": [1.3, 1.3, 1.2]})
     assert runs[0].rebalance_at.size == 0 and runs[0].moves is None
 
 
 def test_backtest_figure_from_results(tmp_path, backtests):
     p = tmp_path / "bt.png"
-    fig = plot.backtest_timeline(plot.timeline_from_backtest(backtests), path=p)
+    fig = timeline.backtest_timeline(timeline.timeline_from_backtest(backtests), path=p)
     _assert_png_has_content(p)
     top, bottom = fig.axes
     labels = [t.get_text() for t in top.get_legend().get_texts()]
@@ -173,7 +174,7 @@ def test_backtest_figure_from_results(tmp_path, backtests):
 ])
 def test_timeline_errors_name_the_value(kw, msg):
     with pytest.raises(EplbError, match=msg):
-        plot.TimelineSeries("x", [1.0, 1.1, 1.2], **kw)
+        timeline.TimelineSeries("x", [1.0, 1.1, 1.2], **kw)
 
 
 def test_bad_extension_and_shapes(tmp_path, load_LE, placements):
