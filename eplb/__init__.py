@@ -29,7 +29,7 @@ _EXPORTS = {
     "planner_names": "planners.api", "register": "planners.api",
     "PlanResult": "eplb.planning", "plan": "eplb.planning",
     "get_policy": "eplb.serving.policy",
-    "Rebalancer": "eplb.serving.rebalance", "RebalanceResult": "eplb.serving.rebalance",
+    "Rebalancer": "eplb.serving.rebalance", "RebalanceResult": "eplb.serving.decisions",
     "ReplayResult": "eplb.evaluate.replay", "Scoring": "eplb.evaluate.replay", "replay": "eplb.evaluate.replay",
     "LoadReport": "eplb.stats", "evaluate": "eplb.stats", "lower_bound": "eplb.stats",
     "Topology": "eplb.core.topology",
@@ -52,8 +52,9 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from eplb.formats import load_history, load_placement, load_trace, save_placement, save_trace
     from eplb.migration import Budget, MigrationPlan
     from eplb.planning.front_door import PlanResult, plan
+    from eplb.serving.decisions import RebalanceResult
     from eplb.serving.policy import get_policy
-    from eplb.serving.rebalance import Rebalancer, RebalanceResult
+    from eplb.serving.rebalance import Rebalancer
     from eplb.stats.loads import LoadReport, evaluate, lower_bound
     from planners.api import PlanRequest, Solution, get_planner, planner_names, register
 

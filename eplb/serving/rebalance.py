@@ -32,24 +32,23 @@ import collections
 import inspect
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
-from eplb import stats
 from eplb.core.jit import record
 from eplb.core.placement import Placement
 from eplb.core.trace import MAX_COUNT
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import DispatchRule, get_rule
 from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
-from eplb.migration import Budget, MigrationPlan, count_moves, layout_dependent
-from eplb.migration.schedule.rounds import ScheduleThread
+from eplb.migration import Budget, layout_dependent
 from eplb.migration.search import span_priced
-from eplb.planning.front_door import even_split, lower_bound, plan
+from eplb.planning.front_door import lower_bound
+from eplb.serving import decisions
+from eplb.serving.decisions import RebalanceResult, Served
 from eplb.serving.load_estimate import BucketedSum
 from eplb.serving.policy import Policy, get_policy, takes_budget
-from eplb.stats.loads import group_span
 from planners.api import get_planner
 
 DEFAULT_BUDGET = Budget(move_cost=0.001)
@@ -59,52 +58,6 @@ experts for a negligible gain). A policy given no budget prices its moves itself
 
 DEFAULT_MIN_IMPROVEMENT = 0.02
 """policy=None's threshold when none is given."""
-
-
-@dataclass(frozen=True, eq=False)
-class RebalanceResult:
-    """What one rebalance decided."""
-
-    placement: Placement
-    """The new placement (on the surviving ranks only, when ranks failed)."""
-    before: stats.LoadReport
-    """The placement that was serving, scored on the window load (all ranks alive)."""
-    after: stats.LoadReport
-    """The new placement, scored on the same load."""
-    migration: MigrationPlan
-    """Safe rounds of copies from the old placement (survivors' slots) to the new one."""
-    rank_ids: np.ndarray
-    """Engine rank of each GPU index of `placement`, int64 [G'] (all ranks unless some failed)."""
-    lost_experts: tuple[tuple[int, int], ...] = ()
-    """(layer index, expert) pairs that lost every replica: reloaded from the checkpoint."""
-    step: int = 0
-    """Observations seen when the rebalance was planned."""
-    seconds: float = 0.0
-    """Wall time of planning + scheduling (info has "decision_seconds" for the placement,
-    "schedule_seconds" for the migration schedule, which runs on a side thread beside the
-    scoring of both placements, and "interpreted_kernels": the kernels that ran as plain Python,
-    before their machine code was ready (eplb.core.jit: the first decisions after an install))."""
-    message: str = ""
-    """How the plan was made (planner status, budget, fallbacks)."""
-    info: dict = field(default_factory=dict)
-    """Move counts and timings (JSON-ready)."""
-
-    @property
-    def moves(self) -> int:
-        return self.migration.moves
-
-    def summary(self) -> dict:
-        """JSON-ready summary."""
-        return {
-            "step": self.step, "seconds": self.seconds, "message": self.message,
-            "imbalance_before": float(np.median(self.before.imbalance_L)),
-            "imbalance_after": float(np.median(self.after.imbalance_L)),
-            "balancedness_before": self.before.balancedness,
-            "balancedness_after": self.after.balancedness,
-            "migration": self.migration.summary(),
-            "lost_experts": [list(x) for x in self.lost_experts],
-            "rank_ids": self.rank_ids.tolist(), "info": self.info,
-        }
 
 
 class Rebalancer:
@@ -381,11 +334,13 @@ class Rebalancer:
             raise EplbError("no load observed yet (or only zeros): call observe(counts) first")
         t0 = time.perf_counter()
         failed = self._failed_indices(failed_ranks, ranks)
+        now = Served(pl, ranks, load, step, bound)
         with record() as interpreted:
             if self.policy is not None and not failed.size:
-                result = self._plan_policy(pl, ranks, load, step, bound)
+                decision, drafts = self._ask_policy(now)
+                result = decisions.by_policy(self, now, decision, drafts, t0)
             else:
-                result = self._plan(pl, ranks, load, failed, step, bound)
+                result = decisions.by_plan(self, now, failed)
         interpreted |= result.info.pop("_schedule_interpreted", set())
         result = replace(result, seconds=time.perf_counter() - t0,
                          info={**result.info, "interpreted_kernels": sorted(interpreted)})
@@ -445,54 +400,12 @@ class Rebalancer:
             raise EplbError(f"all {ranks.size} ranks failed: nothing left to plan on")
         return np.flatnonzero(np.isin(ranks, failed))
 
-    def _plan(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, failed: np.ndarray,
-              step: int, bound) -> RebalanceResult:
-        """Plan through the front door from what the serving GPUs hold (all of them, or the
-        survivors when ranks failed: their own slots, planned as one node), then schedule."""
-        t0 = time.perf_counter()
-        L, E, G, S = pl.num_layers, pl.num_logical_experts, pl.num_gpus, pl.slots_per_gpu
-        alive = np.setdiff1d(np.arange(G), failed)
-        if alive.size * S < E:
-            Ga = alive.size
-            raise EplbError(f"{Ga} surviving ranks x {S} slots = {Ga * S} slots cannot hold {E} experts: "
-                            f"add ranks or slots per GPU (at least {-(-E // Ga)} per GPU on {Ga} ranks)")
-        served = pl.on_gpus(alive) if failed.size else pl
-        res = plan(load, topology=served.topology, planner=self.planner, settings=self.settings,
-                   num_expert_groups=self.num_expert_groups, previous=served, budget=self.budget,
-                   objective=self.objective, dispatch=self.dispatch)
-        sol, after = res.solution, res.after
-        # The plan's own report, not PlanResult.placement: that one scores the contiguous baseline too.
-        metrics = {**after.metrics(), **res.objective_metrics}
-        new = replace(served, phy2log_LP=sol.phy2log_LP, dispatch_weights_LP=sol.dispatch_weights_LP,
-                      planner=res.planner, metrics=metrics, partial=False)
-        t1 = time.perf_counter()
-        # Both maps are Placements' (checked when built): the schedule trusts them, and runs
-        # beside the scoring of the placement that was serving.
-        side = self._start_schedule(served, new, ranks[alive])
-        # The plan was scored on this same load (and, with every rank alive, topology): reuse its bound.
-        before = self._score(pl, load, lower_bound(load, pl.topology) if failed.size else res.lower_bound_L, bound)
-        mig = side.result()
-        info = dict(res.info.get("migration", {}))
-        info.update(decision_seconds=t1 - t0, schedule_seconds=side.seconds, _schedule_interpreted=side.interpreted)
-        message = f"{res.planner}: {res.status}" + (f" ({res.message})" if res.message else "")
-        lost: tuple[tuple[int, int], ...] = ()
-        if failed.size:
-            present = np.zeros((L, E), dtype=bool)
-            present[np.arange(L)[:, None], served.phy2log_LP] = True
-            lost = tuple((int(l), int(e)) for l, e in np.argwhere(~present))
-            info["failed_ranks"] = ranks[failed].tolist()
-            message = (f"ranks {ranks[failed].tolist()} failed: planned on {alive.size} surviving ranks (one node), "
-                       f"{len(lost)} expert replicas lost everywhere and reloaded from the checkpoint")
-        return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks[alive],
-                               lost_experts=lost, step=step, message=message, info=info)
-
-    def _plan_policy(self, pl: Placement, ranks: np.ndarray, load: np.ndarray, step: int,
-                     bound) -> RebalanceResult:
-        """Hand the closed windows to the policy and ask it; no decision keeps the placement.
+    def _ask_policy(self, now: Served):
+        """Hand the closed windows to the policy and ask it: (its decision or None, the drafts
+        it made on the way, each with its schedule started: `decisions.start_draft`).
 
         Without a closed window (rebalance called before `interval` observations), the window
         being filled is closed now, so the policy sees what was observed."""
-        t0 = time.perf_counter()
         with self._policy_lock:
             with self._lock:
                 if not self._closed and self._window_obs:
@@ -505,82 +418,15 @@ class Rebalancer:
                         break
                     window_LE, served = self._closed.popleft()
                 self.policy.observe(window_LE, served)
-            drafts: list[tuple[Placement, ScheduleThread]] = []
-            kw = dict(self._decide_kw, on_draft=lambda d: self._schedule_draft(pl, ranks, d, drafts)) \
+            drafts: list = []
+            kw = dict(self._decide_kw, on_draft=lambda d: decisions.start_draft(self, now, d, drafts)) \
                 if self._takes_draft else self._decide_kw
             try:
-                decision = self.policy.decide(pl, **kw)
+                decision = self.policy.decide(now.placement, **kw)
                 if decision is not None:
-                    self._check_caps(pl, decision.phy2log_LP)
+                    decisions.check_caps(self.policy.name, self._policy_budget, now.placement, decision.phy2log_LP)
             except BaseException:
                 for _, draft in drafts:
                     draft.stop()
                 raise
-        # A draft that came out as the decision is its placement, and its schedule the decision's
-        # (a schedule depends on the two maps alone); the others are stopped.
-        new, side = pl, None
-        for draft_pl, draft in drafts:
-            if side is None and decision is not None and np.array_equal(draft_pl.phy2log_LP, decision.phy2log_LP):
-                new, side = draft_pl, draft
-            else:
-                draft.stop()
-        if decision is not None and side is None:
-            new = replace(pl, phy2log_LP=decision.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name)
-        t1 = time.perf_counter()
-        # Both maps are Placements' (checked when built): the schedule trusts them, and runs beside
-        # the scoring below.
-        if side is None:
-            side = self._start_schedule(pl, new, ranks)
-        # One bound for both scores (the same load on the same topology): proven from the new
-        # placement's counts in the layers where they are min-max optimal for this load, solved
-        # (greedy's compiled counts) in the others.
-        lb_L = lower_bound(load, pl.topology, new.replica_count_LE)
-        before = self._score(pl, load, lb_L, bound)
-        after = before if decision is None else self._score(new, load, lb_L)
-        new = new.with_metrics(after.metrics())  # the map is checked once, by the replace above
-        mig = side.result()
-        info = {"decision_seconds": t1 - t0, "schedule_seconds": side.seconds,
-                "_schedule_interpreted": side.interpreted, "moves": mig.moves,
-                "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
-        if pl.num_nodes > 1 and self.num_expert_groups:
-            for k, m in (("before", pl), ("after", new)):
-                info[f"group_span_{k}"] = float(group_span(m.phy2log_LP, pl.num_gpus, pl.num_nodes,
-                                                           self.num_expert_groups, pl.num_logical_experts).mean())
-        msg = f"policy {self.policy.name}: " + ("keep (no change pays for its moves)" if decision is None
-                                                else decision.reason)
-        return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks, step=step,
-                               message=msg, info=info)
-
-    def _schedule_draft(self, pl: Placement, ranks: np.ndarray, draft, drafts: list) -> None:
-        """The policy's draft decision (see `Policy`) as a Placement (its map checked) and its
-        migration schedule, started on a side thread: listed in drafts together."""
-        if draft is None:
-            return
-        draft_pl = replace(pl, phy2log_LP=draft.phy2log_LP, dispatch_weights_LP=None, planner=self.policy.name)
-        drafts.append((draft_pl, self._start_schedule(pl, draft_pl, ranks)))
-
-    def _start_schedule(self, served: Placement, new: Placement, ranks: np.ndarray) -> ScheduleThread:
-        """The migration schedule from served to new (Placements of one topology, their maps
-        checked when built: the schedule trusts them) on a side thread."""
-        return ScheduleThread(served.phy2log_LP, new.phy2log_LP, new.num_gpus, new.num_logical_experts,
-                              self.layers_per_chunk, ranks, self.budget.bytes_per_expert)
-
-    def _score(self, pl: Placement, load: np.ndarray, lb_L: np.ndarray, bound=None) -> stats.LoadReport:
-        """pl scored on the window load [L, E] (checked when observed) under the served rule
-        (`bound`: the rule bound to pl, bound here when None), against the lower bound lb_L [L].
-        An even split skips the rule: `stats.even_report` gives `stats.evaluate`'s bits."""
-        if even_split(self.dispatch, pl):
-            return stats.even_report(pl, load, lb_L)
-        return stats.evaluate(pl, load, (bound or self.dispatch.bind(pl))(load), lower_bound_L=lb_L)
-
-    def _check_caps(self, pl: Placement, new_LP: np.ndarray) -> None:
-        """A policy's decision must keep the budget's move caps (a policy object could ignore them)."""
-        b = self._policy_budget
-        if b is None or (b.max_moves is None and b.max_moves_per_gpu is None):
-            return
-        moves_G = count_moves(pl.phy2log_LP, new_LP, pl.num_gpus, pl.num_logical_experts).sum(axis=0)
-        if (b.max_moves is not None and moves_G.sum() > b.max_moves) or \
-                (b.max_moves_per_gpu is not None and moves_G.max() > b.max_moves_per_gpu):
-            raise EplbError(f"policy {self.policy.name!r} decided {int(moves_G.sum())} moves (at most "
-                            f"{int(moves_G.max())} onto one GPU) against max_moves={b.max_moves}, "
-                            f"max_moves_per_gpu={b.max_moves_per_gpu}: its decide() must honour the budget")
+        return decision, drafts

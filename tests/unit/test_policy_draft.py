@@ -7,6 +7,7 @@ import pytest
 from eplb import plan
 from eplb.migration import schedule
 from eplb.migration.schedule.rounds import ScheduleThread, schedule_trusted
+from eplb.serving import decisions
 from eplb.serving.policy import AdaptivePolicy
 from eplb.serving.rebalance import Rebalancer
 from tests.placements import skewed_counts
@@ -41,10 +42,10 @@ def test_a_draft_is_the_decision_unless_a_fresh_plan_replaces_a_repair(switch):
 def test_the_rebalancer_keeps_a_drafts_schedule_only_when_the_decision_matches(switch, monkeypatch):
     start = plan(workload(1), num_gpus=G, slots_per_gpu=S).placement
     stopped, drafted = [], []
-    stop, draft = ScheduleThread.stop, Rebalancer._schedule_draft
+    stop, draft = ScheduleThread.stop, decisions.start_draft
     monkeypatch.setattr(ScheduleThread, "stop", lambda self: (stopped.append(self), stop(self))[1])
-    monkeypatch.setattr(Rebalancer, "_schedule_draft",
-                        lambda self, pl, ranks, d, drafts: (drafted.append(d), draft(self, pl, ranks, d, drafts))[1])
+    monkeypatch.setattr(decisions, "start_draft",
+                        lambda rb, now, d, drafts: (drafted.append(d), draft(rb, now, d, drafts))[1])
     rb = Rebalancer(start, interval=1)     # the adaptive policy
     rb.observe(workload(2) if switch else drifted(workload(1), 3))
     res = rb.rebalance()
