@@ -38,12 +38,14 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+os.environ.setdefault("EPLB_JIT", "wait")  # timings of machine code (compiled at first call)
 
 from _report import add_write_docs, results_page  # noqa: E402
 
 from eplb import migration as mg  # noqa: E402
 from eplb import plan  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
 from eplb.serving.rebalance import Rebalancer  # noqa: E402
 from tests.oracles.migration import schedule as python_schedule  # noqa: E402
 
@@ -353,10 +355,14 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     print(f"eplb migration benchmark ({os.cpu_count()} CPUs; timings are wall-clock, single process)")
-    # The kernels are compiled by numba: the first calls in a process import numba and load the
-    # cached machine code (or compile it when no cache exists). A serving process pays this
-    # once, when its Rebalancer is built, so it is timed apart from every decision below.
-    print(f"numba kernels loaded in {mg.warm_up() * 1e3:.0f} ms (once per process; not in the timings below)")
+    # The kernels are compiled by numba (EPLB_JIT=wait: in this thread, at their first call, or
+    # loaded from the cache). A serving process pays that once, so a first rebalance of a tiny
+    # placement takes it here, apart from every timing below.
+    t0 = time.perf_counter()
+    warm = Rebalancer(Placement(np.arange(8).reshape(1, 8) % 6, 4, 6), interval=1)
+    warm.observe(np.arange(1.0, 7.0)[None])
+    warm.rebalance()
+    print(f"numba kernels ready in {time.perf_counter() - t0:.1f} s (once per process; not in the timings below)")
     if "1" in args.parts:
         part1(args)
     if "2" in args.parts:
