@@ -379,7 +379,7 @@ def test_real_calls_reach_the_kernels_with_one_argument_type_list():
     kernels as one type list each: one cache entry, and no first call with new types (which
     would run as Python until it compiled, eplb.core.jit) after the first decision."""
     from eplb.migration import _moves_kernel, _search_kernel
-    from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
+    from eplb.migration.schedule import _rounds_kernel
     from eplb.serving.rebalance import Rebalancer
 
     rng = np.random.default_rng(3)
@@ -395,7 +395,7 @@ def test_real_calls_reach_the_kernels_with_one_argument_type_list():
     mg.relabel(pl.phy2log_LP.astype(np.int32), pl.phy2log_LP[:, ::-1], 8, 64)
     kernels = [_search_kernel.search, _search_kernel.holdings_LEG, _moves_kernel.keep_slots,
                _moves_kernel.count_moves, _moves_kernel.keep_counts, _moves_kernel.gpu_assignment,
-               _schedule_kernel.schedule, _schedule_kernel.schedule_relay]
+               _rounds_kernel.schedule, _rounds_kernel.schedule_relay]
     assert {k.name: len(k._state) for k in kernels} == {k.name: 1 for k in kernels}
 
 

@@ -110,10 +110,10 @@ def test_an_exchange_spares_the_send_critical_rank():
 
 def _kernel_rows(old, new, G, E, chunk, relay, full_search):
     from eplb.core.jit import kernel_ints
-    from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
+    from eplb.migration.schedule import _rounds_kernel
     from eplb.migration.schedule.rounds import CANDIDATES_PER_RANK, RELAY_CANDIDATES_PER_RANK
 
-    kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
+    kernel = _rounds_kernel.schedule_relay if relay else _rounds_kernel.schedule
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
     return kernel(kernel_ints(old), kernel_ints(new), G, E, chunk, per_rank, full_search, np.zeros(1, dtype=np.int64))
 

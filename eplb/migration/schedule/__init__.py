@@ -1,5 +1,5 @@
 """Safe rounds of weight copies from one placement to another (`rounds`: the Python side;
-`_rounds_kernel` and its stages `_chain_kernel`, `_links_kernel`, `_sources_kernel`,
+`_rounds_kernel` and its stages `_state_kernel`, `_senders_kernel`, `_links_kernel`,
 `_cycles_kernel`, `_stage_kernel`: the compiled loop)."""
 
 from eplb.migration.schedule.rounds import (

@@ -77,7 +77,7 @@ def _first_waiting(st, sg, l, o, S, P):
 @kernel
 def is_deadlock(st, sg, code, S, P):
     """Is the cycle of chain links through pending slot code = l * P + q (sg.path_LP: the slot
-    each pending slot waits on, as such codes, see `_chain_kernel.chain_order`) a
+    each pending slot waits on, as such codes, see `_senders_kernel.chain_order`) a
     deadlock `stage` breaks, at a round's start? Each member holds the only replica of the
     target of the member before it, so all are blocked; `_find_cycles` follows the cycle
     backwards when each member is the first slot in queue order waiting for the next one's

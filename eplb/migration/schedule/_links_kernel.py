@@ -2,7 +2,7 @@
 
 Legend: G = ranks, S = slots per rank, P = G x S slots, K = candidates per destination rank.
 
-Stages of `_schedule_kernel.schedule`: in every round each rank receives at most one and
+Stages of `_rounds_kernel.schedule`: in every round each rank receives at most one and
 sends at most one expert over the network. `take_links` (inlined into the schedule) matches
 destination ranks to source columns (ranks 0..G-1, checkpoint G + d) with `_match` and
 takes, per matched rank, its first candidate still possible; `commit` records one copy (the
@@ -25,7 +25,7 @@ def _match(adj, pref, npref, rin, rout, G, relay):
     G + d), rows with the most network copies still to receive first (they bound the
     rounds); then each source rank left out takes over a row from a source rank with fewer
     copies only it can send (rout), so that the busiest senders send too (the matching stays
-    as large); with relay (rout: planned sends left, `_sources_kernel`) it takes the row over
+    as large); with relay (rout: planned sends left, `_senders_kernel`) it takes the row over
     through an alternating path that may end at any column of fewer planned sends
     (`_cover_senders`). match_row[d] = column or -1.
 
@@ -261,7 +261,7 @@ def take_links(st, rd, nd, P, tight, rin, rout, sent, fsrc, relay, crit, ncrit, 
     """Each rank receives <= 1 and sends <= 1 over the network: match destination ranks to
     source columns (ranks 0..G-1, checkpoint G + d) and take, per matched rank, its first
     candidate that is still possible. relay: fsrc holds each candidate's planned source (tried
-    first) and rout the planned sends (`_sources_kernel.plan_sources`). crit, late: the
+    first) and rout the planned sends (`_senders_kernel.plan_sources`). crit, late: the
     send-critical and receive-critical ranks (ncrit of the first), rmax the most rounds a rank's
     receives still need, depth the chain lengths, hold_LP the slots kept for an exchange (all
     for `_exchange_stage`). Returns the copies of the round so far."""

@@ -8,7 +8,7 @@ same replay in the tests, not to equal rounds), on flat arrays instead of dicts 
 the kernel alone orders links and sources by chain and send load and weighs staging slots by
 the chains behind them (docs/migration-internals.md, "Rounds against the round bound").
 Its state and the bookkeeping around a round are `_state_kernel`'s. A round:
-`_chain_kernel.chain_order` orders each rank's queue by the chains of waits; `_scan` takes
+`_senders_kernel.chain_order` orders each rank's queue by the chains of waits; `_scan` takes
 local copies at once and lists network and checkpoint candidates;
 `_links_kernel.take_links` gives the links to a maximum matching of destination ranks to source ranks
 (augmenting paths, the ranks with the most copies left tried first: the reference asks
@@ -19,7 +19,7 @@ only they can make), so that free copies do not pile onto a few senders; a slot 
 overwritten in an exchange whose expert would then have its only sources on a send-critical
 rank keeps it, the other side staged first (`_links_kernel._exchange_stage`); when nothing can
 move, `_stage_kernel.stage` breaks the cycles (`_cycles_kernel` finds them); `_apply_round`
-writes the round. In the relay mode (`schedule_relay`) `_sources_kernel.plan_sources` plans
+writes the round. In the relay mode (`schedule_relay`) `_senders_kernel.plan_sources` plans
 a levelled source per network copy at each round's start, relays included, and the link
 matching follows it. Ties among
 replicas on one rank pick the lowest slot index. Releases the GIL: a serving thread keeps
@@ -31,10 +31,9 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.jit import kernel
-from eplb.migration.schedule._chain_kernel import chain_order, forced_sources, touch
 from eplb.migration.schedule._cycles_kernel import deadlocks, new_staging
 from eplb.migration.schedule._links_kernel import commit, held_back, take_links
-from eplb.migration.schedule._sources_kernel import plan_sources
+from eplb.migration.schedule._senders_kernel import chain_order, forced_sources, plan_sources, touch
 from eplb.migration.schedule._stage_kernel import FIND, KEEP, LISTED, stage
 from eplb.migration.schedule._state_kernel import (
     _apply_round,
@@ -177,7 +176,7 @@ def _rounds(old_LP, new_LP, G, E, chunk, per_rank, relay, full_search, stop):
     out_M8 rows: (round, layer, expert, src rank (-1 checkpoint), src slot, dst rank,
     dst slot, staging). status STATUS_NO_SPARE names the layer that could not stage.
     chunk: layers per chunk (rounds never mix chunks); per_rank: K. relay: plan a balanced
-    source per network copy, relays included (`_sources_kernel.plan_sources`), replanned every
+    source per network copy, relays included (`_senders_kernel.plan_sources`), replanned every
     few rounds, instead of counting only the forced sends. Inlined into one entry point per
     mode, `relay` a constant there: the plain rounds carry no relay branch. full_search: break
     deadlocks from the full cycle search's list (`_find_cycles`) instead of `deadlocks`' own (the

@@ -70,7 +70,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     rank adds nothing (no link, and it changes anyway); a final slot there adds the copy
     that restores it later; a pending slot on another rank adds that rank's receive now (a
     final one there, two). Each is weighed by the rounds the receiving rank still needs
-    (rin, see `_chain_kernel.chain_order`), which bound the rounds; a final slot's restore is
+    (rin, see `_senders_kernel.chain_order`), which bound the rounds; a final slot's restore is
     counted into rin at once (several cycles of a round may pick one rank), and a final slot on
     a rank whose receives already bound the rounds (rin = max rin) is not taken while other
     copies move (modes 0, 1): its cycle waits for a spare that costs no round (at a round's
@@ -79,7 +79,7 @@ def stage(st, sg, done, S, P, nd, mode, rin, depth, cycles, crit, ncrit):
     a spare whose expert it would leave on send-critical ranks alone (crit, ncrit of them:
     `_left_to_critical`). A pending spare's own copy waits while it holds the staged expert,
     and so does the chain of slots waiting on it (depth [L, P]: the chain lengths of
-    `_chain_kernel.chain_order`), so it is free only when that chain plus the cycle fits in
+    `_senders_kernel.chain_order`), so it is free only when that chain plus the cycle fits in
     the longest wait (max rin), else it weighs their sum. Links
     already used this round are respected. mode 0: deadlocks only, through a pending slot on
     the member's rank only (free: run before the round's other copies take those slots);

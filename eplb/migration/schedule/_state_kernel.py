@@ -22,8 +22,7 @@ from collections import namedtuple
 import numpy as np
 
 from eplb.core.jit import kernel
-from eplb.migration.schedule._chain_kernel import touch
-from eplb.migration.schedule._sources_kernel import unlink
+from eplb.migration.schedule._senders_kernel import touch, unlink
 
 _Slots = namedtuple("_Slots", [
     "cur", "tgt", "hc", "writing", "sourcing", "inflight", "inpend",
@@ -37,7 +36,7 @@ _Slots = namedtuple("_Slots", [
     "hhead", "hnext", "hprev",   # slots holding each expert (cur): list heads [L * E], links [L * P]
     "mayloc",       # [L, P] may another slot of its rank ever hold its target (a local source)?
     "nstaged",      # [1] slots with a staging mark (staged_blk >= 0)
-    # The chain order's per-slot links, kept from round to round (`_chain_kernel.chain_order`):
+    # The chain order's per-slot links, kept from round to round (`_senders_kernel.chain_order`):
     "loc",          # [L, P] a pending slot has a local source (its rank holds its target)
     "dirty",        # [L * E] an expert whose holders or their staging marks changed since
     "dlist",        # ... the chain order last ran, listed here; dn[0] of them,
@@ -60,7 +59,7 @@ _Work = namedtuple("_Work", [
     "rin", "rout",        # [G] network copies each rank still receives / must send alone (chain_order)
     "sent",               # [G] network copies each rank has sent
     "fsrc",               # [L, P] the forced (or, relay mode, planned) source rank of a pending copy
-    "depth",              # [L, P] chain depth of a pending slot (`_chain_kernel.chain_order`)
+    "depth",              # [L, P] chain depth of a pending slot (`_senders_kernel.chain_order`)
     "crit", "late",       # [G] send-critical ranks (`take_links`), receive-critical ones
     "hold_LP",            # [L, P] the slot a pending slot keeps its expert for (-1: none)
     "key", "nh", "hr",    # scratch of the chain order and the forced sources

@@ -5,7 +5,7 @@ P = G x S slots. Slot p lives on rank p // S.
 
 In every round each rank sends at most one and receives at most one expert, and every
 logical expert keeps at least one complete replica serving tokens at every moment (see
-`MigrationPlan`). The rounds come from a numba kernel (`_schedule_kernel`); its Python
+`MigrationPlan`). The rounds come from a numba kernel (`_rounds_kernel`); its Python
 reference, held to the same replay in the tests, is in tests/oracles/migration.py.
 """
 
@@ -21,7 +21,7 @@ from eplb.errors import EplbError
 from eplb.migration.checks import check_count, check_maps
 from eplb.migration.moves import count_moves, holdings
 from eplb.migration.plan import MigrationPlan
-from eplb.migration.schedule import _rounds_kernel as _schedule_kernel
+from eplb.migration.schedule import _rounds_kernel
 
 NO_SAFE_MIGRATION = (
     "no safe migration: every pending slot holds the only replica of its expert and no slot holds "
@@ -34,7 +34,7 @@ its queue): enough that a rank whose first candidates' sources are busy still ge
 
 RELAY_GATE = 1.10
 """Rounds / round bound above which the schedule is run again in relay mode (a levelled source
-plan with relays, `_sources_kernel`) and the shorter of the two kept, on clusters of at most
+plan with relays, `_senders_kernel`) and the shorter of the two kept, on clusters of at most
 RELAY_SLOTS_PER_GPU slots per GPU (docs/migration-internals.md, "Rounds against the round bound")."""
 
 RELAY_SLOTS_PER_GPU = 2
@@ -211,13 +211,13 @@ def _kernel_rounds(old_k, new_k, G: int, E: int, chunk: int, relay: bool, stop: 
         raise EplbError(f"a migration of {old_k.shape[0]} layers x {old_k.shape[1]} slots has {old_k.size} slot "
                         f"codes, more than the schedule's 2^31 - 1: schedule the layers in parts")
     per_rank = RELAY_CANDIDATES_PER_RANK if relay else CANDIDATES_PER_RANK
-    kernel = _schedule_kernel.schedule_relay if relay else _schedule_kernel.schedule
+    kernel = _rounds_kernel.schedule_relay if relay else _rounds_kernel.schedule
     rows, chunk_R, status, layer = kernel(old_k, new_k, G, E, chunk, per_rank, False, stop)
-    if status == _schedule_kernel.STATUS_NO_SPARE:
+    if status == _rounds_kernel.STATUS_NO_SPARE:
         return rows, chunk_R, layer
-    if status == _schedule_kernel.STATUS_STOPPED:
+    if status == _rounds_kernel.STATUS_STOPPED:
         return rows, chunk_R, _STOPPED
-    assert status == _schedule_kernel.STATUS_OK, "migration schedule does not converge (bug)"
+    assert status == _rounds_kernel.STATUS_OK, "migration schedule does not converge (bug)"
     return rows, chunk_R, None
 
 
