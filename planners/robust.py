@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.core.jit import CachedKernels, kernel_array
 from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.stats.loads import replica_counts_minmax
-from planners._threads import run_blocks
 from planners.api import PlanRequest, Solution
 
 _FORBIDDEN = 1e9  # assignment cost of an infeasible (expert already on this GPU) pairing
@@ -58,28 +56,27 @@ def robust_demand(share_TLE: np.ndarray, blend: float) -> np.ndarray:
     return mean_LE + blend * (share_TLE.max(axis=0) - mean_LE)
 
 
-def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int,
-                compiled: bool | None = None) -> np.ndarray:
+def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
     """Place replicas on GPUs against all windows at once; returns phy2log_LP.
 
     S rounds; round k gives each GPU one of the next G heaviest replicas (heaviest = largest
-    per-window load under an even split). The pairing in a round is an assignment problem:
-    cost of replica i on GPU g = max over windows of (GPU g's load + replica i's load), the
-    GPU's new worst-window load; pairing with a GPU that already holds the expert is
-    forbidden. Round k can meet an expert only if its replicas straddle rounds k-1 and k
-    (an expert has <= G replicas), so a feasible pairing always exists. With one window the
-    cost separates (GPU load + replica load), so every feasible pairing has the same total and
-    the assignment solver's worst case (O(G^3) a round) buys nothing: a round pairs the
-    replicas with the GPUs in a seeded random order (`one_window_orders`), skipping a GPU
-    that holds the expert. That never gets stuck: an expert's replicas are consecutive and at
-    most G, so only the round's first expert can be on a GPU already (r of its replicas in the
-    round before, at most G - r in this one), it is paired first, and every later expert is
+    per-window load under an even split). The pairing in a round is an assignment problem
+    (scipy's linear_sum_assignment): cost of replica i on GPU g = max over windows of (GPU g's
+    load + replica i's load), the GPU's new worst-window load; pairing with a GPU that already
+    holds the expert is forbidden. Round k can meet an expert only if its replicas straddle
+    rounds k-1 and k (an expert has <= G replicas), so a feasible pairing always exists. With
+    one window the cost separates (GPU load + replica load), so every feasible pairing has the
+    same total and the assignment solver's worst case (O(G^3) a round) buys nothing: a round
+    pairs the replicas with the GPUs in a seeded random order (`one_window_orders`), skipping a
+    GPU that holds the expert. That never gets stuck: an expert's replicas are consecutive and
+    at most G, so only the round's first expert can be on a GPU already (r of its replicas in
+    the round before, at most G - r in this one), it is paired first, and every later expert is
     new to all GPUs. (Pairing heaviest with lightest, LPT's rule, packs tighter but leaves the
     swap search in worse local optima; scipy's pick among the tied pairings is decided by
     rounding, in effect arbitrary, and a random one refines as well: docs/backtests.md.)
-    compiled: as in `smooth_max_swaps` (the kernel's assignment is scipy's
-    linear_sum_assignment, tie rules included; False: numpy and scipy).
     """
+    from scipy.optimize import linear_sum_assignment
+
     T, L, E = share_TLE.shape
     G, S = num_gpus, slots_per_gpu
     P = G * S
@@ -88,24 +85,8 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     order_LE = np.argsort(-key_LE, axis=1, kind="stable")
     rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
     w_LET = np.moveaxis(w_TLE, 0, 2)
-    order_LSG = one_window_orders(L, S, G) if T == 1 else np.zeros((L, S, G), dtype=np.int64)
-    kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
-    if kernels is not None:
-        w_LET = np.ascontiguousarray(w_LET)
-        phy2log_LP = np.empty((L, P), dtype=np.int64)
-        feasible: list[bool] = []
-
-        def pack_block(a: int, b: int) -> None:
-            # Layers pack independently: blocks of them on the planners' threads (the kernel
-            # releases the GIL); a layer's cells are its slots x windows.
-            phy2log_LP[a:b], ok = kernels.pack_vector(w_LET[a:b], rep_LP[a:b], order_LSG[a:b], G, S, _FORBIDDEN)
-            feasible.append(ok)
-
-        run_blocks(pack_block, L, P * T)
-        assert all(feasible), "packing round had no feasible pairing"
-        return phy2log_LP
-    from scipy.optimize import linear_sum_assignment
-
+    if T == 1:
+        return _pack_one_window(rep_LP, one_window_orders(L, S, G), G, S)
     phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
     load_LGT = np.zeros((L, G, T))
     holds_LGE = np.zeros((L, G, E), dtype=bool)
@@ -113,15 +94,10 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
         for k in range(S):
             items_I = rep_LP[l, k * G:(k + 1) * G]
             w_IT = w_LET[l, items_I]                                            # [I, T]
-            rows_I = np.arange(G)
-            if T == 1:
-                gpu_I = _assign_in_order(order_LSG[l, k], items_I, holds_LGE[l])
-                assert gpu_I is not None, "packing round had no feasible pairing"
-            else:
-                cost_IG = (load_LGT[l][None, :, :] + w_IT[:, None, :]).max(axis=2)  # worst window after
-                cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
-                rows_I, gpu_I = linear_sum_assignment(cost_IG)
-                assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
+            cost_IG = (load_LGT[l][None, :, :] + w_IT[:, None, :]).max(axis=2)  # worst window after
+            cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
+            rows_I, gpu_I = linear_sum_assignment(cost_IG)
+            assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
             phy2log_LGS[l, gpu_I, k] = items_I[rows_I]
             load_LGT[l, gpu_I] += w_IT[rows_I]
             holds_LGE[l, gpu_I, items_I[rows_I]] = True
@@ -130,25 +106,34 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
 
 def one_window_orders(L: int, S: int, G: int) -> np.ndarray:
     """The GPU order of each one-window packing round, int64 [L, S, G]: a permutation of the
-    GPUs drawn from a fixed seed (the same plan every run). C-ordered: the packing kernel's one
-    compiled signature (the warm-up's) takes C-ordered arrays; numpy's permuted returns strides."""
-    orders_LSG = np.random.default_rng(0).permuted(np.broadcast_to(np.arange(G, dtype=np.int64), (L, S, G)), axis=2)
-    return np.ascontiguousarray(orders_LSG)
+    GPUs drawn from a fixed seed (the same plan every run)."""
+    return np.random.default_rng(0).permuted(np.broadcast_to(np.arange(G, dtype=np.int64), (L, S, G)), axis=2)
 
 
-def _assign_in_order(order_G: np.ndarray, items_I: np.ndarray, holds_GE: np.ndarray) -> np.ndarray | None:
-    """One window's packing round: the items each take the first GPU of order_G left that does
-    not hold their expert; the GPU of each item, or None when an item finds none left (which
-    packing order rules out: `pack_vector`)."""
-    free_G = np.ones(order_G.shape[0], dtype=bool)
-    gpu_I = np.empty(items_I.shape[0], dtype=np.int64)
-    for i, e in enumerate(items_I):
-        fits = order_G[free_G[order_G] & ~holds_GE[order_G, e]]
-        if fits.size == 0:
-            return None
-        gpu_I[i] = fits[0]
-        free_G[fits[0]] = False
-    return gpu_I
+def _pack_one_window(rep_LP: np.ndarray, order_LSG: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
+    """The one-window packing rounds, every layer in lock-step: in round k the items
+    rep_LP[:, kG:(k + 1)G] each take, in turn, the first GPU of order_LSG[:, k] still free in
+    the round that does not hold their expert (which packing order guarantees: `pack_vector`);
+    returns phy2log_LP."""
+    L, P = rep_LP.shape
+    G, S = num_gpus, slots_per_gpu
+    E = int(rep_LP.max()) + 1
+    rows_L = np.arange(L)
+    phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
+    holds_LGE = np.zeros((L, G, E), dtype=bool)
+    for k in range(S):
+        order_LG = order_LSG[:, k]
+        free_LG = np.ones((L, G), dtype=bool)                  # by position in the round's order
+        for i in range(G):
+            e_L = rep_LP[:, k * G + i]
+            fits_LG = free_LG & ~holds_LGE[rows_L[:, None], order_LG, e_L[:, None]]
+            at_L = fits_LG.argmax(axis=1)
+            assert fits_LG[rows_L, at_L].all(), "packing round had no feasible pairing"
+            gpu_L = order_LG[rows_L, at_L]
+            free_LG[rows_L, at_L] = False
+            phy2log_LGS[rows_L, gpu_L, k] = e_L
+            holds_LGE[rows_L, gpu_L, e_L] = True
+    return phy2log_LGS.reshape(L, P)
 
 
 def window_gpu_loads(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -173,64 +158,15 @@ def kept_windows(load_LGT: np.ndarray, quantile: float) -> np.ndarray:
 
 
 def refine_swaps(phy2log_LP: np.ndarray, share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, *,
-                 beta: float, quantile: float, max_rounds: int, top_gpus: int = 2,
-                 compiled: bool | None = None) -> np.ndarray:
+                 beta: float, quantile: float, max_rounds: int, top_gpus: int = 2) -> np.ndarray:
     """Swap replicas between a busiest GPU and any other GPU while the smooth maximum of GPU
     loads over the kept windows drops (in place; returns phy2log_LP). Each replica carries
-    1 / count of its expert's share (an even split); compiled: see `smooth_max_swaps`."""
+    1 / count of its expert's share (an even split)."""
     w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
     slot_load_LPT = np.take_along_axis(w_LET, phy2log_LP[:, :, None], axis=1)
     smooth_max_swaps(phy2log_LP, slot_load_LPT, num_gpus, beta=beta, quantile=quantile, max_rounds=max_rounds,
-                     top_gpus=top_gpus, compiled=compiled)
+                     top_gpus=top_gpus)
     return phy2log_LP
-
-
-def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus: int, *, beta: float,
-                     max_rounds: int, quantile: float = 1.0, top_gpus: int = 2, num_units: int = 1,
-                     bound_LP: np.ndarray | None = None, compiled: bool | None = None) -> bool:
-    """Swap slots between a busiest GPU and any other GPU while the smooth maximum of GPU
-    loads over the kept windows drops; in place on phy2log_LP, slot_load_LPT (the load each
-    slot carries in each window, which travels with its replica) and bound_LP.
-
-    The search is `smooth_max_swaps_numpy` (its docstring specifies it), run by its compiled
-    kernel (planners/_robust_kernel.py; tests hold the two to the same placements). compiled:
-    None uses the kernel when numba's cache has it and otherwise searches in numpy while the
-    kernel compiles in a background process for later runs (`robust_kernels`); True compiles here
-    if need be; False is numpy. Returns whether the kernel ran.
-    """
-    kernels = robust_kernels(wait=True) if compiled else (robust_kernels() if compiled is None else None)
-    if kernels is None:
-        smooth_max_swaps_numpy(phy2log_LP, slot_load_LPT, num_gpus, beta=beta, max_rounds=max_rounds,
-                               quantile=quantile, top_gpus=top_gpus, num_units=num_units, bound_LP=bound_LP)
-        return False
-    L, P, T = slot_load_LPT.shape
-    phy = kernel_array(phy2log_LP, np.int64)
-    w = kernel_array(slot_load_LPT, np.float64)
-    bound = np.zeros((L, P), dtype=np.bool_) if bound_LP is None else kernel_array(bound_LP, np.bool_)
-    args = (int(num_gpus), float(beta), int(max_rounds), _kept_count(quantile, T), int(top_gpus),
-            int(num_gpus) // int(num_units))
-    # Layers are independent and the kernel releases the GIL: blocks of layers (C-ordered views,
-    # searched in place) run on the planners' kept threads; a layer's cells are its slots x windows.
-    run_blocks(lambda a, b: kernels.smooth_max_swaps(phy[a:b], w[a:b], bound[a:b], *args), L, P * T)
-    for dst, src in ((phy2log_LP, phy), (slot_load_LPT, w), (bound_LP, bound)):
-        if dst is not None and dst is not src:
-            dst[...] = src
-    return True
-
-
-_KERNELS = CachedKernels("planners._robust_kernel")
-
-
-def robust_kernels(wait: bool = False):
-    """The compiled packing and swap search (the module planners._robust_kernel), or None while
-    they are not compiled yet.
-
-    A process loads them from numba's cache once (a fraction of a second). On a cold cache (the
-    first run after an install) this starts one background process that compiles them into the
-    cache (10-30 s on a small machine) and returns None: the planner meanwhile runs in numpy
-    and scipy, with the same result, and says so in its message. wait=True compiles here instead.
-    """
-    return _KERNELS.get(wait)
 
 
 def _kept_count(quantile: float, T: int) -> int:
@@ -238,16 +174,13 @@ def _kept_count(quantile: float, T: int) -> int:
     return int(np.ceil(quantile * T - 1e-9))  # 0.55 x 100 is 55.00000000000001 in floating point
 
 
-def warm_up() -> None:
-    """Load (or, on a fresh install, compile) the robust kernels now (eplb.core.jit runs this in
-    the background for a Rebalancer that plans with robust)."""
-    robust_kernels(wait=True)
-
-
-def smooth_max_swaps_numpy(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus: int, *, beta: float,
-                           max_rounds: int, quantile: float = 1.0, top_gpus: int = 2, num_units: int = 1,
-                           bound_LP: np.ndarray | None = None) -> None:
-    """`smooth_max_swaps` in numpy, all layers in lock-step: the specification of the search.
+def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus: int, *, beta: float,
+                     max_rounds: int, quantile: float = 1.0, top_gpus: int = 2, num_units: int = 1,
+                     bound_LP: np.ndarray | None = None) -> None:
+    """Swap slots between a busiest GPU and any other GPU while the smooth maximum of GPU
+    loads over the kept windows drops; in place on phy2log_LP, slot_load_LPT (the load each
+    slot carries in each window, which travels with its replica) and bound_LP. All layers
+    move in lock-step; a layer stops when no swap helps it.
 
     Objective per layer: Z = sum over kept windows t and GPUs g of exp(beta (load_gt - m)),
     m the layer's current peak. A swap of slot a (GPU A) with slot b (GPU B) changes only A's
@@ -261,69 +194,106 @@ def smooth_max_swaps_numpy(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, nu
     G = num_gpus
     S = P // G
     E = int(phy2log_LP.max()) + 1
-    gpu_of_P = np.arange(P) // S
-    unit_of_P = gpu_of_P // (G // num_units)
+    gpu_G = np.arange(G)
+    unit_G = gpu_G // (G // num_units)
+    # exp(beta w) of every slot's load travels with its replica, so it is computed once.
+    # Clipped exponents only matter for replicas above ~12x the mean GPU load at beta 50.
+    v_LPT = np.exp(np.minimum(beta * slot_load_LPT, 600.0))
+    moved = (phy2log_LP, slot_load_LPT, v_LPT) + (() if bound_LP is None else (bound_LP,))
+    # Which GPUs hold each expert, kept up to date on each swap; GPUs last, so that the GPUs
+    # of one expert are one row.
+    holds_LEG = np.zeros((L, E, G), dtype=bool)
+    holds_LEG[np.arange(L)[:, None], phy2log_LP, np.arange(P) // S] = True
+    load_LGT = _gpu_loads(slot_load_LPT, G)                      # rows of swapped GPUs redone
     active = np.arange(L)
     for _ in range(max_rounds):
         if active.size == 0:
             break
         A = active.size
         ar = np.arange(A)
-        phy2log_AP = phy2log_LP[active]
-        w_APT = slot_load_LPT[active]
-        load_AGT = w_APT.reshape(A, G, S, T).sum(axis=2)
+        if A == L:  # every layer still searching: read the arrays themselves, not copies
+            phy2log_AP, v_APT, load_AGT = phy2log_LP, v_LPT, load_LGT
+        else:
+            phy2log_AP, v_APT, load_AGT = phy2log_LP[active], v_LPT[active], load_LGT[active]
         keep_AT = kept_windows(load_AGT, quantile)
-        peak_A = np.where(keep_AT[:, None, :], load_AGT, -np.inf).max(axis=(1, 2))
+        keep_A1T = keep_AT[:, None, :]
+        gpu_peak_AG = np.where(keep_A1T, load_AGT, -np.inf).max(axis=2)
+        peak_A = gpu_peak_AG.max(axis=1)
         # Candidate GPUs to unload: the top_gpus GPUs by their worst kept-window load.
-        gpu_peak_AG = np.where(keep_AT[:, None, :], load_AGT, -np.inf).max(axis=2)
-        src_AK = np.argsort(-gpu_peak_AG, axis=1, kind="stable")[:, :top_gpus]          # [A, K]
+        src_AK = _first_largest(gpu_peak_AG, top_gpus)
         K = src_AK.shape[1]
         a_slot_AQ = (src_AK[:, :, None] * S + np.arange(S)).reshape(A, K * S)           # Q = K x S
-        wa_AQT = np.take_along_axis(w_APT, a_slot_AQ[:, :, None], axis=1)
-        ea_AQ = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1)
-        gpu_a_AQ = a_slot_AQ // S
-        la_AQT = np.take_along_axis(load_AGT, gpu_a_AQ[:, :, None], axis=1)
-        lb_APT = load_AGT[:, gpu_of_P]                                                   # [A, P, T]
         # Gain of swap (a, b) = sum over kept windows of ea + eb - ea' - eb', where
         # ea = exp(beta (la - m)) and ea' = ea exp(-beta (wa - wb)), eb' = eb exp(beta (wa - wb)).
         # The exponentials of wa and wb factor apart, so the sum over windows of all
-        # Q x P swaps is two batched matrix products instead of a [Q, P, T] tensor.
-        m_A11 = peak_A[:, None, None]
-        keep_A1T = keep_AT[:, None, :]
-        ea_AQT = np.where(keep_A1T, np.exp(beta * (la_AQT - m_A11)), 0.0)
-        eb_APT = np.where(keep_A1T, np.exp(beta * (lb_APT - m_A11)), 0.0)
-        # Clipped exponents only matter for replicas above ~12x the mean GPU load at beta 50.
-        ua_AQT = np.exp(np.minimum(beta * wa_AQT, 600.0))
-        vb_APT = np.exp(np.minimum(beta * w_APT, 600.0))
-        gain_AQP = (ea_AQT.sum(axis=2)[:, :, None] + eb_APT.sum(axis=2)[:, None, :]
-                    - np.matmul(ea_AQT / ua_AQT, np.swapaxes(vb_APT, 1, 2))
-                    - np.matmul(ua_AQT, np.swapaxes(eb_APT / vb_APT, 1, 2)))
-        # Forbidden: b on A's GPU; the same expert; e_b already on A's GPU; e_a already on B's GPU.
-        holds_AGE = np.zeros((A, G, E), dtype=bool)
-        holds_AGE[ar[:, None], gpu_of_P[None, :], phy2log_AP] = True
-        eb_on_a_AQP = holds_AGE[ar[:, None, None], gpu_a_AQ[:, :, None], phy2log_AP[:, None, :]]
-        ea_on_b_AQP = holds_AGE[ar[:, None, None], gpu_of_P[None, None, :], ea_AQ[:, :, None]]
-        bad = ((gpu_of_P[None, None, :] == gpu_a_AQ[:, :, None]) | eb_on_a_AQP | ea_on_b_AQP)
+        # Q x P swaps is two batched matrix products instead of a [Q, P, T] tensor. The
+        # exponentials of the loads are a GPU's, shared by its slots: [A, G, T].
+        e_AGT = np.where(keep_A1T, np.exp(beta * (load_AGT - peak_A[:, None, None])), 0.0)
+        sum_AG = e_AGT.sum(axis=2)
+        ua_AQT = np.take_along_axis(v_APT, a_slot_AQ[:, :, None], axis=1)
+        x_AQT = np.repeat(e_AGT[ar[:, None], src_AK], S, axis=1) / ua_AQT                # ea / ua
+        y_APT = (e_AGT[:, :, None, :] / v_APT.reshape(A, G, S, T)).reshape(A, P, T)     # eb / vb
+        gain_AQP = (np.repeat(sum_AG[ar[:, None], src_AK], S, axis=1)[:, :, None]
+                    + np.repeat(sum_AG, S, axis=1)[:, None, :])
+        if T == 1:  # a product of one term each: the matrix products' own values
+            gain_AQP -= x_AQT * v_APT[:, None, :, 0]
+            gain_AQP -= ua_AQT * y_APT[:, None, :, 0]
+        else:
+            gain_AQP -= np.matmul(x_AQT, np.swapaxes(v_APT, 1, 2))
+            gain_AQP -= np.matmul(ua_AQT, np.swapaxes(y_APT, 1, 2))
+        # Forbidden: b on A's GPU; e_b already on A's GPU (the same expert included); e_a
+        # already on B's GPU; a bound slot to another unit. The masks broadcast over the gains
+        # as [A, K, S_a, G_b, S_b].
+        gain_AKSGS = gain_AQP.reshape(A, K, S, G, S)
+        gain_AKSGS[ar[:, None], np.arange(K), :, src_AK, :] = -np.inf
+        ea_AKS = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1).reshape(A, K, S)
+        eb_on_a_AKP = np.take_along_axis(holds_LEG[active[:, None], :, src_AK], np.broadcast_to(
+            phy2log_AP[:, None, :], (A, K, P)), axis=2)
+        ea_on_b_AKSG = holds_LEG[active[:, None, None], ea_AKS]
+        np.copyto(gain_AKSGS, -np.inf, where=eb_on_a_AKP.reshape(A, K, 1, G, S))
+        np.copyto(gain_AKSGS, -np.inf, where=ea_on_b_AKSG[:, :, :, :, None])
         if bound_LP is not None:
             bnd_AP = bound_LP[active]
-            ba_AQ = np.take_along_axis(bnd_AP, a_slot_AQ, axis=1)
-            same_unit = unit_of_P[None, None, :] == unit_of_P[a_slot_AQ][:, :, None]
-            bad |= ~((~ba_AQ[:, :, None] & ~bnd_AP[:, None, :]) | same_unit)
-        gain_AQP = np.where(bad, -np.inf, gain_AQP)
+            ba_AKS = np.take_along_axis(bnd_AP, a_slot_AQ, axis=1).reshape(A, K, S)
+            other_AKG = unit_G != unit_G[src_AK][:, :, None]
+            np.copyto(gain_AKSGS, -np.inf, where=(ba_AKS[:, :, :, None] & other_AKG[:, :, None, :])[..., None])
+            np.copyto(gain_AKSGS, -np.inf, where=bnd_AP.reshape(A, 1, 1, G, S) & other_AKG[:, :, None, :, None])
         flat = gain_AQP.reshape(A, -1).argmax(axis=1)
         best = gain_AQP.reshape(A, -1)[ar, flat]
-        z_A = np.where(keep_AT[:, None, :], np.exp(beta * (load_AGT - peak_A[:, None, None])), 0.0).sum(axis=(1, 2))
-        improve = best > 1e-9 * z_A
+        improve = best > 1e-9 * e_AGT.sum(axis=(1, 2))
         if not improve.any():
             break
         q, b = np.divmod(flat[improve], P)
         layers = active[improve]
         a = a_slot_AQ[ar[improve], q]
-        for arr in (phy2log_LP, slot_load_LPT) if bound_LP is None else (phy2log_LP, slot_load_LPT, bound_LP):
+        ea, eb, ga, gb = phy2log_LP[layers, a], phy2log_LP[layers, b], a // S, b // S
+        holds_LEG[layers, ea, ga] = holds_LEG[layers, eb, gb] = False
+        holds_LEG[layers, eb, ga] = holds_LEG[layers, ea, gb] = True
+        for arr in moved:
             tmp = arr[layers, a].copy()
             arr[layers, a] = arr[layers, b]
             arr[layers, b] = tmp
+        for g in (ga, gb):
+            load_LGT[layers, g] = _gpu_loads(slot_load_LPT[layers[:, None], g[:, None] * S + np.arange(S)], 1)[:, 0]
         active = layers
+
+
+def _gpu_loads(slot_load_LPT: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Load of every GPU in every window, [L, G, T]: its slots' loads added in slot order."""
+    L, P, T = slot_load_LPT.shape
+    return slot_load_LPT.reshape(L, num_gpus, P // num_gpus, T).sum(axis=2)
+
+
+def _first_largest(x_AG: np.ndarray, k: int) -> np.ndarray:
+    """Columns of the k largest entries of each row, largest first (ties: lower column first),
+    int [A, min(k, G)]: np.argsort(-x_AG, kind="stable")[:, :k] for a small k."""
+    x_AG = x_AG.copy()
+    rows_A = np.arange(x_AG.shape[0])
+    out_AK = np.empty((x_AG.shape[0], min(k, x_AG.shape[1])), dtype=np.int64)
+    for j in range(out_AK.shape[1]):
+        out_AK[:, j] = x_AG.argmax(axis=1)
+        x_AG[rows_A, out_AK[:, j]] = -np.inf
+    return out_AK
 
 
 def parse_blends(blends: tuple | list | str | float) -> tuple[float, ...]:
@@ -382,7 +352,6 @@ class RobustPlanner:
         best_score_L = np.full(L, np.inf)
         chosen_L = np.zeros(L)
         tried: list[np.ndarray] = []
-        compiled = robust_kernels() is not None
         for blend in self.blends:
             count_LE = replica_counts_minmax(robust_demand(share_TLE, blend), P, max_replicas=G)
             # Blends that give the same replica counts give the same plan (one window: the mean
@@ -390,10 +359,10 @@ class RobustPlanner:
             if any(np.array_equal(count_LE, c) for c in tried):
                 continue
             tried.append(count_LE)
-            phy2log_LP = pack_vector(share_TLE, count_LE, G, S, compiled=compiled)
+            phy2log_LP = pack_vector(share_TLE, count_LE, G, S)
             if self.refine_rounds:
                 refine_swaps(phy2log_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
-                             max_rounds=self.refine_rounds, compiled=compiled)
+                             max_rounds=self.refine_rounds)
             score_L = self._score(phy2log_LP, share_TLE, count_LE, G)
             better = score_L < best_score_L - 1e-12
             if best_phy2log_LP is None:
@@ -410,13 +379,8 @@ class RobustPlanner:
             "history_peak_max": float(np.max(best_score_L)),
             "blend_chosen": {str(b): int(np.sum(chosen_L == b)) for b in self.blends},
             "blends_planned": len(tried),
-                    # The same plan either way; numpy only on a cold numba cache, while the kernels compile.
-            "compiled": compiled,
         }
-        message = f"balanced against {T} window(s)"
-        if not compiled:
-            message += "; packed and refined in numpy (the compiled kernels are being cached in the background)"
-        return Solution(best_phy2log_LP, message=message, info=info)
+        return Solution(best_phy2log_LP, message=f"balanced against {T} window(s)", info=info)
 
     def _score(self, phy2log_LP, share_TLE, count_LE, num_gpus) -> np.ndarray:
         """The objective per layer: the worst busiest/mean GPU over the windows the swap search

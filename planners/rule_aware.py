@@ -34,11 +34,8 @@ planned for (Solution.info["served_matches_plan"]).
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
-from eplb.core.jit import CachedKernels, kernel_array, kernel_floats
 from eplb.core.placement import Placement
 from eplb.dispatch.rules import EvenSplit, PlanWeights
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
@@ -47,7 +44,6 @@ from eplb.stats.loads import replica_counts_minmax
 from planners.api import PlanRequest, Solution
 from planners.greedy import plan_greedy
 from planners.robust import RobustPlanner, normalise_windows, parse_blends, robust_demand, smooth_max_swaps
-from planners.robust import warm_up as warm_up_robust
 from planners.rule_previous import fit_gpus, held_by_gpu, match_units, moves_per_layer
 
 SCOPES: dict[type, str] = {EvenSplit: "free", PlanWeights: "free", SglangStatic: "unit", SglangDynamic: "unit"}
@@ -111,21 +107,23 @@ def _share_table(provisional_LP: np.ndarray, share_LP: np.ndarray, num_units: in
 
 
 def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
-          held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None, compiled: bool | None = None):
-    """Step 4: vector packing with unit constraints; returns (phy2log_LP, bound_LP).
+          held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None):
+    """Step 4: vector packing with unit constraints; returns (phy2log_LP, bound_LP), bound_LP
+    True where a slot holds a replicated expert's replica.
 
-    `_pack_numpy` specifies it (heaviest replica first onto the allowed GPU whose worst-window
-    load after it is lowest; held_LGE and cap_L keep replicas where they are served); its
-    compiled kernel (planners/_rule_pack_kernel.py) runs it. compiled: None uses the kernel when
-    numba's cache has it, else packs in numpy while it compiles in a background process
-    (`rule_pack_kernel`); True compiles here if need be; False is numpy.
+    Heaviest replica first (largest load over the windows), each onto the allowed GPU with a
+    free slot whose worst-window load after it is lowest (plus 1e-12 of its total load; the
+    first such GPU on a tie). A replicated expert's replica is allowed its unit's GPUs; a
+    single replica any unit with a free slot left after the replicated experts still to come
+    to it. With held_LGE (bool [L, G, E], what the served placement holds) and cap_L, a
+    replica goes to a GPU that holds its expert already when that GPU's worst-window load
+    after it stays within cap_L[l] (it is then not copied). Every layer has P replicas, so
+    the layers pack in lock-step: step i places each layer's i-th heaviest replica.
     """
-    kernel = rule_pack_kernel(wait=True) if compiled else (rule_pack_kernel() if compiled is None else None)
-    if kernel is None:
-        return _pack_numpy(share_TLE, count_LE, units_LEU, table_LEU, num_gpus, slots_per_gpu, held_LGE, cap_L)
     T, L, E = share_TLE.shape
     U = units_LEU.shape[2]
     G, S = num_gpus, slots_per_gpu
+    Q = G // U  # GPUs per unit
     P = G * S
     w_LIT = np.empty((L, P, T))
     e_LI = np.empty((L, P), dtype=np.int64)
@@ -135,34 +133,31 @@ def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gp
         item_e, item_u, w_IT, pending_LU[l] = _items(share_TLE, count_LE, units_LEU, table_LEU, l)
         order = _heaviest_first(item_u, w_IT)
         w_LIT[l], e_LI[l], u_LI[l] = w_IT[order], item_e[order], item_u[order]
-    use_held = held_LGE is not None
-    held = kernel_array(held_LGE, np.bool_) if use_held else np.zeros((L, G, E), dtype=np.bool_)
-    cap = kernel_floats(cap_L) if use_held else np.zeros(L)
+    rows_L = np.arange(L)
+    unit_G = np.arange(G) // Q
     phy2log_LP = np.empty((L, P), dtype=np.int64)
     bound_LP = np.zeros((L, P), dtype=bool)
-    failed = kernel.pack_layers(w_LIT, e_LI, u_LI, pending_LU, held, cap, use_held, int(S), phy2log_LP, bound_LP)
-    assert failed < 0, f"packing ran out of slots in layer {failed}"
+    load_LGT = np.zeros((L, G, T))
+    fill_LG = np.zeros((L, G), dtype=np.int64)
+    for i in range(P):
+        e_L, u_L, w_LT = e_LI[:, i], u_LI[:, i], w_LIT[:, i]
+        replicated_L = u_L >= 0
+        pending_LU[rows_L[replicated_L], u_L[replicated_L]] -= 1
+        room_LU = (S - fill_LG).reshape(L, U, Q).sum(axis=2) - pending_LU
+        ok_LG = np.where(replicated_L[:, None], unit_G == u_L[:, None], np.repeat(room_LU > 0, Q, axis=1))
+        ok_LG &= fill_LG < S
+        cost_LG = (load_LGT + w_LT[:, None, :]).max(axis=2) + 1e-12 * load_LGT.sum(axis=2)
+        if held_LGE is not None:
+            kept_LG = ok_LG & held_LGE[rows_L, :, e_L] & (cost_LG <= cap_L[:, None])
+            ok_LG = np.where(kept_LG.any(axis=1)[:, None], kept_LG, ok_LG)
+        g_L = np.where(ok_LG, cost_LG, np.inf).argmin(axis=1)
+        assert ok_LG[rows_L, g_L].all(), "packing ran out of slots"
+        slot_L = g_L * S + fill_LG[rows_L, g_L]
+        phy2log_LP[rows_L, slot_L] = e_L
+        bound_LP[rows_L, slot_L] = replicated_L
+        fill_LG[rows_L, g_L] += 1
+        load_LGT[rows_L, g_L] += w_LT
     return phy2log_LP, bound_LP
-
-
-_KERNELS = CachedKernels("planners._rule_pack_kernel")
-
-
-def rule_pack_kernel(wait: bool = False):
-    """The compiled packing (the module planners._rule_pack_kernel), or None while it is not
-    compiled yet: loaded from numba's cache once per process; on a cold cache one background
-    process compiles it (the plan meanwhile packs in numpy, to the same bits); wait=True
-    compiles here instead."""
-    return _KERNELS.get(wait)
-
-
-def warm_up() -> None:
-    """Load (or, on a fresh install, compile) the rule-aware planner's kernels now: its packing
-    and the robust swap search it refines with (eplb.core.jit runs this in the background for a
-    Rebalancer that plans with rule-aware)."""
-    rule_pack_kernel(wait=True)
-    warm_up_robust()
-    importlib.import_module("eplb.dispatch._sglang_draws_kernel").warm_up()  # the rule's draws
 
 
 def _items(share_TLE, count_LE, units_LEU, table_LEU, l: int):
@@ -181,52 +176,6 @@ def _heaviest_first(item_u, w_IT) -> np.ndarray:
     """The packing order: heaviest worst window first, then heaviest total; among equals the
     replicated replicas, which have fewer GPUs to go to."""
     return np.lexsort((item_u < 0, -w_IT.sum(axis=1), -w_IT.max(axis=1)))
-
-
-def _pack_numpy(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
-                held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None):
-    """Step 4 in numpy, the specification of `_pack` (its compiled kernel's twin); returns
-    (phy2log_LP, bound_LP).
-
-    Heaviest replica first (largest load over the windows), each onto the allowed GPU with a
-    free slot whose worst-window load after it is lowest. A unit keeps free slots for the
-    replicated experts still to come to it. With held_LGE (bool [L, G, E], what the served
-    placement holds) and cap_L, a replica goes to a GPU that holds its expert already when that
-    GPU's worst-window load after it stays within cap_L[l] (it is then not copied).
-    """
-    T, L, E = share_TLE.shape
-    U = units_LEU.shape[2]
-    G, S = num_gpus, slots_per_gpu
-    Q = G // U  # GPUs per unit
-    phy2log_LP = np.empty((L, G * S), dtype=np.int64)
-    bound_LP = np.zeros((L, G * S), dtype=bool)
-    for l in range(L):
-        item_e, item_u, w_IT, pending_U = _items(share_TLE, count_LE, units_LEU, table_LEU, l)
-        load_GT = np.zeros((G, T))
-        fill_G = np.zeros(G, dtype=np.int64)
-        for i in _heaviest_first(item_u, w_IT):
-            u = item_u[i]
-            if u >= 0:
-                ok = np.zeros(G, dtype=bool)
-                ok[u * Q:(u + 1) * Q] = True
-                pending_U[u] -= 1
-            else:
-                room_U = (S - fill_G).reshape(U, Q).sum(axis=1) - pending_U
-                ok = np.repeat(room_U > 0, Q)
-            ok &= fill_G < S
-            cost_G = (load_GT + w_IT[i]).max(axis=1) + 1e-12 * load_GT.sum(axis=1)
-            if held_LGE is not None:
-                kept = ok & held_LGE[l, :, item_e[i]] & (cost_G <= cap_L[l])
-                if kept.any():
-                    ok = kept
-            g = int(np.argmin(np.where(ok, cost_G, np.inf)))
-            assert ok[g], "packing ran out of slots"
-            slot = g * S + fill_G[g]
-            phy2log_LP[l, slot] = item_e[i]
-            bound_LP[l, slot] = u >= 0
-            fill_G[g] += 1
-            load_GT[g] += w_IT[i]
-    return phy2log_LP, bound_LP
 
 
 def slot_loads(phy2log_LP, share_TLE, table_LEU, num_units: int) -> np.ndarray:
@@ -314,7 +263,6 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
                         f"the rule-aware plan for {rule.name} keeps replicas of an expert on distinct "
                         f"{'nodes' if U == N else 'GPUs'}")
     held_LGE = None if previous_LP is None else held_by_gpu(np.asarray(previous_LP), G, E)
-    rule_pack_kernel()  # loaded before the first bind, which then draws compiled too (eplb.dispatch.sglang)
     share_TLE = normalise_windows(history_TLE, G)
     blends = (0.0,) if T == 1 else tuple(blends)
     fit = dict(beta=beta, refine_rounds=refine_rounds, held_LGE=held_LGE, move_slack=move_slack)

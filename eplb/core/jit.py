@@ -538,29 +538,3 @@ def kernel_array(a, dtype) -> np.ndarray:
     if a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable:
         return a
     return np.array(a, dtype=dtype, order="C")
-
-
-# TEMPORARY (removed once the numpy-only scoring, draws and robust planner land): the old
-# loaders, answering "not loaded" so their callers take their numpy paths.
-def loaded_kernel(name: str):
-    return None
-
-
-def load_cached(modules) -> bool:
-    return False
-
-
-def compile_detached(module: str) -> None:
-    return None
-
-
-class CachedKernels:
-    def __init__(self, module: str):
-        self.module = module
-
-    def get(self, wait: bool = False):
-        if not wait:
-            return None
-        loaded = importlib.import_module(self.module)
-        loaded.warm_up()
-        return loaded

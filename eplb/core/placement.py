@@ -22,19 +22,11 @@ from typing import Any
 import numpy as np
 
 from eplb.core.files import MAX_INPUT_ENV, max_input_bytes
-from eplb.core.jit import loaded_kernel
 from eplb.core.topology import Topology
 from eplb.errors import EplbError, is_whole, number_array, readonly, whole_array, whole_number
 
 FORMAT_NAME = "eplb.core.placement"
 FORMAT_VERSION = 1
-
-
-def _count_kernel():
-    """eplb.stats._score_kernel when a process that scores plans has loaded it (eplb.stats loads it),
-    else None: Placement then counts in numpy, to the same counts. Looked up, never imported:
-    a process that only reads placements does not load numba for them."""
-    return loaded_kernel("eplb.stats._score_kernel")
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,16 +71,7 @@ class Placement:
         if G % N:
             raise EplbError(f"num_gpus ({G}) must be divisible by num_nodes ({N})")
         phy64 = readonly(phy.astype(np.int64))
-        count_LE = None
-        kernel = _count_kernel()
-        if kernel is not None and L and 8 * L * E <= max_input_bytes() and (E <= P or self.partial):
-            # One compiled pass for the id range and the counts (numpy makes four; the checks
-            # and their order are the same).
-            count_LE, lo, hi = kernel.replica_counts(phy64, E)
-            in_range = lo >= 0 and hi < E
-        else:
-            in_range = not L or (phy.min() >= 0 and phy.max() < E)
-        if not in_range:
+        if L and not (phy.min() >= 0 and phy.max() < E):
             bad = phy[(phy < 0) | (phy >= E)][0]
             raise EplbError(f"physical_to_logical holds expert id {bad}, outside 0..{E - 1}")
         if not isinstance(self.partial, (bool, np.bool_)):
@@ -99,8 +82,7 @@ class Placement:
         if 8 * L * E > max_input_bytes():
             raise EplbError(f"num_logical_experts ({E}) x {L} layers is more than the input limit allows "
                             f"({MAX_INPUT_ENV})")
-        if count_LE is None:
-            count_LE = np.bincount((np.arange(L)[:, None] * E + phy64).ravel(), minlength=L * E).reshape(L, E)
+        count_LE = np.bincount((np.arange(L)[:, None] * E + phy64).ravel(), minlength=L * E).reshape(L, E)
         if L and count_LE.min() == 0 and not self.partial:
             layer, expert = np.argwhere(count_LE == 0)[0]
             raise EplbError(f"logical expert {expert} has no replica in layer index {layer}")

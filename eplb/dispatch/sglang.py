@@ -31,20 +31,17 @@ Rows of hidden layers that are not MoE layers hold SGLang's trivial map `p % E`,
 
 Shares assume every rank holds the same share of each expert's tokens (data-parallel
 attention, balanced requests): slot p of expert e takes (ranks mapped to p) / G of them.
-The draws are Python's `random.Random`, run by a compiled twin (eplb.dispatch._sglang_draws_kernel, checked
-against Python's own draws when it loads) in a process that runs numba, else by Python itself.
+The draws are SGLang's own: Python's `random.Random(seed)`, `sample` then `shuffle` per list
+(`_fair_choices`, SGLang's `fair_choices`), so every pick is the one SGLang makes.
 """
 
 from __future__ import annotations
 
 import random
-import sys
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.core.jit import loaded_kernel
 from eplb.core.placement import Placement
 from eplb.errors import EplbError
 
@@ -129,38 +126,9 @@ def _fair_choices(arr: list, k: int, rng: random.Random) -> list:
     return ans
 
 
-_DRAWS_KERNEL = "eplb.dispatch._sglang_draws_kernel"
-_load_tried = False
-_load_lock = threading.Lock()
-
-
-def _draws_kernel():
-    """The compiled draws (eplb.dispatch._sglang_draws_kernel) when loaded and checked in this process,
-    else None. Loaded on first use in a process that already runs numba (the rule-aware planner
-    does), from numba's cache; on a cold cache one background process compiles them and the
-    draws stay in Python meanwhile. A process without numba draws in Python (the same picks)."""
-    global _load_tried
-    mod = loaded_kernel(_DRAWS_KERNEL)
-    if mod is not None:
-        return mod
-    if _load_tried or "numba" not in sys.modules:
-        return None
-    with _load_lock:
-        if not _load_tried:
-            _load_tried = True
-            from eplb.core.jit import compile_detached, load_cached
-
-            if not load_cached((_DRAWS_KERNEL,)):
-                compile_detached(_DRAWS_KERNEL)
-    return loaded_kernel(_DRAWS_KERNEL)
-
-
 def _draws(seed: int, slots_JX: np.ndarray, count_J: np.ndarray, k_J: np.ndarray) -> np.ndarray:
     """`_fair_choices(slots_JX[j, :count_J[j]], k_J[j], rng)` for every list j in turn, from one
     `random.Random(seed)`: the picks one list after another, int64 [sum k_J]."""
-    kernel = _draws_kernel()
-    if kernel is not None:
-        return kernel.draw(seed, slots_JX, count_J, k_J)
     rng = random.Random(seed)
     picks: list[int] = []
     for arr, n, k in zip(slots_JX.tolist(), count_J.tolist(), k_J.tolist()):

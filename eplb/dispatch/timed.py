@@ -23,9 +23,9 @@ It is the rule of `eplb.dispatch`'s Resplitter done for time instead of tokens: 
 in decode it keeps each expert's few rows on one replica. The rule is built with a cost
 model, so it is not in `eplb.dispatch.RULES` (whose rules take no arguments):
 `TimeDispatch(cost_model("deepseek-v3", "h200"))` is a DispatchRule like the others.
-The three steps run compiled (numba, eplb/dispatch/_time_kernel.py, loaded on the first batch
-from numba's cache; `warm_up()` loads or compiles it ahead); `TimeSolver.numpy` is the same
-rule in numpy, which the kernel is tested against.
+The steps run in numpy, every layer of a colour at once: the rule scores offline traces
+(backtest, replay, simulate, calibration), where a batch costs milliseconds, so no compiled
+twin pays for itself.
 """
 
 from __future__ import annotations
@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.dispatch.cost import CostModel, cost_model, first_copy_LP, step_cost
+from eplb.dispatch.cost import CostModel, first_copy_LP, step_cost
 from eplb.errors import EplbError
-from eplb.stats.capacity import DTYPE_BITS
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,9 @@ class TimeSolver:
     Experts with replicas on >= 2 GPUs are coloured so that experts of one colour share no GPU
     (greedy colouring, most GPUs first): they decide against the layer's busiest GPU as it
     stood when their colour began, so that the order within a colour does not matter. A call
-    runs the compiled kernel (eplb/dispatch/_time_kernel.py: layer by layer, expert by expert);
-    `numpy` is the same rule with every layer of a colour in one numpy step (per colour the
-    tables are [R, X]: R (layer, expert) rows of that colour, X distinct-GPU replicas, padded
-    with a dummy slot P and GPU G whose busy time is +inf), the reference the kernel is tested
-    against.
+    takes every layer of a colour in one numpy step (per colour the tables are [R, X]: R
+    (layer, expert) rows of that colour, X distinct-GPU replicas, padded with a dummy slot P
+    and GPU G whose busy time is +inf).
     """
 
     def __init__(self, placement: Placement, cost: CostModel):
@@ -108,12 +105,6 @@ class TimeSolver:
                 expert_LCK[l, c, :len(experts)] = experts
                 valid_LCK[l, c, :len(experts)] = True
         self._numpy_tables(gslot_LEX, ggpu_LEX, use_LEX, expert_LCK, valid_LCK)
-        # The kernel's table: one row per multi-GPU (layer, expert), by layer, colour, expert.
-        lay_R, col_R, _ = np.nonzero(valid_LCK)
-        exp_R = expert_LCK[valid_LCK]
-        self._rows = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in (
-            np.searchsorted(lay_R, np.arange(L + 1)), exp_R, col_R, n_gpus_LE[lay_R, exp_R],
-            gslot_LEX[lay_R, exp_R], ggpu_LEX[lay_R, exp_R]))
         self.num_colours, self.X = C, X
         # Step 1 and the shares as flat gathers: home slot of every expert, expert of every slot.
         self._home_flat = (np.arange(L)[:, None] * (P + 1) + self.home_LE).ravel()
@@ -135,22 +126,11 @@ class TimeSolver:
         self._slope_mem = cost.row_bytes / hw.hbm_bytes_per_s
         self._slope_cmp = cost.flops_per_row / hw.flops(cost.expert_dtype)
         self._knee = cost.knee_rows()
-        D = cost.model.hidden_size
-        self._constants = np.array([
-            self._overhead, self._stream, self._slope_mem, self._slope_cmp, self._knee,
-            cost.weight_bytes, cost.row_bytes, hw.hbm_bytes_per_s,
-            D * DTYPE_BITS[cost.dispatch_dtype] / 8, D * DTYPE_BITS[cost.combine_dtype] / 8,
-            hw.nvlink_bytes_per_s, hw.internode_bytes_per_s, hw.a2a_latency_s, float(cost.overlap)])
-        self._first_LP = self._first_flat.reshape(L, P) - (np.arange(L) * P)[:, None]
-        # The kernel's arrays as writeable int64 copies: one compiled signature for every placement.
-        self._phy2log_LP = np.array(placement.phy2log_LP, dtype=np.int64)
-        self._home_LE = np.array(self.home_LE, dtype=np.int64)
-        self._kernel = None
 
     def _numpy_tables(self, gslot_LEX, ggpu_LEX, use_LEX, expert_LCK, valid_LCK) -> None:
         """Per colour, only its real rows: flat indices into the [L, E] counts, the [L, P + 1]
         rows and [L, G + 1] busy-time buffers (padded with slot P and GPU G), and the layer of
-        each row; the numpy path's tables."""
+        each row."""
         L, C, _ = expert_LCK.shape
         P, G, E = self.placement.num_slots, self.placement.num_gpus, self.placement.num_logical_experts
         r4, e4 = np.arange(L)[:, None, None, None], expert_LCK[:, :, :, None]
@@ -173,23 +153,6 @@ class TimeSolver:
         busy = self._overhead + np.maximum(n * self._slope_cmp, self._stream + n * self._slope_mem)
         return np.where(n > 0, busy, 0.0)
 
-    def __call__(self, counts_LE) -> np.ndarray:
-        """Shares [L, P] (per expert they sum to 1) for this batch's counts [L, E] (compiled)."""
-        counts = self._checked(counts_LE)
-        if self._kernel is None:
-            from eplb.dispatch import _time_kernel as _time_dispatch_kernel  # numba: imported on first use
-
-            self._kernel = _time_dispatch_kernel.shares
-        p = self.placement
-        whole = bool(np.array_equal(counts, np.floor(counts)))
-        row_start_L, exp_R, col_R, width_R, slot_RX, gpu_RX = self._rows
-        if not counts.flags.writeable:                             # as above: one signature
-            counts = counts.copy()
-        return self._kernel(counts, whole, self._tokens(counts), p.num_gpus, p.slots_per_gpu,
-                            p.num_gpus // p.num_nodes, self._constants, self._home_LE, self.multi_LE,
-                            self._phy2log_LP, self._count_LP, self._even_LP, self._rank_LP, self._first_LP,
-                            row_start_L, exp_R, col_R, width_R, slot_RX, gpu_RX)
-
     def _checked(self, counts_LE) -> np.ndarray:
         p = self.placement
         L, E = p.num_layers, p.num_logical_experts
@@ -205,10 +168,9 @@ class TimeSolver:
         """Tokens of the batch, from the first layer's rows (each token takes top-k of them)."""
         return int(round(counts[0].sum() / self.cost.model.top_k)) if len(counts) else 0
 
-    def numpy(self, counts_LE) -> np.ndarray:
-        """The same shares computed with numpy, colour by colour over every layer at once,
-        Step 3 through `eplb.dispatch.cost.step_cost`: the reference the compiled kernel is tested
-        against (equal to float rounding)."""
+    def __call__(self, counts_LE) -> np.ndarray:
+        """Shares [L, P] (per expert they sum to 1) for this batch's counts [L, E], colour by
+        colour over every layer at once, Step 3 through `eplb.dispatch.cost.step_cost`."""
         p = self.placement
         L, P = p.phy2log_LP.shape
         G = p.num_gpus
@@ -326,8 +288,3 @@ def _colour(multi_LE, n_gpus_LE, gpu_LEX, use_LEX, num_gpus: int) -> list[list[l
         groups.append(layer)
     return groups
 
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the kernel for the argument types real calls use."""
-    solver = TimeSolver(Placement(np.array([[0, 1, 0, 2]]), 2, 3), cost_model("deepseek-v3", "h200"))
-    solver(np.array([[3.0, 1.0, 0.0]]))

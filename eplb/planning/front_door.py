@@ -84,7 +84,6 @@ class PlanResult:
     @cached_property
     def lower_bound_L(self) -> np.ndarray:
         """Lower bound on the busiest GPU's load per layer, [L] (`stats.lower_bound`)."""
-        _scoring_a_plan()
         return lower_bound(self.load_LE, self.topology, self._plain.replica_count_LE)  # type: ignore[attr-defined]
 
     def _score(self, placement: Placement, rule: DispatchRule | None = None) -> stats.LoadReport:
@@ -186,19 +185,6 @@ def score(placement: Placement, load_LE: np.ndarray, rule: DispatchRule, lower_b
     if even_split(rule, placement):
         return stats.even_report(placement, load_LE, lower_bound_L)
     return stats.evaluate(placement, load_LE, rule.bind(placement)(load_LE), lower_bound_L=lower_bound_L)
-
-
-_plans_scored = 0
-
-
-def _scoring_a_plan() -> None:
-    """Count the plans this process scores: from the second on it is a loop (serving, a
-    backtest, a benchmark) and loads the compiled scores (`stats.load_score_kernel`); a one-shot
-    command scores its one plan in numpy, cheaper than loading them."""
-    global _plans_scored
-    _plans_scored += 1
-    if _plans_scored >= 2:
-        stats.load_score_kernel()
 
 
 @functools.lru_cache(maxsize=16)

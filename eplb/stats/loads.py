@@ -6,13 +6,10 @@ Loads are token-slot counts (one token routed to K experts counts K times), as f
 
 from __future__ import annotations
 
-import sys
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.core.jit import compile_detached, kernel_floats, load_cached, loaded_kernel
 from eplb.errors import EplbError, is_number, is_whole, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
@@ -288,45 +285,7 @@ def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
     return load_report(gpu_LG, lb)
 
 
-# Compiled scores (eplb/stats/_score_kernel.py) ------------------------------------------------------
-
-_SCORE_KERNEL = "eplb.stats._score_kernel"
-_load_lock = threading.Lock()
-_load_tried = False
-
-
-def score_kernel():
-    """The compiled scores (the module eplb.stats._score_kernel) when they are loaded in this process,
-    else None: the numpy scores then give the same bits. They are loaded by `load_score_kernel`
-    (and by a Rebalancer's background warm-up); nothing here loads numba."""
-    return loaded_kernel(_SCORE_KERNEL)
-
-
-def load_score_kernel() -> None:
-    """Load the compiled scores from numba's cache, once per process, in a process that already
-    runs numba (about 30 ms, so a one-shot command scoring one plan in numpy, in about a
-    millisecond, should not call this). On a cold cache (the first run after an install) one
-    background process compiles them instead, and this process goes on scoring in numpy."""
-    global _load_tried
-    if _load_tried or score_kernel() is not None or "numba" not in sys.modules:
-        return
-    with _load_lock:
-        if not _load_tried:
-            _load_tried = True
-            if not load_cached((_SCORE_KERNEL,)):
-                compile_detached(_SCORE_KERNEL)
-
-
-def _kernel_ints(a: np.ndarray) -> np.ndarray:
-    """a as the kernels' int64 type, read-only and C-ordered as a Placement keeps its arrays
-    (numba compiles one version per flag)."""
-    if a.dtype != np.int64 or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a, dtype=np.int64)
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
-
+# Scores of an even split ---------------------------------------------------------------------
 
 def even_gpu_loads(placement, load_LE: np.ndarray) -> np.ndarray:
     """Tokens per GPU [L, G] when every expert's tokens split evenly over its replicas: bit for
@@ -343,16 +302,10 @@ def even_gpu_loads(placement, load_LE: np.ndarray) -> np.ndarray:
 
 def even_report(placement, load_LE: np.ndarray, lower_bound_L: np.ndarray) -> LoadReport:
     """`evaluate(placement, load_LE, placement.replica_weights(), lower_bound_L)` for a placement
-    split evenly among its replicas (no dispatch weights), to the bit: one compiled pass per
-    layer when the kernels are loaded (`score_kernel`), else numpy. Trusts its input: load_LE
-    float64 [L, E] of the placement's shape, finite and >= 0, lower_bound_L [L]."""
-    kernel = score_kernel()
-    if kernel is None:
-        return load_report(even_gpu_loads(placement, load_LE), lower_bound_L)
-    gpu_LG, imbalance_L, ratio_L, bal = kernel.even_report(
-        kernel_floats(load_LE), _kernel_ints(placement.phy2log_LP), _kernel_ints(placement.replica_count_LE),
-        placement.num_gpus, kernel_floats(lower_bound_L))
-    return LoadReport(gpu_LG, imbalance_L, ratio_L, float(bal))
+    split evenly among its replicas (no dispatch weights), to the bit, without the per-slot
+    weights (`even_gpu_loads`). Trusts its input: load_LE float64 [L, E] of the placement's
+    shape, finite and >= 0, lower_bound_L [L]."""
+    return load_report(even_gpu_loads(placement, load_LE), lower_bound_L)
 
 
 def proven_bound(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
@@ -365,12 +318,6 @@ def proven_bound(load_LE: np.ndarray, count_LE: np.ndarray, num_gpus: int,
     largest load per replica under count_LE (as floats: rounded division is monotone in n);
     when the n_e sum to more than P, no counts of sum P put every expert below top, so top is
     the optimum. Layers whose top is 0 are optimal too."""
-    kernel = score_kernel()
-    if kernel is not None:
-        bound_L = np.empty(load_LE.shape[0])
-        proven_L = kernel.bound_terms(kernel_floats(load_LE), _kernel_ints(count_LE), int(num_gpus),
-                                      int(num_slots), bound_L)
-        return bound_L, proven_L
     top_L = (load_LE / count_LE).max(axis=1)
     bound_L = np.maximum(load_LE.sum(axis=1) / num_gpus, top_L)
     top_LE = top_L[:, None]

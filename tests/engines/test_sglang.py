@@ -190,11 +190,12 @@ def test_periodic_rebalance_plans_from_the_served_map(trace, server, hooks, monk
 
 
 def test_startup_file_is_checked_inside_sglang(server, hooks, monkeypatch, tmp_path):
-    from eplb.core import jit as compiled
-    from eplb.planning.kernel_sets import kernel_modules
+    import eplb.integrations as integrations
 
+    primed = []
+    real_prime = integrations.prime
+    monkeypatch.setattr(launcher, "prime", lambda *a: primed.append(real_prime(*a)))
     monkeypatch.setenv(launcher.ENV_PLANNER, "rule-aware")
-    monkeypatch.setattr(compiled, "_warmups", {})
     launcher.register()
     hooks.apply_hooks()
     path = tmp_path / "short.json"
@@ -202,9 +203,10 @@ def test_startup_file_is_checked_inside_sglang(server, hooks, monkeypatch, tmp_p
     server.init_expert_location = str(path)
     with pytest.raises(EplbError, match="the map has 58 rows, the model has 61 hidden layers"):
         el.compute_initial_expert_location_metadata(None, 0)
-    # A scheduler process (it computes expert locations) starts loading the planner's kernels.
-    warmup = compiled._warmups[kernel_modules("rule-aware")]
-    assert warmup.wait(600) and warmup.status.startswith("ready"), warmup.status
+    # A scheduler process (it computes expert locations) primes the planner's kernels.
+    assert primed, "computing expert locations did not prime the planner's kernels"
+    primed[0].join(600)
+    assert not primed[0].is_alive()
     path.write_text(json.dumps({"physical_to_logical_map": [[p % E for p in range(288)]] * H}))
     server.ep_num_redundant_experts = 64
     with pytest.raises(EplbError, match=r"the map has 288 slots, the server has 320 \(256 experts \+ 64"):
