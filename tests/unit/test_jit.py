@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import eplb
-from eplb.core import jit
+from eplb.core import _side_compile, jit
 from eplb.errors import EplbError
 
 _MODULE = '''
@@ -128,7 +128,7 @@ def test_side_processes_wanting_one_kernel_take_turns(tmp_path):
     spans = []
 
     def hold():
-        with jit._turn(str(tmp_path / "turn.lock")):
+        with _side_compile._turn(str(tmp_path / "turn.lock")):
             t0 = time.monotonic()
             time.sleep(0.2)
             spans.append((t0, time.monotonic()))
