@@ -30,7 +30,7 @@ _EXPORTS = {
     "PlanResult": "eplb.planning", "plan": "eplb.planning",
     "get_policy": "eplb.serving.policy",
     "Rebalancer": "eplb.serving.rebalance", "RebalanceResult": "eplb.serving.decisions",
-    "ReplayResult": "eplb.evaluate.replay", "Scoring": "eplb.evaluate.replay", "replay": "eplb.evaluate.replay",
+    "ReplayResult": "eplb.evaluate.replay_result", "Scoring": "eplb.evaluate.replay", "replay": "eplb.evaluate.replay",
     "LoadReport": "eplb.stats", "evaluate": "eplb.stats", "lower_bound": "eplb.stats",
     "Topology": "eplb.core.topology",
     "Trace": "eplb.core.trace",
@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time __getattr__
     from eplb.core.topology import Topology
     from eplb.core.trace import Trace
     from eplb.errors import EplbError, PlanningError
-    from eplb.evaluate.replay import ReplayResult, Scoring, replay
+    from eplb.evaluate.replay import Scoring, replay
+    from eplb.evaluate.replay_result import ReplayResult
     from eplb.formats import load_history, load_placement, load_trace, save_placement, save_trace
     from eplb.migration import Budget, MigrationPlan
     from eplb.planning.front_door import PlanResult, plan

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +40,7 @@ from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import get_rule
 from eplb.dispatch.timed import TimeDispatch
 from eplb.errors import EplbError, is_whole, positive_integer, whole_number
+from eplb.evaluate.replay_result import ReplayResult, RunScores
 from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import Budget, count_moves, schedule
 from eplb.planning.front_door import as_history, plan, size_topology
@@ -100,131 +100,6 @@ class Scoring:
         if self.time is not None:
             return names.index("time")
         return next((i for i, r in enumerate(self.rules) if r.per_batch), 0)
-
-
-@dataclass(frozen=True, eq=False)
-class RunScores:
-    """Per-window scores of one run (the policy or a reference), one row per rule."""
-
-    imbalance_RTL: np.ndarray
-    """Busiest / mean GPU per rule, served window and layer, [R, T, L] (idle layers: 1)."""
-    balancedness_RT: np.ndarray
-    """vLLM's balancedness of each window (sum over layers of mean / busiest GPU), [R, T]."""
-    seconds_RTL: np.ndarray | None = None
-    """Modeled MoE seconds per step, per rule, window and layer (mean over the window's batches),
-    [R, T, L], when Scoring.time was given."""
-
-
-@dataclass(frozen=True, eq=False)
-class ReplayResult:
-    """Everything a replay measured; `summary()` is its JSON report, `arrays()` what `-o` writes."""
-
-    policy: str
-    settings: dict
-    topology: Topology
-    rules: tuple[str, ...]
-    warmup: int
-    delay: int
-    window_T: np.ndarray
-    """Index of each served window in the cut trace, [T]."""
-    phy2log_TLP: np.ndarray
-    """Placement in force while window t was served, int64 [T, L, P]."""
-    weights_TLP: np.ndarray
-    """Shares rule `weights_rule` used for window t, [T, L, P]: the time dispatch's over the
-    window's batches when time was scored, else the first per-batch rule's (else the first's)."""
-    weights_rule: str
-    counts_TLE: np.ndarray
-    """Logical counts of each served window, int64 [T, L, E]."""
-    scores: RunScores
-    references: dict
-    """Reference name -> RunScores (static, hindsight)."""
-    decided_T: np.ndarray
-    """A decision was taken after serving window t (its moves follow), bool [T]."""
-    applied_T: np.ndarray
-    """A new placement took effect at window t, bool [T]."""
-    moves_T: np.ndarray
-    """Experts copied by the decision after window t, int64 [T] (0 without one)."""
-    rounds_T: np.ndarray
-    """Rounds of that decision's safe migration schedule, int64 [T]."""
-    bytes_T: np.ndarray | None
-    """Bytes of those copies, int64 [T] (None without bytes_per_expert)."""
-    seconds: float
-    """Wall time of the replay (references included)."""
-    policy_seconds: float
-    """Wall time the policy spent observing and deciding."""
-    memory_bytes: int
-    """The policy's load estimate, in bytes, at the end."""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    time: dict | None = None
-    """What modeled time was scored with (model, hardware, phase, batch tokens, batches), or None."""
-    objective: str = "tokens"
-    """What the policy and the references planned for ("tokens" or "time")."""
-
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready report: overall figures per run and rule, then one entry per window."""
-        runs = {"policy": self.scores, **self.references}
-        L, P = self.phy2log_TLP.shape[1:]
-        T = len(self.window_T)
-        moves = int(self.moves_T.sum())
-        out = {
-            "policy_name": self.policy, "settings": self.settings, "rules": list(self.rules),
-            "num_gpus": self.topology.num_gpus, "num_slots": self.topology.num_slots,
-            "num_nodes": self.topology.num_nodes,
-            "num_layers": int(L), "warmup": self.warmup, "delay": self.delay, "served_windows": T,
-            "decisions": int(self.decided_T.sum()), "moves": moves, "moves_per_window": moves / T,
-            "moves_per_window_share_of_slots": moves / T / (L * P),
-            "rounds": int(self.rounds_T.sum()),
-            "bytes": None if self.bytes_T is None else int(self.bytes_T.sum()),
-            "seconds": self.seconds, "policy_seconds": self.policy_seconds, "memory_bytes": self.memory_bytes,
-            "notes": list(self.notes), "objective": self.objective, "time": self.time,
-        }
-        for name, run in runs.items():
-            out[name] = {r: _overall(run.imbalance_RTL[i], run.balancedness_RT[i],
-                                     None if run.seconds_RTL is None else run.seconds_RTL[i])
-                         for i, r in enumerate(self.rules)}
-        out["per_window"] = [
-            {"window": int(self.window_T[t]), "applied": bool(self.applied_T[t]), "decided": bool(self.decided_T[t]),
-             "moves": int(self.moves_T[t]), "rounds": int(self.rounds_T[t]),
-             "bytes": None if self.bytes_T is None else int(self.bytes_T[t]),
-             **{name: {r: _window(run.imbalance_RTL[i, t], run.balancedness_RT[i, t],
-                                  None if run.seconds_RTL is None else run.seconds_RTL[i, t])
-                       for i, r in enumerate(self.rules)} for name, run in runs.items()}}
-            for t in range(T)
-        ]
-        return out
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Named arrays for an .npz (see eplb.formats.replay): maps, shares, counts, metrics."""
-        out = {"phy2log_TLP": self.phy2log_TLP, "weights_TLP": self.weights_TLP, "counts_TLE": self.counts_TLE,
-               "window_T": self.window_T, "decided_T": self.decided_T, "applied_T": self.applied_T,
-               "moves_T": self.moves_T, "rounds_T": self.rounds_T}
-        if self.bytes_T is not None:
-            out["bytes_T"] = self.bytes_T
-        for name, run in {"policy": self.scores, **self.references}.items():
-            out[f"{name}_imbalance_RTL"] = run.imbalance_RTL
-            out[f"{name}_balancedness_RT"] = run.balancedness_RT
-            if run.seconds_RTL is not None:
-                out[f"{name}_seconds_RTL"] = run.seconds_RTL
-        return out
-
-
-def _overall(imbalance_TL: np.ndarray, balancedness_T: np.ndarray, seconds_TL: np.ndarray | None) -> dict:
-    x = imbalance_TL.ravel()
-    out = {"median": float(np.median(x)), "p95": float(np.percentile(x, 95)), "max": float(x.max()),
-           "balancedness": float(balancedness_T.mean())}
-    if seconds_TL is not None:
-        step_T = seconds_TL.sum(axis=1)
-        out["step_seconds"] = {"median": float(np.median(step_T)), "p95": float(np.percentile(step_T, 95)),
-                               "mean": float(step_T.mean())}
-    return out
-
-
-def _window(imbalance_L: np.ndarray, balancedness: float, seconds_L: np.ndarray | None) -> dict:
-    out = {"median": float(np.median(imbalance_L)), "p95": float(np.percentile(imbalance_L, 95)),
-           "max": float(imbalance_L.max()), "balancedness": float(balancedness)}
-    if seconds_L is not None:
-        out["step_seconds"] = float(seconds_L.sum())
-    return out
 
 
 # Windows ---------------------------------------------------------------------------------------
@@ -344,50 +219,92 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
         if bytes_per_expert > 2**62 // (L * topology.num_slots):  # the most a window can move, in int64
             raise EplbError(f"bytes_per_expert ({bytes_per_expert}) x the {L * topology.num_slots} slots a window "
                             f"can move exceeds 2**62 bytes: give the size of one expert's weights in bytes")
-    G, N = topology.num_gpus, topology.num_nodes
     if plan_for == "resplit":
-        check_gpus(G)
+        check_gpus(topology.num_gpus)
     counts_f = counts_TLE.astype(np.float64)
-    batches = _batches(scoring, trace, tokens_per_window, counts_f, warmup, G)
-    start_note = "initial placement: " + ("given" if initial is not None else "robust plan of the warm-up windows")
+    batches = _batches(scoring, trace, tokens_per_window, counts_f, warmup, topology.num_gpus)
+    initial, start_note = _initial(initial, counts_f[:warmup], topology, objective, plan_for)
+    t0 = time.perf_counter()
+    for t in range(warmup):
+        pol.observe(counts_f[t], initial)
+    warmup_s = time.perf_counter() - t0
+    served = _serve(pol, initial, counts_f, warmup, delay, budget, scoring, batches)
+    ref_scores = {name: _reference(name, initial, counts_f[warmup:], topology, scoring, batches, objective)
+                  for name in refs}
+    notes = (how, start_note) + (() if scoring.time is None else (batches.how,))
+    G = topology.num_gpus
+    return ReplayResult(
+        policy=getattr(pol, "name", type(pol).__name__),
+        settings=dict(settings or {}), topology=topology, rules=scoring.names, warmup=warmup, delay=delay,
+        window_T=np.arange(warmup, T_all), phy2log_TLP=served.phy2log_TLP, weights_TLP=served.weights_TLP,
+        weights_rule=scoring.names[scoring.weights_index], counts_TLE=counts_TLE[warmup:],
+        scores=served.scores, references=ref_scores,
+        decided_T=served.decided_T, applied_T=served.applied_T, moves_T=served.moves_T, rounds_T=served.rounds_T,
+        bytes_T=None if bytes_per_expert is None else served.moves_T * int(bytes_per_expert),
+        seconds=time.perf_counter() - t_start, policy_seconds=served.policy_seconds + warmup_s,
+        memory_bytes=int(pol.memory_bytes),
+        notes=notes, time=None if scoring.time is None else {**scoring.time.describe(G), "how": batches.how},
+        objective="tokens" if objective == "tokens" else objective.name,
+    )
+
+
+def _initial(initial: Placement | None, history_TLE: np.ndarray, topology: Topology, objective,
+             plan_for: str) -> tuple[Placement, str]:
+    """The placement served after the warm-up (given, or the robust plan of the warm-up
+    windows, searched for the re-split rule when planning for it), and a note saying which."""
+    G, E, N = topology.num_gpus, history_TLE.shape[2], topology.num_nodes
+    L = history_TLE.shape[1]
+    note = "initial placement: " + ("given" if initial is not None else "robust plan of the warm-up windows")
     if initial is None:
-        sol = plan(counts_f[:warmup], topology=topology, planner="robust", objective=objective).solution
-        phy_LP = sol.phy2log_LP
+        phy_LP = plan(history_TLE, topology=topology, planner="robust", objective=objective).solution.phy2log_LP
         if plan_for == "resplit":
-            phy_LP = resplit_repair(phy_LP, counts_f[:warmup], G, rounds=PLAN_ROUNDS)[0]
-            start_note += ", searched for the re-split rule"
-        initial = Placement(phy_LP, G, E, N)
-    elif initial.phy2log_LP.shape != (L, topology.num_slots) or initial.num_gpus != G:
+            phy_LP = resplit_repair(phy_LP, history_TLE, G, rounds=PLAN_ROUNDS)[0]
+            note += ", searched for the re-split rule"
+        return Placement(phy_LP, G, E, N), note
+    if initial.phy2log_LP.shape != (L, topology.num_slots) or initial.num_gpus != G:
         raise EplbError(f"initial placement is {initial.num_layers} x {initial.num_slots} slots on {initial.num_gpus} "
                         f"GPUs; the replay needs {L} x {topology.num_slots} on {G}")
-    initial = Placement(initial.phy2log_LP, G, E, N)
-    t_pol = 0.0
-    for t in range(warmup):
-        t0 = time.perf_counter()
-        pol.observe(counts_f[t], initial)
-        t_pol += time.perf_counter() - t0
+    return Placement(initial.phy2log_LP, G, E, N), note
 
-    served = range(warmup, T_all)
-    Ts = len(served)
-    R = len(scoring.rules)
-    w_index = scoring.weights_index
-    phy_TLP = np.empty((Ts, L, topology.num_slots), dtype=np.int64)
-    weights_TLP = np.empty((Ts, L, topology.num_slots))
+
+@dataclass(frozen=True, eq=False)
+class _Served:
+    """The policy's run over the served windows (the loop of `_serve`)."""
+
+    phy2log_TLP: np.ndarray
+    weights_TLP: np.ndarray
+    scores: RunScores
+    decided_T: np.ndarray
+    applied_T: np.ndarray
+    moves_T: np.ndarray
+    rounds_T: np.ndarray
+    policy_seconds: float
+    """Seconds the policy spent observing and deciding in the loop."""
+
+
+def _serve(pol: Policy, initial: Placement, counts_TLE: np.ndarray, warmup: int, delay: int,
+           budget: Budget | None, scoring: Scoring, batches) -> _Served:
+    """Steps 2 and 3 of the module docstring: serve and score each window after the warm-up,
+    then let the policy observe it and decide; a decision's placement serves `delay` windows on."""
+    T_all, L, E = counts_TLE.shape
+    G, N, P = initial.num_gpus, initial.num_nodes, initial.num_slots
+    Ts, R = T_all - warmup, len(scoring.rules)
+    phy_TLP, weights_TLP = np.empty((Ts, L, P), dtype=np.int64), np.empty((Ts, L, P))
     imb_RTL, bal_RT = np.empty((R, Ts, L)), np.empty((R, Ts))
     sec_RTL = np.empty((R, Ts, L)) if scoring.time is not None else None
     decided, applied = np.zeros(Ts, dtype=bool), np.zeros(Ts, dtype=bool)
     moves_T, rounds_T = np.zeros(Ts, dtype=np.int64), np.zeros(Ts, dtype=np.int64)
-    cur, scorer, pending = initial, _Scorer(initial, scoring), None
-    for i, t in enumerate(served):
+    cur, scorer, pending, t_pol = initial, _Scorer(initial, scoring), None, 0.0
+    for i, t in enumerate(range(warmup, T_all)):
         if pending is not None and pending[1] == t:
             cur, scorer, pending = pending[0], _Scorer(pending[0], scoring), None
             applied[i] = True
-        imb_RTL[:, i], bal_RT[:, i], sec, w = scorer.score(counts_f[t], batches[i])
+        imb_RTL[:, i], bal_RT[:, i], sec, w = scorer.score(counts_TLE[t], batches[i])
         if sec_RTL is not None:
             sec_RTL[:, i] = sec
-        phy_TLP[i], weights_TLP[i] = cur.phy2log_LP, w[w_index]
+        phy_TLP[i], weights_TLP[i] = cur.phy2log_LP, w[scoring.weights_index]
         t0 = time.perf_counter()
-        pol.observe(counts_f[t], cur)
+        pol.observe(counts_TLE[t], cur)
         if pending is None and t + 1 + delay < T_all:
             d = pol.decide(cur) if budget is None else pol.decide(cur, budget)
             if d is not None:
@@ -397,21 +314,8 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
                 decided[i] = True
                 pending = (new, t + 1 + delay)
         t_pol += time.perf_counter() - t0
-    ref_scores = {name: _reference(name, initial, counts_f[warmup:], topology, scoring, batches, objective)
-                  for name in refs}
-    notes = (how, start_note) + (() if scoring.time is None else (batches.how,))
-    return ReplayResult(
-        policy=getattr(pol, "name", type(pol).__name__),
-        settings=dict(settings or {}), topology=topology, rules=scoring.names, warmup=warmup, delay=delay,
-        window_T=np.arange(warmup, T_all), phy2log_TLP=phy_TLP, weights_TLP=weights_TLP,
-        weights_rule=scoring.names[w_index], counts_TLE=counts_TLE[warmup:],
-        scores=RunScores(imb_RTL, bal_RT, sec_RTL), references=ref_scores,
-        decided_T=decided, applied_T=applied, moves_T=moves_T, rounds_T=rounds_T,
-        bytes_T=None if bytes_per_expert is None else moves_T * int(bytes_per_expert),
-        seconds=time.perf_counter() - t_start, policy_seconds=t_pol, memory_bytes=int(pol.memory_bytes),
-        notes=notes, time=None if scoring.time is None else {**scoring.time.describe(G), "how": batches.how},
-        objective="tokens" if objective == "tokens" else objective.name,
-    )
+    return _Served(phy_TLP, weights_TLP, RunScores(imb_RTL, bal_RT, sec_RTL), decided, applied, moves_T, rounds_T,
+                   t_pol)
 
 
 def _planned_for(plan_for, policy, settings, objective) -> tuple:
