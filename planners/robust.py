@@ -241,23 +241,8 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
         else:
             gain_AQP -= np.matmul(x_AQT, np.swapaxes(v_APT, 1, 2))
             gain_AQP -= np.matmul(ua_AQT, np.swapaxes(y_APT, 1, 2))
-        # Forbidden: b on A's GPU; e_b already on A's GPU (the same expert included); e_a
-        # already on B's GPU; a bound slot to another unit. The masks broadcast over the gains
-        # as [A, K, S_a, G_b, S_b].
-        gain_AKSGS = gain_AQP.reshape(A, K, S, G, S)
-        gain_AKSGS[ar[:, None], np.arange(K), :, src_AK, :] = -np.inf
-        ea_AKS = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1).reshape(A, K, S)
-        eb_on_a_AKP = np.take_along_axis(holds_LEG[active[:, None], :, src_AK], np.broadcast_to(
-            phy2log_AP[:, None, :], (A, K, P)), axis=2)
-        ea_on_b_AKSG = holds_LEG[active[:, None, None], ea_AKS]
-        np.copyto(gain_AKSGS, -np.inf, where=eb_on_a_AKP.reshape(A, K, 1, G, S))
-        np.copyto(gain_AKSGS, -np.inf, where=ea_on_b_AKSG[:, :, :, :, None])
-        if bound_LP is not None:
-            bnd_AP = bound_LP[active]
-            ba_AKS = np.take_along_axis(bnd_AP, a_slot_AQ, axis=1).reshape(A, K, S)
-            other_AKG = unit_G != unit_G[src_AK][:, :, None]
-            np.copyto(gain_AKSGS, -np.inf, where=(ba_AKS[:, :, :, None] & other_AKG[:, :, None, :])[..., None])
-            np.copyto(gain_AKSGS, -np.inf, where=bnd_AP.reshape(A, 1, 1, G, S) & other_AKG[:, :, None, :, None])
+        _forbid(gain_AQP, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G,
+                None if bound_LP is None else bound_LP[active])
         flat = gain_AQP.reshape(A, -1).argmax(axis=1)
         best = gain_AQP.reshape(A, -1)[ar, flat]
         improve = best > 1e-9 * e_AGT.sum(axis=(1, 2))
@@ -276,6 +261,30 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
         for g in (ga, gb):
             load_LGT[layers, g] = _gpu_loads(slot_load_LPT[layers[:, None], g[:, None] * S + np.arange(S)], 1)[:, 0]
         active = layers
+
+
+def _forbid(gain_AQP, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G, bound_AP) -> None:
+    """Set the gain of every forbidden swap (a, b) to -inf, in place: b on A's GPU; e_b already
+    on A's GPU (the same expert included); e_a already on B's GPU; a bound slot to another
+    unit. The masks broadcast over the gains as [A, K, S_a, G_b, S_b]."""
+    A, K = src_AK.shape
+    P = phy2log_AP.shape[1]
+    G = unit_G.shape[0]
+    S = P // G
+    ar = np.arange(A)
+    gain_AKSGS = gain_AQP.reshape(A, K, S, G, S)
+    gain_AKSGS[ar[:, None], np.arange(K), :, src_AK, :] = -np.inf
+    ea_AKS = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1).reshape(A, K, S)
+    eb_on_a_AKP = np.take_along_axis(holds_LEG[active[:, None], :, src_AK], np.broadcast_to(
+        phy2log_AP[:, None, :], (A, K, P)), axis=2)
+    ea_on_b_AKSG = holds_LEG[active[:, None, None], ea_AKS]
+    np.copyto(gain_AKSGS, -np.inf, where=eb_on_a_AKP.reshape(A, K, 1, G, S))
+    np.copyto(gain_AKSGS, -np.inf, where=ea_on_b_AKSG[:, :, :, :, None])
+    if bound_AP is not None:
+        ba_AKS = np.take_along_axis(bound_AP, a_slot_AQ, axis=1).reshape(A, K, S)
+        other_AKG = unit_G != unit_G[src_AK][:, :, None]
+        np.copyto(gain_AKSGS, -np.inf, where=(ba_AKS[:, :, :, None] & other_AKG[:, :, None, :])[..., None])
+        np.copyto(gain_AKSGS, -np.inf, where=bound_AP.reshape(A, 1, 1, G, S) & other_AKG[:, :, None, :, None])
 
 
 def _gpu_loads(slot_load_LPT: np.ndarray, num_gpus: int) -> np.ndarray:
