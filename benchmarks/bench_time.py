@@ -18,8 +18,8 @@ Part 3, the runtime shim on 4 gloo ranks (this machine): `eplb calibrate`'s 24 c
   R^2 in-sample and on held-out cases; then, in a run of their own, the measured compute-time
   straggler of the token objective (greedy + even) against the time objective (time plan + time
   dispatch) at 1-16 tokens per rank.
-Part 4, speed: the time dispatch for 58 layers (compiled, and its numpy reference) against the
-  token re-split, `simulate` at 58 x 256, and whether planning with the time objective imports torch.
+Part 4, speed: the time dispatch for 58 layers (numpy) against the token re-split, `simulate`
+  at 58 x 256, and whether planning with the time objective imports torch.
 Real traces are read from --traces when present; else the shipped synthetic trace (and a
 synthetic per-token trace from eplb.stats.synth for Part 2), and the tables say so.
 """

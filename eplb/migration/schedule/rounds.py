@@ -6,7 +6,7 @@ P = G x S slots. Slot p lives on rank p // S.
 In every round each rank sends at most one and receives at most one expert, and every
 logical expert keeps at least one complete replica serving tokens at every moment (see
 `MigrationPlan`). The rounds come from a numba kernel (`_rounds_kernel`); its Python
-reference, held to the same replay in the tests, is in tests/oracles/migration.py.
+reference, held to the same replay in the tests, is in tests/oracles/migration_schedule.py.
 """
 
 from __future__ import annotations
