@@ -16,7 +16,7 @@ Usage (pure numpy; no torch):
 (`policy="adaptive"`, or any eplb.serving.policy name or object) every `interval` observations form
 one window handed to the policy, every window is due, and `rebalance` asks the policy, which
 repairs the placement in force where the gain pays for the moves, within the budget, or keeps
-it (a result without moves). With `policy=None` the older rule applies: every `interval`
+it (a result without moves). With `policy=None` the improvement rule applies instead: every `interval`
 observations the improvement a rebalance could bring (the current placement's busiest-GPU load
 against the lower bound, summed over layers) is checked against `min_improvement`, and
 `rebalance` plans a migration-aware placement through `eplb.plan` (move budget / move cost).
