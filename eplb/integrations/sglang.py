@@ -17,8 +17,9 @@ What it does, in this order:
 3. Installs eplb's algorithm in place of `sglang.srt.eplb.eplb_algorithms.rebalance_experts`,
    the one function behind both SGLang's start-up plan from statistics (`--init-expert-location`
    with `logical_count`) and its periodic rebalance (`--enable-eplb`).
-4. Starts the compiles of the planner's kernels (`eplb.integrations.prime`: a tiny plan on a
-   daemon thread), then SGLang's server (`sglang.launch_server`) in this process.
+4. Primes the planner's kernels (`eplb.integrations.prime`: a tiny plan on a daemon thread,
+   which loads them from numba's cache, or after an install starts their compiles in side
+   processes), then SGLang's server (`sglang.launch_server`) in this process.
 SGLang starts its schedulers with the `spawn` method, so a patch made in this process alone
 would not reach them; SGLang loads `sglang.srt.plugins` entry points in every process
 (`load_plugins()`), and eplb's (`register`, pyproject.toml) installs the hooks wherever
@@ -290,9 +291,8 @@ def prepare(argv: list[str]) -> list[str]:
 
 
 def launch_server(sglang_args: list[str]) -> None:
-    """Start the compiles of the planner's kernels (eplb.integrations.prime: SGLang plans
-    synchronously in every scheduler's rebalance), then run `python -m sglang.launch_server
-    <args>` in this process."""
+    """Prime the planner's kernels (eplb.integrations.prime: SGLang plans synchronously in every
+    scheduler's rebalance), then run `python -m sglang.launch_server <args>` in this process."""
     prime(*_configured())
     sys.argv = ["sglang.launch_server"] + list(sglang_args)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
