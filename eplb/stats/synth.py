@@ -44,7 +44,14 @@ from eplb.core.placement import contiguous_map, gpu_loads
 from eplb.core.topology import Topology
 from eplb.core.trace import Trace
 from eplb.errors import EplbError
-from eplb.stats.topic_shifts import segment_shares, segment_topics, shift_starts, split_tokens
+from eplb.stats.topic_shifts import (  # noqa: F401  (topic_shift_stats, SHIFT_SHAPES: importable from here too)
+    SHIFT_SHAPES,
+    segment_shares,
+    segment_topics,
+    shift_starts,
+    split_tokens,
+    topic_shift_stats,
+)
 
 PHASES = ("prefill", "decode")
 
@@ -431,41 +438,12 @@ SHAPE_FIELDS = ("topic_ramp", "topic_inside", "topic_recur", "topic_experts")
 """The settings of a topic shift's shape (eplb.stats.topic_shifts), beyond the abrupt shifts'."""
 
 
-def topic_shift_stats(trace: Trace) -> list[dict]:
-    """Measured share of each boosted expert in the windows before and after its shift.
-
-    For every boost recorded in meta "topic_shifts" (eplb synth traces with topic shifts):
-    {window, layer, expert, before, after}: the expert's share of the layer's tokens (count /
-    tokens of the window) over the windows of the topic just before and of the topic starting
-    at the shift; where windows mix topics (meta "topic_shares"), over the windows that hold
-    one topic alone, or the most of it when none does."""
-    shifts, topics = trace.meta.get("topic_shifts"), trace.meta.get("topics")
-    if not shifts or not topics:
-        raise EplbError("trace meta has no topic shifts (make one with eplb synth --topic-shifts N)")
-    topic_T = np.asarray(topics)
-    share_TU = np.asarray(trace.meta.get("topic_shares", np.eye(topic_T.max() + 1)[topic_T]))
-    tokens = trace.meta["tokens_per_window"]
-    out = []
-    for d in shifts:
-        u = _segment_at(share_TU, d["window"])
-        c_T = trace.counts_TLE[:, d["layer"], d["expert"]]
-        out.append({**{k: d[k] for k in ("window", "layer", "expert")},
-                    "before": _mean_share(c_T, share_TU[:, u - 1], tokens),
-                    "after": _mean_share(c_T, share_TU[:, u], tokens)})
-    return out
-
-
-def _mean_share(c_T: np.ndarray, share_T: np.ndarray, tokens: int) -> float:
-    """Mean share of the tokens c_T [T] over the windows a segment holds alone (share_T [T] of
-    its tokens 1), or over those that hold the most of it when none does."""
-    pure_T = share_T >= 1.0 - 1e-9
-    rows_T = pure_T if pure_T.any() else share_T == share_T.max()
-    return float(c_T[rows_T].mean() / tokens)
-
-
-def _segment_at(share_TU: np.ndarray, window: int) -> int:
-    """The newest segment serving in `window` (the one a boost recorded there started)."""
-    return int(np.flatnonzero(share_TU[window] > 0)[-1])
+def shaped_settings(shape: str, **settings) -> SynthSettings:
+    """SynthSettings for a named shape of topic shift (SHIFT_SHAPES), `settings` overriding it
+    (topic_shifts: 6 unless given)."""
+    if shape not in SHIFT_SHAPES:
+        raise EplbError(f"unknown topic shape {shape!r}: choose one of {', '.join(SHIFT_SHAPES)}")
+    return SynthSettings(**{"topic_shifts": 6, **SHIFT_SHAPES[shape], **settings})
 
 
 CONTIGUOUS_GPUS = (4, 8, 16, 32)
