@@ -40,6 +40,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--topic-shifts", type=int, default=None,
                    help="abrupt topic shifts over the trace: at each, a cold expert of some layers turns hot "
                         "(default 0)")
+    p.add_argument("--topic-shape", choices=list(synth.SHIFT_SHAPES), default=None,
+                   help="shape of the topic shifts (eplb.stats.topic_shifts): abrupt, gradual (a ramp over 4 "
+                        "windows), recurring (two topics taking turns), inside (a shift inside a window), local (3 "
+                        "experts of 10%% of the layers turning hot); 6 shifts unless --topic-shifts says")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any generator setting of eplb.stats.synth.SynthSettings, e.g. --set num_experts=64 --set "
                         "topic_hot=0.2,0.3 (repeatable; pairs as two comma-separated numbers)")
@@ -84,7 +88,8 @@ def run(args) -> int:
     check_suffix(args.output, (".npz",), "an eplb trace (.npz)")
     # Read before the trace is written: a bad --compare file must fail the run before -o changes.
     reals = {str(p): load_trace(p) for p in args.compare or []}
-    overrides = {"num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens,
+    shape = {} if args.topic_shape is None else {"topic_shifts": 6, **synth.SHIFT_SHAPES[args.topic_shape]}
+    overrides = {**shape, "num_windows": args.windows, "seed": args.seed, "keep_tokens": args.keep_tokens,
                  **_settings_from_set(args.set)}
     topk_groups = args.topk_groups
     if topk_groups is None and args.expert_groups is not None:

@@ -44,6 +44,14 @@ from eplb.core.placement import contiguous_map, gpu_loads
 from eplb.core.topology import Topology
 from eplb.core.trace import Trace
 from eplb.errors import EplbError
+from eplb.stats.topic_shifts import (  # noqa: F401  (topic_shift_stats, SHIFT_SHAPES: importable from here too)
+    SHIFT_SHAPES,
+    segment_shares,
+    segment_topics,
+    shift_starts,
+    split_tokens,
+    topic_shift_stats,
+)
 
 PHASES = ("prefill", "decode")
 
@@ -104,6 +112,18 @@ class SynthSettings:
     topic_cold: float = 0.003
     """The newly hot expert is drawn among the experts that took less than this share of the
     layer's tokens before the shift (the coldest expert when none is that cold)."""
+    topic_ramp: int = 0
+    """Windows over which a new topic's share of the tokens grows from none to all, the old
+    topic's falling as it grows (gradual drift; 0 = abrupt). See eplb.stats.topic_shifts."""
+    topic_inside: bool = False
+    """Shifts fall at a uniformly drawn point inside a window, which then mixes the old topic's
+    tokens and the new one's (else at a window's start)."""
+    topic_recur: int = 0
+    """Topics that take turns: 0 = each shift brings a new topic; R >= 2 = segment u has topic
+    u mod R (A B A B with 2), with the hot experts it had the first time."""
+    topic_experts: int = 1
+    """Experts a topic turns hot in each layer it touches, each to a share drawn from
+    `topic_hot` (a few, with a small `topic_layers`: hot sets local to some layers)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -160,6 +180,18 @@ class SynthSettings:
              f"topic_hot must be (lowest, highest) shares in (0, 1), got {self.topic_hot!r}")
         need(0 < self.topic_cold < self.topic_hot[0],
              f"topic_cold ({self.topic_cold}) must be in (0, topic_hot[0] = {self.topic_hot[0]})")
+        need(isinstance(self.topic_inside, (bool, np.bool_)),
+             f"topic_inside must be true or false, got {self.topic_inside!r}")
+        need(0 <= self.topic_ramp < self.num_windows,
+             f"topic_ramp ({self.topic_ramp}) must be 0 (abrupt) to num_windows-1 ({self.num_windows - 1}) windows")
+        need(self.topic_recur == 0 or 2 <= self.topic_recur <= self.topic_shifts + 1,
+             f"topic_recur ({self.topic_recur}) must be 0 (every topic new) or 2..topic_shifts+1 "
+             f"({self.topic_shifts + 1}): the topics that take turns")
+        need(1 <= self.topic_experts <= self.num_experts // 2,
+             f"topic_experts ({self.topic_experts}) must be in 1..num_experts/2 ({self.num_experts // 2})")
+        need(self.topic_experts * self.topic_hot[1] <= self.top_k,
+             f"topic_experts x topic_hot[1] ({self.topic_experts} x {self.topic_hot[1]}) must be <= top_k "
+             f"({self.top_k}): the hot experts' shares cannot take more than every token's choices")
         # Sizes typed on a command line are bounded like files: the trace must fit the input
         # limit it would be read back under, and so must routing one window (float32 [N, E] x ~3).
         limit = max_input_bytes()
@@ -230,23 +262,21 @@ _CALIBRATION_TOKENS = 2048
 
 
 def topic_schedule(s: SynthSettings, rng: np.random.Generator) -> np.ndarray:
-    """Topic index of each window, [T]: one shift per segment of T / (topic_shifts + 1) windows,
+    """Topic segment of each window, [T]: one shift per segment of T / (topic_shifts + 1) windows,
     jittered by up to a quarter segment (shifts that would coincide merge)."""
-    T, U = s.num_windows, s.topic_shifts + 1
-    seg = T / U
-    at = sorted({min(T - 1, max(1, int(round(u * seg + rng.uniform(-0.25, 0.25) * seg)))) for u in range(1, U)})
-    return np.searchsorted(np.asarray(at, dtype=np.int64), np.arange(T), side="right")
+    return np.searchsorted(shift_starts(s.num_windows, s.topic_shifts, rng), np.arange(s.num_windows), side="right")
 
 
 def shift_topic(s: SynthSettings, logit_LE: np.ndarray, before_LE: np.ndarray, rng: np.random.Generator,
                 window: int) -> tuple[np.ndarray, list[dict]]:
     """Logit offsets [L, E] of a new topic starting at `window`, and what each boost did.
 
-    Each layer is picked with probability `topic_layers` (at least one). In a picked layer one
-    expert whose share of the tokens in `before_LE` (the counts of the previous topic's windows)
-    is under `topic_cold` (else the coldest) gets the logit boost, found by bisection on a fixed
-    token sample routed with `logit_LE` (this window's logits, without the old topic's boosts),
-    that gives it a share of the tokens drawn from `topic_hot`.
+    Each layer is picked with probability `topic_layers` (at least one). In a picked layer
+    `topic_experts` experts whose share of the tokens in `before_LE` (the counts of the previous
+    topic's windows) is under `topic_cold` (else the coldest) get logit boosts, one after
+    another, each found by bisection on a fixed token sample routed with `logit_LE` (this
+    window's logits, without the old topic's boosts) and the boosts found before it, that
+    gives the expert a share of the tokens drawn from `topic_hot`.
     """
     L, E = logit_LE.shape
     offset_LE = np.zeros((L, E))
@@ -257,21 +287,73 @@ def shift_topic(s: SynthSettings, logit_LE: np.ndarray, before_LE: np.ndarray, r
     boosts = []
     for l in layers:
         share_E = before_LE[l] / tokens
-        cold = np.flatnonzero(share_E < s.topic_cold)
-        e = int(rng.choice(cold)) if cold.size else int(np.argmin(share_E))
-        target = float(rng.uniform(*s.topic_hot))
-        seed = int(rng.integers(2**63))
-        lo, hi = 0.0, 40.0
-        for _ in range(20):  # bisection: the share grows with the boost
-            mid = 0.5 * (lo + hi)
-            boosted = logit_LE[l].copy()
-            boosted[e] += mid
-            top_NK = route_tokens(boosted, _CALIBRATION_TOKENS, s, np.random.default_rng(seed))
-            lo, hi = (mid, hi) if (top_NK == e).sum() < target * _CALIBRATION_TOKENS else (lo, mid)
-        offset_LE[l, e] = 0.5 * (lo + hi)
-        boosts.append({"window": int(window), "layer": int(l), "expert": e,
-                       "share_before": float(share_E[e]), "target": target})
+        taken: list[int] = []
+        for _ in range(s.topic_experts):
+            free_E = np.ones(E, dtype=bool)
+            free_E[taken] = False
+            cold = np.flatnonzero((share_E < s.topic_cold) & free_E)
+            e = int(rng.choice(cold)) if cold.size else int(np.flatnonzero(free_E)[np.argmin(share_E[free_E])])
+            target = float(rng.uniform(*s.topic_hot))
+            seed = int(rng.integers(2**63))
+            lo, hi = 0.0, 40.0
+            for _ in range(20):  # bisection: the share grows with the boost
+                mid = 0.5 * (lo + hi)
+                boosted = logit_LE[l] + offset_LE[l]
+                boosted[e] += mid
+                top_NK = route_tokens(boosted, _CALIBRATION_TOKENS, s, np.random.default_rng(seed))
+                lo, hi = (mid, hi) if (top_NK == e).sum() < target * _CALIBRATION_TOKENS else (lo, mid)
+            offset_LE[l, e] = 0.5 * (lo + hi)
+            taken.append(e)
+            boosts.append({"window": int(window), "layer": int(l), "expert": e,
+                           "share_before": float(share_E[e]), "target": target})
     return offset_LE, boosts
+
+
+class _Topics:
+    """The topic segments of one trace: which topic each window's tokens follow, and each topic's
+    logit offsets, [L, E], made the first time it serves (eplb.stats.topic_shifts)."""
+
+    def __init__(self, s: SynthSettings):
+        # Their own generators: settings without shifts leave every other draw unchanged, and
+        # abrupt shifts the draws they made before the other shapes existed.
+        self.s, self.rng = s, np.random.default_rng([s.seed, 0x70])
+        starts = shift_starts(s.num_windows, s.topic_shifts, self.rng).astype(np.float64)
+        if s.topic_inside:
+            starts = starts + np.random.default_rng([s.seed, 0x71]).uniform(0.0, 1.0, len(starts))
+        self.share_TU = segment_shares(s.num_windows, starts, s.topic_ramp)
+        self.topic_U = segment_topics(len(starts) + 1, s.topic_recur)
+        self.offsets = {0: np.zeros((s.num_moe_layers, s.num_experts))}   # topic 0: the base traffic
+        self.boosts: list[dict] = []
+        self._last = 0               # the newest segment that has served
+        self._last_start = 0         # the window it began in
+
+    @property
+    def mixed(self) -> bool:
+        """Does some window mix topics (a ramp, or a shift inside a window)?"""
+        return bool((self.share_TU.max(axis=1) < 1.0).any())
+
+    def window_logits(self, t: int, logit_LE: np.ndarray, counts_TLE: np.ndarray) -> list[tuple[float, np.ndarray]]:
+        """(share of window t's tokens, logits [L, E]) for each topic serving in window t."""
+        out = []
+        for u in np.flatnonzero(self.share_TU[t] > 0):
+            topic = int(self.topic_U[u])
+            if u > self._last:
+                if topic not in self.offsets:
+                    before_LE = counts_TLE[self._last_start:t].sum(axis=0) if t > self._last_start \
+                        else counts_TLE[max(t - 1, 0)]
+                    self.offsets[topic], boosts = shift_topic(self.s, logit_LE, before_LE, self.rng, t)
+                    self.boosts += boosts
+                self._last, self._last_start = int(u), t
+            out.append((float(self.share_TU[t, u]), logit_LE + self.offsets[topic]))
+        return out
+
+    def meta(self) -> dict:
+        out = {"topics": self.share_TU.argmax(axis=1).tolist(), "topic_shifts": self.boosts}
+        if self.mixed:
+            out["topic_shares"] = np.round(self.share_TU, 6).tolist()
+        if self.s.topic_recur:
+            out["topic_of_segment"] = self.topic_U.tolist()
+        return out
 
 
 def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
@@ -289,11 +371,7 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
     b, c = np.sqrt(s.phase_share), np.sqrt(s.drift_share)
     phase_T = phase_schedule(s, rng)
     trend_LE = id_trend(s, rng)
-    if s.topic_shifts:
-        # Their own generator: settings without shifts leave every other draw unchanged.
-        topic_rng = np.random.default_rng([s.seed, 0x70])
-        topic_T = topic_schedule(s, topic_rng)
-        topic_LE, shifts, topic_start = np.zeros((L, E)), [], 0
+    topics = _Topics(s) if s.topic_shifts else None
 
     # Step 2: windows: drift the logits, then route every token.
     counts_TLE = np.zeros((T, L, E), dtype=np.int64)
@@ -306,14 +384,11 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
             drift_LE = rho * drift_LE + np.sqrt(1.0 - rho * rho) * rng.standard_normal((L, E))
         mix_LE = a * z_LE + b * phase_PLE[phase_T[t]] + c * drift_LE
         logit_LE = sigma_L[:, None] * mix_LE + group_LE + trend_LE
-        if s.topic_shifts:
-            if t and topic_T[t] != topic_T[t - 1]:
-                topic_LE, boosts = shift_topic(s, logit_LE, counts_TLE[topic_start:t].sum(axis=0), topic_rng, t)
-                shifts += boosts
-                topic_start = t
-            logit_LE = logit_LE + topic_LE
+        # A window that mixes topics routes each topic's share of its tokens, the older first.
+        parts = [(1.0, logit_LE)] if topics is None else topics.window_logits(t, logit_LE, counts_TLE)
+        n_U = split_tokens(s.tokens_per_window, np.array([w for w, _ in parts]))
         for l in range(L):
-            top_NK = route_tokens(logit_LE[l], s.tokens_per_window, s, rng)
+            top_NK = np.concatenate([route_tokens(lg[l], n, s, rng) for n, (_, lg) in zip(n_U, parts) if n])
             counts_TLE[t, l] = np.bincount(top_NK.ravel(), minlength=E)
             if keep:
                 topk_NLK[t * keep:(t + 1) * keep, l] = top_NK[:keep]
@@ -338,43 +413,37 @@ def generate(settings: SynthSettings | None = None, progress=None) -> Trace:
         "phases": [PHASES[p] for p in phase_T],
         "synth_settings": json.loads(json.dumps(_recorded_settings(s))),
     }
-    if s.topic_shifts:
-        meta["topics"] = topic_T.tolist()
-        meta["topic_shifts"] = shifts
+    if topics is not None:
+        meta.update(topics.meta())
     layer_ids = np.arange(s.first_moe_layer, s.num_hidden_layers)
     token_window = np.repeat(np.arange(T, dtype=np.int32), keep) if keep else None
     return Trace(counts_TLE, layer_ids, meta, topk_NLK, token_window)
 
 
 def _recorded_settings(s: SynthSettings) -> dict:
-    """Settings for the trace's meta; without topic shifts the topic fields are left out, so a
-    trace made before they existed (traces/deepseek.npz) is remade byte for byte."""
+    """Settings for the trace's meta; without topic shifts the topic fields are left out, and
+    the shapes' fields where they keep their defaults, so a trace made before they existed
+    (traces/deepseek.npz, the abrupt topic traces) is remade byte for byte."""
     d = asdict(s)
     if not s.topic_shifts:
         for f in ("topic_shifts", "topic_layers", "topic_hot", "topic_cold"):
             d.pop(f)
+    for f in SHAPE_FIELDS:
+        if d[f] == SynthSettings.__dataclass_fields__[f].default:
+            d.pop(f)
     return d
 
 
-def topic_shift_stats(trace: Trace) -> list[dict]:
-    """Measured share of each boosted expert in the windows before and after its shift.
+SHAPE_FIELDS = ("topic_ramp", "topic_inside", "topic_recur", "topic_experts")
+"""The settings of a topic shift's shape (eplb.stats.topic_shifts), beyond the abrupt shifts'."""
 
-    For every boost recorded in meta "topic_shifts" (eplb synth traces with topic shifts):
-    {window, layer, expert, before, after}: the expert's share of the layer's tokens (count /
-    tokens of the window) over the topic just before and the topic starting at the shift."""
-    shifts, topics = trace.meta.get("topic_shifts"), trace.meta.get("topics")
-    if not shifts or not topics:
-        raise EplbError("trace meta has no topic shifts (make one with eplb synth --topic-shifts N)")
-    topic_T = np.asarray(topics)
-    tokens = trace.meta["tokens_per_window"]
-    out = []
-    for d in shifts:
-        u = topic_T[d["window"]]
-        c = trace.counts_TLE[:, d["layer"], d["expert"]]
-        out.append({**{k: d[k] for k in ("window", "layer", "expert")},
-                    "before": float(c[topic_T == u - 1].mean() / tokens),
-                    "after": float(c[topic_T == u].mean() / tokens)})
-    return out
+
+def shaped_settings(shape: str, **settings) -> SynthSettings:
+    """SynthSettings for a named shape of topic shift (SHIFT_SHAPES), `settings` overriding it
+    (topic_shifts: 6 unless given)."""
+    if shape not in SHIFT_SHAPES:
+        raise EplbError(f"unknown topic shape {shape!r}: choose one of {', '.join(SHIFT_SHAPES)}")
+    return SynthSettings(**{"topic_shifts": 6, **SHIFT_SHAPES[shape], **settings})
 
 
 CONTIGUOUS_GPUS = (4, 8, 16, 32)

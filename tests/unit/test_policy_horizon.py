@@ -44,12 +44,12 @@ def test_chooser_per_layer_chooses_each_layer_alone():
 def test_the_newest_windows_count_again_beside_every_kept_one(seed):
     """memory 8, horizon 2: the decision is the one made on the 8 windows and the newest 2 three
     more times (round(6 / 2)), here kept as 14 windows of a memory planned on alike (the
-    change detector and replan off: they read the memory itself)."""
+    change detector, replan and drift test off: they read the memory itself)."""
     rng = np.random.default_rng(seed)
     hist = np.concatenate([draws(rng, shares(rng, (0,), 6.0), 6), draws(rng, shares(rng, (0, 9), 4.0), 2)])
     start = plan(hist[:4], num_gpus=G, slots_per_gpu=S, planner="robust").placement
-    recent = AdaptivePolicy(memory=8, detect=0, replan_gap=0)
-    alike = AdaptivePolicy(memory=14, horizons=14, detect=0, replan_gap=0)
+    recent = AdaptivePolicy(memory=8, detect=0, replan_gap=0, drift_horizons="off")
+    alike = AdaptivePolicy(memory=14, horizons=14, detect=0, replan_gap=0, drift_horizons="off")
     for c in hist:
         recent.observe(c, start)
     for c in np.concatenate([hist] + [hist[-2:]] * 3):
