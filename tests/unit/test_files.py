@@ -355,7 +355,8 @@ def test_a_truncated_npy_says_truncated_not_pickle(tmp_path):
 def test_a_compressed_npz_is_measured_uncompressed(tmp_path, monkeypatch):
     """The issue's 0.97 MB .npz that decompresses to 2 GB, at a small limit: zeros compress ~1000x."""
     path = tmp_path / "bomb.npz"
-    counts = np.zeros((64, 64, 256), dtype=np.int64)  # 8 MiB of zeros
+    counts = np.zeros((64, 64, 256), dtype=np.int64)  # 8 MiB of zeros (and one token: a trace holds some)
+    counts[0, :, 0] = 1
     np.savez_compressed(path, counts=counts, layer_ids=np.arange(64), meta=np.array(json.dumps(default_meta(64, 256))))
     assert path.stat().st_size < 100_000
     monkeypatch.setenv(MAX_INPUT_ENV, "1MiB")
@@ -398,8 +399,8 @@ def test_a_bad_limit_is_named(monkeypatch, tmp_path, text):
 def test_text_counts_more_than_its_size(tmp_path, monkeypatch):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"logical_count": [[1] * 100] * 10}))
-    monkeypatch.setenv(MAX_INPUT_ENV, "8KiB")  # the file is ~3 KB: parsed, it is counted 8x that
-    with pytest.raises(EplbError, match="parsing .* of text would take"):
+    monkeypatch.setenv(MAX_INPUT_ENV, "8KiB")  # the file is ~3 KB: parsed, 1,000 numbers cost ~128 KB
+    with pytest.raises(EplbError, match="parsing .* of JSON would take"):
         load_trace(path)
 
 
