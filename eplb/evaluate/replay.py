@@ -40,7 +40,7 @@ from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import get_rule
 from eplb.dispatch.timed import TimeDispatch
-from eplb.errors import EplbError, is_whole, positive_integer, whole_number
+from eplb.errors import EplbError, is_whole, positive_integer, seed_value, whole_number
 from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import Budget, count_moves, schedule
 from eplb.planning.front_door import as_history, plan, size_topology
@@ -88,6 +88,7 @@ class Scoring:
             raise EplbError(f"dispatch rules {names} repeat a name: give each rule once")
         object.__setattr__(self, "rules", bound)
         object.__setattr__(self, "batches_per_window", whole_number("batches per window", self.batches_per_window, 1))
+        object.__setattr__(self, "seed", seed_value("seed", self.seed))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -291,6 +292,9 @@ class _Scorer:
 
 def _check_args(T: int, warmup, delay) -> tuple[int, int]:
     if warmup is None:
+        if T < 2:  # the default warm-up (half the windows) would be none at all
+            raise EplbError(f"the trace has {T} window: a replay needs at least 2 (warm-up windows to plan on, then "
+                            f"windows to serve); record more windows, or stack traces as one history")
         warmup = T // 2
     if not is_whole(warmup) or warmup < 1:
         raise EplbError(f"warmup must be a whole number of windows >= 1, got {warmup!r}")
