@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.core.files import check_archive, check_input_size, input_file
+from eplb.core.files import TENSOR_BYTES, check_archive, check_input_size, input_file
 from eplb.errors import EplbError, reason, tensor_array
 
 _UNSAFE = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?: was not an allowed global.*)?$", re.MULTILINE)
@@ -51,7 +51,7 @@ def torch_load_error(source, exc: BaseException) -> EplbError:
 
 def file_tensor(path, key: str, t) -> np.ndarray:
     """Tensor `key` of the file `path` as a numpy array (bfloat16 and float16 as float64), sized
-    against the input limit (as float64) before it is copied."""
+    against the input limit (TENSOR_BYTES an element) before it is copied."""
     import torch
 
     if not isinstance(t, torch.Tensor):
@@ -59,5 +59,5 @@ def file_tensor(path, key: str, t) -> np.ndarray:
     if t.is_nested:
         raise EplbError(f"{path}: {key} is a nested tensor: give a dense one")
     # A stride-0 view can claim any shape over one stored number: sized before it is copied.
-    check_input_size(path, t.numel() * 8, f"{key} (shape {tuple(t.shape)}) as float64")
+    check_input_size(path, t.numel() * TENSOR_BYTES, f"reading {key} (shape {tuple(t.shape)})")
     return tensor_array(f"{path}: {key}", t)
