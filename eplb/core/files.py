@@ -175,6 +175,8 @@ class JsonScan(NamedTuple):
 
 
 _BOM = b"\xef\xbb\xbf"
+_WIDE_BOMS = (b"\xff\xfe", b"\xfe\xff")
+"""How UTF-16 and UTF-32 text starts (UTF-32-LE begins like UTF-16-LE; UTF-32-BE files are not seen)."""
 
 
 def json_scan(data: bytes) -> JsonScan:
@@ -242,6 +244,9 @@ def parse_json(data: bytes, source: str) -> Any:
     (too deep, too large to parse within the input limit, not UTF-8, not JSON)."""
     if data.startswith(_BOM):  # what some Windows editors write first; JSON's text is what follows
         data = data[len(_BOM):]
+    if data[:2] in _WIDE_BOMS:  # json.loads would take it; every engine reads UTF-8 only
+        raise EplbError(f"{source}: JSON saved as UTF-16 or UTF-32 (it starts with a byte-order mark of those): "
+                        f"save it as UTF-8")
     scan = json_scan(data)
     if scan.depth > MAX_JSON_DEPTH:
         raise EplbError(f"{source}: JSON nested {scan.depth} levels deep, more than the {MAX_JSON_DEPTH} eplb "

@@ -299,8 +299,10 @@ def _check_args(T: int, warmup, delay) -> tuple[int, int]:
     if not is_whole(warmup) or warmup < 1:
         raise EplbError(f"warmup must be a whole number of windows >= 1, got {warmup!r}")
     if int(warmup) >= T:
+        fix = (f"use --warmup {T - 1} or less (or smaller windows)" if T >= 2 else
+               "a replay needs at least 2 windows: record more, or stack traces as one history")
         raise EplbError(f"the trace has {T} window(s), not more than the warmup ({int(warmup)}): nothing is left to "
-                        f"serve; use --warmup {max(T - 1, 1)} or less (or smaller windows)")
+                        f"serve; {fix}")
     if not is_whole(delay) or delay < 0:
         raise EplbError(f"delay must be a whole number of windows >= 0, got {delay!r}")
     return int(warmup), int(delay)

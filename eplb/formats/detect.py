@@ -115,7 +115,8 @@ def _load(path) -> Trace:
         if any(n.endswith("data.pkl") or "/data/" in n for n in names):
             return read_pt(path)
         raise EplbError(f"{path}: zip archive is neither an eplb .npz trace nor a torch .pt file")
-    if head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] in (b"{", b"["):  # JSON, after a byte-order mark
+    if head.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] in (b"{", b"[") or head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        # JSON, after a byte-order mark; a UTF-16 one is refused by parse_json with the fix
         return read_json(path, parse_json(read_bytes(path, "trace file"), str(path)))
     raise EplbError(
         f"{path}: unknown trace format; expected an eplb .npz, a .npy [L, E] / [T, L, E] array, "
