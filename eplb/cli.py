@@ -112,9 +112,19 @@ def _run(argv: list[str], whole_process: bool = False) -> int:
         return 130
 
 
+MAX_MESSAGE = 2000
+"""Longest error line printed (a message quoting a value is cut, not printed for pages)."""
+
+
 def one_line(message) -> str:
-    """A message as one line: a file name or a library's text may hold line breaks."""
-    return str(message).replace("\r", "\\r").replace("\n", "\\n")
+    """A message as one printable line: a file name or a library's text may hold line breaks or
+    terminal escapes (shown escaped, as \\n and \\x1b), and is cut at MAX_MESSAGE characters."""
+    text = str(message)
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE] + "..."
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _silence_stdout() -> None:

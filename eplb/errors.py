@@ -14,6 +14,8 @@ int() would truncate 2.5 silently and float() would read "4", so both are refuse
 from __future__ import annotations
 
 import math
+import re
+import reprlib
 
 import numpy as np
 
@@ -26,11 +28,34 @@ class PlanningError(RuntimeError):
     """A planner could not produce a placement for valid input (CLI exit code 1)."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+MAX_REASON = 300
+"""Longest library message quoted in an error (some embed the whole bad value)."""
+
+
 def reason(exc: BaseException) -> str:
-    """The first line of an exception's message (its type name when it has none): what a
+    """The first line of an exception's message (its type name when it has none), without
+    terminal escapes (torch bolds words with them) and at most MAX_REASON characters: what a
     one-line error quotes from a library that failed."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    text = _CONTROL.sub("", _ANSI.sub("", str(exc)[:10 * MAX_REASON]))
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines[0]) <= MAX_REASON else lines[0][:MAX_REASON] + "..."
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 2, 6, 6, 4
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 60, 60, 40
+
+
+def shown(v) -> str:
+    """A short repr of a user's value for a message: a list of 10**8 numbers shows its first
+    few, never all of them (built without making the full repr)."""
+    if isinstance(v, np.ndarray):
+        return f"an array of shape {v.shape} and dtype {v.dtype}"
+    return _SHOWN.repr(v)
 
 
 def is_number(v) -> bool:
@@ -51,14 +76,14 @@ def whole_number(name: str, v, minimum: int | None = 0) -> int:
     """v as an int if it is a whole number >= minimum (any whole number when minimum is None)."""
     if not is_whole(v) or (minimum is not None and v < minimum):
         bound = "" if minimum is None else f" >= {minimum}"
-        raise EplbError(f"{name} must be a whole number{bound}, got {v!r}")
+        raise EplbError(f"{name} must be a whole number{bound}, got {shown(v)}")
     return int(v)
 
 
 def positive_integer(name: str, v) -> int:
     """v as an int if it is a whole number >= 1 (a count: GPUs, slots, bytes)."""
     if not is_whole(v) or v < 1:
-        raise EplbError(f"{name} must be a positive integer, got {v!r}")
+        raise EplbError(f"{name} must be a positive integer, got {shown(v)}")
     return int(v)
 
 
@@ -66,14 +91,14 @@ def finite_number(name: str, v, minimum: float | None = None) -> float:
     """v as a float if it is a finite number >= minimum (any finite number when None)."""
     if not is_number(v) or not math.isfinite(v) or (minimum is not None and v < minimum):
         bound = "" if minimum is None else f" >= {minimum:g}"
-        raise EplbError(f"{name} must be a finite number{bound}, got {v!r}")
+        raise EplbError(f"{name} must be a finite number{bound}, got {shown(v)}")
     return float(v)
 
 
 def positive_number(name: str, v) -> float:
     """v as a float if it is a finite number > 0 (a time, a scale)."""
     if not is_number(v) or not math.isfinite(v) or v <= 0:
-        raise EplbError(f"{name} must be a positive number, got {v!r}")
+        raise EplbError(f"{name} must be a positive number, got {shown(v)}")
     return float(v)
 
 
@@ -83,8 +108,16 @@ def fraction(name: str, v, *, low_open: bool = True, high_open: bool = False) ->
     ok = is_number(v) and (0.0 < v if low_open else 0.0 <= v) and (v < 1.0 if high_open else v <= 1.0)
     if not ok:
         interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
-        raise EplbError(f"{name} must be a number in {interval}, got {v!r}")
+        raise EplbError(f"{name} must be a number in {interval}, got {shown(v)}")
     return float(v)
+
+
+def seed_value(name: str, v) -> int:
+    """v as an int if it is a whole number in 0..2**63 - 1, what every seed eplb passes to numpy
+    (np.random.default_rng refuses negative seeds) and Python's random accept."""
+    if not is_whole(v) or not 0 <= v < 2**63:
+        raise EplbError(f"{name} must be a whole number in 0..2**63-1, got {shown(v)}")
+    return int(v)
 
 
 def readonly(a: np.ndarray) -> np.ndarray:
@@ -110,12 +143,46 @@ def _holds_bool(v) -> bool:
     return False
 
 
+def _is_tensor(v) -> bool:
+    """A torch tensor, told without importing torch (this module sits below everything)."""
+    return type(v).__module__.startswith("torch") and hasattr(v, "layout") and hasattr(v, "is_meta")
+
+
+def tensor_array(name: str, t) -> np.ndarray:
+    """A dense torch tensor's values as a numpy array, or an EplbError naming what it is instead.
+
+    One contract for every tensor eplb reads (a .pt file, a serving engine's counts): meta
+    tensors have no values, sparse or quantized ones no numpy form, complex ones no order;
+    bfloat16 and float16 (no numpy twin, or a lossy one) become float64 exactly. bool stays bool
+    for the caller to refuse by name. A reader of files sizes the tensor first (t.numel()): a
+    stride-0 view claims any shape over one stored number."""
+    import torch  # a tensor was given: torch is loaded already
+
+    if t.is_meta:
+        raise EplbError(f"{name} is a meta tensor (shape {tuple(t.shape)} and no data): give one that holds its values")
+    if t.layout != torch.strided:
+        raise EplbError(f"{name} is a {str(t.layout).removeprefix('torch.')} tensor: give a dense one "
+                        f"(tensor.to_dense())")
+    if t.is_quantized or t.is_complex():
+        raise EplbError(f"{name} has dtype {t.dtype}: give integer or real counts")
+    if t.dtype.is_floating_point and t.dtype.itemsize < 4:  # bfloat16, float16, float8: exact in float64
+        t = t.to(torch.float64)
+    try:
+        return t.detach().cpu().resolve_conj().resolve_neg().numpy()
+    except (TypeError, RuntimeError) as exc:  # dtypes numpy lacks (uint16 in old torch, float8, ...)
+        raise EplbError(f"{name} has dtype {t.dtype}, which has no numpy form ({reason(exc)}): give int64 or "
+                        f"float32 counts") from None
+
+
 def number_array(name: str, v) -> np.ndarray:
-    """v (an array, or nested lists of numbers as JSON gives them) as a numeric ndarray, unchanged.
+    """v (an array, a torch tensor, or nested lists of numbers as JSON gives them) as a numeric
+    ndarray, unchanged.
 
     Ragged lists, strings, null and true/false are refused by name: np.asarray would read
     [1, true] as [1, 1] and "2" as text, and fail on ragged lists with a bare ValueError.
     """
+    if _is_tensor(v):
+        v = tensor_array(name, v)
     if not isinstance(v, np.ndarray):
         if _holds_bool(v):
             raise EplbError(f"{name} must be numbers, not true/false")

@@ -13,6 +13,7 @@ from eplb.commands.common import (
     format_table,
     positive_int,
     print_json,
+    seed_int,
 )
 from eplb.core.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.dispatch.calibration import fit_profile
@@ -42,7 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_tokens, default=(1, 2, 4, 8, 16, 32),
                    help="tokens per rank of the batch sizes, comma-separated (default 1,2,4,8,16,32)")
     p.add_argument("--steps", type=positive_int, default=3, help="measured steps per case (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl with one GPU per rank when there are enough GPUs, else gloo (NCCL is untested)")
     p.add_argument("--output", "-o", help="write the fitted profile here (JSON; give it to --hardware)")

@@ -7,12 +7,13 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eplb.core.files import same_file
+from eplb.core.files import check_writable, is_special_target, same_file
 from eplb.errors import EplbError
 
 REDUNDANT_HELP = ("redundant slots in total (default: ceil(E / G) + 1 slots per GPU, i.e. one redundant slot per "
@@ -31,6 +32,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a seed, a whole number in 0..2**63-1 (numpy refuses negative seeds)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"a seed is a whole number in 0..2**63-1, got {v}")
+    return v
+
+
 def check_output_path(path: str, what: str, flag: str = "-o", inputs: Iterable[tuple[str, str]] = ()) -> None:
     """Refuse an output path that cannot be written, or that names one of the `inputs`
     ((flag or "TRACE", path) pairs), before the (maybe long) work that fills it."""
@@ -44,38 +56,64 @@ def check_output_path(path: str, what: str, flag: str = "-o", inputs: Iterable[t
     p = Path(path)
     if p.is_dir():
         raise EplbError(f"cannot write {what} to {path!r}: it is a folder; give {flag} a file name inside it")
-    parent = p.parent
+    # The folder the file lands in: a symlink's target's (a dangling one into a missing folder
+    # failed only after the work).
+    real = Path(os.path.realpath(p))
+    parent = real.parent
+    via = f" (where the symlink {path!r} points)" if real != Path(os.path.abspath(p)) else ""
     if not parent.is_dir():
-        raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r} does not exist (No such file or "
-                        f"directory); give {flag} a path in an existing, writable folder")
+        raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r}{via} does not exist (No such file "
+                        f"or directory); give {flag} a path in an existing, writable folder")
     if not os.access(parent, os.W_OK):
-        raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r} is not writable (Permission "
+        raise EplbError(f"cannot write {what} to {path!r}: folder {str(parent)!r}{via} is not writable (Permission "
                         f"denied); give {flag} a path in an existing, writable folder")
+    check_writable(path, what)  # what atomic_output refuses when it writes: a read-only or immutable file
 
 
-def layer_id_list(text: str) -> list[int]:
+MAX_LAYER_ID = 2**62
+"""Largest hidden-layer id typed on a command line (ids are int64, and every bound eplb checks fits)."""
+
+
+@dataclass(frozen=True)
+class LayerIds:
+    """Hidden-layer ids as typed (`3-60`, `1,3,5`): increasing ranges, expanded only by `array()`,
+    once their count is known to fit (`0-10000000000` is 10**10 ids: counted, never listed)."""
+
+    ranges: tuple[tuple[int, int], ...]
+    """(first, last) of each range, increasing and disjoint."""
+    text: str
+
+    def __len__(self) -> int:
+        return sum(hi - lo + 1 for lo, hi in self.ranges)
+
+    def array(self) -> np.ndarray:
+        """The ids, int64 [len(self)]."""
+        return np.concatenate([np.arange(lo, hi + 1, dtype=np.int64) for lo, hi in self.ranges])
+
+
+def layer_id_list(text: str) -> LayerIds:
     """argparse type: hidden-layer ids as '3-60', '3..60', '1,3,5' or '0,3-5' (sorted, distinct)."""
-    ids: list[int] = []
+    ranges: list[tuple[int, int]] = []
     try:
         for part in text.replace("..", "-").split(","):
             lo, sep, hi = part.strip().partition("-")
             a = int(lo)
-            ids.extend(range(a, int(hi) + 1) if sep else [a])
+            ranges.append((a, int(hi) if sep else a))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected hidden-layer ids like 3-60 or 1,3,5, got {text!r}") from None
-    if not ids or min(ids) < 0 or any(b <= a for a, b in zip(ids, ids[1:])):
+    flat = [i for r in ranges for i in r]
+    if min(flat) < 0 or any(b < a for a, b in ranges) or any(b[0] <= a[1] for a, b in zip(ranges, ranges[1:])):
         raise argparse.ArgumentTypeError(f"layer ids must be increasing and >= 0, got {text!r}")
-    return ids
-
-
-KNOWN_SUFFIXES = (".json", ".npz", ".npy", ".pt", ".pth", ".yaml", ".yml", ".png", ".svg", ".pdf", ".safetensors")
-"""File name endings that say what a file holds: an output of another kind under one is refused."""
+    if max(flat) > MAX_LAYER_ID:
+        raise argparse.ArgumentTypeError(f"layer ids must be at most 2**62, got {max(flat)}")
+    return LayerIds(tuple(ranges), text)
 
 
 def check_suffix(path: str, allowed: tuple[str, ...], what: str, flag: str = "-o") -> None:
-    """Refuse an output name whose ending says another kind of file (trace.npy for an .npz)."""
+    """Refuse an output name whose ending is not one of `allowed` (trace.npy or trace.txt for an
+    .npz); a name without an ending, and a target that is not a file (/dev/stdout), may take any."""
     ext = Path(path).suffix.lower()
-    if ext in KNOWN_SUFFIXES and ext not in allowed:
+    if ext and ext not in allowed and not is_special_target(path):
         raise EplbError(f"{flag} {path} ends in {ext}, but this writes {what}: name it "
                         f"{' or '.join('*' + a for a in allowed)}")
 

@@ -15,6 +15,7 @@ from eplb.commands.common import (
     add_command,
     add_output_flags,
     check_output_path,
+    check_suffix,
     format_table,
     layer_id_list,
     positive_int,
@@ -137,6 +138,7 @@ def _check_flags(args) -> None:
     if args.output is not None:  # before planning, which may take minutes
         inputs = [("TRACE", t) for t in args.traces] + [("--previous", args.previous), ("--hardware", args.hardware)]
         check_output_path(args.output, "the placement", inputs=inputs)
+        check_suffix(args.output, EXTENSIONS[fmt], f"a {fmt} placement")
 
 
 def engine_of(args) -> tuple[DispatchRule | None, str | None]:
@@ -180,7 +182,10 @@ def _budget(args, trace) -> Budget | None:
                         f"num_expert_groups); give both or drop --span-cost")
     given = {k: getattr(args, k) for k in MIGRATION_FLAGS
              if getattr(args, k) is not None and not (k == "move_cost" and getattr(args, k) == 0.0)}
-    # Without --previous a given flag still goes to plan(), which refuses it by name.
+    if given and not args.previous:  # named as typed (a Budget's defaults would hide --span-cost 1)
+        flags = ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in given.items())
+        raise EplbError(f"{flags}: migration options need the placement now served (--previous OLD.json); "
+                        f"drop them for a plan from scratch")
     return Budget(**given) if given or args.previous else None
 
 
@@ -237,9 +242,10 @@ def _layers(args, trace: Trace) -> tuple[Trace, int | None, list[str]]:
     """(the trace with --layer-ids applied, the SGLang row count, notes on what was assumed)."""
     notes = []
     if args.layer_ids is not None:
-        ids = np.array(args.layer_ids, dtype=np.int64)
-        if ids.size != trace.num_layers:
-            raise EplbError(f"--layer-ids gives {ids.size} layer ids, but the trace has {trace.num_layers} MoE layers")
+        if len(args.layer_ids) != trace.num_layers:  # counted before they are listed: 0-10000000000 is 10**10
+            raise EplbError(f"--layer-ids {args.layer_ids.text} gives {len(args.layer_ids):,} layer ids, but the trace "
+                            f"has {trace.num_layers} MoE layers: give one id per MoE layer")
+        ids = args.layer_ids.array()
         if not trace.meta.get("layer_ids_assumed") and not np.array_equal(ids, trace.layer_ids):
             raise EplbError(f"--layer-ids disagrees with the layer ids {args.traces[0]} records "
                             f"({trace.layer_ids[0]}..{trace.layer_ids[-1]}): drop --layer-ids")

@@ -6,7 +6,7 @@ import argparse
 
 import numpy as np
 
-from eplb.commands.common import add_command, add_output_flags, format_table, positive_int, print_json
+from eplb.commands.common import add_command, add_output_flags, format_table, positive_int, print_json, seed_int
 from eplb.core.hardware import PROFILES
 from eplb.dispatch.cost import PHASE_TOKENS_PER_GPU, PHASES, cost_model, default_batch_tokens
 from eplb.errors import EplbError
@@ -67,7 +67,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--whole-windows", action="store_true",
                    help="score each window as one batch as it is (instead of batches of --batch-tokens)")
     p.add_argument("--batches", type=positive_int, default=8, help="batches per window (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the drawn batches (count traces)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the drawn batches (count traces)")
     p.add_argument("--dispatch", choices=DISPATCH_CHOICES, default=None,
                    help="how replicas share an expert's rows (default: time for plans made with "
                         "--objective time, else even)")

@@ -15,6 +15,7 @@ from eplb.commands.common import (
     format_table,
     positive_int,
     print_json,
+    seed_int,
 )
 from eplb.commands.plan import parse_settings
 from eplb.core.progress import Progress
@@ -29,7 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="output trace file (.npz)")
     p.add_argument("--windows", type=int, default=32, help="time windows (default 32)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per window (default 2048)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="random seed (default 0)")
     p.add_argument("--skew", type=float, default=None, help="median spread of expert logits (default 0.67)")
     p.add_argument("--id-trend", type=float, default=None,
                    help="median strength of the smooth popularity trend along expert ids (default 0.23)")

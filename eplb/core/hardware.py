@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from eplb.core.files import parse_json, read_bytes, write_text
-from eplb.errors import EplbError, reason
+from eplb.core.files import as_path, parse_json, parse_yaml, read_bytes, write_text
+from eplb.errors import EplbError
 
 FLOP_DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp4")
 """dtypes a profile may give a FLOP/s figure for (the expert GEMM's input dtype)."""
@@ -150,17 +150,10 @@ def get_hardware(name_or_path: str | Path | Hardware) -> Hardware:
 
 def load_hardware(path: str | Path) -> Hardware:
     """Read a profile file (JSON or YAML; `base: NAME` starts from a preset and overrides it)."""
-    path = Path(path)
-    raw = read_bytes(path, "hardware profile", text=True)  # within the input limit (eplb.core.files)
+    path = as_path(path, "hardware profile")
+    raw = read_bytes(path, "hardware profile")  # within the input limit (eplb.core.files)
     if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            d = yaml.safe_load(raw)  # safe_load: plain data only, no object construction
-        except yaml.YAMLError as exc:
-            raise EplbError(f"{path}: not a readable profile (not valid YAML: {reason(exc)})") from None
-        except RecursionError:
-            raise EplbError(f"{path}: YAML nested too deeply to parse") from None
+        d = parse_yaml(raw, str(path))  # plain data only, aliases bounded
     else:
         d = parse_json(raw, str(path))  # bounded depth; errors name the file
     return hardware_from_dict(d, source=str(path))

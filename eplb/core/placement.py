@@ -166,13 +166,14 @@ class Placement:
 
     def _load_and_weights(self, load_LE, weights_LP) -> tuple[np.ndarray, np.ndarray]:
         """load_LE as float64 [L, E] and the shares [L, P] (the plan's when None), shapes checked."""
-        load_LE = np.asarray(load_LE, dtype=np.float64)
+        load_LE = number_array("loads", load_LE).astype(np.float64)  # text, None, bool: named, not a TypeError
         if load_LE.shape != (self.num_layers, self.num_logical_experts):
             raise EplbError(
                 f"loads have shape {load_LE.shape}, but the placement needs "
                 f"{(self.num_layers, self.num_logical_experts)} [layers, logical experts]"
             )
-        w_LP = self.replica_weights() if weights_LP is None else np.asarray(weights_LP, dtype=np.float64)
+        w_LP = (self.replica_weights() if weights_LP is None else
+                number_array("dispatch weights", weights_LP).astype(np.float64))
         if w_LP.shape != self.phy2log_LP.shape:  # a [P] row would broadcast over layers silently
             raise EplbError(f"dispatch weights have shape {w_LP.shape}, but the placement needs "
                             f"{self.phy2log_LP.shape} [layers, slots]")

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.core.files import check_input_size
 from eplb.core.placement import Placement
-from eplb.errors import EplbError
+from eplb.errors import EplbError, whole_number
 
 PATHS = ("startup", "rebalance")
 SEED = 42
@@ -63,10 +64,19 @@ def hidden_rows(placement: Placement, num_hidden_layers: int | None = None) -> t
     Rows that are not MoE layers get SGLang's trivial row `p % E` (what eplb's export writes).
     """
     ids = placement.layer_ids
-    H = int(ids.max()) + 1 if num_hidden_layers is None else int(num_hidden_layers)
+    H = int(ids.max()) + 1 if num_hidden_layers is None else whole_number("num_hidden_layers", num_hidden_layers, 1)
     if H <= int(ids.max()):
         raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
     P, E = placement.num_slots, placement.num_logical_experts
+    # Sized before anything is built: H comes from a layer id, and one id of 10**8 (a typo, a
+    # damaged file) asks for that many rows. Per row: _candidates' [E, G] and [E, X] int64
+    # maps (four of them at once) and [P] orders, and the [G, S, S] repeat test.
+    G, S = placement.num_gpus, placement.slots_per_gpu
+    X = int(placement.replica_count_LE.max())
+    row_bytes = 8 * (4 * E * G + E * X + 6 * P) + G * S * S
+    where = f"num_hidden_layers {H}" if num_hidden_layers is not None else f"largest MoE layer id {int(ids.max())}"
+    check_input_size(where, H * row_bytes, f"SGLang's dispatch map over {H:,} hidden layers (one row per layer "
+                                          f"up to the largest MoE layer id; check the layer ids)")
     phy2log_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
     phy2log_HP[ids] = placement.phy2log_LP
     return phy2log_HP, ids

@@ -53,7 +53,7 @@ from eplb.core.topology import Topology
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import Resplitter, optimal_weights
 from eplb.dispatch.timed import TimeDispatch
-from eplb.errors import EplbError, is_whole, whole_number
+from eplb.errors import EplbError, is_whole, seed_value, whole_number
 from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import count_moves, relabel
 from eplb.planning.front_door import as_history, size_topology
@@ -291,7 +291,7 @@ class _Runner:
         self.aggregate = aggregate
         self.oracle = oracle
         self.batches_per_window = whole_number("batches per window", batches_per_window, 1)
-        self.seed = seed
+        self.seed = seed_value("seed", seed)
         self.notes: list[str] = []
         self.time = None
         if self.objective != "tokens":

@@ -39,7 +39,7 @@ from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import get_rule
 from eplb.dispatch.timed import TimeDispatch
-from eplb.errors import EplbError, is_whole, positive_integer, whole_number
+from eplb.errors import EplbError, is_whole, positive_integer, seed_value, whole_number
 from eplb.evaluate.replay_result import ReplayResult, RunScores
 from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import Budget, count_moves, schedule
@@ -88,6 +88,7 @@ class Scoring:
             raise EplbError(f"dispatch rules {names} repeat a name: give each rule once")
         object.__setattr__(self, "rules", bound)
         object.__setattr__(self, "batches_per_window", whole_number("batches per window", self.batches_per_window, 1))
+        object.__setattr__(self, "seed", seed_value("seed", self.seed))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -166,12 +167,17 @@ class _Scorer:
 
 def _check_args(T: int, warmup, delay) -> tuple[int, int]:
     if warmup is None:
+        if T < 2:  # the default warm-up (half the windows) would be none at all
+            raise EplbError(f"the trace has {T} window: a replay needs at least 2 (warm-up windows to plan on, then "
+                            f"windows to serve); record more windows, or stack traces as one history")
         warmup = T // 2
     if not is_whole(warmup) or warmup < 1:
         raise EplbError(f"warmup must be a whole number of windows >= 1, got {warmup!r}")
     if int(warmup) >= T:
+        fix = (f"use --warmup {T - 1} or less (or smaller windows)" if T >= 2 else
+               "a replay needs at least 2 windows: record more, or stack traces as one history")
         raise EplbError(f"the trace has {T} window(s), not more than the warmup ({int(warmup)}): nothing is left to "
-                        f"serve; use --warmup {max(T - 1, 1)} or less (or smaller windows)")
+                        f"serve; {fix}")
     if not is_whole(delay) or delay < 0:
         raise EplbError(f"delay must be a whole number of windows >= 0, got {delay!r}")
     return int(warmup), int(delay)

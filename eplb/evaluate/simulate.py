@@ -26,7 +26,7 @@ from eplb.core.trace import Trace
 from eplb.dispatch.cost import CostModel, StepCost, assign_pairs, ideal_layer_seconds, slot_rows, step_cost
 from eplb.dispatch.rules import RULES, DispatchRule, get_rule
 from eplb.dispatch.timed import TimeDispatch
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, seed_value, whole_number
 
 DISPATCH_CHOICES = (*RULES, "time")
 """Rules `simulate` (and `eplb simulate --dispatch`) takes: every rule of eplb.dispatch.RULES, and "time"."""
@@ -82,7 +82,7 @@ def cut_batches(trace: Trace, top_k: int, batch_tokens: int | None = None, batch
                                             "; all-to-all bytes assume independent expert choices")
         return out, how
     B = whole_number("batch tokens", batch_tokens, 1)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed_value("seed", seed))
     if has_tokens:
         for t in range(trace.num_windows):
             ids = trace.topk_ids_NLK[trace.token_window_N == t]

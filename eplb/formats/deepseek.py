@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.errors import EplbError, whole_number
+from eplb.errors import EplbError, number_array, whole_array, whole_number
 
 
 def replica_ranks(phy2log, log2phy) -> np.ndarray:
@@ -78,12 +78,10 @@ def to_deepseek(placement: Placement, *, pad_to: int | None = None, replica_rank
 
 
 def _as_numpy(a, name: str) -> np.ndarray:
-    if hasattr(a, "detach"):  # a torch tensor; no torch import needed to convert it
-        a = a.detach().cpu().numpy()
-    a = np.asarray(a)
+    a = number_array(name, a)  # tensors too (eplb.errors.tensor_array: no meta, sparse or bool ones)
     if not np.issubdtype(a.dtype, np.integer):
         raise EplbError(f"{name} must hold integers, got dtype {a.dtype}")
-    return a.astype(np.int64)
+    return whole_array(name, a)  # uint64 ids past 2**62 are refused, not wrapped
 
 
 def from_deepseek(phy2log, log2phy=None, logcnt=None, *, num_gpus: int, num_nodes: int = 1,
@@ -92,7 +90,10 @@ def from_deepseek(phy2log, log2phy=None, logcnt=None, *, num_gpus: int, num_node
     phy2log_LP = _as_numpy(phy2log, "phy2log")
     if phy2log_LP.ndim != 2:
         raise EplbError(f"phy2log must be 2-D [layers, physical slots], got shape {phy2log_LP.shape}")
-    E = int(num_logical_experts) if num_logical_experts is not None else int(phy2log_LP.max()) + 1
+    if num_logical_experts is None and phy2log_LP.size == 0:
+        raise EplbError(f"phy2log has shape {phy2log_LP.shape}, no slots: a placement needs at least one per GPU")
+    E = (whole_number("num_logical_experts", num_logical_experts, 1) if num_logical_experts is not None
+         else int(phy2log_LP.max()) + 1)
     p = Placement(phy2log_LP, num_gpus, E, num_nodes, layer_ids, planner=planner)
     if logcnt is not None:
         cnt_LE = _as_numpy(logcnt, "logcnt")

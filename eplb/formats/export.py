@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eplb.core.files import as_path
 from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.formats.native import load_placement, save_placement
@@ -42,6 +43,18 @@ def formats_for_name(path: str | Path, fmt: str) -> tuple[str, ...]:
     return tuple(f for f, exts in EXTENSIONS.items() if ext in exts)
 
 
+def check_name(path: str | Path, fmt: str) -> None:
+    """Refuse a file name whose ending says another format: a zip named .json, or JSON named
+    .yaml, fools every tool that trusts the name (the CLI's -o also refuses endings no format
+    has, like .txt: eplb.commands.common.check_suffix)."""
+    path = Path(path)
+    others = formats_for_name(path, fmt)
+    if others:
+        raise EplbError(f"{path}: the name ends in {path.suffix}, which is for {' or '.join(others)} files, but the "
+                        f"format is {fmt}: name it {' or '.join(EXTENSIONS[fmt])}, or write format "
+                        f"{' or '.join(others)}")
+
+
 def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *,
                     num_hidden_layers: int | None = None) -> Path:
     """Write `placement` to `path` in format `fmt`.
@@ -49,12 +62,10 @@ def write_placement(placement: Placement, path: str | Path, fmt: str = "eplb", *
     num_hidden_layers: rows of the SGLang map (dense + MoE layers); default the largest MoE
     layer id + 1, which is right whenever the model ends with a MoE layer (DeepSeek-V3: 61).
     """
-    path = Path(path)
-    others = formats_for_name(path, fmt)
-    if others:  # a zip named .json, or JSON named .yaml, fools every tool that trusts the name
-        raise EplbError(f"{path}: the name ends in {path.suffix}, which is for {' or '.join(others)} files, but the "
-                        f"format is {fmt}: name it {' or '.join(EXTENSIONS[fmt])}, or write format "
-                        f"{' or '.join(others)}")
+    if not isinstance(placement, Placement):
+        raise EplbError(f"write_placement needs an eplb Placement, got {type(placement).__name__}")
+    path = as_path(path, "the placement's path")
+    check_name(path, fmt)
     too_few = num_hidden_layers is not None and num_hidden_layers <= int(placement.layer_ids.max())
     if _check(fmt) != "sglang" and too_few:
         raise EplbError(f"num_hidden_layers ({num_hidden_layers}) must exceed the largest MoE layer id")

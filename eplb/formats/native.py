@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.core.files import ZIP_ERRORS, atomic_output, load_npz, parse_json, read_json, write_text
+from eplb.core.files import ZIP_ERRORS, as_path, atomic_output, load_npz, parse_json, read_json, write_text
 from eplb.core.placement import Placement
 from eplb.core.trace import Trace
 from eplb.errors import EplbError
@@ -36,6 +36,8 @@ TRACE_ARRAYS = ("counts", "layer_ids", "meta")
 
 def save_trace(trace: Trace, path: str | Path) -> Path:
     """Write `trace` as eplb's `.npz` (compressed); returns the path."""
+    if not isinstance(trace, Trace):
+        raise EplbError(f"save_trace needs an eplb Trace, got {type(trace).__name__}")
     arrays = {
         "counts": np.asarray(trace.counts_TLE, dtype=np.int64),
         "layer_ids": np.asarray(trace.layer_ids, dtype=np.int64),
@@ -44,7 +46,7 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
     if trace.topk_ids_NLK is not None:
         arrays["topk_ids"] = trace.topk_ids_NLK
         arrays["token_window"] = trace.token_window_N
-    path = Path(path)
+    path = as_path(path, "the trace's path")
     with atomic_output(path, what="the trace") as f:
         np.savez_compressed(f, **arrays)
     return path
@@ -54,7 +56,7 @@ def read_npz(path: str | Path) -> Trace:
     """A Trace from eplb's `.npz` (no pickle); errors name the file and what is wrong.
 
     Every array's declared shape is checked against the input limit (eplb.core.files) first."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     arrays = load_npz(path)
     missing = [k for k in TRACE_ARRAYS if k not in arrays]
     if missing:
@@ -81,14 +83,16 @@ def read_json_file(path: str | Path, what: str) -> Any:
 
 def save_placement(placement: Placement, path: str | Path) -> Path:
     """Write `placement` as eplb's JSON (lossless: weights, layer ids, planner, metrics); returns the path."""
-    path = Path(path)
+    if not isinstance(placement, Placement):
+        raise EplbError(f"save_placement needs an eplb Placement, got {type(placement).__name__}")
+    path = as_path(path, "the placement's path")
     write_text(path, json.dumps(placement.to_dict()) + "\n", what="the placement")
     return path
 
 
 def load_placement(path: str | Path) -> Placement:
     """Read eplb's placement JSON; an engine export (SGLang, vLLM, TensorRT-LLM) is named as such."""
-    path = Path(path)
+    path = as_path(path, "placement file")
     fmt = _engine_format(path)
     if fmt is None:
         d = read_json_file(path, "placement file")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.core.files import atomic_output, input_file, load_npz, parse_json
+from eplb.core.files import as_path, atomic_output, input_file, load_npz, parse_json
 from eplb.errors import EplbError
 
 REQUIRED = ("phy2log_TLP", "weights_TLP", "counts_TLE", "window_T", "decided_T", "applied_T", "moves_T",
@@ -37,7 +37,7 @@ REQUIRED = ("phy2log_TLP", "weights_TLP", "counts_TLE", "window_T", "decided_T",
 
 def write_replay(result, path: str | Path) -> Path:
     """Write a ReplayResult atomically (eplb.core.files): a failed write leaves an existing file as it was."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     meta = {k: v for k, v in result.summary().items() if k != "per_window"}
     meta["weights_rule"] = result.weights_rule
     arrays = {**result.arrays(), "meta": np.array(json.dumps(meta))}
@@ -48,7 +48,7 @@ def write_replay(result, path: str | Path) -> Path:
 
 def read_replay(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     """(arrays, meta) of a replay file, with every array's shape checked against the others."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     if not path.exists():
         raise EplbError(f"replay file {str(path)!r} does not exist (write one with eplb replay ... -o replay.npz)")
     input_file(path, "replay file")

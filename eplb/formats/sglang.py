@@ -18,17 +18,17 @@ every hidden layer (`num_hidden_layers` rows); dense layers get the trivial row
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eplb.core.files import check_input_size, write_text
+from eplb.core.files import as_path, atomic_output, check_input_size
 from eplb.core.placement import Placement
 from eplb.core.trace import Trace, default_meta
-from eplb.errors import EplbError, number_array, reason, whole_array
+from eplb.errors import EplbError, number_array, whole_array, whole_number
 from eplb.formats.native import read_json_file
+from eplb.formats.torchfile import file_tensor, load_torch
 
 
 def trace_from_logical_count(logical_count: Any, *, source: str) -> Trace:
@@ -66,25 +66,13 @@ def read_json(path: Path, data: Any | None = None) -> Trace:
 
 
 def read_pt(path: Path) -> Trace:
-    import torch  # only this importer needs torch
-
-    try:
-        with warnings.catch_warnings():  # a damaged file's pickle protocol warning is noise: it is refused
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for unsafe or corrupt files
-        raise EplbError(f"{path}: cannot load as a weights-only torch file "
-                        f"({type(exc).__name__}: {reason(exc)})") from None
+    """A Trace from SGLang's expert-distribution `.pt` dump (checked and loaded by load_torch)."""
+    obj = load_torch(path, "SGLang expert-distribution dump")
     if not isinstance(obj, dict) or "logical_count" not in obj:
         raise EplbError(f"{path}: torch file holds no 'logical_count' (not an SGLang expert-distribution dump)")
     lc = obj["logical_count"]
-    if isinstance(lc, torch.Tensor):
-        # A stride-0 view can claim any shape over one stored number: sized before it is copied.
-        check_input_size(path, lc.numel() * 8, f"logical_count (shape {tuple(lc.shape)}) as float64")
-        if lc.is_complex():
-            raise EplbError(f"{path}: logical_count has dtype {lc.dtype}; expected integer or real token counts")
-        # float64 first: numpy has no bfloat16, and every count dtype converts to float64 exactly.
-        lc = lc.detach().cpu().to(torch.float64).numpy()
+    if type(lc).__module__.startswith("torch"):
+        lc = file_tensor(path, "logical_count", lc)
     return trace_from_logical_count(lc, source=str(path))
 
 
@@ -93,29 +81,35 @@ def read_pt(path: Path) -> Trace:
 def sglang_map(placement, num_hidden_layers: int | None = None) -> np.ndarray:
     """physical_to_logical_map [H, P] for SGLang: MoE rows from the placement, dense rows trivial."""
     ids = placement.layer_ids
-    H = int(ids.max()) + 1 if num_hidden_layers is None else int(num_hidden_layers)
+    H = int(ids.max()) + 1 if num_hidden_layers is None else whole_number("num_hidden_layers", num_hidden_layers, 1)
     if H <= int(ids.max()):
         raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
     P, E = placement.num_slots, placement.num_logical_experts
-    check_input_size(f"num_hidden_layers {H}", 8 * H * P, f"the SGLang map of {H} rows x {P} slots")
+    check_input_size(f"num_hidden_layers {H}" if num_hidden_layers is not None else
+                     f"largest MoE layer id {int(ids.max())}", 8 * H * P,
+                     f"the SGLang map of {H} rows (one per hidden layer) x {P} slots")
     out_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
     out_HP[ids] = placement.phy2log_LP
     return out_HP
 
 
 def write_sglang(placement, path, num_hidden_layers: int | None = None) -> Path:
-    path = Path(path)
-    rows = sglang_map(placement, num_hidden_layers).tolist()
-    # One row per line: readable and diff-friendly, still plain JSON.
-    body = ",\n".join("  " + json.dumps(r) for r in rows)
-    write_text(path, '{"physical_to_logical_map": [\n' + body + "\n]}\n", what="the SGLang placement")
+    path = as_path(path, "the file path")
+    map_HP = sglang_map(placement, num_hidden_layers)
+    # One row per line: readable and diff-friendly, still plain JSON. Written row by row: the
+    # whole map as Python lists and text would take 5x the array.
+    with atomic_output(path, what="the SGLang placement") as f:
+        f.write(b'{"physical_to_logical_map": [\n')
+        for h, row in enumerate(map_HP):
+            f.write(f"  {json.dumps(row.tolist())}{',' if h + 1 < len(map_HP) else ''}\n".encode())
+        f.write(b"]}\n")
     return path
 
 
 def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int | None = None,
                 num_nodes: int = 1):
     """A Placement from an `--init-expert-location` JSON; layer_ids picks the MoE rows."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     d = read_json_file(path, "SGLang expert-location file")
     if not isinstance(d, dict) or "physical_to_logical_map" not in d:
         raise EplbError(f"{path}: no physical_to_logical_map (not an SGLang --init-expert-location file)")
@@ -132,7 +126,8 @@ def read_sglang(path, *, num_gpus: int, layer_ids=None, num_logical_experts: int
             raise EplbError(f"layer_ids must be a list of whole hidden-layer indices, got {layer_ids!r}")
     if ids.size and (ids.min() < 0 or ids.max() >= phy2log_HP.shape[0]):
         raise EplbError(f"{path}: layer ids {ids.tolist()} outside the file's {phy2log_HP.shape[0]} rows")
-    E = int(num_logical_experts) if num_logical_experts is not None else int(phy2log_HP.max()) + 1
+    E = (whole_number("num_logical_experts", num_logical_experts, 1) if num_logical_experts is not None
+         else int(phy2log_HP.max()) + 1)
     try:
         return Placement(phy2log_HP[ids], num_gpus, E, num_nodes, ids, planner="sglang")
     except EplbError as exc:

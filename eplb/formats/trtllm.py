@@ -29,10 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from eplb.core.files import (
+    as_path,
     check_input_size,
     format_size,
     input_file,
     parse_json,
+    parse_yaml,
     read_bytes,
     read_json,
     write_bytes,
@@ -40,7 +42,7 @@ from eplb.core.files import (
 )
 from eplb.core.placement import Placement
 from eplb.core.trace import MAX_COUNT, Trace, default_meta
-from eplb.errors import EplbError, is_whole, reason, whole_number
+from eplb.errors import EplbError, is_whole, shown, whole_number
 
 _ST_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
               "F64": "<f8", "F32": "<f4", "F16": "<f2"}
@@ -50,7 +52,7 @@ _ST_DTYPES = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
 
 def write_trtllm(placement: Placement, path: str | Path, *, layer_updates_per_iter: int = 0) -> Path:
     """Write the `load_balancer` YAML; one flow-style list per layer keeps it diff-friendly."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     lines = [f"num_slots: {placement.num_slots}", "initial_global_assignments:"]
     for layer_id, row in zip(placement.layer_ids.tolist(), placement.phy2log_LP.tolist()):
         lines.append(f"  {layer_id}: [{', '.join(str(e) for e in row)}]")
@@ -61,35 +63,30 @@ def write_trtllm(placement: Placement, path: str | Path, *, layer_updates_per_it
 
 def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | None = None,
                 num_nodes: int = 1) -> Placement:
-    import yaml  # only reading TensorRT-LLM YAML needs it
-
     path = input_file(path, "TensorRT-LLM load-balancer file")
-    raw = read_bytes(path, "TensorRT-LLM load-balancer file", text=True)
-    try:
-        d = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise EplbError(f"{path}: not valid YAML ({reason(exc)})") from None
-    except RecursionError:
-        raise EplbError(f"{path}: YAML nested too deeply to parse") from None
+    d = parse_yaml(read_bytes(path, "TensorRT-LLM load-balancer file"), str(path))
     if not isinstance(d, dict) or "initial_global_assignments" not in d:
         raise EplbError(f"{path}: no initial_global_assignments (not a static TensorRT-LLM load_balancer file)")
     assign = d["initial_global_assignments"]
     if not isinstance(assign, dict) or not assign:
         raise EplbError(f"{path}: initial_global_assignments must map layer index -> list of expert ids")
-    def whole(x):  # int() would read layer 3.7 as 3 and expert 2.5 as 2
-        if isinstance(x, str) and x.strip().isdigit():  # a quoted key, "3": still layer 3
-            return int(x)
-        if not is_whole(x) or abs(x) > 2**62:
-            raise ValueError(f"{x!r} is not a whole number (up to 2**62)")
-        return int(x)
-
-    try:
-        keys = sorted(assign, key=whole)
-        layer_ids = [whole(k) for k in keys]
-        rows = [[whole(e) for e in assign[k]] for k in keys]
-    except (TypeError, ValueError) as exc:
-        raise EplbError(f"{path}: initial_global_assignments must map layer indices to lists of expert ids, "
-                        f"all whole numbers ({exc})") from None
+    layer_ids, rows = [], []
+    for key, row in assign.items():
+        layer = _whole(key, path, "a layer index")
+        if not isinstance(row, list):  # "012" would iterate as experts 0, 1, 2
+            raise EplbError(f"{path}: layer {layer} must list its slots' expert ids as [e0, e1, ...], got "
+                            f"{type(row).__name__} {shown(row)}")
+        if not row:
+            raise EplbError(f"{path}: layer {layer} lists no slots: every layer needs an expert id per slot")
+        layer_ids.append(layer)
+        rows.append([_whole(e, path, f"an expert id (layer {layer})") for e in row])
+    if len(set(layer_ids)) != len(layer_ids):  # 3 and "3" are one layer
+        seen: set[int] = set()
+        dup = next(i for i in layer_ids if i in seen or seen.add(i))
+        raise EplbError(f"{path}: layer {dup} is listed twice in initial_global_assignments")
+    order = sorted(range(len(layer_ids)), key=layer_ids.__getitem__)
+    layer_ids = [layer_ids[i] for i in order]
+    rows = [rows[i] for i in order]
     if len({len(r) for r in rows}) != 1:
         raise EplbError(f"{path}: layers list different numbers of slots: {sorted({len(r) for r in rows})}")
     num_slots = d.get("num_slots")
@@ -98,18 +95,33 @@ def read_trtllm(path: str | Path, *, num_gpus: int, num_logical_experts: int | N
     if num_slots is not None and num_slots != len(rows[0]):
         raise EplbError(f"{path}: num_slots is {num_slots} but each layer lists {len(rows[0])} slots")
     phy = np.array(rows, dtype=np.int64)
-    E = int(num_logical_experts) if num_logical_experts is not None else int(phy.max()) + 1
+    E = (whole_number("num_logical_experts", num_logical_experts, 1) if num_logical_experts is not None
+         else int(phy.max()) + 1)
     try:
         return Placement(phy, num_gpus, E, num_nodes, np.array(layer_ids, dtype=np.int64), planner="trtllm")
     except EplbError as exc:
         raise EplbError(f"{path}: {exc}") from None
 
 
+_ASCII_WHOLE = re.compile(r"[0-9]+")
+
+
+def _whole(x, path, what: str) -> int:
+    """A whole number of the YAML as an int: a quoted key "3" is layer 3, but "٣" (a digit of
+    another script, which int() reads) and 3.7 are refused; int() would read 3.7 as 3."""
+    if isinstance(x, str) and _ASCII_WHOLE.fullmatch(x.strip()):
+        x = int(x.strip())
+    if not is_whole(x) or abs(x) > 2**62:
+        raise EplbError(f"{path}: initial_global_assignments must map layer indices to lists of expert ids, all "
+                        f"whole numbers: got {shown(x)} as {what}")
+    return int(x)
+
+
 # Import of expert statistics ------------------------------------------------------------------
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a .safetensors file as numpy arrays (no code runs, nothing unpickled)."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     raw = read_bytes(path, "safetensors file")
     if len(raw) < 8:
         raise EplbError(f"{path}: too short for a safetensors file")
@@ -155,12 +167,12 @@ def write_safetensors(tensors: dict[str, np.ndarray], path: str | Path) -> Path:
         offset += len(b)
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)  # the format pads the header to 8 bytes
-    path = Path(path)
+    path = as_path(path, "the file path")
     write_bytes(path, len(h).to_bytes(8, "little") + h + b"".join(blobs), what="the safetensors file")
     return path
 
 
-_KEY = re.compile(r"^(\d+)_(\d+)$")
+_KEY = re.compile(r"^([0-9]+)_([0-9]+)$")  # \d would take digits of other scripts
 
 
 def is_expert_statistic_dir(path: Path) -> bool:
@@ -173,7 +185,7 @@ def _rank_files(path: Path) -> list[Path]:
 
 def read_expert_statistic(path: str | Path) -> Trace:
     """A Trace [iterations, layers, E] from a TensorRT-LLM expert-statistic directory."""
-    path = Path(path)
+    path = as_path(path, "the file path")
     info = read_json(path / "meta_info.json", "TensorRT-LLM meta_info.json")
     if not isinstance(info, dict) or "num_experts" not in info:
         raise EplbError(f"{path}/meta_info.json: no num_experts (not a TensorRT-LLM expert statistic dump)")

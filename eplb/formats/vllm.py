@@ -17,15 +17,15 @@ vLLM has no command-line option that loads this file: it is for code that sets t
 from __future__ import annotations
 
 import io
-import warnings
 from pathlib import Path
 
 import numpy as np
 
-from eplb.core.files import check_archive, check_input_size, input_file, write_bytes
+from eplb.core.files import as_path, write_bytes
 from eplb.core.placement import Placement
 from eplb.errors import EplbError, whole_array, whole_number
 from eplb.formats.deepseek import from_deepseek, to_deepseek
+from eplb.formats.torchfile import file_tensor, load_torch
 
 KEYS = ("physical_to_logical_map", "logical_to_physical_map", "logical_replica_count")
 
@@ -40,7 +40,7 @@ def vllm_maps(placement: Placement) -> dict[str, np.ndarray]:
 def write_vllm(placement: Placement, path: str | Path) -> Path:
     import torch  # .pt IO is one of the few places torch is needed
 
-    path = Path(path)
+    path = as_path(path, "the file path")
     state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in vllm_maps(placement).items()}
     state["layer_ids"] = torch.from_numpy(np.array(placement.layer_ids, dtype=np.int64))
     state["num_gpus"] = torch.tensor(placement.num_gpus, dtype=torch.int64)
@@ -55,43 +55,33 @@ def write_vllm(placement: Placement, path: str | Path) -> Path:
 
 def read_vllm(path: str | Path, *, num_gpus: int | None = None, num_nodes: int | None = None,
               layer_ids=None) -> Placement:
-    import torch
-
-    path = input_file(path, "vLLM placement file")
-    check_archive(path, "the torch file")
-    try:
-        with warnings.catch_warnings():  # a damaged file's pickle protocol warning is noise: it is refused
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for unsafe or corrupt files
-        raise EplbError(f"{path}: cannot load as a weights-only torch file ({type(exc).__name__})") from None
+    obj = load_torch(path, "vLLM placement file")
     if not isinstance(obj, dict) or any(k not in obj for k in KEYS):
-        have = sorted(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+        have = sorted(map(str, obj))[:12] if isinstance(obj, dict) else type(obj).__name__
         raise EplbError(f"{path}: a vLLM placement needs tensors {', '.join(KEYS)}; found {have}")
+    obj = dict(obj)
     for key in (*KEYS, "layer_ids", "num_gpus", "num_nodes"):
         if key not in obj:
             continue
-        t = obj[key]
-        if not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool or t.is_floating_point():
-            got = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise EplbError(f"{path}: {key} must be an integer tensor, got {got}")
-        # A stride-0 view can claim any shape over one stored number: sized before it is copied.
-        check_input_size(path, t.numel() * 8, f"{key} (shape {tuple(t.shape)})")
+        a = file_tensor(path, key, obj[key])
+        if a.dtype.kind not in "iu":
+            raise EplbError(f"{path}: {key} must be an integer tensor, got dtype {obj[key].dtype}")
+        obj[key] = a
 
     def scalar(key: str, given):
         if given is not None:
             return whole_number(key, given, 1)
         if key not in obj:
             raise EplbError(f"{path}: no {key} in the file; pass {key}=...")
-        if obj[key].numel() != 1:
-            raise EplbError(f"{path}: {key} must be one number, got shape {tuple(obj[key].shape)}")
-        return whole_number(f"{path}: {key}", int(obj[key]), 1)
+        if obj[key].size != 1:
+            raise EplbError(f"{path}: {key} must be one number, got shape {obj[key].shape}")
+        return whole_number(f"{path}: {key}", int(obj[key].reshape(())), 1)
 
     for key, ndim in zip(KEYS, (2, 3, 2)):
-        if obj[key].dim() != ndim:
-            raise EplbError(f"{path}: {key} must be {ndim}-D, got shape {tuple(obj[key].shape)}")
+        if obj[key].ndim != ndim:
+            raise EplbError(f"{path}: {key} must be {ndim}-D, got shape {obj[key].shape}")
     ids = layer_ids if layer_ids is not None else obj.get("layer_ids")
-    ids = None if ids is None else whole_array("layer_ids", ids.numpy() if hasattr(ids, "numpy") else ids)
+    ids = None if ids is None else whole_array("layer_ids", ids)
     try:
         return from_deepseek(obj[KEYS[0]], obj[KEYS[1]], obj[KEYS[2]],
                              num_gpus=scalar("num_gpus", num_gpus), num_nodes=scalar("num_nodes", num_nodes),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.core.files import read_bytes
+from eplb.core.files import parse_yaml, read_bytes
 from eplb.core.placement import Placement
 from eplb.errors import EplbError
 from eplb.formats.trtllm import read_trtllm
@@ -35,11 +35,9 @@ def check_load_balancer(path: str | Path, *, num_experts: int, ep_size: int, moe
 
     moe_layer_ids: the model's MoE layer indices (DeepSeek-V3: 3..60); None skips that check.
     """
-    import yaml
-
     path = Path(path)
     p = read_trtllm(path, num_gpus=1, num_logical_experts=num_experts)
-    d = yaml.safe_load(read_bytes(path, "TensorRT-LLM load-balancer file", text=True))  # read_trtllm checked it
+    d = parse_yaml(read_bytes(path, "TensorRT-LLM load-balancer file"), str(path))  # read_trtllm checked it
     num_slots = d.get("num_slots")
     if num_slots is not None and int(num_slots) != p.num_slots:
         raise EplbError(f"{path}: num_slots is {num_slots}, but the layers list {p.num_slots} slots each")
@@ -62,11 +60,10 @@ def check_with_trtllm(path: str | Path, *, ep_size: int) -> np.ndarray:
     """Read the file with TensorRT-LLM's own `MoeLoadBalancerConfig` on every rank; returns the
     slots each rank loads, int64 [G, L, P // G] (layers in the file's order)."""
     import tensorrt_llm
-    import yaml
     from tensorrt_llm.llmapi.llm_args import MoeLoadBalancerConfig
 
     check_version("TensorRT-LLM", tensorrt_llm.__version__, SUPPORTED_VERSIONS, ENV_ANY_VERSION)
-    d = yaml.safe_load(read_bytes(path, "TensorRT-LLM load-balancer file", text=True))
+    d = parse_yaml(read_bytes(path, "TensorRT-LLM load-balancer file"), str(path))
     layers = sorted(int(k) for k in d["initial_global_assignments"])
     out = []
     for rank in range(ep_size):

@@ -282,7 +282,7 @@ def _check_migration(previous, budget, L: int, E: int, topo: Topology, layer_ids
             # Refused, not ignored: a budget only prices or counts migration from `previous`.
             given = [f"{f.name} ({getattr(budget, f.name)!r})" for f in fields(Budget)
                      if getattr(budget, f.name) != f.default]
-            raise EplbError(f"{', '.join(given) or f'budget ({budget})'}: migration options need the placement "
+            raise EplbError(f"{', '.join(given) or 'a budget'}: migration options need the placement "
                             f"now served (previous=... / --previous OLD.json); drop them for a plan from scratch")
         return
     if not isinstance(previous, Placement):

@@ -278,9 +278,7 @@ class Rebalancer:
         good. An observation may hold at most 2**62 / window token-slots, so no window of them
         exceeds 2**62, the bound plan() puts on loads (complex, bool and text are refused too:
         numpy would drop the imaginary part or read True as 1)."""
-        if hasattr(counts, "detach") and hasattr(counts, "cpu"):  # a torch tensor, without importing torch
-            counts = counts.detach().cpu().numpy()
-        try:
+        try:  # number_array takes torch tensors too (bfloat16 ones as float64; meta and sparse refused)
             c = number_array("counts", counts).astype(np.float64)
         except EplbError as exc:
             raise EplbError(f"{exc} (tokens routed to each expert or slot); the window is unchanged") from None
@@ -350,6 +348,8 @@ class Rebalancer:
 
     def adopt(self, result: RebalanceResult, *, _expect_version: int | None = None) -> None:
         """Serve `result.placement` from now on (physical counts map through it)."""
+        if not isinstance(result, RebalanceResult):
+            raise EplbError(f"adopt needs the RebalanceResult of rebalance(apply=False), got {type(result).__name__}")
         new = result.placement
         ranks = np.asarray(result.rank_ids)
         if not isinstance(new, Placement) or ranks.shape != (new.num_gpus,):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, is_number, is_whole, whole_number
+from eplb.errors import EplbError, is_number, is_whole, number_array, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
 
@@ -218,9 +218,19 @@ def lower_bound(load_LE, num_gpus: int, num_slots: int) -> np.ndarray:
     no placement, however tokens are split among replicas, can beat either term.
     """
     num_gpus, num_slots = whole_number("num_gpus", num_gpus, 1), whole_number("num_slots", num_slots, 1)
-    load = np.asarray(load_LE, dtype=np.float64)
+    load = _loads_LE(load_LE)
     r = replica_counts_minmax(load, int(num_slots), tie_break=False)
     return np.maximum(load.sum(axis=1) / num_gpus, (load / r).max(axis=1))
+
+
+def _loads_LE(load_LE) -> np.ndarray:
+    """Loads [L, E] of a public call as float64: numbers, finite, non-negative, 2-D."""
+    load = number_array("loads", load_LE).astype(np.float64)
+    if load.ndim != 2:
+        raise EplbError(f"loads must be [layers, experts], got shape {load.shape}")
+    if not np.all(np.isfinite(load)) or (load.size and load.min() < 0):
+        raise EplbError("loads must be finite and non-negative token counts")
+    return load
 
 
 @dataclass(frozen=True)
@@ -277,9 +287,10 @@ def evaluate(placement, load_LE, weights_LP: np.ndarray | None = None,
     lower_bound_L: `lower_bound(load_LE, G, P)` when the caller already has it (it is the same
     for every placement of one load on one topology), so scoring several plans computes it once.
     """
-    load = np.asarray(load_LE, dtype=np.float64)
-    if not np.all(np.isfinite(load)) or (load.size and load.min() < 0):
-        raise EplbError("loads must be finite and non-negative token counts")
+    if not hasattr(placement, "gpu_loads"):  # the Placement class sits above this module
+        raise EplbError(f"evaluate needs an eplb Placement first, got {type(placement).__name__}: "
+                        f"evaluate(placement, load_LE)")
+    load = _loads_LE(load_LE)
     gpu_LG = placement.gpu_loads(load, weights_LP)
     lb = lower_bound(load, placement.num_gpus, placement.num_slots) if lower_bound_L is None else lower_bound_L
     return load_report(gpu_LG, lb)

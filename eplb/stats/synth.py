@@ -54,6 +54,10 @@ from eplb.stats.topic_shifts import (  # noqa: F401  (topic_shift_stats, SHIFT_S
 )
 
 PHASES = ("prefill", "decode")
+MAX_LOGIT_SPREAD = 100
+"""Largest skew, group_skew and id_trend (logit units): routed in float32, larger ones overflow."""
+MAX_LOG_SPREAD = 10
+"""Largest skew_spread and id_trend_spread (exponents of a normal draw)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,16 @@ class SynthSettings:
              f"skew ({self.skew}), skew_spread ({self.skew_spread}) and group_skew ({self.group_skew}) must be >= 0")
         need(self.id_trend >= 0 and self.id_trend_spread >= 0,
              f"id_trend ({self.id_trend}) and id_trend_spread ({self.id_trend_spread}) must be >= 0")
+        # Logits are routed in float32: past these the largest logit overflows (1e300 wrote a trace
+        # of NaN draws), and well before them every token already picks the same experts.
+        for name in ("skew", "group_skew", "id_trend"):
+            need(getattr(self, name) <= MAX_LOGIT_SPREAD,
+                 f"{name} must be <= {MAX_LOGIT_SPREAD} (a spread of expert logits; real traces are near 0.3-1.5, and "
+                 f"from about 10 on every token picks the same experts), got {getattr(self, name):g}")
+        for name in ("skew_spread", "id_trend_spread"):
+            need(getattr(self, name) <= MAX_LOG_SPREAD,
+                 f"{name} must be <= {MAX_LOG_SPREAD} (the spread of a log-normal factor across layers), got "
+                 f"{getattr(self, name):g}")
         need(self.phase_share >= 0 and self.drift_share >= 0 and self.phase_share + self.drift_share <= 1,
              f"phase_share ({self.phase_share}) and drift_share ({self.drift_share}) must be >= 0 and sum to <= 1")
         need(0 <= self.drift_memory <= 1, f"drift_memory must be in [0, 1], got {self.drift_memory}")

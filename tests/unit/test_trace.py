@@ -167,7 +167,7 @@ def test_unreadable_files(tmp_path):
     with pytest.raises(EplbError, match="unknown trace format"):
         load_trace(tmp_path / "x.bin")
     (tmp_path / "bad.json").write_text("{oops")
-    with pytest.raises(EplbError, match="does not parse"):
+    with pytest.raises(EplbError, match="not valid JSON"):
         load_trace(tmp_path / "bad.json")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
