@@ -103,7 +103,7 @@ class SearchState:
     node_G: np.ndarray
     """Node of each GPU, int64 [G] (a dummy [1] when span_price is 0)."""
     gn_LKN: np.ndarray
-    """Replicas of each group on each node, int64 [L, K, N] (a dummy [1, 1, 1] when span_price is 0)."""
+    """Replicas of each group on each node, int64 [L, K, N] (a dummy [L, 1, 1] when span_price is 0)."""
 
     @property
     def num_gpus(self) -> int:
@@ -162,7 +162,8 @@ def prepare_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=
         gn_LKN = np.zeros((L, num_expert_groups, num_nodes), dtype=np.int64)     # no empty slots here
         np.add.at(gn_LKN, (np.arange(L)[:, None], grp_E[phy], node_G[np.arange(P) // S][None, :]), 1)
     else:
-        grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)
+        # One row per layer even unpriced: the kernel takes gn_LKN[l] before it knows span is off.
+        grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((L, 1, 1), np.int64)
     return SearchState(
         load_LE=np.array(load_LE, order="C"), phy2log_LP=phy, cnt_LEG=cnt_LEG, old_LEG=old_LEG, r_LE=r_LE,
         in_G=np.zeros(G, dtype=np.int64), total=0,

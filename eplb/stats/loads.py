@@ -219,8 +219,37 @@ def lower_bound(load_LE, num_gpus: int, num_slots: int) -> np.ndarray:
     """
     num_gpus, num_slots = whole_number("num_gpus", num_gpus, 1), whole_number("num_slots", num_slots, 1)
     load = _loads_LE(load_LE)
-    r = replica_counts_minmax(load, int(num_slots), tie_break=False)
-    return np.maximum(load.sum(axis=1) / num_gpus, (load / r).max(axis=1))
+    L, E = load.shape
+    if num_slots < E:
+        raise EplbError(f"{num_slots} physical slots cannot hold {E} logical experts")
+    return np.maximum(load.sum(axis=1) / num_gpus, _minmax_per_replica(load, int(num_slots)))
+
+
+def _minmax_per_replica(load_LE: np.ndarray, num_slots: int) -> np.ndarray:
+    """min over replica counts r (sum r <= P, r_e >= 1) of max_e load_e / r_e, per layer, [L].
+
+    Bisection on the level t (t is feasible when sum_e max(1, ceil(load_e / t)) <= P), so the
+    cost is independent of P: a greedy over slots would take P - E steps, and P is a caller's
+    number here (10**30 must not hang). The counts of the feasible end give the exact value.
+    """
+    L, E = load_LE.shape
+    if E == 0 or L == 0:
+        return np.zeros(L)
+    hi = load_LE.max(axis=1)  # r = 1 everywhere is feasible (P >= E)
+    lo = np.zeros(L)
+    safe = np.maximum(load_LE, 0.0)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if not np.any((mid > lo) & (mid < hi)):
+            break
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.where(mid[:, None] > 0, np.maximum(1.0, np.ceil(safe / np.where(mid > 0, mid, 1.0)[:, None])),
+                            np.inf).sum(axis=1)
+        ok = need <= num_slots
+        hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r_LE = np.where(hi[:, None] > 0, np.maximum(1.0, np.ceil(safe / np.where(hi > 0, hi, 1.0)[:, None])), 1.0)
+    return (load_LE / r_LE).max(axis=1)
 
 
 def _loads_LE(load_LE) -> np.ndarray:
