@@ -58,7 +58,7 @@ def test_a_budget_value_needs_the_placement_now_served(rng):
     load = _load(rng)
     with pytest.raises(EplbError, match=r"max_moves \(3\): migration options need the placement now served"):
         eplb.plan(load, num_gpus=4, budget=Budget(max_moves=3))
-    with pytest.raises(EplbError, match=r"budget \(Budget\(.*\)\): migration options need"):
+    with pytest.raises(EplbError, match=r"^a budget: migration options need the placement now served"):
         eplb.plan(load, num_gpus=4, budget=Budget())
     with pytest.raises(EplbError, match="budget must be an eplb.Budget"):
         eplb.plan(load, num_gpus=4, previous=eplb.plan(load, num_gpus=4).placement, budget={"max_moves": 3})
