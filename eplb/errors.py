@@ -21,7 +21,16 @@ import numpy as np
 
 
 class EplbError(ValueError):
-    """Bad input: the message names the offending value and how to fix it."""
+    """Bad input: the message names the offending value and how to fix it.
+
+    The message is one line by construction: a value echoed with !r (an array's or a tensor's
+    repr spans lines) or a library's text quoted in it cannot break the line a CLI prints."""
+
+    def __init__(self, message: object = "", *args: object) -> None:
+        text = str(message)
+        if "\n" in text or "\x1b" in text or _CONTROL.search(text):
+            text = " ".join(_CONTROL.sub("", _ANSI.sub("", text)).split())
+        super().__init__(text, *args)
 
 
 class PlanningError(RuntimeError):
@@ -55,7 +64,36 @@ def shown(v) -> str:
     few, never all of them (built without making the full repr)."""
     if isinstance(v, np.ndarray):
         return f"an array of shape {v.shape} and dtype {v.dtype}"
+    if _is_tensor(v):
+        return f"a {str(v.layout).removeprefix('torch.')} tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
     return _SHOWN.repr(v)
+
+
+def a_name(what: str, v, choices) -> str:
+    """v if it is a name (text); anything else (a list, an array, None) is refused with the choices
+    (a dict lookup of an unhashable value would raise TypeError, an array == "x" is ambiguous)."""
+    if not isinstance(v, str):
+        raise EplbError(f"{what} must be a name, one of {', '.join(choices)}; got {shown(v)}")
+    return v
+
+
+def settings_map(what: str, v) -> dict:
+    """v as a dict of settings keyed by name: None is {}; a list, a number or text is refused."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise EplbError(f"{what} must be a dict of settings by name (or None), got {shown(v)}")
+    return dict(v)
+
+
+def name_tuple(what: str, v) -> tuple:
+    """v as a tuple of entries: one name alone is a tuple of one; a list or tuple as it is; a number,
+    None, a dict or an array is refused."""
+    if isinstance(v, str):
+        return (v,)
+    if not isinstance(v, (list, tuple)):
+        raise EplbError(f"{what} must be a list of names, got {shown(v)}")
+    return tuple(v)
 
 
 def is_number(v) -> bool:

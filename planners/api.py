@@ -29,7 +29,7 @@ from eplb.core.placement import Placement
 from eplb.core.topology import Topology
 from eplb.dispatch.cost import TimeObjective
 from eplb.dispatch.rules import DispatchRule, PlanWeights
-from eplb.errors import EplbError
+from eplb.errors import EplbError, a_name
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "HEURISTIC", "FALLBACK")
 """OPTIMAL (proven), FEASIBLE (a solver stopped early), HEURISTIC, FALLBACK (the planner could not
@@ -151,6 +151,8 @@ def planner_names() -> list[str]:
 
 def planner_class(name: str) -> type:
     """The planner class behind `name` (imported on first use)."""
+    if not isinstance(name, str):  # a list or an array would fail the lookups below with TypeError
+        a_name("planner", name, planner_names())
     if name in _registered:
         return _registered[name]
     if name in PLANNERS:

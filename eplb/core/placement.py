@@ -55,7 +55,7 @@ class Placement:
     hold after a failure (`on_gpus`), a placement to migrate from, never one to serve."""
 
     def __post_init__(self) -> None:
-        phy = np.asarray(self.phy2log_LP)
+        phy = number_array("physical_to_logical map", self.phy2log_LP)
         if phy.ndim != 2:
             raise EplbError(f"physical_to_logical map must be 2-D [layers, slots], got shape {phy.shape}")
         if not np.issubdtype(phy.dtype, np.integer):
@@ -92,7 +92,7 @@ class Placement:
         object.__setattr__(self, "num_nodes", N)
         object.__setattr__(self, "partial", bool(self.partial))
         object.__setattr__(self, "_count_LE", readonly(count_LE))
-        ids = np.arange(L) if self.layer_ids is None else np.asarray(self.layer_ids)
+        ids = np.arange(L) if self.layer_ids is None else number_array("layer_ids", self.layer_ids)
         if ids.shape != (L,) or not np.issubdtype(ids.dtype, np.integer):
             raise EplbError(f"layer_ids must be {L} integers, got shape {ids.shape} dtype {ids.dtype}")
         if self.layer_ids is not None and L and (ids.min() < 0 or len(np.unique(ids)) != L):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.errors import EplbError, is_whole, readonly
+from eplb.errors import EplbError, is_whole, number_array, readonly, settings_map
 
 REQUIRED_META = (
     "model", "num_hidden_layers", "num_experts", "top_k", "num_expert_groups",
@@ -60,7 +60,7 @@ class Trace:
     """Window index of each per-token row, int32 [N] (required with topk_ids_NLK)."""
 
     def __post_init__(self) -> None:
-        c = np.asarray(self.counts_TLE)
+        c = number_array("counts", self.counts_TLE)
         if c.ndim != 3:
             raise EplbError(f"counts must be 3-D [windows, layers, experts], got shape {c.shape}")
         if c.dtype.kind == "f":
@@ -82,13 +82,13 @@ class Trace:
         T, L, E = c.shape
         if T < 1 or L < 1 or E < 1:
             raise EplbError(f"counts must have at least one window, layer and expert, got shape {c.shape}")
-        ids = np.asarray(self.layer_ids)
+        ids = number_array("layer_ids", self.layer_ids)
         if ids.shape != (L,) or ids.dtype.kind not in "iu":
             raise EplbError(f"layer_ids must be {L} integers (one per MoE layer), got shape {ids.shape} "
                             f"dtype {ids.dtype}")
         if ids.min() < 0 or np.any(np.diff(ids) <= 0):
             raise EplbError(f"layer_ids must be non-negative and strictly increasing, got {ids.tolist()}")
-        meta = dict(self.meta)
+        meta = settings_map("trace meta", self.meta)
         missing = [k for k in REQUIRED_META if k not in meta]
         if missing:
             raise EplbError(f"trace meta is missing key(s): {', '.join(missing)}")

@@ -35,7 +35,7 @@ import numpy as np
 
 from eplb.core.hardware import Hardware, get_hardware
 from eplb.core.placement import Placement
-from eplb.errors import EplbError, is_whole
+from eplb.errors import EplbError, a_name, is_whole
 from eplb.stats.capacity import DTYPE_BITS, ModelShape, get_model
 
 PHASES = ("decode", "prefill")
@@ -454,6 +454,7 @@ def check_objective(objective) -> str | TimeObjective:
     """"tokens", or a TimeObjective; "time" alone is refused (it needs a cost model)."""
     if isinstance(objective, TimeObjective):
         return objective
+    a_name("objective", objective, OBJECTIVES)
     if objective == "tokens":
         return "tokens"
     if objective == "time":

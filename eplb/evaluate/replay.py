@@ -39,7 +39,7 @@ from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import get_rule
 from eplb.dispatch.timed import TimeDispatch
-from eplb.errors import EplbError, is_whole, positive_integer, seed_value, whole_number
+from eplb.errors import EplbError, is_whole, name_tuple, positive_integer, seed_value, shown, whole_number
 from eplb.evaluate.replay_result import ReplayResult, RunScores
 from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import Budget, count_moves, schedule
@@ -71,7 +71,7 @@ class Scoring:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        rules = tuple(self.rules) if not isinstance(self.rules, str) else (self.rules,)
+        rules = name_tuple("Scoring rules", self.rules)
         if not rules:
             raise EplbError("Scoring needs at least one dispatch rule (e.g. rules=('even', 'resplit'))")
         if self.time is not None and not isinstance(self.time, TimeObjective):
@@ -172,14 +172,14 @@ def _check_args(T: int, warmup, delay) -> tuple[int, int]:
                             f"windows to serve); record more windows, or stack traces as one history")
         warmup = T // 2
     if not is_whole(warmup) or warmup < 1:
-        raise EplbError(f"warmup must be a whole number of windows >= 1, got {warmup!r}")
+        raise EplbError(f"warmup must be a whole number of windows >= 1, got {shown(warmup)}")
     if int(warmup) >= T:
         fix = (f"use --warmup {T - 1} or less (or smaller windows)" if T >= 2 else
                "a replay needs at least 2 windows: record more, or stack traces as one history")
         raise EplbError(f"the trace has {T} window(s), not more than the warmup ({int(warmup)}): nothing is left to "
                         f"serve; {fix}")
     if not is_whole(delay) or delay < 0:
-        raise EplbError(f"delay must be a whole number of windows >= 0, got {delay!r}")
+        raise EplbError(f"delay must be a whole number of windows >= 0, got {shown(delay)}")
     return int(warmup), int(delay)
 
 
@@ -204,7 +204,7 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
     objective = check_objective(objective)
     if scoring is None:
         scoring = Scoring(time=None if objective == "tokens" else objective)
-    refs = tuple(references)
+    refs = name_tuple("references", references)
     bad = [r for r in refs if r not in REFERENCES]
     if bad:
         raise EplbError(f"unknown reference(s) {bad}: choose from {', '.join(REFERENCES)}")

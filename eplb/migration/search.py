@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, finite_number, is_whole
+from eplb.errors import EplbError, finite_number, is_whole, shown
 from eplb.migration import _search_kernel
 from eplb.migration.checks import check_count, check_load_and_maps, check_nodes
 
@@ -48,7 +48,7 @@ class Budget:
             v = getattr(self, name)
             if v is not None:
                 if not is_whole(v) or v < low:
-                    raise EplbError(f"{name} must be a whole number >= {low} or None, got {v!r}")
+                    raise EplbError(f"{name} must be a whole number >= {low} or None, got {shown(v)}")
                 object.__setattr__(self, name, int(v))
         for name in ("move_cost", "span_cost"):
             object.__setattr__(self, name, finite_number(name, getattr(self, name), 0))

@@ -49,7 +49,7 @@ from __future__ import annotations
 import inspect
 
 from eplb.dispatch.cost import TimeObjective, check_objective
-from eplb.errors import EplbError
+from eplb.errors import EplbError, settings_map
 from eplb.serving.adaptive import AdaptivePolicy
 from eplb.serving.horizons import HorizonChooser, horizon_windows, parse_horizons
 from eplb.serving.load_estimate import BucketedSum, ChangeDetector, WindowMemory, true_or_false
@@ -94,6 +94,7 @@ def get_policy(policy: str | Policy = "adaptive", settings: dict | None = None,
     window); a policy object must have been built with it (its `objective` attribute).
     """
     objective = check_objective(objective)
+    settings = settings_map("policy settings", settings)
     if not isinstance(policy, str):
         if settings:
             raise EplbError(f"settings {sorted(settings)} apply to a policy given by name, not to a "

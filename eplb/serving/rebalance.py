@@ -41,7 +41,7 @@ from eplb.core.placement import Placement
 from eplb.core.trace import MAX_COUNT
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import DispatchRule, get_rule
-from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, whole_number
+from eplb.errors import EplbError, fraction, is_number, is_whole, number_array, shown, whole_number
 from eplb.migration import Budget, layout_dependent
 from eplb.migration.search import span_priced
 from eplb.planning.front_door import lower_bound
@@ -222,7 +222,7 @@ class Rebalancer:
         placement). When E == P the shape does not say which: pass `physical`.
         """
         if physical is not None and not isinstance(physical, (bool, np.bool_)):
-            raise EplbError(f"physical must be True, False or None, got {physical!r}")
+            raise EplbError(f"physical must be True, False or None, got {shown(physical)}")
         c = self._checked_counts(counts)
         with self._lock:
             pl = self.placement
@@ -325,6 +325,8 @@ class Rebalancer:
         checkpoint: source rank -1 in the migration). apply: adopt the new placement; with
         False, call `adopt(result)` once the engine has migrated.
         """
+        if not isinstance(apply, (bool, np.bool_)):
+            raise EplbError(f"apply must be True or False, got {shown(apply)}")
         with self._lock:
             pl, ranks, version, step, bound = self.placement, self.rank_ids, self._version, self.step, self._bound
             load = self._load_snapshot()
@@ -388,8 +390,8 @@ class Rebalancer:
             except TypeError:
                 given = [failed_ranks]
         # Whole numbers only: int() would read rank 1.5 as rank 1 and plan without it.
-        if not all(is_whole(r) for r in given):
-            raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {failed_ranks!r}")
+        if not all(is_whole(r) and abs(r) < 2**62 for r in given):
+            raise EplbError(f"failed_ranks must be engine ranks (whole numbers), got {shown(failed_ranks)}")
         if not given:
             return np.zeros(0, dtype=np.int64)
         failed = np.unique(np.asarray(given, dtype=np.int64))

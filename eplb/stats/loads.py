@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.errors import EplbError, is_number, is_whole, number_array, whole_number
+from eplb.errors import EplbError, a_name, is_number, is_whole, number_array, whole_number
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
 
@@ -53,6 +53,7 @@ class Aggregation:
         if self.alpha is not None and self.how != "ema":
             raise EplbError(f"alpha ({self.alpha!r}) only applies to aggregation 'ema', not {self.how!r}: "
                             f"add --aggregate ema (aggregate='ema') or drop alpha")
+        a_name("aggregation", self.how, AGGREGATIONS)
         if self.how not in AGGREGATIONS:
             raise EplbError(f"unknown aggregation {self.how!r}: choose one of {', '.join(AGGREGATIONS)}")
         if self.how == "window":

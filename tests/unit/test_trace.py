@@ -48,7 +48,7 @@ def test_good_file_round_trips(tmp_path, rng):
     (np.ones((2, 3, 8), dtype=np.float64) * np.nan, "NaN"),
     (np.full((2, 3, 8), 0.5), "whole token counts"),
     (-np.ones((2, 3, 8), dtype=np.int64), ">= 0"),
-    (np.ones((2, 3, 8), dtype=bool), "integers"),
+    (np.ones((2, 3, 8), dtype=bool), "numbers, not true/false"),
     (np.ones((0, 3, 8), dtype=np.int64), "at least one window"),
 ])
 def test_bad_counts(tmp_path, counts, message):
