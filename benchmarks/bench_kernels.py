@@ -55,11 +55,32 @@ def _time(fn, repeats):
     return statistics.median(ts)
 
 
-CASES = {
-    # name: (serving call it sits on, module, attribute, numpy version's loader, note)
-    "repair step (eplb/migration/_repair_kernel.py)": ("rebalance, SGLang static rule", "eplb.migration.rule",
-                                                       "_best_swap", "tests.oracles.repair:_best_swap", True),
+CASES: dict = {
+    # name: (serving call it sits on, module, attribute, "module:numpy version", bind SGLang's rule)
+    # The share-keeping repair's step (eplb/migration/_repair_kernel.py) was a case here until it
+    # measured 5144 ms with the kernel, 5115 ms with numpy (0.99x, the same plan) and went
+    # (run this file at commit 9ea33ac to repeat it).
 }
+
+MOVES = ("count_moves", "keep_counts", "keep_slots")
+"""The move counting kernels (`_moves_kernel`) beside tests/oracles/migration.py, per call."""
+
+
+def _moves_rows(served, load, topo, repeats):
+    from eplb.migration import moves
+    from tests.oracles import migration as oracle
+
+    new = _decide(load, served, topo).solution.phy2log_LP
+    old, G, E = served.phy2log_LP, topo.num_gpus, load.shape[1]
+    calls = {"count_moves": (lambda: moves.count_moves(old, new, G, E), lambda: oracle.count_moves(old, new, G, E)),
+             "keep_counts": (lambda: moves._keep_counts(old, new, G, E), lambda: oracle.keep_counts(old, new, G, E)),
+             "keep_slots": (lambda: moves.keep_slots(old, new, G), lambda: oracle.keep_slots(old, new, G))}
+    rows = []
+    for name in MOVES:
+        k, n = calls[name]
+        rows.append((f"{name} (eplb/migration/_moves_kernel.py)", "one call, [L, P] maps",
+                     _time(k, repeats), _time(n, repeats), bool(np.array_equal(k(), n()))))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -87,10 +108,15 @@ def main(argv=None) -> int:
             finally:
                 setattr(m, attr, kernel_fn)
         rows.append((name, path, out["kernel"], out["numpy"], bool(np.array_equal(*same))))
+    rows += _moves_rows(served, load, topo, a.repeats)
+    decision = {"greedy": _time(lambda: _decide(load, served, topo), a.repeats),
+                "greedy, SGLang static": _time(lambda: _decide(load, served, topo, SglangStatic()), a.repeats)}
     lines = ["| kernel | serving call | with kernel (ms) | with numpy (ms) | numpy / kernel | same plan |",
              "|---|---|---:|---:|---:|---|"]
     for name, path, k, n, same in rows:
-        lines.append(f"| {name} | {path} | {k * 1e3:.1f} | {n * 1e3:.1f} | {n / k:.2f} | {same} |")
+        lines.append(f"| {name} | {path} | {k * 1e3:.2f} | {n * 1e3:.2f} | {n / k:.2f} | {same} |")
+    lines += ["", "The rebalance decision these sit on (kernels compiled), median ms:", ""]
+    lines += [f"- {k}: {v * 1e3:.0f} ms" for k, v in decision.items()]
     print("\n".join(lines))
     if a.write_docs:
         (ROOT / "docs" / "results" / "kernels.md").write_text("\n".join(lines) + "\n")
