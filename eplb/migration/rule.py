@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.core.placement import Placement, gpu_loads
+from eplb.core.topology import Topology
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.search import Budget, budgeted_search, span_priced
@@ -51,15 +52,16 @@ def layout_dependent(rule) -> bool:
     return isinstance(rule, LAYOUT_RULES)
 
 
-def served_peaks(rule, phy2log_LP: np.ndarray, load_LE: np.ndarray, num_gpus: int, num_nodes: int,
+def served_peaks(rule, phy2log_LP: np.ndarray, load_LE: np.ndarray, topology: Topology,
                  layer_ids) -> tuple[np.ndarray, np.ndarray]:
     """(busiest GPU's load per layer [L], the rule's shares [L, P]) of a full placement."""
-    pl = Placement(phy2log_LP, num_gpus, load_LE.shape[1], num_nodes, layer_ids)
+    G = topology.num_gpus
+    pl = Placement(phy2log_LP, G, load_LE.shape[1], topology.num_nodes, layer_ids)
     w_LP = rule.bind(pl)(load_LE)
-    return gpu_loads(phy2log_LP, load_LE, num_gpus, w_LP).max(axis=1), w_LP
+    return gpu_loads(phy2log_LP, load_LE, G, w_LP).max(axis=1), w_LP
 
 
-def _movable(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarray:
+def _movable(phy2log_LP: np.ndarray, topology: Topology) -> np.ndarray:
     """How far each slot's replica may move without changing any share, int8 [L, P].
 
     2: anywhere (its expert's only replica: every rank sends it there whatever the GPU);
@@ -68,6 +70,7 @@ def _movable(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarra
     """
     L, P = phy2log_LP.shape
     E = int(phy2log_LP.max()) + 1
+    num_gpus, num_nodes = topology.num_gpus, topology.num_nodes
     S = P // num_gpus
     node_P = np.arange(P) // S // (num_gpus // num_nodes)
     rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
@@ -115,7 +118,7 @@ def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
 
 
 def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, old_LP: np.ndarray,
-                 num_gpus: int, num_nodes: int, budget: Budget,
+                 topology: Topology, budget: Budget,
                  used_LG: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Swaps of replicas that keep every share `w_LP` of the rule, lowering busiest GPUs within the budget.
 
@@ -130,13 +133,14 @@ def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, ol
     binding the rule to it gives).
     """
     L, P = start_LP.shape
-    G, S, E = num_gpus, P // num_gpus, load_LE.shape[1]
+    G, num_nodes, E = topology.num_gpus, topology.num_nodes, load_LE.shape[1]
+    S = P // G
     phy_LP = np.array(start_LP, dtype=np.int64, copy=True)
     w0_LP = np.asarray(w_LP, dtype=np.float64)
     w_LP = w0_LP.copy()
     x_LP = np.take_along_axis(load_LE, phy_LP, axis=1) * w_LP
     x0_LP = x_LP.copy()
-    move_LP = _movable(phy_LP, G, num_nodes)
+    move_LP = _movable(phy_LP, topology)
     gpu_P = np.arange(P) // S
     node_P = gpu_P // (G // num_nodes)
     old_LGE = np.zeros((L, G, E), dtype=bool)
@@ -222,8 +226,7 @@ def _no_layer_worse(request, c: _Candidate, start_LP: np.ndarray, keep_L: np.nda
             return _Candidate(phy, perm, peak_L, w_LP, c.within_budget, int(kept.sum()))
         kept |= worse
         phy = np.where(kept[:, None], start_LP, phy)
-        peak_L, w_LP = served_peaks(request.dispatch, phy, request.load_LE, topo.num_gpus, topo.num_nodes,
-                                    request.layer_ids)
+        peak_L, w_LP = served_peaks(request.dispatch, phy, request.load_LE, topo, request.layer_ids)
     return None
 
 
@@ -235,7 +238,7 @@ def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.nda
     old_LP = request.previous.phy2log_LP
 
     def bound(phy, perm=None, within=False):
-        return _Candidate(phy, perm, *served_peaks(rule, phy, load_LE, G, N, request.layer_ids), within)
+        return _Candidate(phy, perm, *served_peaks(rule, phy, load_LE, topo, request.layer_ids), within)
 
     perm_LP = keep_slots(old_LP, target_LP, G)
     out = {"planned": bound(_take(target_LP, perm_LP), perm_LP)}
@@ -256,7 +259,7 @@ def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.nda
     # lower busiest GPUs only: from a candidate no layer of which is worse, none becomes worse.
     for name, c in [("repair", keep)] + ([("budgeted_search+repair", out["budgeted_search"])]
                                           if "budgeted_search" in out else []):
-        phy, w_LP = repair_swaps(load_LE, c.phy2log_LP, c.w_LP, old_LP, G, N, budget,
+        phy, w_LP = repair_swaps(load_LE, c.phy2log_LP, c.w_LP, old_LP, topo, budget,
                                  count_moves(old_LP, c.phy2log_LP, G, E))
         out[name] = _Candidate(phy, None, gpu_loads(phy, load_LE, G, w_LP).max(axis=1), w_LP, True, c.kept_layers)
     return out
