@@ -36,6 +36,7 @@ from workloads import workloads  # noqa: E402  (benchmarks/workloads.py)
 from eplb import stats  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.core.placement import Placement  # noqa: E402
+from eplb.core.topology import Topology  # noqa: E402
 from eplb.dispatch.rules import optimal_weights  # noqa: E402
 from eplb.planning.front_door import plan  # noqa: E402
 from planners.greedy import plan_greedy  # noqa: E402
@@ -141,8 +142,9 @@ def run(args) -> int:
         for jobs, workers in ((2, 1), (1, 2)):
             t0 = time.perf_counter()
             with ThreadPoolExecutor(jobs) as pool:
-                outs = list(pool.map(lambda i, workers=workers: solve_layer(int_LE[i], hint_LP[i], None, G, S, "even",
-                                                                            tl, workers, 0), range(len(layers))))
+                def one(i, workers=workers):
+                    return solve_layer(int_LE[i], hint_LP[i], None, Topology(G, S), "even", tl, workers, 0)
+                outs = list(pool.map(one, range(len(layers))))
             sec = time.perf_counter() - t0
             # No CP-SAT answer in time: the planner keeps the hint, so score that.
             obj = [o["hint_objective"] if o["objective"] is None else o["objective"] for o in outs]

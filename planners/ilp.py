@@ -125,7 +125,7 @@ class IlpPlanner:
     def _solve_layers(self, load_LE, topology, hint_LP, hint_w_LP, lb_L, started: float):
         """Every layer's CP-SAT result (a dict, `solve_layer`'s), the layers whose solve raised
         (index -> message) and those not reached in time (they keep their hint)."""
-        G, S = topology.num_gpus, topology.slots_per_gpu
+        G = topology.num_gpus
         L, E = load_LE.shape
         int_LE = np.stack([scale_loads(load_LE[l]) for l in range(L)])
         jobs, workers = self._threads(L)
@@ -162,7 +162,7 @@ class IlpPlanner:
                         return
                     l = todo.pop(0)
                     futures[pool.submit(solve_layer, int_LE[l], hint_LP[l],
-                                        None if hint_w_LP is None else hint_w_LP[l], G, S, self.dispatch,
+                                        None if hint_w_LP is None else hint_w_LP[l], topology, self.dispatch,
                                         limit(l, todo), workers, self.seed, self.chain)] = l
 
             submit()

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from eplb import stats
+from eplb.core.topology import Topology
 
 RESOLUTION = 1 << 24
 """Scaled total load of one layer, in integer units."""
@@ -94,7 +95,7 @@ def balanced_groups(load_E: np.ndarray, num_gpus: int, passes: int = 4) -> list[
     return members
 
 
-def chain_fill(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, level: int, groups=None):
+def chain_fill(load_E: np.ndarray, topology: Topology, level: int, groups=None):
     """Wrap-around filling at a GPU load `level` (weighted dispatch): (phy2log_P, share_P) or None.
 
     McNaughton's wrap-around rule with slot limits, for integer loads:
@@ -111,7 +112,7 @@ def chain_fill(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, level: int
     when the slots or the level do not allow it. Spare slots get zero-share replicas of the
     hottest experts not already on that GPU (room for re-splitting later).
     """
-    E, G, S = load_E.size, num_gpus, slots_per_gpu
+    E, G, S = load_E.size, topology.num_gpus, topology.slots_per_gpu
     if -(-E // G) + 1 > S:
         return None
     order = np.argsort(-load_E, kind="stable")
@@ -162,10 +163,10 @@ def chain_fill(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, level: int
     return phy2log_P, share_P
 
 
-def best_chain(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, lower: int, upper: int):
+def best_chain(load_E: np.ndarray, topology: Topology, lower: int, upper: int):
     """The lowest level in [lower, upper) at which chain_fill succeeds (bisection), or None."""
-    groups = balanced_groups(load_E, num_gpus)
-    best = chain_fill(load_E, num_gpus, slots_per_gpu, lower, groups)
+    groups = balanced_groups(load_E, topology.num_gpus)
+    best = chain_fill(load_E, topology, lower, groups)
     if best is not None:
         return best
     lo, hi = lower, upper                               # fails at lo; hi unknown
@@ -173,7 +174,7 @@ def best_chain(load_E: np.ndarray, num_gpus: int, slots_per_gpu: int, lower: int
         if hi - lo <= 1:
             break
         mid = (lo + hi) // 2
-        got = chain_fill(load_E, num_gpus, slots_per_gpu, mid, groups)
+        got = chain_fill(load_E, topology, mid, groups)
         if got is None:
             lo = mid
         else:
@@ -188,8 +189,8 @@ def integer_lower_bound(load_E: np.ndarray, num_gpus: int, num_slots: int) -> in
     return max(-(-int(load_E.sum()) // num_gpus), max(-(-int(v) // int(r)) for v, r in zip(load_E, r_E)))
 
 
-def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.ndarray | None, num_gpus: int,
-                slots_per_gpu: int, dispatch: str, time_limit: float, workers: int, seed: int,
+def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.ndarray | None,
+                topology: Topology, dispatch: str, time_limit: float, workers: int, seed: int,
                 chain: bool = True) -> dict:
     """One layer's CP-SAT model: returns phy2log_P (or None), status, objective, bound, seconds.
 
@@ -198,10 +199,10 @@ def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.nda
     A hint that meets the lower bound is optimal as it is: CP-SAT is then not run.
     """
     t0 = time.perf_counter()
-    G, S = num_gpus, slots_per_gpu
+    G, S = topology.num_gpus, topology.slots_per_gpu
     lower = integer_lower_bound(load_E, G, G * S)
     # Step 1: the hint, and its busiest GPU.
-    hint_phy2log_P, hint_share_P, hint_source = _hint(load_E, hint_phy2log_P, hint_w_P, G, S, dispatch,
+    hint_phy2log_P, hint_share_P, hint_source = _hint(load_E, hint_phy2log_P, hint_w_P, topology, dispatch,
                                                       lower, chain)
     hint_z = int(hint_share_P.reshape(G, S).sum(axis=1).max())
     out = {"status": "OPTIMAL", "seconds": 0.0, "hint_objective": hint_z, "hint": hint_source,
@@ -212,7 +213,7 @@ def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.nda
         out["seconds"] = time.perf_counter() - t0
         return out
     # Step 2: the model, every variable hinted.
-    model, x, z = _model(load_E, hint_phy2log_P, hint_share_P, G, S, dispatch, lower, hint_z)
+    model, x, z = _model(load_E, hint_phy2log_P, hint_share_P, topology, dispatch, lower, hint_z)
     # Step 3: solve; read the GPUs' experts back.
     from ortools.sat.python import cp_model
 
@@ -235,29 +236,27 @@ def solve_layer(load_E: np.ndarray, hint_phy2log_P: np.ndarray, hint_w_P: np.nda
     return out
 
 
-def _hint(load_E, hint_phy2log_P, hint_w_P, num_gpus: int, slots_per_gpu: int, dispatch: str, lower: int,
-          chain: bool):
+def _hint(load_E, hint_phy2log_P, hint_w_P, topology: Topology, dispatch: str, lower: int, chain: bool):
     """The complete solution CP-SAT starts from: (phy2log_P, integer tokens per slot [P], its
     source "greedy" or "chain")."""
-    G, S = num_gpus, slots_per_gpu
+    G, S = topology.num_gpus, topology.slots_per_gpu
     if dispatch != "weighted":
         count_E = np.bincount(hint_phy2log_P, minlength=load_E.size)
         return hint_phy2log_P, (-(-load_E // count_E))[hint_phy2log_P], "greedy"
     share_P = integer_shares(load_E, hint_phy2log_P, hint_w_P)
     greedy_z = int(share_P.reshape(G, S).sum(axis=1).max())
     if chain and greedy_z > lower:
-        got = best_chain(load_E, G, S, lower, greedy_z)
+        got = best_chain(load_E, topology, lower, greedy_z)
         if got is not None and int(got[1].reshape(G, S).sum(axis=1).max()) < greedy_z:
             return got[0], got[1], "chain"
     return hint_phy2log_P, share_P, "greedy"
 
 
-def _model(load_E, hint_phy2log_P, hint_share_P, num_gpus: int, slots_per_gpu: int, dispatch: str,
-           lower: int, hint_z: int):
+def _model(load_E, hint_phy2log_P, hint_share_P, topology: Topology, dispatch: str, lower: int, hint_z: int):
     """The layer's CP-SAT model minimising the busiest GPU, hinted: (model, x[e, g], z)."""
     from ortools.sat.python import cp_model
 
-    E, G, S = load_E.size, num_gpus, slots_per_gpu
+    E, G, S = load_E.size, topology.num_gpus, topology.slots_per_gpu
     max_replicas = min(G, G * S - E + 1)
     gpu_P = np.arange(G * S) // S
     hint_x = np.zeros((E, G), dtype=bool)

@@ -21,7 +21,7 @@ from eplb.commands.plan import parse_settings
 from eplb.core.progress import Progress
 from eplb.errors import EplbError
 from eplb.formats import load_trace, save_trace
-from eplb.stats import synth
+from eplb.stats import calibration, synth
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -110,17 +110,17 @@ def run(args) -> int:
     with Progress(settings.num_windows, "synth", enabled=None if not args.quiet else False) as bar:
         trace = synth.generate(settings, progress=lambda done, total: bar.update())
     try:
-        corr = synth.phase_correlation(trace)
+        corr = calibration.phase_correlation(trace)
     except EplbError:  # a short trace may hold one phase only: nothing to correlate
         corr = None
-    rows = {"synthetic": {**synth.calibration_stats(trace.total()), "prefill_decode_corr": corr}}
+    rows = {"synthetic": {**calibration.calibration_stats(trace.total()), "prefill_decode_corr": corr}}
     if reals:
         for p, t in reals.items():
-            rows[p] = {**synth.calibration_stats(t.total()), "prefill_decode_corr": None}
+            rows[p] = {**calibration.calibration_stats(t.total()), "prefill_decode_corr": None}
         pre = [t.total() for p, t in reals.items() if "prefill" in p]
         dec = [t.total() for p, t in reals.items() if "decode" in p]
         # Real files hold one phase each: correlate every prefill file with every decode file.
-        corr = [synth.layer_correlation(a, b) for a in pre for b in dec]
+        corr = [calibration.layer_correlation(a, b) for a in pre for b in dec]
         if corr:
             rows["real prefill x decode"] = {"prefill_decode_corr": float(np.median(corr))}
     save_trace(trace, args.output)  # last: nothing after it can fail the run once -o has changed
@@ -138,7 +138,7 @@ def run(args) -> int:
 
         def f(v):
             return "" if v is None else float(v)
-        gpus = [g for g in synth.CONTIGUOUS_GPUS if trace.num_logical_experts % g == 0]
+        gpus = [g for g in calibration.CONTIGUOUS_GPUS if trace.num_logical_experts % g == 0]
         keys = ("hot_median", "hot_max", "gini_median", *(f"contig_G{g}" for g in gpus), "prefill_decode_corr")
         table = [[name.rsplit("/", 1)[-1][:40], *(f(r.get(k)) for k in keys)] for name, r in rows.items()]
         print(format_table(["trace", "hot/mean med", "hot/mean max", "gini med",

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.core.placement import Placement, gpu_loads
+from eplb.core.topology import Topology
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
-from eplb.migration import _repair_kernel
 from eplb.migration.moves import count_moves, keep_slots, relabel
 from eplb.migration.search import Budget, budgeted_search, span_priced
 from eplb.stats.loads import group_span
@@ -52,15 +52,16 @@ def layout_dependent(rule) -> bool:
     return isinstance(rule, LAYOUT_RULES)
 
 
-def served_peaks(rule, phy2log_LP: np.ndarray, load_LE: np.ndarray, num_gpus: int, num_nodes: int,
+def served_peaks(rule, phy2log_LP: np.ndarray, load_LE: np.ndarray, topology: Topology,
                  layer_ids) -> tuple[np.ndarray, np.ndarray]:
     """(busiest GPU's load per layer [L], the rule's shares [L, P]) of a full placement."""
-    pl = Placement(phy2log_LP, num_gpus, load_LE.shape[1], num_nodes, layer_ids)
+    G = topology.num_gpus
+    pl = Placement(phy2log_LP, G, load_LE.shape[1], topology.num_nodes, layer_ids)
     w_LP = rule.bind(pl)(load_LE)
-    return gpu_loads(phy2log_LP, load_LE, num_gpus, w_LP).max(axis=1), w_LP
+    return gpu_loads(phy2log_LP, load_LE, G, w_LP).max(axis=1), w_LP
 
 
-def _movable(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarray:
+def _movable(phy2log_LP: np.ndarray, topology: Topology) -> np.ndarray:
     """How far each slot's replica may move without changing any share, int8 [L, P].
 
     2: anywhere (its expert's only replica: every rank sends it there whatever the GPU);
@@ -69,6 +70,7 @@ def _movable(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarra
     """
     L, P = phy2log_LP.shape
     E = int(phy2log_LP.max()) + 1
+    num_gpus, num_nodes = topology.num_gpus, topology.num_nodes
     S = P // num_gpus
     node_P = np.arange(P) // S // (num_gpus // num_nodes)
     rows = np.broadcast_to(np.arange(L)[:, None], (L, P))
@@ -88,15 +90,35 @@ def _best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, G: int):
 
     Returns (gain, moves, a, b): gain = the busiest load - the larger of the two GPUs' loads
     after it (> 0), moves = change in copies against the served placement (old_GE). Swaps
-    that copy nothing (moves <= 0) come first, by gain. Compiled (eplb/migration/_repair_kernel.py;
-    its numpy twin is tests/oracles/repair.py): the repair runs it once per swap bought.
+    that copy nothing (moves <= 0) come first, by gain. Whole-array numpy: a compiled version
+    saved nothing measurable on the rebalance it serves (benchmarks/bench_kernels.py).
     """
-    found, gain, moves, a, b = _repair_kernel.best_swap(phy_P, x_P, move_P, old_GE, gpu_P, node_P, int(G))
-    return (float(gain), int(moves), int(a), int(b)) if found else None
+    g_G = np.bincount(gpu_P, weights=x_P, minlength=G)
+    top = int(np.argmax(g_G))
+    a = np.flatnonzero(gpu_P == top)
+    b = np.flatnonzero(gpu_P != top)
+    ea, eb = phy_P[a][:, None], phy_P[b][None, :]
+    ga, gb = top, gpu_P[b][None, :]
+    d = x_P[a][:, None] - x_P[b][None, :]
+    gain = g_G[top] - np.maximum(g_G[top] - d, g_G[gb] + d)
+    holds = np.zeros((G, int(phy_P.max()) + 1), dtype=bool)
+    holds[gpu_P, phy_P] = True
+    ok = (gain > 0) & ~holds[gb, ea] & ~holds[ga, eb]
+    same_node = node_P[a][:, None] == node_P[b][None, :]
+    ok &= (move_P[a][:, None] == 2) | ((move_P[a][:, None] == 1) & same_node)
+    ok &= (move_P[b][None, :] == 2) | ((move_P[b][None, :] == 1) & same_node)
+    if not ok.any():
+        return None
+    new = ~old_GE
+    moves = (new[gb, ea].astype(np.int64) + new[ga, eb]) - (new[ga, ea].astype(np.int64) + new[gb, eb])
+    free = ok & (moves <= 0)
+    pick = free if free.any() else ok
+    i, j = np.unravel_index(int(np.argmax(np.where(pick, gain / np.maximum(moves, 1), -np.inf))), ok.shape)
+    return float(gain[i, j]), int(moves[i, j]), int(a[i]), int(b[j])
 
 
 def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, old_LP: np.ndarray,
-                 num_gpus: int, num_nodes: int, budget: Budget,
+                 topology: Topology, budget: Budget,
                  used_LG: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Swaps of replicas that keep every share `w_LP` of the rule, lowering busiest GPUs within the budget.
 
@@ -111,13 +133,14 @@ def repair_swaps(load_LE: np.ndarray, start_LP: np.ndarray, w_LP: np.ndarray, ol
     binding the rule to it gives).
     """
     L, P = start_LP.shape
-    G, S, E = num_gpus, P // num_gpus, load_LE.shape[1]
+    G, num_nodes, E = topology.num_gpus, topology.num_nodes, load_LE.shape[1]
+    S = P // G
     phy_LP = np.array(start_LP, dtype=np.int64, copy=True)
     w0_LP = np.asarray(w_LP, dtype=np.float64)
     w_LP = w0_LP.copy()
     x_LP = np.take_along_axis(load_LE, phy_LP, axis=1) * w_LP
     x0_LP = x_LP.copy()
-    move_LP = _movable(phy_LP, G, num_nodes)
+    move_LP = _movable(phy_LP, topology)
     gpu_P = np.arange(P) // S
     node_P = gpu_P // (G // num_nodes)
     old_LGE = np.zeros((L, G, E), dtype=bool)
@@ -203,8 +226,7 @@ def _no_layer_worse(request, c: _Candidate, start_LP: np.ndarray, keep_L: np.nda
             return _Candidate(phy, perm, peak_L, w_LP, c.within_budget, int(kept.sum()))
         kept |= worse
         phy = np.where(kept[:, None], start_LP, phy)
-        peak_L, w_LP = served_peaks(request.dispatch, phy, request.load_LE, topo.num_gpus, topo.num_nodes,
-                                    request.layer_ids)
+        peak_L, w_LP = served_peaks(request.dispatch, phy, request.load_LE, topo, request.layer_ids)
     return None
 
 
@@ -216,7 +238,7 @@ def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.nda
     old_LP = request.previous.phy2log_LP
 
     def bound(phy, perm=None, within=False):
-        return _Candidate(phy, perm, *served_peaks(rule, phy, load_LE, G, N, request.layer_ids), within)
+        return _Candidate(phy, perm, *served_peaks(rule, phy, load_LE, topo, request.layer_ids), within)
 
     perm_LP = keep_slots(old_LP, target_LP, G)
     out = {"planned": bound(_take(target_LP, perm_LP), perm_LP)}
@@ -237,7 +259,7 @@ def _candidates(request, target_LP: np.ndarray, budget: Budget, start_LP: np.nda
     # lower busiest GPUs only: from a candidate no layer of which is worse, none becomes worse.
     for name, c in [("repair", keep)] + ([("budgeted_search+repair", out["budgeted_search"])]
                                           if "budgeted_search" in out else []):
-        phy, w_LP = repair_swaps(load_LE, c.phy2log_LP, c.w_LP, old_LP, G, N, budget,
+        phy, w_LP = repair_swaps(load_LE, c.phy2log_LP, c.w_LP, old_LP, topo, budget,
                                  count_moves(old_LP, c.phy2log_LP, G, E))
         out[name] = _Candidate(phy, None, gpu_loads(phy, load_LE, G, w_LP).max(axis=1), w_LP, True, c.kept_layers)
     return out

@@ -27,7 +27,7 @@ Model of the traffic, per MoE layer l and window t:
   scores; the token keeps the `topk_groups` best groups and takes the K best experts in them.
 
 The default settings were calibrated on SGLang's published DeepSeek-V3 expert statistics (see
-traces/README.md for the measured numbers); `calibration_stats` measures a trace the same way.
+traces/README.md for the measured numbers); `eplb.stats.calibration` measures a trace the same way.
 """
 
 from __future__ import annotations
@@ -38,10 +38,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from eplb import stats
 from eplb.core.files import MAX_INPUT_ENV, format_size, max_input_bytes
-from eplb.core.placement import contiguous_map, gpu_loads
-from eplb.core.topology import Topology
 from eplb.core.trace import Trace
 from eplb.errors import EplbError
 from eplb.stats.topic_shifts import (  # noqa: F401  (topic_shift_stats, SHIFT_SHAPES: importable from here too)
@@ -458,50 +455,3 @@ def shaped_settings(shape: str, **settings) -> SynthSettings:
     if shape not in SHIFT_SHAPES:
         raise EplbError(f"unknown topic shape {shape!r}: choose one of {', '.join(SHIFT_SHAPES)}")
     return SynthSettings(**{"topic_shifts": 6, **SHIFT_SHAPES[shape], **settings})
-
-
-CONTIGUOUS_GPUS = (4, 8, 16, 32)
-"""GPU counts at which calibration_stats measures contiguous placement (coarse structure)."""
-
-
-def contiguous_imbalance(load_LE: np.ndarray, num_gpus: int) -> float:
-    """Median over layers of busiest/mean GPU when expert e sits on GPU e // (E / num_gpus)."""
-    load = np.asarray(load_LE, dtype=np.float64)
-    L, E = load.shape
-    if num_gpus < 1 or E % num_gpus:
-        raise EplbError(f"contiguous placement needs num_gpus dividing num_experts ({E}), got {num_gpus}")
-    phy2log_LP = contiguous_map(E, Topology(num_gpus, E // num_gpus), L)
-    return float(np.median(stats.imbalance(gpu_loads(phy2log_LP, load, num_gpus, 1.0))))
-
-
-def calibration_stats(load_LE: np.ndarray) -> dict:
-    """The skew figures the generator is calibrated on, for one load [L, E].
-
-    `contig_G<n>`: contiguous busiest/mean GPU at n GPUs (only for n dividing E).
-    """
-    hot_L, gini_L = stats.hot_ratio(load_LE), stats.gini(load_LE)
-    E = np.shape(load_LE)[-1]
-    return {
-        "hot_median": float(np.median(hot_L)), "hot_min": float(hot_L.min()), "hot_max": float(hot_L.max()),
-        "gini_median": float(np.median(gini_L)), "gini_min": float(gini_L.min()), "gini_max": float(gini_L.max()),
-        **{f"contig_G{g}": contiguous_imbalance(load_LE, g) for g in CONTIGUOUS_GPUS if E % g == 0},
-    }
-
-
-def layer_correlation(a_LE: np.ndarray, b_LE: np.ndarray) -> float:
-    """Median over layers of the Pearson correlation of two loads [L, E]."""
-    a = _std(np.asarray(a_LE, dtype=np.float64))
-    b = _std(np.asarray(b_LE, dtype=np.float64))
-    return float(np.median((a * b).mean(axis=1)))
-
-
-def phase_correlation(trace: Trace) -> float:
-    """Median over layers of corr(prefill load, decode load) of a trace with meta 'phases'."""
-    phases = trace.meta.get("phases")
-    if not phases or len(phases) != trace.num_windows:
-        raise EplbError("trace meta has no per-window 'phases' list (only eplb.stats.synth traces carry one)")
-    ph = np.array(phases)
-    if not (np.any(ph == "prefill") and np.any(ph == "decode")):
-        raise EplbError("trace has windows of only one phase; cannot correlate prefill with decode")
-    c = trace.counts_TLE
-    return layer_correlation(c[ph == "prefill"].sum(axis=0), c[ph == "decode"].sum(axis=0))

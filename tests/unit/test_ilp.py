@@ -7,6 +7,7 @@ import pytest
 
 import eplb.planning.front_door as planning
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.dispatch.rules import max_gpu_load, optimal_weights
 from eplb.errors import EplbError
 from planners.ilp_model import (
@@ -64,7 +65,7 @@ def test_cp_sat_model_alone_matches_brute_force(dispatch):
         scores.append(max_gpu_load(p, load[None].astype(float), w)[0])
     worst = placements[int(np.argmax(scores))]
     w = optimal_weights(Placement(worst[None], G, E), load[None].astype(float))[0]
-    out = solve_layer(load, worst, w, G, S, dispatch, time_limit=10, workers=1, seed=0, chain=False)
+    out = solve_layer(load, worst, w, Topology(G, S), dispatch, time_limit=10, workers=1, seed=0, chain=False)
     assert out["status"] == "OPTIMAL" and out["hint_objective"] > out["objective"]
     best = min(scores)
     if dispatch == "weighted":
@@ -167,7 +168,7 @@ def test_chain_fill_meets_the_bound_and_keeps_the_rules():
     for _ in range(10):
         load = scale_loads(rng.pareto(1.5, E) * 100 + 1)
         lower = integer_lower_bound(load, G, G * S)
-        got = chain_fill(load, G, S, lower)
+        got = chain_fill(load, Topology(G, S), lower)
         if got is None:
             continue
         hits += 1

@@ -84,7 +84,8 @@ def test_repair_swaps_keep_every_share(rng, rule):
     load = _loads(rng)
     start = _random_placement(rng, N=2)
     w_LP = rule.bind(start)(load)
-    fixed_LP, fixed_w_LP = repair_swaps(load, start.phy2log_LP, w_LP, start.phy2log_LP, 8, 2, Budget(max_moves=10))
+    fixed_LP, fixed_w_LP = repair_swaps(load, start.phy2log_LP, w_LP, start.phy2log_LP, start.topology,
+                                        Budget(max_moves=10))
     fixed = Placement(fixed_LP, 8, 32, 2)
     assert np.allclose(rule.bind(fixed)(load), fixed_w_LP)  # the shares moved with their replicas, unchanged
     before = start.gpu_loads(load, w_LP).max(axis=1)

@@ -9,16 +9,8 @@ import pytest
 from eplb.cli import main
 from eplb.errors import EplbError
 from eplb.formats import load_trace
-from eplb.stats.synth import (
-    SynthSettings,
-    calibration_stats,
-    contiguous_imbalance,
-    generate,
-    layer_correlation,
-    phase_correlation,
-    route_tokens,
-    topic_shift_stats,
-)
+from eplb.stats.calibration import calibration_stats, contiguous_imbalance, layer_correlation, phase_correlation
+from eplb.stats.synth import SynthSettings, generate, route_tokens, topic_shift_stats
 
 SHIPPED = Path(__file__).resolve().parents[2] / "traces" / "deepseek.npz"
 SMALL = dict(num_windows=4, tokens_per_window=64, num_hidden_layers=5, first_moe_layer=1,
