@@ -34,7 +34,7 @@ RESULTS = ROOT / "docs" / "results"
 if str(ROOT) not in sys.path:  # the benchmarks put the checkout first; a lone import of this module too
     sys.path.insert(0, str(ROOT))
 
-from eplb.core.files import write_text  # noqa: E402
+from eplb.core.outputs import write_text  # noqa: E402
 
 
 def portable(text: str) -> str:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from eplb import plan
 from eplb.commands.common import positive_int
-from eplb.core.files import write_text
+from eplb.core.outputs import write_text
 from eplb.core.placement import Placement, contiguous_map
 from eplb.core.topology import Topology
 from eplb.core.trace import Trace

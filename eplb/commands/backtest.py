@@ -17,7 +17,7 @@ from eplb.commands.common import (
 )
 from eplb.commands.plan import objective_from_args, parse_settings
 from eplb.commands.simulate import add_time_scoring_arguments
-from eplb.core.files import write_text
+from eplb.core.outputs import write_text
 from eplb.errors import EplbError
 from eplb.evaluate.backtest import DISPATCH, backtest, leave_one_out
 from eplb.formats import load_history, load_trace

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.core.files import check_writable, is_special_target, same_file
+from eplb.core.outputs import check_writable, is_special_target, same_file
 from eplb.errors import EplbError
 
 REDUNDANT_HELP = ("redundant slots in total (default: ceil(E / G) + 1 slots per GPU, i.e. one redundant slot per "

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from eplb.core.files import as_path, parse_json, parse_yaml, read_bytes, write_text
+from eplb.core.files import as_path, parse_json, parse_yaml, read_bytes
+from eplb.core.outputs import write_text
 from eplb.errors import EplbError
 
 FLOP_DTYPES = ("fp32", "bf16", "fp16", "fp8", "fp4")
@@ -83,7 +84,7 @@ class Hardware:
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON (what `get_hardware(path)` reads back), atomically: a failed
-        write leaves an existing file as it was (eplb.core.files)."""
+        write leaves an existing file as it was (eplb.core.outputs)."""
         write_text(path, json.dumps(self.to_dict(), indent=2) + "\n", what="the hardware profile")
 
 

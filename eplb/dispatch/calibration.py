@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.core.files import atomic_output, load_npz
+from eplb.core.files import load_npz
 from eplb.core.hardware import Hardware
+from eplb.core.outputs import atomic_output
 from eplb.dispatch.cost import CostModel
 from eplb.errors import EplbError
 from eplb.stats.capacity import ModelShape

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from eplb import stats
-from eplb.core.files import write_bytes
+from eplb.core.outputs import write_bytes
 from eplb.errors import EplbError
 
 FORMATS = (".png", ".svg", ".pdf")

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.core.files import ZIP_ERRORS, as_path, atomic_output, load_npz, parse_json, read_json, write_text
+from eplb.core.files import ZIP_ERRORS, as_path, load_npz, parse_json, read_json
+from eplb.core.outputs import atomic_output, write_text
 from eplb.core.placement import Placement
 from eplb.core.trace import Trace
 from eplb.errors import EplbError

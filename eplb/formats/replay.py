@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.core.files import as_path, atomic_output, input_file, load_npz, parse_json
+from eplb.core.files import as_path, input_file, load_npz, parse_json
+from eplb.core.outputs import atomic_output
 from eplb.errors import EplbError
 
 REQUIRED = ("phy2log_TLP", "weights_TLP", "counts_TLE", "window_T", "decided_T", "applied_T", "moves_T",

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.core.files import as_path, atomic_output, check_input_size
+from eplb.core.files import as_path, check_input_size
+from eplb.core.outputs import atomic_output
 from eplb.core.placement import Placement
 from eplb.core.trace import Trace, default_meta
 from eplb.errors import EplbError, number_array, whole_array, whole_number

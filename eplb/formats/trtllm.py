@@ -37,9 +37,8 @@ from eplb.core.files import (
     parse_yaml,
     read_bytes,
     read_json,
-    write_bytes,
-    write_text,
 )
+from eplb.core.outputs import write_bytes, write_text
 from eplb.core.placement import Placement
 from eplb.core.trace import MAX_COUNT, Trace, default_meta
 from eplb.errors import EplbError, is_whole, shown, whole_number

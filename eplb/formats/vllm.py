@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.core.files import as_path, write_bytes
+from eplb.core.files import as_path
+from eplb.core.outputs import write_bytes
 from eplb.core.placement import Placement
 from eplb.errors import EplbError, whole_array, whole_number
 from eplb.formats.deepseek import from_deepseek, to_deepseek

@@ -32,8 +32,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from eplb.cli import build_parser, main
-from eplb.core.files import TEMP_SUFFIX
 from eplb.core.hardware import Hardware
+from eplb.core.outputs import TEMP_SUFFIX
 from eplb.core.trace import Trace, default_meta
 from eplb.dispatch.calibration import CostModel, ShimMeasurements
 from eplb.formats import save_placement, save_trace

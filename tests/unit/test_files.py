@@ -24,18 +24,9 @@ import numpy as np
 import pytest
 
 from eplb.cli import main
-from eplb.core.files import (
-    MAX_INPUT_ENV,
-    TEMP_SUFFIX,
-    atomic_output,
-    json_depth,
-    max_input_bytes,
-    parse_size,
-    read_json,
-    write_bytes,
-    write_text,
-)
+from eplb.core.files import MAX_INPUT_ENV, json_depth, max_input_bytes, parse_size, read_json
 from eplb.core.hardware import PROFILES
+from eplb.core.outputs import TEMP_SUFFIX, atomic_output, write_bytes, write_text
 from eplb.core.placement import Placement
 from eplb.core.topology import Topology
 from eplb.core.trace import Trace, default_meta
@@ -140,7 +131,7 @@ def test_a_read_only_file_is_not_replaced(tmp_path):
 
 KILLED_WRITER = """
 import sys, time
-from eplb.core.files import atomic_output
+from eplb.core.outputs import atomic_output
 with atomic_output(sys.argv[1]) as f:
     f.write(b"new data " * 100000)
     f.flush()

@@ -47,7 +47,7 @@ def test_round_trip_every_format(tmp_path, placement, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_unwritable_path_is_a_named_error_in_every_format(tmp_path, placement, fmt):
-    """One error for every writer (eplb.core.files.atomic_output); torch.save alone raised RuntimeError."""
+    """One error for every writer (eplb.core.outputs.atomic_output); torch.save alone raised RuntimeError."""
     if fmt == "vllm":
         _torch()
     for bad, why in ((tmp_path / "no" / "plan.out", "does not exist"), (tmp_path, "it is a folder")):
