@@ -58,6 +58,10 @@ def _check_path(path: str) -> str:
     return path
 
 
+MAX_HIDDEN_LAYERS = 4096
+"""Most hidden layers an SGLang map is built for (DeepSeek-V3 has 61; a larger count is a bad id)."""
+
+
 def hidden_rows(placement: Placement, num_hidden_layers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(phy2log_HP, moe_rows_L): SGLang's map over every hidden layer, and the MoE rows in it.
 
@@ -67,6 +71,14 @@ def hidden_rows(placement: Placement, num_hidden_layers: int | None = None) -> t
     H = int(ids.max()) + 1 if num_hidden_layers is None else whole_number("num_hidden_layers", num_hidden_layers, 1)
     if H <= int(ids.max()):
         raise EplbError(f"num_hidden_layers ({H}) must exceed the largest MoE layer id ({int(ids.max())})")
+    if H > MAX_HIDDEN_LAYERS:
+        # Memory alone would allow millions of rows, but SGLang's draws walk every row in Python
+        # (the stream runs through filler rows too), minutes per million: refused by count first.
+        where = f"num_hidden_layers {H}" if num_hidden_layers is not None else \
+            f"the largest MoE layer id, {int(ids.max())},"
+        raise EplbError(f"{where} asks for an SGLang dispatch map of {H:,} hidden layers, more than the "
+                        f"{MAX_HIDDEN_LAYERS:,} eplb builds (models have at most a few hundred): check the layer ids "
+                        f"(plan --layer-ids) or --num-hidden-layers")
     P, E = placement.num_slots, placement.num_logical_experts
     # Sized before anything is built: H comes from a layer id, and one id of 10**8 (a typo, a
     # damaged file) asks for that many rows. Per row: _candidates' [E, G] and [E, X] int64
