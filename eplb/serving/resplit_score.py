@@ -171,6 +171,12 @@ def _check(phy_BP, load_MBE, num_gpus: int):
         raise EplbError(f"{phy_BP.shape[1]} slots do not split over {num_gpus} GPUs: give the map's GPU count")
     if phy_BP.size and (phy_BP.min() < 0 or phy_BP.max() >= load.shape[2]):
         raise EplbError(f"the map holds expert ids outside 0..{load.shape[2] - 1} (the loads' experts)")
+    B, E = phy_BP.shape[0], load.shape[2]
+    held_BE = np.bincount((np.arange(B)[:, None] * E + phy_BP).ravel(), minlength=B * E).reshape(B, E) > 0
+    lost = np.argwhere(~held_BE & (load > 0).any(axis=0))
+    if len(lost):
+        raise EplbError(f"row {lost[0, 0]} of the map holds no replica of expert {lost[0, 1]}, which has tokens: "
+                        f"give a map that holds every expert with tokens")
     return phy_BP, load
 
 
