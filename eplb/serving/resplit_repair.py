@@ -63,7 +63,11 @@ most MIXED of them moving a replicated expert: those start from the even split),
 SPARES least needed spare replicas rewritten to each of the TARGETS heaviest experts of the
 busiest GPUs (HOT >= G: swaps between any two GPUs, the more loaded one's expert the heavier,
 and any spare replica to any of the TARGETS heaviest experts). A layer starts with the first
-width; one that finds nothing there tries the next and stops after the last."""
+width; one that finds nothing there tries the next and stops after the last (after the second
+where a layer has more than EVERY_SLOTS slots: the widest search grows as P**2)."""
+
+EVERY_SLOTS = 96
+"""Most slots per layer for which the widest search runs."""
 
 CHUNK = 1 << 22
 """Most (scenario x candidate x GPU) entries scored at once (memory)."""
@@ -218,6 +222,7 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
     before = cost = state[-1]
     active = cost > 1.0 + 1e-9
     width_L = np.zeros(L, dtype=np.int64)
+    widths = len(WIDTHS) if P <= EVERY_SLOTS else len(WIDTHS) - 1
     for _ in range(int(rounds) * STEPS):
         layers = np.flatnonzero(active)
         if not layers.size:
@@ -243,8 +248,8 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
         found = np.zeros(L, dtype=bool)
         found[cand[keep, 0]] = True
         width_L[active & ~found] += 1
-        active &= found | (width_L < len(WIDTHS))
-        width_L = np.minimum(width_L, len(WIDTHS) - 1)
+        active &= found | (width_L < widths)
+        width_L = np.minimum(width_L, widths - 1)
         for k in keep:
             l, a, b, x = cand[k, :4]
             if b >= 0:
