@@ -150,3 +150,20 @@ def test_a_plan_for_resplit_at_32_gpus_lowers_the_exact_score():
     new, cost_L2 = resplit_repair(phy, win, Gb, rounds=2)
     assert (cost_L2[:, 1] < cost_L2[:, 0]).all()
     assert resplit_imbalance(new, win, Gb).mean() < resplit_imbalance(phy, win, Gb).mean()
+
+
+def test_a_32_gpu_replay_planned_for_resplit():
+    """plan_for="resplit" at 32 GPUs x 9 slots (past the old 12-GPU ceiling) on a small synthetic
+    trace: it runs, says what it did, and serves re-split no worse than its own static plan."""
+    from eplb.core.topology import Topology
+    from eplb.evaluate.replay import replay
+
+    rng = np.random.default_rng(13)
+    Lb, Eb = 2, 256
+    p = rng.gamma(0.6, 1.0, (Lb, Eb))
+    counts = np.stack([np.stack([rng.multinomial(8000, q / q.sum()) for q in p]) for _ in range(6)])
+    r = replay(counts, topology=Topology(32, 9), warmup=3, references=("static",), plan_for="resplit")
+    assert "searched for the re-split rule" in r.notes[1] and r.settings == {"rule": "resplit"}
+    served = [resplit_imbalance(r.phy2log_TLP[t], counts[3 + t][None].astype(float), 32) for t in range(3)]
+    static = [resplit_imbalance(r.phy2log_TLP[0], counts[3 + t][None].astype(float), 32) for t in range(3)]
+    assert np.mean(served) <= np.mean(static) + 0.01
