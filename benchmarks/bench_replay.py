@@ -13,7 +13,7 @@ rebalance), window N (plan on the sum of the newest N windows with greedy at eve
 migration-aware, move_cost 0.001: the Rebalancer's window=N rule), adaptive (the default), and
 hindsight (greedy planned on the served window itself); on v2 also the static and adaptive
 runs planned for re-split (`plan_for="resplit"`: the warm-up plan and the policy searched under
-exact re-split scores, eplb.serving.resplit_repair), whose re-split column is what that engine serves.
+re-split scores, eplb.serving.resplit_repair), whose re-split column is what that engine serves.
 Scores: busiest / mean GPU over every
 (served window, layer), median and p95, under an even split and under per-batch re-split
 (`resplit` on the window's own counts); moves are experts copied, summed over layers, per
@@ -322,7 +322,7 @@ def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
         lines.append("```\n" + format_table(["plan", "re-split median (p95)", "changed / search time"], rows) + "\n```")
     lines.append("searched: eplb.serving.resplit_repair from the robust plan (slot swaps and rewritten spare replicas, "
                  "no move "
-                 "price, 8 passes) under exact re-split scores; spread 1.5: the windows and their deviations from the "
+                 "price, 8 passes) under re-split scores; spread 1.5: the windows and their deviations from the "
                  "mean widened 1.5x; in sample / even -> odd: searched from the robust plan of those windows")
     return lines
 

@@ -357,7 +357,8 @@ def engine_rule(engine: str, mode: str | None = None) -> DispatchRule:
     if mode is None:
         mode = next(iter(modes))
     if mode not in modes:
-        raise EplbError(f"engine {engine!r} has no dispatch mode {mode!r}: its modes are {', '.join(modes)}")
+        raise EplbError(f"engine {engine!r} has no dispatch mode {mode!r}: its modes are {', '.join(modes)}; give one "
+                        f"of them (planning for a per-batch re-split: eplb replay --plan-for resplit)")
     return modes[mode]()
 
 

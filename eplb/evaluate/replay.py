@@ -45,7 +45,7 @@ from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import Budget, count_moves, schedule
 from eplb.planning.front_door import as_history, plan, size_topology
 from eplb.serving.policy import Policy, get_policy, takes_budget
-from eplb.serving.resplit_repair import PLAN_ROUNDS, check_gpus, resplit_repair
+from eplb.serving.resplit_repair import PLAN_ROUNDS, resplit_repair
 
 REFERENCES = ("static", "hindsight")
 """Reference runs scored beside the policy."""
@@ -225,8 +225,6 @@ def replay(trace, *, topology: Topology, policy: str | Policy = "adaptive", sett
         if bytes_per_expert > 2**62 // (L * topology.num_slots):  # the most a window can move, in int64
             raise EplbError(f"bytes_per_expert ({bytes_per_expert}) x the {L * topology.num_slots} slots a window "
                             f"can move exceeds 2**62 bytes: give the size of one expert's weights in bytes")
-    if plan_for == "resplit":
-        check_gpus(topology.num_gpus)
     counts_f = counts_TLE.astype(np.float64)
     batches = _batches(scoring, trace, tokens_per_window, counts_f, warmup, topology.num_gpus)
     initial, start_note = _initial(initial, counts_f[:warmup], topology, objective, plan_for)

@@ -56,11 +56,12 @@ class AdaptivePolicy:
     than `drift_strong`, are planned on alone; a move is priced `drift_move_cost` instead of
     `move_cost`. Traffic around a fixed mean (V2-Lite) never sets it off.
     "off" (or 0) plans on the memory always.
-    rule: the dispatch rule the engine serves, "even" or "resplit" (at most 12 GPUs): a decision
-    then searches the placement in force under exact per-batch re-split scores on the memory's
+    rule: the dispatch rule the engine serves, "even" or "resplit" (any GPU count): a decision
+    then searches the placement in force under per-batch re-split scores on the memory's
     windows and on their deviations widened `spread` times (`eplb.serving.resplit_repair`), for
     `resplit_rounds` passes, a layer changing where its gain beats `resplit_move_cost` / P per move
-    (layers the change detector flagged: PLAN_ROUNDS passes at `move_cost` / P).
+    (layers the change detector flagged: PLAN_ROUNDS passes at `move_cost` / P, and a fresh greedy
+    plan of the memory, renamed and searched the same way, where its net gain is higher).
     objective: "tokens", or an eplb.dispatch.cost.TimeObjective: windows are then planned as each
     expert's expected seconds per step (as `eplb.plan(objective=...)` plans them).
     """
@@ -235,7 +236,7 @@ class AdaptivePolicy:
 
     def _decide_resplit(self, placement, windows, flag_L, budget, num_expert_groups):
         """The decision for an engine that re-splits every batch (`eplb.serving.resplit_repair`): the
-        placement in force searched under exact re-split scores on the memory's windows (weighted as
+        placement in force searched under re-split scores on the memory's windows (weighted as
         the even rule's are) and their widened deviations, kept per layer where it pays."""
         if budget.max_moves is not None or budget.max_moves_per_gpu is not None \
                 or span_priced(placement.num_nodes, num_expert_groups, budget):
@@ -247,11 +248,13 @@ class AdaptivePolicy:
         new_LP, pays_L, gain_L = old_LP.copy(), np.zeros(len(old_LP), dtype=bool), np.zeros(len(old_LP))
         # Layers the change detector flagged met traffic their placement was not made for: they are
         # searched longer and at the even rule's price, as the even rule gives them urgent swaps.
-        for rows, cost, rounds in ((np.flatnonzero(~flag_L), self.resplit_move_cost, self.resplit_rounds),
-                                   (np.flatnonzero(flag_L), self.move_cost, PLAN_ROUNDS)):
+        # Flagged layers are also offered a fresh plan of the memory, searched the same way.
+        for rows, cost, rounds, fresh in ((np.flatnonzero(~flag_L), self.resplit_move_cost, self.resplit_rounds, False),
+                                          (np.flatnonzero(flag_L), self.move_cost, PLAN_ROUNDS, True)):
             if rows.size:
                 new_LP[rows], pays_L[rows], gain_L[rows] = resplit_decision(
-                    old_LP[rows], win[:, rows], w_M, G, E, cost / P + budget.move_cost, (1.0, self.spread), rounds)
+                    old_LP[rows], win[:, rows], w_M, G, E, cost / P + budget.move_cost, (1.0, self.spread), rounds,
+                    fresh)
         if not pays_L.any():
             return None
         return Decision(new_LP, pays_L, gain_L, flag_L, f"{int(pays_L.sum())} layer(s) searched for re-split")

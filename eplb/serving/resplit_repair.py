@@ -1,17 +1,24 @@
-"""Placements for an engine that re-splits every batch: exact re-split scores and a local search
-under them (kernels in eplb/serving/_resplit_kernel.py).
+"""Placements for an engine that re-splits every batch: re-split scores and a local search under
+them, at any GPU count (numpy; the scores are eplb.serving.resplit_score's).
 
-Legend: M = windows (scenarios), L = MoE layers, E = logical experts, G = GPUs, P = physical
-slots.
+Legend: M = windows (scenarios), L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU,
+P = G x S physical slots, C = candidate maps of one search step.
 
 An engine that re-splits each batch among an expert's replicas (`eplb.dispatch.Resplitter`,
-rule `resplit`) serves a window as well as the best flow of each expert's tokens onto the GPUs
-holding its replicas allows. What matters then is not each GPU's even-split load but which
-experts share GPUs and how many GPUs each replicated expert spans: by Hall's theorem the busiest
-GPU is max over GPU sets X of (load of the experts held only inside X) / |X|, scored here exactly
-over all 2**G sets, hence for at most MAX_GPUS GPUs. `resplit_repair` changes a placement in
-force by slot swaps and rewritten spare replicas that lower that score over a set of windows
-(half the mean, half the worst), each kept only where it buys more than its price in moves.
+rule `resplit`; SGLang's `--ep-dispatch-algorithm lp`) serves a window as well as the best flow
+of each expert's tokens onto the GPUs holding its replicas allows. What matters then is not each
+GPU's even-split load but which experts share GPUs and how many GPUs each replicated expert
+spans: by Hall's theorem the busiest GPU is max over GPU sets Y of (load of the experts held only
+inside Y) / |Y|. `resplit_repair` changes a placement in force by slot swaps and rewritten spare
+replicas that lower that score over a set of windows (half the mean, half the worst), each kept
+only where it buys more than its price in moves.
+
+Each step scores, for every layer at once, a few dozen candidates aimed at the layer's busiest
+GPUs in its worst scenario (`_candidates`), and keeps each layer's best one. Candidates are
+scored by the upper bound of `eplb.serving.resplit_score` (a feasible split after SWEEPS sweeps of
+water-filling): a swap of two experts with one replica each leaves the replicated experts as they
+were, so it starts from the placement's own split and needs WARM_SWEEPS more; other candidates
+start from the even split.
 
 Because a few dozen windows can all be balanced perfectly under re-split, a plan fitted to them
 stops where they are and hedges nothing more; `scenarios` adds the same windows with their
@@ -23,23 +30,47 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.core.jit import kernel_floats, kernel_ints
 from eplb.errors import EplbError
-from eplb.serving import _resplit_kernel
+from eplb.serving.resplit_score import (
+    even_split,
+    fixed_loads,
+    flexible_loads,
+    layout,
+    resplit_imbalance,
+    water_fill,
+)
 from planners.robust import normalise_windows
 
-MAX_GPUS = 12
-"""Exact scoring enumerates the 2**G GPU sets of a layer: 4,096 at 12 GPUs."""
+__all__ = ["PLAN_ROUNDS", "resplit_decision", "resplit_imbalance", "resplit_repair", "scenarios"]
 
 PLAN_ROUNDS = 8
 """Passes of the search when a plan is made for the rule from scratch (`eplb replay --plan-for
 resplit`'s warm-up plan); a decision of the online policy makes `resplit_rounds` (1)."""
 
+STEPS = 4
+"""Search steps per pass: each keeps at most one change per layer."""
 
-def check_gpus(num_gpus: int) -> None:
-    if num_gpus > MAX_GPUS:
-        raise EplbError(f"planning for the re-split rule scores all 2**G GPU sets of a layer, so it takes at most "
-                        f"{MAX_GPUS} GPUs; this placement has {num_gpus}: plan with rule='even' instead")
+SWEEPS = 6
+"""Water-filling sweeps of the placement in force, from the even split, before a step."""
+
+WARM_SWEEPS = 3
+"""Further sweeps that score each candidate (and the placement in force, for a fair comparison)."""
+
+WIDTHS = ((3, 4, 16, 4, 3, 8), (8, 32, 64, 8, 4, 16), (1 << 30, 0, 256, 16, 8, 64))
+"""Candidates of a step, per layer, (HOT, COLD, SWAPS, SPARES, TARGETS, MIXED): swaps between the HOT
+busiest GPUs of the worst scenario and the COLD least loaded GPUs (the SWAPS most promising, at
+most MIXED of them moving a replicated expert: those start from the even split), and the
+SPARES least needed spare replicas rewritten to each of the TARGETS heaviest experts of the
+busiest GPUs (HOT >= G: swaps between any two GPUs, the more loaded one's expert the heavier,
+and any spare replica to any of the TARGETS heaviest experts). A layer starts with the first
+width; one that finds nothing there tries the next and stops after the last (after the second
+where a layer has more than EVERY_SLOTS slots: the widest search grows as P**2)."""
+
+EVERY_SLOTS = 96
+"""Most slots per layer for which the widest search runs."""
+
+CHUNK = 1 << 22
+"""Most (scenario x candidate x GPU) entries scored at once (memory)."""
 
 
 def scenarios(windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | None = None,
@@ -53,10 +84,118 @@ def scenarios(windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | No
     return out, np.tile(w_M, len(spread))
 
 
-def resplit_imbalance(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int) -> np.ndarray:
-    """Busiest / mean GPU of each window and layer under the best re-split, [M, L] (idle layers 1)."""
-    check_gpus(num_gpus)
-    return _resplit_kernel.resplit_busiest(kernel_ints(phy2log_LP), kernel_floats(windows_MLE), int(num_gpus))
+def _cost(hi_MC: np.ndarray, w_M: np.ndarray) -> np.ndarray:
+    """Half the weighted mean, half the worst scenario, [C]."""
+    return 0.5 * (w_M @ hi_MC) / w_M.sum() + 0.5 * hi_MC.max(axis=0)
+
+
+def _score_cold(new_CP, layer_C, load_MLE, G, w_M) -> np.ndarray:
+    """Cost of candidate maps new_CP [C, P] (rows of layers layer_C) from the even split, [C]."""
+    M, _, E = load_MLE.shape
+    out = np.empty(len(new_CP))
+    step = max(1, CHUNK // max(1, M * G * 8))
+    for i in range(0, len(new_CP), step):
+        sl = slice(i, i + step)
+        load = load_MLE[:, layer_C[sl]]
+        lay = layout(new_CP[sl], G)
+        fixed, flex = fixed_loads(lay, load), flexible_loads(lay, load)
+        gpu, flow = even_split(lay, fixed, flex)
+        water_fill(lay.gpu_BRX, flex, gpu, flow, SWEEPS + WARM_SWEEPS)
+        out[sl] = _cost(_ratio(gpu[:, :, :G].max(axis=2), load, G), w_M)
+    return out
+
+
+def _ratio(busiest_MC, load_MCE, G):
+    """Busiest / mean GPU, 1 for idle rows."""
+    mean = load_MCE.sum(axis=2) / G
+    return np.where(mean > 0, busiest_MC / np.where(mean > 0, mean, 1.0), 1.0)
+
+
+def _candidates(cur_LP, layers, width_L, gpu_MLG, hi_ML, load_MLE, w_M, G):
+    """Candidate changes of the active layers: (layer [C], slot a [C], slot b [C], -1 for a
+    rewrite of slot a to expert x [C], x [C], warm [C]: a swap of two single-replica experts)."""
+    L, P = cur_LP.shape
+    S = P // G
+    E = load_MLE.shape[2]
+    gpu_P = np.arange(P) // S
+    out = []
+    for l in layers:
+        HOT, COLD, SWAPS, SPARES, TARGETS, MIXED = WIDTHS[width_L[l]]
+        phy = cur_LP[l]
+        r_E = np.bincount(phy, minlength=E)
+        worst = int(np.argmax(hi_ML[:, l]))
+        mean_E = (w_M @ load_MLE[:, l]) / w_M.sum()
+        press_G = 0.5 * (w_M @ gpu_MLG[:, l]) / w_M.sum() + 0.5 * gpu_MLG[worst, l]
+        hot = np.argsort(-gpu_MLG[worst, l], kind="stable")[:min(HOT, G // 2)]
+        cold = np.argsort(press_G, kind="stable")
+        cold = cold[~np.isin(cold, hot)][:COLD]
+        x_P = mean_E[phy] / r_E[phy]
+        # Swaps: a replica of a hot GPU for a lighter one of a cold GPU (moves the difference).
+        every = HOT >= G                                            # the widest search: any two GPUs
+        a = np.arange(P) if every else np.flatnonzero(np.isin(gpu_P, hot))
+        b = np.arange(P) if every else np.flatnonzero(np.isin(gpu_P, cold))
+        A, Bq = np.meshgrid(a, b, indexing="ij")
+        A, Bq = A.ravel(), Bq.ravel()
+        d = x_P[A] - x_P[Bq]
+        gain = np.minimum(d, press_G[gpu_P[A]] - press_G[gpu_P[Bq]] - d)
+        ok = (phy[A] != phy[Bq]) & ((gain > 0) | (width_L[l] > 0) & (d > 0))
+        if every:
+            ok = (phy[A] != phy[Bq]) & (press_G[gpu_P[A]] > press_G[gpu_P[Bq]])
+        A, Bq, gain = A[ok], Bq[ok], gain[ok]
+        top = np.argsort(-gain, kind="stable")[:SWAPS]
+        A, Bq = A[top], Bq[top]
+        warm = (r_E[phy[A]] == 1) & (r_E[phy[Bq]] == 1)
+        mixed = np.flatnonzero(~warm)[MIXED:]
+        A, Bq, warm = np.delete(A, mixed), np.delete(Bq, mixed), np.delete(warm, mixed)
+        out.append(np.stack([np.full(len(A), l), A, Bq, np.full(len(A), -1), warm], axis=1))
+        # Rewrites: a spare replica (its expert has another) of a cold-ish GPU to a heavy hot expert.
+        spare = np.flatnonzero((r_E[phy] >= 2) & (every | ~np.isin(gpu_P, hot)))
+        spare = spare[np.argsort(x_P[spare], kind="stable")[:SPARES]]
+        on_hot = np.arange(P) if every else np.flatnonzero(np.isin(gpu_P, hot))
+        heavy = phy[on_hot[np.argsort(-x_P[on_hot], kind="stable")]]
+        heavy = heavy[np.sort(np.unique(heavy, return_index=True)[1])][:TARGETS]
+        Q, T = np.meshgrid(spare, heavy, indexing="ij")
+        Q, T = Q.ravel(), T.ravel()
+        ok = phy[Q] != T
+        out.append(np.stack([np.full(ok.sum(), l), Q[ok], np.full(ok.sum(), -1), T[ok], np.zeros(ok.sum(), int)],
+                            axis=1))
+    return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 5), np.int64)
+
+
+def _score(cur_LP, load_MLE, G, w_M):
+    """The placement's state after SWEEPS sweeps (for warm candidates) and its cost after
+    WARM_SWEEPS more: (layout, fixed, flex, gpu, flow, gpu after, busiest / mean after [M, L], cost [L])."""
+    lay = layout(cur_LP, G)
+    fixed, flex = fixed_loads(lay, load_MLE), flexible_loads(lay, load_MLE)
+    gpu, flow = even_split(lay, fixed, flex)
+    water_fill(lay.gpu_BRX, flex, gpu, flow, SWEEPS)
+    gpu2, flow2 = gpu.copy(), flow.copy()
+    water_fill(lay.gpu_BRX, flex, gpu2, flow2, WARM_SWEEPS)
+    hi_ML = _ratio(gpu2[:, :, :G].max(axis=2), load_MLE, G)
+    return lay, fixed, flex, gpu, flow, gpu2, hi_ML, _cost(hi_ML, w_M)
+
+
+def _score_warm(cand, state, load_MLE, G, w_M) -> np.ndarray:
+    """Cost of swaps of two single-replica experts [C] (rows of `_candidates`), from the
+    placement's own split (its replicated experts are unchanged)."""
+    lay, fixed, flex, gpu, flow = state[:5]
+    cur_LP = state[-1]
+    S = cur_LP.shape[1] // G
+    M = load_MLE.shape[0]
+    out = np.empty(len(cand))
+    step = max(1, CHUNK // max(1, M * G * 8))
+    for i in range(0, len(cand), step):
+        c = cand[i:i + step]
+        l, a, b = c[:, 0], c[:, 1], c[:, 2]
+        g, h = a // S, b // S
+        rows = np.arange(len(c))
+        d_MC = load_MLE[:, l, cur_LP[l, b]] - load_MLE[:, l, cur_LP[l, a]]     # g gains d, h loses it
+        gpu_c, flow_c = gpu[:, l].copy(), flow[:, l].copy()
+        gpu_c[:, rows, g] += d_MC
+        gpu_c[:, rows, h] -= d_MC
+        water_fill(lay.gpu_BRX[l], flex[:, l], gpu_c, flow_c, WARM_SWEEPS)
+        out[i:i + step] = _cost(_ratio(gpu_c[:, :, :G].max(axis=2), load_MLE[:, l], G), w_M)
+    return out
 
 
 def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | None = None,
@@ -65,29 +204,94 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
     """The placement in force, changed for the re-split rule on these windows; (new map [L, P],
     cost [L, 2]: before and after, on the scenarios).
 
-    Each layer is searched on its own: every pair of slots on two GPUs swaps experts (two moves),
-    every spare replica (of an expert with two or more) may hold another expert (one move); a change
-    is kept when the cost (half the weighted mean, half the worst scenario of re-split busiest /
-    mean GPU, `scenarios` of the windows with `spread`) drops by more than `price` per move, for at
-    most `rounds` passes. A layer already balanced in every scenario is left as it is.
+    The cost of a layer is half the weighted mean, half the worst scenario of busiest / mean GPU
+    under re-split (`scenarios` of the windows with `spread`), each scenario scored by a feasible
+    split (SWEEPS + WARM_SWEEPS sweeps of water-filling: an upper bound within a few 1e-3 of the
+    optimum, `eplb.serving.resplit_score`). `rounds` passes of STEPS steps; each step keeps, per
+    layer, the best candidate (module docstring) when it lowers the cost by more than `price` per
+    move (a swap moves two replicas, a rewrite one). A layer balanced in every scenario is left.
     """
-    check_gpus(num_gpus)
-    load_MLE, w_M = scenarios(windows_MLE, num_gpus, weights_M, spread)
-    return _resplit_kernel.resplit_search(kernel_ints(old_LP), kernel_floats(load_MLE), kernel_floats(w_M),
-                                          int(num_gpus), int(rounds), float(price))
+    old_LP = np.asarray(old_LP, dtype=np.int64)
+    L, P = old_LP.shape
+    G = int(num_gpus)
+    if G < 1 or P % G:
+        raise EplbError(f"{P} slots do not split over {num_gpus} GPUs: give the placement's GPU count")
+    load_MLE, w_M = scenarios(windows_MLE, G, weights_M, spread)
+    cur = old_LP.copy()
+    state = _score(cur, load_MLE, G, w_M)
+    before = cost = state[-1]
+    active = cost > 1.0 + 1e-9
+    width_L = np.zeros(L, dtype=np.int64)
+    widths = len(WIDTHS) if P <= EVERY_SLOTS else len(WIDTHS) - 1
+    for _ in range(int(rounds) * STEPS):
+        layers = np.flatnonzero(active)
+        if not layers.size:
+            break
+        cand = _candidates(cur, layers, width_L, state[5][:, :, :G], state[6], load_MLE, w_M, G)
+        c_C = np.empty(len(cand))
+        warm = cand[:, 4] == 1
+        c_C[warm] = _score_warm(cand[warm], state[:5] + (cur,), load_MLE, G, w_M)
+        new_CP = cur[cand[~warm, 0]].copy()
+        rows = np.arange(len(new_CP))
+        a, b, x = cand[~warm, 1], cand[~warm, 2], cand[~warm, 3]
+        swap = b >= 0
+        new_CP[rows[swap], a[swap]], new_CP[rows[swap], b[swap]] = cur[cand[~warm, 0][swap], b[swap]], \
+            cur[cand[~warm, 0][swap], a[swap]]
+        new_CP[rows[~swap], a[~swap]] = x[~swap]
+        c_C[~warm] = _score_cold(new_CP, cand[~warm, 0], load_MLE, G, w_M)
+        # Step: each layer's best candidate, kept where it pays for its moves.
+        gain_C = cost[cand[:, 0]] - c_C - price * np.where(cand[:, 2] >= 0, 2, 1)
+        order = np.lexsort((-gain_C, cand[:, 0]))
+        first = order[np.r_[True, cand[order[1:], 0] != cand[order[:-1], 0]]] if len(cand) else order
+        keep = first[gain_C[first] > 1e-12]
+        # Layers that found nothing widen their search, or stop at the widest.
+        found = np.zeros(L, dtype=bool)
+        found[cand[keep, 0]] = True
+        width_L[active & ~found] += 1
+        active &= found | (width_L < widths)
+        width_L = np.minimum(width_L, widths - 1)
+        for k in keep:
+            l, a, b, x = cand[k, :4]
+            if b >= 0:
+                cur[l, a], cur[l, b] = cur[l, b], cur[l, a]
+            else:
+                cur[l, a] = x
+        if keep.size:
+            state = _score(cur, load_MLE, G, w_M)
+            cost = state[-1]
+        active &= cost > 1.0 + 1e-9
+    return cur, np.stack([before, state[-1]], axis=1)
 
 
 def resplit_decision(old_LP: np.ndarray, windows_MLE: np.ndarray, weights_M: np.ndarray, num_gpus: int,
                      num_logical_experts: int, price: float, spread: tuple[float, ...],
-                     rounds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     rounds: int, fresh: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The adaptive policy's decision for the re-split rule: `resplit_repair` of the placement in
     force on the windows, kept per layer where its gain pays for its moves (gain > price x moves,
-    moves counted as `eplb.migration.count_moves` does). Returns (new map [L, P] with unchanged
-    rows where nothing pays, the layers that change bool [L], their gain [L])."""
+    moves counted as `eplb.migration.count_moves` does). With `fresh` (layers the change detector
+    flagged: a shift a few swaps may not follow), a greedy plan of the windows' weighted sum,
+    renamed to keep the most replicas in place and searched the same way, replaces the repair
+    where its net gain is higher. Returns (new map [L, P] with unchanged rows where nothing pays,
+    the layers that change bool [L], their gain [L])."""
     from eplb.migration import count_moves
+    from eplb.serving.repair import renamed
+    from planners.greedy import plan_greedy
 
-    new_LP, cost_L2 = resplit_repair(old_LP, windows_MLE, num_gpus, weights_M, spread, price, rounds)
-    moves_L = count_moves(old_LP, new_LP, num_gpus, num_logical_experts).sum(axis=1)
+    G, E = num_gpus, num_logical_experts
+    new_LP, cost_L2 = resplit_repair(old_LP, windows_MLE, G, weights_M, spread, price, rounds)
+    moves_L = count_moves(old_LP, new_LP, G, E).sum(axis=1)
     gain_L = cost_L2[:, 0] - cost_L2[:, 1]
+    if fresh and len(old_LP):
+        # Step 1: the fresh plan, renamed onto the placement in force, then searched.
+        w_M = np.ones(len(windows_MLE)) if weights_M is None else np.asarray(weights_M, dtype=np.float64)
+        total_LE = np.tensordot(w_M, normalise_windows(windows_MLE, G), axes=1)
+        start_LP = renamed(old_LP, plan_greedy(total_LE, G, old_LP.shape[1] // G), G, E)
+        alt_LP, alt_L2 = resplit_repair(start_LP, windows_MLE, G, weights_M, spread, price, rounds)
+        alt_moves_L = count_moves(old_LP, alt_LP, G, E).sum(axis=1)
+        # Step 2: per layer, the start whose gain net of its moves is higher.
+        alt_gain_L = cost_L2[:, 0] - alt_L2[:, 1]
+        better = alt_gain_L - price * alt_moves_L > gain_L - price * moves_L
+        new_LP = np.where(better[:, None], alt_LP, new_LP)
+        moves_L, gain_L = np.where(better, alt_moves_L, moves_L), np.where(better, alt_gain_L, gain_L)
     pays_L = (moves_L > 0) & (gain_L > price * moves_L)
     return np.where(pays_L[:, None], new_LP, old_LP), pays_L, np.where(pays_L, gain_L, 0.0)
