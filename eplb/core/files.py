@@ -40,9 +40,10 @@ JSON_CONTAINER_BYTES = 160
 ARRAY_COPY_BYTES = 8
 """Each element of a .npy / .npz array counts its bytes twice (the array, a temporary of its
 kind) plus this many more: the int64 or float64 copy a reader makes (Trace holds int64)."""
-TENSOR_BYTES = 48
+TENSOR_BYTES = 64
 """Each element of a torch tensor counts this many bytes: torch's storage, the float64 numpy
-copy, the checks' temporaries and the int64 copies (measured 31-41 for a trace)."""
+copy, the checks' temporaries and the int64 copies (tests/unit/test_memory.py measured 45-57
+for an int64 trace, depending on the torch and numpy builds)."""
 YAML_NODE_BYTES = 1536
 """Memory one YAML node costs while PyYAML composes and constructs it (the node, its two marks,
 the Python value; measured up to 1.1 KB)."""
