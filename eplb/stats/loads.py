@@ -46,6 +46,7 @@ class Aggregation:
     """Weight of the newest window for "ema", in (0, 1]; only with how="ema"."""
 
     def __post_init__(self) -> None:
+        a_name("aggregation", self.how, AGGREGATIONS)  # before the comparisons below meet an array
         # A window or alpha the chosen aggregation would not use is a mistake, not a no-op.
         if self.window is not None and self.how != "window":
             raise EplbError(f"window ({self.window!r}) only applies to aggregation 'window', not {self.how!r}: "
@@ -53,7 +54,6 @@ class Aggregation:
         if self.alpha is not None and self.how != "ema":
             raise EplbError(f"alpha ({self.alpha!r}) only applies to aggregation 'ema', not {self.how!r}: "
                             f"add --aggregate ema (aggregate='ema') or drop alpha")
-        a_name("aggregation", self.how, AGGREGATIONS)
         if self.how not in AGGREGATIONS:
             raise EplbError(f"unknown aggregation {self.how!r}: choose one of {', '.join(AGGREGATIONS)}")
         if self.how == "window":
@@ -238,18 +238,17 @@ def _minmax_per_replica(load_LE: np.ndarray, num_slots: int) -> np.ndarray:
         return np.zeros(L)
     hi = load_LE.max(axis=1)  # r = 1 everywhere is feasible (P >= E)
     lo = np.zeros(L)
-    safe = np.maximum(load_LE, 0.0)
     for _ in range(200):
         mid = (lo + hi) / 2
         if not np.any((mid > lo) & (mid < hi)):
             break
         with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.where(mid[:, None] > 0, np.maximum(1.0, np.ceil(safe / np.where(mid > 0, mid, 1.0)[:, None])),
+            need = np.where(mid[:, None] > 0, np.maximum(1.0, np.ceil(load_LE / np.where(mid > 0, mid, 1.0)[:, None])),
                             np.inf).sum(axis=1)
         ok = need <= num_slots
         hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid)
     with np.errstate(divide="ignore", invalid="ignore"):
-        r_LE = np.where(hi[:, None] > 0, np.maximum(1.0, np.ceil(safe / np.where(hi > 0, hi, 1.0)[:, None])), 1.0)
+        r_LE = np.where(hi[:, None] > 0, np.maximum(1.0, np.ceil(load_LE / np.where(hi > 0, hi, 1.0)[:, None])), 1.0)
     return (load_LE / r_LE).max(axis=1)
 
 
