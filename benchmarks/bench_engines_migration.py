@@ -33,6 +33,7 @@ from _report import write_results  # benchmarks/_report.py, a sibling like this 
 
 from eplb.commands.common import format_table
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.core.trace import Trace
 from eplb.dispatch.sglang import SglangStatic
 from eplb.migration import Budget, count_moves, migrate
@@ -64,7 +65,7 @@ def _rows_for_rule(rule, data, topo: dict):
         old_LP = scratch[(i + 1) % len(data)][0]
         E = load.shape[1]
         t0 = time.perf_counter()
-        relabeled, _, _ = migrate(load, old_LP, scratch[i][0], G, N)
+        relabeled, _, _ = migrate(load, old_LP, scratch[i][0], Topology(G, old_LP.shape[1] // G, N))
         made = [("from scratch", scratch[i][0], scratch[i][1], ""), ("keep the previous placement", old_LP, 0.0, ""),
                 ("even-split migration (relabel)", relabeled, scratch[i][1] + time.perf_counter() - t0, "")]
         prev = Placement(old_LP, G, E, N, ids)

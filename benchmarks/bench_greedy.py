@@ -132,7 +132,7 @@ def run(args) -> int:
             gpu_LG = Placement(phy, G, E, N).gpu_loads(load_LE)
             imb_L = stats.imbalance(gpu_LG)
             ratio_L = gpu_LG.max(axis=1) / lb_L
-            span = group_span(phy, G, N, K, E).mean()
+            span = group_span(phy, topo, K, E).mean()
             results[label] = (sec, cpu, ratio_L)
             print(f"| {label:<27} | {sec * 1e3:9.2f} | {cpu * 1e3:7.2f} | {sec / greedy_sec:8.1f} "
                   f"| {np.median(imb_L):12.4f} | {imb_L.max():12.4f} | {np.median(ratio_L):10.4f} "

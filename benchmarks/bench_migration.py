@@ -46,6 +46,7 @@ from eplb import migration as mg  # noqa: E402
 from eplb import plan  # noqa: E402
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.core.placement import Placement  # noqa: E402
+from eplb.core.topology import Topology  # noqa: E402
 from eplb.serving.rebalance import Rebalancer  # noqa: E402
 from tests.oracles.migration import schedule as python_schedule  # noqa: E402
 
@@ -307,7 +308,7 @@ def part4(args):
     hier = {n: plan(loads[n], num_gpus=G, num_nodes=N, num_redundant=R, planner="hierarchical",
                     num_expert_groups=K).placement
             for n in names}
-    span = lambda phy: float(group_span(phy, G, N, K, E).mean())  # noqa: E731
+    span = lambda phy: float(group_span(phy, Topology(G, phy.shape[1] // G, N), K, E).mean())  # noqa: E731
     pairs = [(a, b) for a in names for b in names if a != b]
     ref_span = np.median([span(hier[b].phy2log_LP) for _, b in pairs])
     rows = []

@@ -305,8 +305,8 @@ class HierarchicalPlanner:
             phy2log_LP[bad[~ok]] = greedy_LP[bad[~ok]]
             repaired, from_greedy = int(ok.sum()), int((~ok).sum())
 
-        span_LK = group_span(phy2log_LP, G, N, K, E)
-        greedy_span_LK = group_span(greedy_LP, G, N, K, E)
+        span_LK = group_span(phy2log_LP, t, K, E)
+        greedy_span_LK = group_span(greedy_LP, t, K, E)
         info = {
             "num_groups": K,
             "groups_given": request.num_expert_groups is not None,

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from eplb.core.placement import gpu_loads
+from eplb.core.topology import Topology
 from eplb.errors import EplbError
 from eplb.migration.checks import check_load_and_maps
 from eplb.migration.moves import count_moves, keep_slots, relabel
@@ -88,17 +89,23 @@ def restore_missing(load_LE: np.ndarray, phy2log_LP: np.ndarray, num_gpus: int) 
     return phy
 
 
-def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, num_gpus: int,
-            num_nodes: int = 1, budget: Budget | None = None,
-            num_expert_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Turn a from-scratch plan into one that fits the old placement and the budget.
+def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, topology: Topology,
+            budget: Budget | None = None, num_expert_groups: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Turn a from-scratch plan for `topology` into one that fits the old placement and the budget.
 
     Returns (phy2log_LP, perm_LP, info). perm_LP maps each slot of the result to a slot of
     target_LP (so the planner's dispatch weights can follow), or is None when the budgeted
-    search replaced the target. info holds the move counts of each candidate. With num_nodes > 1
-    and num_expert_groups the search keeps each layer's group span (see `budgeted_search`).
+    search replaced the target. info holds the move counts of each candidate. On more than one
+    node and with num_expert_groups the search keeps each layer's group span (see `budgeted_search`).
     """
-    load_LE, L, _ = check_load_and_maps(load_LE, num_gpus, old_LP=old_LP, target_LP=target_LP)
+    if not isinstance(topology, Topology):
+        raise EplbError(f"topology must be an eplb.Topology, got {type(topology).__name__}: "
+                        f"pass Topology(num_gpus=, slots_per_gpu=, num_nodes=)")
+    num_gpus, num_nodes = topology.num_gpus, topology.num_nodes
+    load_LE, L, P = check_load_and_maps(load_LE, num_gpus, old_LP=old_LP, target_LP=target_LP)
+    if P != num_gpus * topology.slots_per_gpu:
+        raise EplbError(f"the maps have {P} slots a layer, but {topology} holds "
+                        f"{num_gpus * topology.slots_per_gpu}: pass the topology the maps were made for")
     old_LP = np.asarray(old_LP, dtype=np.int64)
     target_LP = np.asarray(target_LP, dtype=np.int64)
     if (target_LP < 0).any():
@@ -127,13 +134,12 @@ def migrate(load_LE: np.ndarray, old_LP: np.ndarray, target_LP: np.ndarray, num_
     price_L = budget.move_cost * load_LE.sum(axis=1) / num_gpus
     span = span_priced(num_nodes, num_expert_groups, budget)
     if span:
-        pairs0_L = group_span(old_LP, num_gpus, num_nodes, num_expert_groups, E).sum(axis=1)
+        pairs0_L = group_span(old_LP, topology, num_expert_groups, E).sum(axis=1)
 
     def cost(phy):
         moves_L = count_moves(old_LP, phy, num_gpus, E).sum(axis=1).astype(np.float64)
         if span:   # the search's price of spreading groups over nodes, in moves
-            moves_L += budget.span_cost * (group_span(phy, num_gpus, num_nodes, num_expert_groups, E).sum(axis=1)
-                                           - pairs0_L)
+            moves_L += budget.span_cost * (group_span(phy, topology, num_expert_groups, E).sum(axis=1) - pairs0_L)
         return float((max_load(load_LE, phy, num_gpus) + price_L * moves_L).sum())
 
     if fits and cost(relabeled) <= cost(searched):
@@ -167,8 +173,8 @@ def adapt_solution(request, sol, budget: Budget):
             start = restore_missing(request.load_LE, start, topo.num_gpus)
         phy, perm, info = migrate_for_rule(request, np.asarray(sol.phy2log_LP, dtype=np.int64), budget, start)
     else:
-        phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo.num_gpus, topo.num_nodes,
-                                  budget, request.num_expert_groups)
+        phy, perm, info = migrate(request.load_LE, prev.phy2log_LP, sol.phy2log_LP, topo, budget,
+                                  request.num_expert_groups)
     weights = None
     if perm is not None and sol.dispatch_weights_LP is not None:
         weights = np.take_along_axis(np.asarray(sol.dispatch_weights_LP), perm, axis=1)
@@ -182,8 +188,7 @@ def adapt_solution(request, sol, budget: Budget):
     })
     if topo.num_nodes > 1 and request.num_expert_groups:
         info.update(span_cost=budget.span_cost, **{
-            f"group_span_{k}": float(group_span(m, topo.num_gpus, topo.num_nodes, request.num_expert_groups,
-                                                request.num_logical_experts).mean())
+            f"group_span_{k}": float(group_span(m, topo, request.num_expert_groups, request.num_logical_experts).mean())
             for k, m in (("before", prev.phy2log_LP), ("after", phy))})
     if perm is not None:  # the planner's plan, renamed or with its slots reordered
         return dataclasses.replace(sol, phy2log_LP=phy, dispatch_weights_LP=weights,

@@ -291,7 +291,7 @@ def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: n
     price_L = budget.move_cost * load_LE.sum(axis=1) / G
     span = budget.limited and span_priced(N, K, budget)
     if span:
-        pairs0_L = group_span(start_LP, G, N, K, E).sum(axis=1)
+        pairs0_L = group_span(start_LP, topo, K, E).sum(axis=1)
     scored = {}
     for name, c in _candidates(request, target_LP, budget, start_LP).items():
         moves_LG = count_moves(old_LP, c.phy2log_LP, G, E)
@@ -300,7 +300,7 @@ def migrate_for_rule(request, target_LP: np.ndarray, budget: Budget, start_LP: n
             budget.max_moves_per_gpu is None or moves_LG.sum(axis=0).max() <= budget.max_moves_per_gpu))
         cost = float((c.peak_L + price_L * moves_L).sum())
         if span:  # the search's price of spreading groups over nodes, in moves
-            cost += float((price_L * budget.span_cost * (group_span(c.phy2log_LP, G, N, K, E).sum(axis=1)
+            cost += float((price_L * budget.span_cost * (group_span(c.phy2log_LP, topo, K, E).sum(axis=1)
                                                          - pairs0_L)).sum())
         scored[name] = (c, int(moves_L.sum()), fits, cost)
     ok = [n for n, v in scored.items() if v[2]]

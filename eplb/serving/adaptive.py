@@ -202,7 +202,7 @@ class AdaptivePolicy:
         def price_L(rows_LP, moves_L, layers):
             out = price * moves_L
             if span:
-                args = (G, placement.num_nodes, num_expert_groups, E)
+                args = (placement.topology, num_expert_groups, E)
                 added = group_pairs(rows_LP, *args) - group_pairs(old_LP[layers], *args)
                 out = out + price * budget.span_cost * added
             return out

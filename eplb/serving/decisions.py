@@ -164,8 +164,8 @@ def by_policy(rb, now: Served, decision, drafts: list, t0: float) -> RebalanceRe
             "changed_layers": 0 if decision is None else int(decision.changed_L.sum())}
     if pl.num_nodes > 1 and rb.num_expert_groups:
         for k, m in (("before", pl), ("after", new)):
-            info[f"group_span_{k}"] = float(group_span(m.phy2log_LP, pl.num_gpus, pl.num_nodes,
-                                                       rb.num_expert_groups, pl.num_logical_experts).mean())
+            info[f"group_span_{k}"] = float(group_span(m.phy2log_LP, pl.topology, rb.num_expert_groups,
+                                                       pl.num_logical_experts).mean())
     msg = f"policy {rb.policy.name}: " + ("keep (no change pays for its moves)" if decision is None
                                           else decision.reason)
     return RebalanceResult(placement=new, before=before, after=after, migration=mig, rank_ids=ranks,

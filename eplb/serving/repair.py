@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.jit import kernel_floats, kernel_ints
+from eplb.core.topology import Topology
 from eplb.migration import count_moves, relabel
 from eplb.migration.moves import rename_gpus
 from eplb.serving import _policy_kernel
@@ -110,10 +111,10 @@ def renamed(old_LP: np.ndarray, new_LP: np.ndarray, num_gpus: int, num_logical_e
     return rename_gpus(old_LP, new_LP, num_gpus, num_logical_experts)
 
 
-def group_pairs(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,
+def group_pairs(phy2log_LP: np.ndarray, topology: Topology, num_expert_groups: int,
                 num_logical_experts: int) -> np.ndarray:
     """(expert group, node) pairs holding a replica, per layer, int [L] (Budget.span_cost prices them)."""
-    return group_span(phy2log_LP, num_gpus, num_nodes, num_expert_groups, num_logical_experts).sum(axis=1)
+    return group_span(phy2log_LP, topology, num_expert_groups, num_logical_experts).sum(axis=1)
 
 
 def within_caps(old_LP: np.ndarray, windows_L: list, num_gpus: int, num_logical_experts: int, budget,

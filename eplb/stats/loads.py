@@ -7,10 +7,14 @@ Loads are token-slot counts (one token routed to K experts counts K times), as f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from eplb.errors import EplbError, a_name, is_number, is_whole, number_array, whole_number
+
+if TYPE_CHECKING:
+    from eplb.core.topology import Topology
 
 AGGREGATIONS = ("sum", "mean", "last", "window", "ema")
 
@@ -162,16 +166,16 @@ def window_balancedness(placement, counts_TLE) -> np.ndarray:
     return np.array([balancedness(placement.gpu_loads(c[t])) for t in range(c.shape[0])])
 
 
-def group_span(phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int, num_expert_groups: int,
+def group_span(phy2log_LP: np.ndarray, topology: Topology, num_expert_groups: int,
                num_logical_experts: int) -> np.ndarray:
-    """Number of nodes holding any replica of each expert group, int [L, K] (1 = fully local).
+    """Number of nodes of `topology` holding any replica of each expert group, int [L, K] (1 = fully local).
 
     Groups are num_expert_groups blocks of num_logical_experts / num_expert_groups consecutive experts (DeepSeek-V3's
     group-limited routing sends a token to at most 4 of 8 groups); a group on one node keeps a
     token's traffic to that group on the node's fast links. Empty slots (-1) hold nothing."""
     L, P = phy2log_LP.shape
-    S = P // num_gpus
-    node_P = (np.arange(P) // S) // (num_gpus // num_nodes)
+    num_nodes = topology.num_nodes
+    node_P = (np.arange(P) // (P // topology.num_gpus)) // (topology.num_gpus // num_nodes)
     group_LP = phy2log_LP // (num_logical_experts // num_expert_groups)
     present_LKN = np.zeros((L, num_expert_groups, num_nodes), dtype=bool)
     valid = phy2log_LP >= 0

@@ -434,7 +434,7 @@ def test_span_cost_prices_spreading_groups_over_nodes():
 
     prev, load, G, N, K, E = _two_node_case()
     old = prev.phy2log_LP
-    pairs = lambda phy: group_span(phy, G, N, K, E).sum(axis=1)  # noqa: E731
+    pairs = lambda phy: group_span(phy, prev.topology, K, E).sum(axis=1)  # noqa: E731
     runs = {c: mg.budgeted_search(load, old, G, mg.Budget(move_cost=0.001, span_cost=c), num_nodes=N,
                                   num_expert_groups=K)
             for c in (0.0, 1.0, 1e6)}
@@ -456,7 +456,7 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
     from eplb.stats.loads import group_span
 
     prev, load, G, N, K, E = _two_node_case(seed=9)
-    span = lambda pl: group_span(pl.phy2log_LP, G, N, K, E).mean()  # noqa: E731
+    span = lambda pl: group_span(pl.phy2log_LP, pl.topology, K, E).mean()  # noqa: E731
     kw = dict(num_gpus=G, num_nodes=N, num_redundant=G, previous=prev, num_expert_groups=K)
     blind, aware = (plan(load, budget=mg.Budget(move_cost=0.001, span_cost=c), **kw).placement for c in (0.0, 4.0))
     assert span(aware) < span(blind)

@@ -5,6 +5,7 @@ import pytest
 
 from eplb import EplbError
 from eplb import migration as mg
+from eplb.core.topology import Topology
 from tests.oracles import migration as oracle
 from tests.unit.test_migration import relay_schedule
 
@@ -15,6 +16,7 @@ SCHEDULERS = (mg.schedule, relay_schedule, oracle.schedule)
 _OLD = np.array([[0, 1, 2, 0], [0, 1, 2, 2]])
 _NEW = np.array([[1, 0, 2, 1], [2, 1, 0, 0]])
 _LOAD = np.array([[3.0, 1.0, 1.0], [1.0, 1.0, 3.0]])
+_TOPO = Topology(2, 2)                                  # the maps above: 2 GPUs x 2 slots
 _OLD6 = np.tile(np.arange(6), (1, 2))                   # 6 GPUs x 2 slots, 6 experts
 _NEW6 = np.roll(_OLD6, 3, axis=1)
 
@@ -28,17 +30,18 @@ def test_relabel_refuses_nodes_that_do_not_split_the_gpus(num_nodes):
     with pytest.raises(EplbError, match="nodes"):
         mg.relabel(_OLD6, _NEW6, 6, 6, num_nodes=num_nodes)
     with pytest.raises(EplbError, match="nodes"):
-        mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, num_nodes=num_nodes)
+        mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, Topology(6, 2, num_nodes))
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: mg.relabel(_OLD, _NEW, 0, 3), "num_gpus must be"),
     (lambda: mg.relabel(_OLD[0], _NEW[0], 2, 3), r"\[layers, slots\]"),
-    (lambda: mg.migrate(_LOAD[0], _OLD, _NEW, 2), "load must be"),
-    (lambda: mg.migrate(_LOAD[:1], _OLD, _NEW, 2), "load must be"),
-    (lambda: mg.migrate(np.full((2, 3), np.nan), _OLD, _NEW, 2), "finite"),
-    (lambda: mg.migrate(_LOAD, _OLD, _NEW, 0), "num_gpus must be"),
-    (lambda: mg.migrate(_LOAD, _OLD, np.array([[1, 0, 2, -1], [2, 1, 0, 0]]), 2), "target_LP"),
+    (lambda: mg.migrate(_LOAD[0], _OLD, _NEW, _TOPO), "load must be"),
+    (lambda: mg.migrate(_LOAD[:1], _OLD, _NEW, _TOPO), "load must be"),
+    (lambda: mg.migrate(np.full((2, 3), np.nan), _OLD, _NEW, _TOPO), "finite"),
+    (lambda: mg.migrate(_LOAD, _OLD, _NEW, 2), "topology must be an eplb.Topology"),
+    (lambda: mg.migrate(_LOAD, _OLD, _NEW, Topology(2, 3)), "holds 6"),
+    (lambda: mg.migrate(_LOAD, _OLD, np.array([[1, 0, 2, -1], [2, 1, 0, 0]]), _TOPO), "target_LP"),
 ])
 def test_relabel_and_migrate_name_bad_input(call, match):
     with pytest.raises(EplbError, match=match):
@@ -47,7 +50,7 @@ def test_relabel_and_migrate_name_bad_input(call, match):
 
 def test_migrate_keeps_a_permutation_of_the_target():
     """With a node count that splits the GPUs, the relabelled target is a slot permutation."""
-    phy, perm, _ = mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, 6, num_nodes=3)
+    phy, perm, _ = mg.migrate(np.ones((1, 6)), _OLD6, _NEW6, Topology(6, 2, 3))
     assert (np.sort(perm, axis=1) == np.arange(12)).all()
     assert np.array_equal(np.sort(phy, axis=1), np.sort(_NEW6, axis=1))
 
@@ -254,7 +257,7 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
         moves_LG = mg.count_moves(old, out, G, E)
         np.testing.assert_array_equal(seen["in_G"], moves_LG.sum(axis=0))
         assert seen["total"] == moves_LG.sum()
-        assert (group_span(out, G, num_nodes, groups, E) >= 1).all()
+        assert (group_span(out, Topology(G, out.shape[1] // G, num_nodes), groups, E) >= 1).all()
         checked += 1
     assert checked >= 20
 
@@ -268,8 +271,9 @@ def test_prohibitive_span_cost_never_adds_a_group_node_pair():
         for budget in (mg.Budget(move_cost=0.001, span_cost=1e6),
                        mg.Budget(max_moves=8, move_cost=1e-4, span_cost=1e6)):
             out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups)
-            before = group_span(old, G, num_nodes, groups, E).sum(axis=1)
-            assert (group_span(out, G, num_nodes, groups, E).sum(axis=1) <= before).all()
+            topo = Topology(G, old.shape[1] // G, num_nodes)
+            before = group_span(old, topo, groups, E).sum(axis=1)
+            assert (group_span(out, topo, groups, E).sum(axis=1) <= before).all()
             # span_cost 0 is the node-blind search, to the slot.
             blind = mg.Budget(budget.max_moves, budget.max_moves_per_gpu, budget.move_cost, 0.0)
             np.testing.assert_array_equal(

@@ -204,7 +204,7 @@ def test_hierarchical_more_local_than_greedy_at_equal_balance():
     g = eplb.plan(load, num_gpus=16, num_nodes=4, planner="greedy", num_expert_groups=8)
     h = eplb.plan(load, num_gpus=16, num_nodes=4, planner="hierarchical", num_expert_groups=8)
     assert h.info["group_span_mean"] < h.info["greedy_group_span_mean"]
-    span = group_span(h.placement.phy2log_LP, 16, 4, 8, 64)
+    span = group_span(h.placement.phy2log_LP, h.placement.topology, 8, 64)
     assert span.mean() == pytest.approx(h.info["group_span_mean"])
     assert (h.after.gpu_load_LG.max(1) <= g.after.gpu_load_LG.max(1) * 1.005 + 1e-9).all()
 

@@ -316,7 +316,7 @@ def test_evaluate_and_metrics_match_loops(case, num_nodes):
         assert stats.hot_ratio(load)[l] == pytest.approx(row.max() / row.mean() if total > 0 else 1.0)
     # group_span: nodes holding any replica of each group of E / K consecutive experts.
     for K in [k for k in range(1, E + 1) if E % k == 0]:
-        span = stats.group_span(p.phy2log_LP, G, num_nodes, K, E)
+        span = stats.group_span(p.phy2log_LP, Topology(G, S, num_nodes), K, E)
         for l in range(p.num_layers):
             for k in range(K):
                 held = {(slot // S) // (G // num_nodes) for slot, e in enumerate(p.phy2log_LP[l]) if e // (E // K) == k}

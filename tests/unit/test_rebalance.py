@@ -415,7 +415,8 @@ def test_the_policy_prices_spreading_groups_over_nodes():
     for cost in (0.0, 20.0):
         rb = Rebalancer(prev, interval=1, num_expert_groups=8, budget=Budget(span_cost=cost))
         rb.observe(b)
-        span[cost] = group_span(rb.rebalance().placement.phy2log_LP, 8, 2, 8, 64).sum()
+        served = rb.rebalance().placement
+        span[cost] = group_span(served.phy2log_LP, served.topology, 8, 64).sum()
     assert span[20.0] < span[0.0]
 
 
