@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.dispatch.rules import EvenSplit, PlanWeights
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
@@ -82,11 +83,12 @@ def _assign_units(demand_LE: np.ndarray, count_LE: np.ndarray, num_units: int, u
     return units_LEU
 
 
-def _provisional(count_LE: np.ndarray, units_LEU: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
+def _provisional(count_LE: np.ndarray, units_LEU: np.ndarray, topology: Topology) -> np.ndarray:
     """Step 3's layout: replicated experts in their units, single replicas in the slots left."""
     L, E, U = units_LEU.shape
-    per_unit = num_gpus * slots_per_gpu // U
-    phy2log_LP = np.full((L, num_gpus * slots_per_gpu), -1, dtype=np.int64)
+    P = topology.num_slots
+    per_unit = P // U
+    phy2log_LP = np.full((L, P), -1, dtype=np.int64)
     for l in range(L):
         for u in range(U):
             experts = np.flatnonzero(units_LEU[l, :, u])
@@ -106,7 +108,7 @@ def _share_table(provisional_LP: np.ndarray, share_LP: np.ndarray, num_units: in
     return table_LEU
 
 
-def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gpu: int,
+def _pack(share_TLE, count_LE, units_LEU, table_LEU, topology: Topology,
           held_LGE: np.ndarray | None = None, cap_L: np.ndarray | None = None):
     """Step 4: vector packing with unit constraints; returns (phy2log_LP, bound_LP), bound_LP
     True where a slot holds a replicated expert's replica.
@@ -122,7 +124,7 @@ def _pack(share_TLE, count_LE, units_LEU, table_LEU, num_gpus: int, slots_per_gp
     """
     T, L, E = share_TLE.shape
     U = units_LEU.shape[2]
-    G, S = num_gpus, slots_per_gpu
+    G, S = topology.num_gpus, topology.slots_per_gpu
     Q = G // U  # GPUs per unit
     P = G * S
     w_LIT = np.empty((L, P, T))
@@ -196,7 +198,7 @@ def refine_bound(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, bound_LP: np
                      num_units=num_gpus // gpus_per_unit, bound_LP=bound_LP)
 
 
-def _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G: int, S: int, beta: float, refine_rounds: int,
+def _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, topology: Topology, beta: float, refine_rounds: int,
                   held_LGE=None, cap_L=None):
     """Steps 4-5: (phy2log_LP, score_L), score_L the worst-window peak under the planned shares.
 
@@ -205,7 +207,8 @@ def _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G: int, S: int, bet
     """
     T, L, _ = share_TLE.shape
     U = units_LEU.shape[2]
-    phy2log_LP, bound_LP = _pack(share_TLE, count_LE, units_LEU, table_LEU, G, S, held_LGE, cap_L)
+    G, S = topology.num_gpus, topology.slots_per_gpu
+    phy2log_LP, bound_LP = _pack(share_TLE, count_LE, units_LEU, table_LEU, topology, held_LGE, cap_L)
     slot_LPT = slot_loads(phy2log_LP, share_TLE, table_LEU, U)
     score_L = slot_LPT.reshape(L, G, S, T).sum(axis=2).max(axis=(1, 2))
     layers = np.arange(L) if cap_L is None else np.flatnonzero(score_L > cap_L)
@@ -217,7 +220,7 @@ def _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G: int, S: int, bet
     return phy2log_LP, score_L
 
 
-def _layout(share_TLE, count_LE, units_LEU, rule, G: int, N: int, S: int, layer_ids, beta: float,
+def _layout(share_TLE, count_LE, units_LEU, rule, topology: Topology, layer_ids, beta: float,
             refine_rounds: int, held_LGE=None, move_slack: float = 0.0):
     """Steps 3-5 for one choice of counts and units: (phy2log_LP, table_LEU, score_L).
 
@@ -227,13 +230,13 @@ def _layout(share_TLE, count_LE, units_LEU, rule, G: int, N: int, S: int, layer_
     """
     T, L, E = share_TLE.shape
     U = units_LEU.shape[2]
-    provisional_LP = _provisional(count_LE, units_LEU, G, S)
-    share_LP = rule.bind(Placement(provisional_LP, G, E, N, layer_ids))(None)
+    provisional_LP = _provisional(count_LE, units_LEU, topology)
+    share_LP = rule.bind(Placement(provisional_LP, topology.num_gpus, E, topology.num_nodes, layer_ids))(None)
     table_LEU = _share_table(provisional_LP, share_LP, U, E)
-    phy2log_LP, score_L = _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G, S, beta, refine_rounds)
+    phy2log_LP, score_L = _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, topology, beta, refine_rounds)
     if held_LGE is not None:
         cap_L = score_L + move_slack
-        kept_LP, kept_L = _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, G, S, beta, refine_rounds,
+        kept_LP, kept_L = _pack_refined(share_TLE, count_LE, units_LEU, table_LEU, topology, beta, refine_rounds,
                                         held_LGE, cap_L)
         take_L = kept_L <= cap_L
         phy2log_LP = fit_gpus(np.where(take_L[:, None], kept_LP, phy2log_LP), held_LGE, U)
@@ -241,11 +244,11 @@ def _layout(share_TLE, count_LE, units_LEU, rule, G: int, N: int, S: int, layer_
     return phy2log_LP, table_LEU, score_L
 
 
-def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_per_gpu: int, rule, *,
+def plan_for_rule(history_TLE: np.ndarray, topology: Topology, rule, *,
                   blends=(0.0, 1.0), beta: float = 50.0, refine_rounds: int = 200,
                   layer_ids=None, previous_LP: np.ndarray | None = None,
                   move_slack: float = 0.002) -> tuple[np.ndarray, dict]:
-    """The whole plan for `rule` against every window of history [T, L, E]: (phy2log_LP, info).
+    """The whole plan for `rule` on `topology` against every window of history [T, L, E]: (phy2log_LP, info).
 
     previous_LP: the placement served now, int [L, P] (-1: empty slot), or None. With it the
     plan keeps replicas in place where that costs the shares nothing (planners.rule_previous)
@@ -253,10 +256,11 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
     """
     history_TLE = np.asarray(history_TLE, dtype=np.float64)
     T, L, E = history_TLE.shape
-    G, N, S = num_gpus, num_nodes, slots_per_gpu
-    P = G * S
+    G, N, P = topology.num_gpus, topology.num_nodes, topology.num_slots
     scope = scope_of(rule)
-    assert scope == "unit", scope
+    if scope != "unit":
+        raise EplbError(f"plan_for_rule plans for rules whose shares follow the layout; {rule.name!r} splits "
+                        f"evenly wherever the replicas are: plan with greedy or robust for it")
     U = N if N > 1 else G
     if P > U * E:
         raise EplbError(f"{P} slots need more than one replica of an expert per unit ({U} units, {E} experts): "
@@ -274,7 +278,7 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
         units_LEU = _assign_units(demand_LE, count_LE, U, P // U)
         if held_LGE is not None:
             units_LEU = match_units(units_LEU, held_LGE)
-        tried.append((count_LE, units_LEU, _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids, **fit)))
+        tried.append((count_LE, units_LEU, _layout(share_TLE, count_LE, units_LEU, rule, topology, layer_ids, **fit)))
     best_L = np.argmin(np.stack([t[2][2] for t in tried]), axis=0)
     phy2log_LP, table_LEU, score_L = tried[0][2]
     if len(tried) > 1:
@@ -282,7 +286,7 @@ def plan_for_rule(history_TLE: np.ndarray, num_gpus: int, num_nodes: int, slots_
         # mixed layout is bound and packed once more.
         count_LE = np.stack([tried[b][0][l] for l, b in enumerate(best_L)])
         units_LEU = np.stack([tried[b][1][l] for l, b in enumerate(best_L)])
-        phy2log_LP, table_LEU, score_L = _layout(share_TLE, count_LE, units_LEU, rule, G, N, S, layer_ids, **fit)
+        phy2log_LP, table_LEU, score_L = _layout(share_TLE, count_LE, units_LEU, rule, topology, layer_ids, **fit)
     U = table_LEU.shape[2]
     planned_LP = table_LEU[np.arange(L)[:, None], phy2log_LP, (np.arange(P) // (P // U))[None, :]]
     served_LP = rule.bind(Placement(phy2log_LP, G, E, N, layer_ids))(None)
@@ -330,7 +334,7 @@ class RuleAwarePlanner:
             sol = RobustPlanner(self.blends, beta=self.beta, refine_rounds=self.refine_rounds).plan(request)
             return Solution(sol.phy2log_LP, message=f"planned for dispatch rule {rule.name} (robust: {sol.message})",
                             info={**sol.info, "scope": "free", "dispatch": rule.name})
-        phy2log_LP, info = plan_for_rule(history, t.num_gpus, t.num_nodes, t.slots_per_gpu, rule,
+        phy2log_LP, info = plan_for_rule(history, t, rule,
                                          blends=self.blends, beta=self.beta, refine_rounds=self.refine_rounds,
                                          layer_ids=request.layer_ids, move_slack=self.move_slack,
                                          previous_LP=None if request.previous is None else request.previous.phy2log_LP)
