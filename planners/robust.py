@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb.core.topology import Topology
 from eplb.errors import EplbError, fraction, positive_number, whole_number
 from eplb.stats.loads import replica_counts_minmax
 from planners.api import PlanRequest, Solution
@@ -56,8 +57,8 @@ def robust_demand(share_TLE: np.ndarray, blend: float) -> np.ndarray:
     return mean_LE + blend * (share_TLE.max(axis=0) - mean_LE)
 
 
-def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
-    """Place replicas on GPUs against all windows at once; returns phy2log_LP.
+def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, topology: Topology) -> np.ndarray:
+    """Place replicas on the GPUs of `topology` against all windows at once; returns phy2log_LP.
 
     S rounds; round k gives each GPU one of the next G heaviest replicas (heaviest = largest
     per-window load under an even split). The pairing in a round is an assignment problem
@@ -78,15 +79,14 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, num_gpus: int, slot
     from scipy.optimize import linear_sum_assignment
 
     T, L, E = share_TLE.shape
-    G, S = num_gpus, slots_per_gpu
-    P = G * S
+    G, S, P = topology.num_gpus, topology.slots_per_gpu, topology.num_slots
     w_TLE = share_TLE / count_LE[None]                         # per-replica load, even split
     key_LE = w_TLE.max(axis=0) + 1e-12 * w_TLE.sum(axis=0)     # heaviest window first, then total
     order_LE = np.argsort(-key_LE, axis=1, kind="stable")
     rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count_LE, order_LE, 1).ravel()).reshape(L, P)
     w_LET = np.moveaxis(w_TLE, 0, 2)
     if T == 1:
-        return _pack_one_window(rep_LP, one_window_orders(L, S, G), G, S)
+        return _pack_one_window(rep_LP, one_window_orders(L, S, G), topology)
     phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
     load_LGT = np.zeros((L, G, T))
     holds_LGE = np.zeros((L, G, E), dtype=bool)
@@ -110,13 +110,13 @@ def one_window_orders(L: int, S: int, G: int) -> np.ndarray:
     return np.random.default_rng(0).permuted(np.broadcast_to(np.arange(G, dtype=np.int64), (L, S, G)), axis=2)
 
 
-def _pack_one_window(rep_LP: np.ndarray, order_LSG: np.ndarray, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
+def _pack_one_window(rep_LP: np.ndarray, order_LSG: np.ndarray, topology: Topology) -> np.ndarray:
     """The one-window packing rounds, every layer in lock-step: in round k the items
     rep_LP[:, kG:(k + 1)G] each take, in turn, the first GPU of order_LSG[:, k] still free in
     the round that does not hold their expert (which packing order guarantees: `pack_vector`);
     returns phy2log_LP."""
     L, P = rep_LP.shape
-    G, S = num_gpus, slots_per_gpu
+    G, S = topology.num_gpus, topology.slots_per_gpu
     E = int(rep_LP.max()) + 1
     rows_L = np.arange(L)
     phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
@@ -368,7 +368,7 @@ class RobustPlanner:
             if any(np.array_equal(count_LE, c) for c in tried):
                 continue
             tried.append(count_LE)
-            phy2log_LP = pack_vector(share_TLE, count_LE, G, S)
+            phy2log_LP = pack_vector(share_TLE, count_LE, topo)
             if self.refine_rounds:
                 refine_swaps(phy2log_LP, share_TLE, count_LE, G, beta=self.beta, quantile=self.quantile,
                              max_rounds=self.refine_rounds)

@@ -68,7 +68,7 @@ def test_pack_vector_respects_slots_and_distinct_gpus(rng):
     h = _history(rng, T=3, L=4, E=24)
     share = normalise_windows(h, 6)
     count = replica_counts_minmax(robust_demand(share, 1.0), 36, max_replicas=6)
-    phy = pack_vector(share, count, 6, 6)
+    phy = pack_vector(share, count, Topology(6, 6))
     pl = _check_valid(phy, 24, 6, 6)
     assert np.array_equal(pl.replica_count_LE, count)
 
@@ -87,7 +87,7 @@ def test_swaps_never_raise_the_smooth_max(seed, T, G):
     h = rng.gamma(0.5, 50.0, size=(T, 2, E)) + 1.0
     share = normalise_windows(h, G)
     count = replica_counts_minmax(robust_demand(share, 0.5), G * S, max_replicas=G)
-    phy = pack_vector(share, count, G, S)
+    phy = pack_vector(share, count, Topology(G, S))
     before = _smooth_max(phy, share, count, G, 20.0)
     refine_swaps(phy, share, count, G, beta=20.0, quantile=1.0, max_rounds=50)
     _check_valid(phy, E, G, S)

@@ -48,7 +48,7 @@ def _is_valid(phy, count, G, S):
 @pytest.mark.parametrize("seed,T,L,E,G,S", CASES)
 def test_packing_is_valid_and_one_window_rounds_pair_in_the_seeded_order(seed, T, L, E, G, S):
     share, count = _packed(seed, T, L, E, G, S)
-    phy = pack_vector(share, count, G, S)
+    phy = pack_vector(share, count, Topology(G, S))
     _is_valid(phy, count, G, S)
     if T == 1:
         # The packing order (heaviest replica first), then each round in the seeded GPU order.
@@ -62,7 +62,7 @@ def test_packing_is_valid_and_one_window_rounds_pair_in_the_seeded_order(seed, T
 @pytest.mark.parametrize("quantile,units", [(1.0, 1), (0.7, 1), (1.0, 2)])
 def test_swaps_are_the_reference_swaps(seed, T, L, E, G, S, quantile, units):
     share, count = _packed(seed, T, L, E, G, S)
-    phy = pack_vector(share, count, G, S)
+    phy = pack_vector(share, count, Topology(G, S))
     w_LPT = _slot_loads(share, count, phy)
     bound = np.random.default_rng(seed).random(phy.shape) < 0.3 if units > 1 else None
     runs = []
@@ -86,7 +86,7 @@ def test_swaps_are_the_reference_swaps(seed, T, L, E, G, S, quantile, units):
 
 def test_search_works_in_place_on_other_dtypes_and_orders():
     share, count = _packed(0, 4, 3, 32, 4, 9)
-    phy = pack_vector(share, count, 4, 9)
+    phy = pack_vector(share, count, Topology(4, 9))
     w_LPT = _slot_loads(share, count, phy)
     p0, w0 = phy.copy(), w_LPT.copy()
     smooth_max_swaps(p0, w0, 4, beta=50.0, max_rounds=50)
@@ -103,14 +103,14 @@ def test_one_window_packing_with_an_expert_on_every_gpu():
     share = normalise_windows(np.array([[[400.0] + [1.0 + i for i in range(23)]]]), 8)
     count = replica_counts_minmax(robust_demand(share, 0.0), 8 * 4, max_replicas=8)
     assert count[0, 0] == 8
-    _is_valid(pack_vector(share, count, 8, 4), count, 8, 4)
+    _is_valid(pack_vector(share, count, Topology(8, 4)), count, 8, 4)
 
 
 def test_searches_cut_short_end_where_the_reference_does():
     # 16 GPUs and top_gpus = 2: many rounds keep the peak; a search cut short after any number
     # of rounds has made the reference's swaps.
     share, count = _packed(9, 8, 3, 64, 16, 5)
-    phy = pack_vector(share, count, 16, 5)
+    phy = pack_vector(share, count, Topology(16, 5))
     w_LPT = _slot_loads(share, count, phy)
     for rounds in (1, 3, 10, 100):
         p0, w0, p1, w1 = phy.copy(), w_LPT.copy(), phy.copy(), w_LPT.copy()
