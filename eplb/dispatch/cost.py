@@ -35,6 +35,7 @@ import numpy as np
 
 from eplb.core.hardware import Hardware, get_hardware
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.errors import EplbError, a_name, is_whole
 from eplb.stats.capacity import DTYPE_BITS, ModelShape, get_model
 
@@ -410,9 +411,9 @@ class TimeObjective:
         """The batch planned for on `num_gpus` GPUs."""
         return self.batch_tokens if self.batch_tokens is not None else default_batch_tokens(self.phase, num_gpus)
 
-    def planning_load(self, load_LE, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
-        """Expected seconds per step of each expert on one replica, [L, E] (or [T, L, E]): its
-        compute, E[t(n)], plus the all-to-all its rows bring to the GPU that holds it.
+    def planning_load(self, load_LE, topology: Topology) -> np.ndarray:
+        """Expected seconds per step of each expert on one replica of `topology`, [L, E] (or
+        [T, L, E]): its compute, E[t(n)], plus the all-to-all its rows bring to the GPU that holds it.
 
         The all-to-all term is mean rows x one row's dispatch + combine bytes over the link its
         sources use, taken as spread evenly over the GPUs (1/G of them local, the rest of the
@@ -427,11 +428,11 @@ class TimeObjective:
                             f"{self.cost.model.num_logical_experts} experts: pick the model the trace was "
                             f"recorded from")
         flat = load.reshape(-1, load.shape[-1])
-        B = self.tokens_for(num_gpus)
+        B = self.tokens_for(topology.num_gpus)
         out = np.stack([expected_replica_seconds(self.cost, row[None], B)[0] for row in flat])
         total = flat.sum(axis=1, keepdims=True)
         rows = B * self.cost.model.top_k * flat / np.where(total > 0, total, 1.0)
-        return (out + rows * row_link_seconds(self.cost, num_gpus, num_nodes)).reshape(load.shape)
+        return (out + rows * row_link_seconds(self.cost, topology)).reshape(load.shape)
 
     def describe(self, num_gpus: int) -> dict:
         return {"objective": "time", "phase": self.phase, "batch_tokens": self.tokens_for(num_gpus),
@@ -439,12 +440,13 @@ class TimeObjective:
                 "expert_dtype": self.cost.expert_dtype}
 
 
-def row_link_seconds(cost: CostModel, num_gpus: int, num_nodes: int = 1) -> float:
-    """All-to-all seconds one row adds to the GPU that receives it, its source GPU spread
-    evenly (dispatch and combine; the intra- and inter-node links run side by side)."""
+def row_link_seconds(cost: CostModel, topology: Topology) -> float:
+    """All-to-all seconds one row adds to the GPU of `topology` that receives it, its source GPU
+    spread evenly (dispatch and combine; the intra- and inter-node links run side by side)."""
     b = cost.model.hidden_size * (_bytes(cost.dispatch_dtype) + _bytes(cost.combine_dtype))
     hw = cost.hardware
-    per_node = num_gpus // max(num_nodes, 1)
+    num_gpus = topology.num_gpus
+    per_node = num_gpus // topology.num_nodes
     intra = (per_node - 1) / num_gpus
     inter = (num_gpus - per_node) / num_gpus
     return b * max(intra / hw.nvlink_bytes_per_s, inter / hw.internode_bytes_per_s)

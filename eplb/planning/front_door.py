@@ -368,8 +368,8 @@ def plan(
                           topk_ids_NLK)
     if objective != "tokens":
         # Planners balance whatever load they are given: hand them expected seconds per expert.
-        request = replace(request, load_LE=objective.planning_load(load_LE, topo.num_gpus, topo.num_nodes),
-                          history_TLE=objective.planning_load(history_TLE, topo.num_gpus, topo.num_nodes))
+        request = replace(request, load_LE=objective.planning_load(load_LE, topo),
+                          history_TLE=objective.planning_load(history_TLE, topo))
     if planner is None:
         planner = "rule-aware" if layout_dependent(rule) else "greedy"
     impl = get_planner(planner, **(settings or {}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.migration import Budget, count_moves
@@ -125,16 +126,17 @@ class AdaptivePolicy:
     def memory_bytes(self) -> int:
         return sum(0 if m is None else m.nbytes for m in (self._mem, self._load, self._chooser))
 
-    def _windows(self, num_gpus: int, num_nodes: int = 1) -> np.ndarray:
+    def _windows(self, topology: Topology) -> np.ndarray:
         """The kept windows as planned on (raw, in ring order: every use sums or maximises over
         windows), [M, L, E]; planning loads are made once per window and (GPUs, nodes)."""
         n = len(self._mem)
         if self._load is None:
             return self._mem._ring_MLE[:n]
-        stale = np.flatnonzero((self._load_for[:n] != (num_gpus, num_nodes)).any(axis=1))
+        made_for = (topology.num_gpus, topology.num_nodes)
+        stale = np.flatnonzero((self._load_for[:n] != made_for).any(axis=1))
         for i in stale:
-            self._load._ring_MLE[i] = self.objective.planning_load(self._mem._ring_MLE[i], num_gpus, num_nodes)
-            self._load_for[i] = (num_gpus, num_nodes)
+            self._load._ring_MLE[i] = self.objective.planning_load(self._mem._ring_MLE[i], topology)
+            self._load_for[i] = made_for
         return self._load._ring_MLE[:n]
 
     def observe(self, counts_LE: np.ndarray, placement: Placement) -> None:
@@ -155,7 +157,7 @@ class AdaptivePolicy:
             self._chooser.record(self._horizon_errors(counts_LE, placement))
         self._mem.push(counts_LE)
         if len(self._mem) >= self.detector.MIN_WINDOWS and self.detector.kappa > 0:
-            busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(G, placement.num_nodes), G)
+            busiest_ML = window_imbalance(placement.phy2log_LP, self._windows(placement.topology), G)
             order = self._mem.order()
             # Flags last until the next decision: windows served while a migration is in
             # flight are not lost.
@@ -167,7 +169,7 @@ class AdaptivePolicy:
             return None
         budget = NO_BUDGET if budget is None else budget
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
-        windows = self._windows(G, placement.num_nodes)
+        windows = self._windows(placement.topology)
         old_LP = placement.phy2log_LP
         flag_L = self._flag_L.copy()
         self._flag_L[:] = False
@@ -265,12 +267,12 @@ class AdaptivePolicy:
         `horizon_moves` x the decision's price of the moves it makes, [H, L]."""
         G, E, P = placement.num_gpus, placement.num_logical_experts, placement.num_slots
         n = len(self._mem)
-        windows = self._windows(G, placement.num_nodes)
+        windows = self._windows(placement.topology)
         order = self._mem.order()
         old_LP = placement.phy2log_LP
         rounds_L = np.full(old_LP.shape[0], self.swaps)
         now = counts_LE[None] if self._load is None else \
-            self.objective.planning_load(counts_LE, G, placement.num_nodes)[None]
+            self.objective.planning_load(counts_LE, placement.topology)[None]
         out = {}
         for h in sorted({min(int(h), n) for h in self.horizons}):
             win, w_M = horizon_windows(windows, order, h, self.recent_weight)

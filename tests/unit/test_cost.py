@@ -14,6 +14,7 @@ import pytest
 import eplb
 from eplb.core.hardware import PROFILES, get_hardware
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
 from eplb.dispatch.cost import (
     CostModel,
     TimeObjective,
@@ -186,11 +187,12 @@ def test_planning_load_adds_the_all_to_all_of_each_experts_rows():
     obj = TimeObjective(cost, batch_tokens=4096)
     rows = 4096 * 8 * load / load.sum()
     for nodes in (1, 4):
-        link = obj.planning_load(load, 32, nodes) - expected_replica_seconds(cost, load, 4096)
-        np.testing.assert_allclose(link, rows * row_link_seconds(cost, 32, nodes))
+        topo = Topology(32, 9, nodes)
+        link = obj.planning_load(load, topo) - expected_replica_seconds(cost, load, 4096)
+        np.testing.assert_allclose(link, rows * row_link_seconds(cost, topo))
     # The inter-node link is the slower: rows from other nodes cost more than rows over NVLink.
-    assert row_link_seconds(cost, 32, 4) > row_link_seconds(cost, 32, 1) > 0
-    assert row_link_seconds(cost, 1, 1) == 0                       # one GPU: every row is local
+    assert row_link_seconds(cost, Topology(32, 9, 4)) > row_link_seconds(cost, Topology(32, 9)) > 0
+    assert row_link_seconds(cost, Topology(1, 256)) == 0            # one GPU: every row is local
 
 
 def test_objective_time_needs_a_cost_model():

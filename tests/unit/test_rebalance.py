@@ -433,7 +433,7 @@ def test_the_policy_plans_for_the_time_objective():
     res = rb.rebalance()
     assert res.moves > 0
     # The policy planned on expected seconds, not tokens: its windows are planning loads.
-    np.testing.assert_allclose(rb.policy._windows(8)[0], obj.planning_load(load[::-1], 8))
+    np.testing.assert_allclose(rb.policy._windows(start.topology)[0], obj.planning_load(load[::-1], start.topology))
 
 
 def test_policy_objects_that_cannot_honour_a_budget_are_refused(rng):
