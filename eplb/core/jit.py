@@ -58,6 +58,13 @@ def mode() -> str:
     return value
 
 
+_COMPILES = threading.RLock()
+"""Held by every compile or cache load in this process. Each of them switches compiling on for
+the dispatchers it may touch and off again when done; two at once (a planner's worker threads
+calling different kernels for the first time) would switch off a callee the other is still
+linking, and numba would raise "compilation disabled". numba compiles under one global lock
+anyway, so nothing runs slower."""
+
 _local = threading.local()
 """Per thread: `interpreting` (a kernel runs as Python: the kernels it calls run so too) and
 `log` (the kernels that ran interpreted inside `record()`)."""
@@ -244,15 +251,16 @@ def _compile_here(dispatcher, sig) -> None:
     """Compile `sig` in this thread ("wait" mode). Kernels called from Python refuse new types
     (so a call with them comes back to `_first_call`, and is counted); while this compile types
     its callees, they may need new versions, so all accept them until it is done."""
-    loaded = [k._dispatcher for k in _KERNELS if k._run is not None] + [dispatcher]
-    for d in loaded:
-        d.disable_compile(False)
-    try:
-        dispatcher.compile(sig)
-    finally:
+    with _COMPILES:
+        loaded = [k._dispatcher for k in _KERNELS if k._run is not None] + [dispatcher]
         for d in loaded:
-            if d.signatures:        # numba refuses to disable a dispatcher with none
-                d.disable_compile()
+            d.disable_compile(False)
+        try:
+            dispatcher.compile(sig)
+        finally:
+            for d in loaded:
+                if d.signatures:        # numba refuses to disable a dispatcher with none
+                    d.disable_compile()
 
 
 def _install_folder_stamps() -> None:
@@ -335,15 +343,16 @@ def _install_refusal() -> None:
 def _load_cached(dispatcher, sig) -> bool:
     """Load machine code for `sig` from numba's cache without compiling; False if it has none."""
     me = threading.get_ident()
-    _refusing.add(me)
-    dispatcher.disable_compile(False)
-    try:
-        dispatcher.compile(sig)
-        return True
-    except _Uncached:
-        return False
-    finally:
-        _refusing.discard(me)
+    with _COMPILES:
+        _refusing.add(me)
+        dispatcher.disable_compile(False)
+        try:
+            dispatcher.compile(sig)
+            return True
+        except _Uncached:
+            return False
+        finally:
+            _refusing.discard(me)
 
 
 # --------------------------------------------------------------------------------------------

@@ -184,3 +184,28 @@ def test_real_calls_reach_each_kernel_with_one_argument_type_list():
     assert len(kernels) >= 10
     many = {k.name: list(k._state) for k in kernels if len(k._state) > 1}
     assert not many, many
+
+
+def test_first_calls_from_two_threads_compile_one_at_a_time(kernel_module, monkeypatch):
+    """A planner's worker threads may meet two uncompiled kernels at once ("wait" mode). Each
+    compile switches compiling off for the loaded kernels when it ends; overlapping, one would
+    switch off a callee the other is still linking ("compilation disabled")."""
+    monkeypatch.setenv(jit.MODE_ENV, "wait")
+    first, second = kernel_module.doubled, kernel_module._twice
+    inside, overlapped = threading.Event(), []
+    compile_first = first.dispatcher.compile
+
+    def slow_compile(sig):
+        inside.set()
+        time.sleep(0.3)                        # the other thread's first call starts meanwhile
+        overlapped.append(second.dispatcher.signatures != [])
+        return compile_first(sig)
+
+    monkeypatch.setattr(first.dispatcher, "compile", slow_compile)
+    worker = threading.Thread(target=first, args=(np.arange(3.0),))
+    worker.start()
+    assert inside.wait(10)
+    assert second(np.float64(2.0)) == 4.0      # waits for the first compile, then compiles
+    worker.join()
+    assert overlapped == [False]
+    assert first(np.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
