@@ -129,6 +129,27 @@ def test_a_read_only_file_is_not_replaced(tmp_path):
     assert p.read_text() == "precious"
 
 
+def test_an_immutable_file_or_folder_is_not_replaced_even_as_root(tmp_path):
+    """chattr +i holds against root too: the plan is refused in one line and nothing changes."""
+    target, folder = tmp_path / "plan.json", tmp_path / "locked"
+    target.write_text("precious")
+    folder.mkdir()
+    (folder / "p.json").write_text("kept")
+    if subprocess.run(["chattr", "+i", str(target), str(folder)], capture_output=True).returncode:
+        pytest.skip("chattr +i needs root and a file system that supports it")
+    try:
+        for out, message in ((target, "read-only or immutable"), (folder / "p.json", "is not writable")):
+            err = io.StringIO()
+            with redirect_stderr(err), redirect_stdout(io.StringIO()):
+                code = main(["plan", str(Path(__file__).parents[2] / "traces" / "deepseek.npz"), "--gpus", "4",
+                             "-p", "greedy", "-o", str(out)])
+            assert code == 2 and message in err.getvalue() and err.getvalue().count("\n") == 1
+        assert target.read_text() == "precious" and (folder / "p.json").read_text() == "kept"
+        assert sorted(q.name for q in tmp_path.rglob("*")) == ["locked", "p.json", "plan.json"]
+    finally:
+        subprocess.run(["chattr", "-i", str(target), str(folder)], capture_output=True)
+
+
 KILLED_WRITER = """
 import sys, time
 from eplb.core.outputs import atomic_output
