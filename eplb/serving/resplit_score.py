@@ -116,28 +116,66 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
     return gpu, flow
 
 
+def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
+    """The flexible experts of each row in classes that share no GPU: a list of int [B, K]
+    (indices into R; padding R, an expert with no GPUs), greedy colouring in expert order. The
+    experts of one class can pour at once with the same result as one after another."""
+    B, R, X = gpu_BRX.shape
+    G = int(num_gpus)
+    rows = np.arange(B)[:, None]
+    used_BG = np.zeros((B, G + 1), dtype=np.uint64)
+    colour_BR = np.zeros((B, R), dtype=np.int64)
+    for r in range(R):
+        g_BX = gpu_BRX[:, r]
+        taken = np.bitwise_or.reduce(np.where(g_BX < G, used_BG[rows, g_BX], np.uint64(0)), axis=1)
+        free = ~taken & (taken + np.uint64(1))                     # lowest clear bit (0 when all 64 are taken)
+        colour = np.where(free > 0, np.log2(np.maximum(free, 1).astype(np.float64)).astype(np.int64), 64 + r)
+        colour_BR[:, r] = colour
+        bit = np.where(colour < 64, np.left_shift(np.uint64(1), np.minimum(colour, 63).astype(np.uint64)),
+                       np.uint64(0))
+        np.bitwise_or.at(used_BG, (np.broadcast_to(rows, g_BX.shape), g_BX), bit[:, None])
+    out = []
+    for c in np.unique(colour_BR) if R else []:
+        member_BR = colour_BR == c
+        K = int(member_BR.sum(axis=1).max())
+        order = np.argsort(~member_BR, axis=1, kind="stable")[:, :K]
+        out.append(np.where(np.take_along_axis(member_BR, order, axis=1), order, R))
+    return out
+
+
 def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int) -> None:
     """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
     (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
-    expert in turn pours its tokens onto its lowest GPUs, every row and window at once."""
+    expert in turn pours its tokens onto its lowest GPUs, every row and window at once, and
+    experts that share no GPU at once (`colour_classes`)."""
     B, R, X = gpu_BRX.shape
     G = gpu.shape[2] - 1
-    pad_BRX = np.where(gpu_BRX == G, np.inf, 0.0)
-    pad_BRX[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
+    if not R or sweeps <= 0:
+        return
+    M = flex_MBR.shape[0]
+    # The padding expert R: no GPUs, no tokens.
+    g_all = np.concatenate([gpu_BRX, np.full((B, 1, X), G)], axis=1)
+    f_all = np.concatenate([flex_MBR, np.zeros((M, B, 1))], axis=2)
+    flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
+    pad_all = np.where(g_all == G, np.inf, 0.0)
+    pad_all[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
     ks = np.arange(1, X + 1)
     rows = np.arange(B)[:, None]
+    classes = [(k_BK, g_all[rows, k_BK], pad_all[rows, k_BK][None], f_all[:, rows, k_BK][..., None])
+               for k_BK in colour_classes(gpu_BRX, G)]
+    rows3 = rows[:, :, None]
     for _ in range(sweeps):
-        for r in range(R):
-            g_BX = gpu_BRX[:, r]
-            old = flow[:, :, r]
-            base = gpu[:, rows, g_BX] - old + pad_BRX[:, r]
-            b_sorted = np.sort(base, axis=2)
-            level = (flex_MBR[:, :, r, None] + np.cumsum(b_sorted, axis=2)) / ks
-            k = (b_sorted < level).sum(axis=2, keepdims=True)
-            new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=2) - base, 0.0)
-            # An expert's GPUs are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu[:, rows, g_BX] += new - old
-            flow[:, :, r] = new
+        for k_BK, g_BKX, pad, load in classes:
+            old = flow_all[:, rows, k_BK]
+            base = gpu[:, rows3, g_BKX] - old + pad
+            b_sorted = np.sort(base, axis=3)
+            level = (load + np.cumsum(b_sorted, axis=3)) / ks
+            k = (b_sorted < level).sum(axis=3, keepdims=True)
+            new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=3) - base, 0.0)
+            # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
+            gpu[:, rows3, g_BKX] += new - old
+            flow_all[:, rows, k_BK] = new
+    flow[:] = flow_all[:, :, :R]
 
 
 def bounds(gpu_BRX: np.ndarray, fixed_MBG: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray):
