@@ -49,6 +49,10 @@ class Layout:
     """int [B, R, X]: their distinct GPUs, ascending (padding: the dummy GPU G)."""
     even_BRX: np.ndarray
     """[B, R, X]: the engine's even split, the share of each GPU (its replicas / the expert's)."""
+    slot_BRX: np.ndarray
+    """int [B, R, X]: the first slot of the expert on each of those GPUs (padding: P)."""
+    rigid_slot: np.ndarray
+    """int [n]: b x P + the first slot of each expert of row b that lies on one GPU only."""
     num_gpus: int
 
 
@@ -60,7 +64,8 @@ def layout(phy_BP: np.ndarray, num_gpus: int) -> Layout:
     E = int(phy_BP.max()) + 1 if phy_BP.size else 1
     # Step 1: (row, expert, GPU) triples with their replica counts, sorted.
     key = (np.arange(B)[:, None] * E + phy_BP) * G + np.arange(P)[None, :] // (P // G)
-    pair, cnt = np.unique(key.ravel(), return_counts=True)
+    pair, first_slot, cnt = np.unique(key.ravel(), return_index=True, return_counts=True)
+    first_slot %= P
     be, g = pair // G, pair % G
     first = np.r_[True, be[1:] != be[:-1]]
     start = np.flatnonzero(first)
@@ -88,7 +93,9 @@ def layout(phy_BP: np.ndarray, num_gpus: int) -> Layout:
     even_BRX = np.zeros((B, R, X))
     tot = np.bincount(idx_expert, weights=c_f)
     even_BRX[row_of[idx_expert], r_of[idx_expert], x_of] = c_f / tot[idx_expert]
-    return Layout(rigid, expert_BR, gpu_BRX, even_BRX, G)
+    slot_BRX = np.full((B, R, X), P, dtype=np.int64)
+    slot_BRX[row_of[idx_expert], r_of[idx_expert], x_of] = first_slot[flex]
+    return Layout(rigid, expert_BR, gpu_BRX, even_BRX, slot_BRX, b_one * P + first_slot[one], G)
 
 
 def fixed_loads(lay: Layout, load_MBE: np.ndarray) -> np.ndarray:
@@ -117,9 +124,10 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
 
 
 def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
-    """The flexible experts of each row in classes that share no GPU: a list of int [B, K]
-    (indices into R; padding R, an expert with no GPUs), greedy colouring in expert order. The
-    experts of one class can pour at once with the same result as one after another."""
+    """The flexible experts of each row in classes that share no GPU and span about as many GPUs
+    (1, 2, 3-4, 5-8, ...): a list of int [B, K] (indices into R; padding R, an expert with no
+    GPUs), greedy colouring in expert order. The experts of one class can pour at once with the
+    same result as one after another, and a class pads its experts to few GPUs."""
     B, R, X = gpu_BRX.shape
     G = int(num_gpus)
     rows = np.arange(B)[:, None]
@@ -134,9 +142,11 @@ def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
         bit = np.where(colour < 64, np.left_shift(np.uint64(1), np.minimum(colour, 63).astype(np.uint64)),
                        np.uint64(0))
         np.bitwise_or.at(used_BG, (np.broadcast_to(rows, g_BX.shape), g_BX), bit[:, None])
+    span_BR = np.maximum((gpu_BRX < G).sum(axis=2), 1)
+    key_BR = colour_BR * 64 + np.ceil(np.log2(span_BR)).astype(np.int64)
     out = []
-    for c in np.unique(colour_BR) if R else []:
-        member_BR = colour_BR == c
+    for c in np.unique(key_BR) if R else []:
+        member_BR = key_BR == c
         K = int(member_BR.sum(axis=1).max())
         order = np.argsort(~member_BR, axis=1, kind="stable")[:, :K]
         out.append(np.where(np.take_along_axis(member_BR, order, axis=1), order, R))
@@ -157,25 +167,32 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
     g_all = np.concatenate([gpu_BRX, np.full((B, 1, X), G)], axis=1)
     f_all = np.concatenate([flex_MBR, np.zeros((M, B, 1))], axis=2)
     flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
-    pad_all = np.where(g_all == G, np.inf, 0.0)
-    pad_all[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
-    ks = np.arange(1, X + 1)
     rows = np.arange(B)[:, None]
-    classes = [(k_BK, g_all[rows, k_BK], pad_all[rows, k_BK][None], f_all[:, rows, k_BK][..., None])
-               for k_BK in colour_classes(gpu_BRX, G)]
-    rows3 = rows[:, :, None]
+    gpu_flat = np.ascontiguousarray(gpu).reshape(M, B * (G + 1))
+    classes = []
+    for k_BK in colour_classes(gpu_BRX, G):
+        g_BKX = g_all[rows, k_BK]
+        Xc = max(1, int((g_BKX < G).sum(axis=2).max()))
+        g_BKX = g_BKX[:, :, :Xc]
+        pad = np.where(g_BKX == G, np.inf, 0.0)
+        pad[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
+        flat = rows[:, :, None] * (G + 1) + g_BKX
+        classes.append((k_BK, Xc, flat, pad[None], f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc],
+                        np.arange(1, Xc + 1)))
     for _ in range(sweeps):
-        for k_BK, g_BKX, pad, load in classes:
-            old = flow_all[:, rows, k_BK]
-            base = gpu[:, rows3, g_BKX] - old + pad
+        for _, _, flat, pad, load, flow_c, ks in classes:
+            base = gpu_flat[:, flat] - flow_c + pad
             b_sorted = np.sort(base, axis=3)
             level = (load + np.cumsum(b_sorted, axis=3)) / ks
             k = (b_sorted < level).sum(axis=3, keepdims=True)
             new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=3) - base, 0.0)
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu[:, rows3, g_BKX] += new - old
-            flow_all[:, rows, k_BK] = new
+            gpu_flat[:, flat] += new - flow_c
+            flow_c[:] = new
+    for k_BK, Xc, _, _, _, flow_c, _ in classes:
+        flow_all[:, rows, k_BK, :Xc] = flow_c
     flow[:] = flow_all[:, :, :R]
+    gpu[:] = gpu_flat.reshape(gpu.shape)
 
 
 def bounds(gpu_BRX: np.ndarray, fixed_MBG: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray):
