@@ -180,8 +180,15 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         classes.append((k_BK, Xc, flat, pad[None], f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc],
                         np.arange(1, Xc + 1)))
     for _ in range(sweeps):
-        for _, _, flat, pad, load, flow_c, ks in classes:
+        for _, Xc, flat, pad, load, flow_c, ks in classes:
             base = gpu_flat[:, flat] - flow_c + pad
+            if Xc == 2:
+                # Two GPUs: the level meets both, or all tokens go to the lower one.
+                first = np.clip(0.5 * (load[..., 0] + base[..., 1] - base[..., 0]), 0.0, load[..., 0])
+                new = np.stack([first, load[..., 0] - first], axis=3)
+                gpu_flat[:, flat] += new - flow_c
+                flow_c[:] = new
+                continue
             b_sorted = np.sort(base, axis=3)
             level = (load + np.cumsum(b_sorted, axis=3)) / ks
             k = (b_sorted < level).sum(axis=3, keepdims=True)
