@@ -13,12 +13,12 @@ inside Y) / |Y|. `resplit_repair` changes a placement in force by slot swaps and
 replicas that lower that score over a set of windows (half the mean, half the worst), each kept
 only where it buys more than its price in moves.
 
-Each step scores, for every layer at once, a few dozen candidates aimed at the layer's busiest
-GPUs in its worst scenario (`_candidates`), and keeps each layer's best one. Candidates are
-scored by the upper bound of `eplb.serving.resplit_score` (a feasible split after SWEEPS sweeps of
-water-filling): a swap of two experts with one replica each leaves the replicated experts as they
-were, so it starts from the placement's own split and needs WARM_SWEEPS more; other candidates
-start from the even split.
+Each step builds, for every layer at once, a few dozen candidates aimed at the layer's busiest
+GPUs in its worst scenario (`_candidates`), ranks them by local scores (each starts from the
+placement's own split and re-pours only the experts on the two GPUs it changes:
+`eplb.serving.resplit_local`), and keeps each layer's best one if the layer's full score (SWEEPS
+sweeps of water-filling from the even split, the upper bound of `eplb.serving.resplit_score`)
+confirms that it pays.
 
 Because a few dozen windows can all be balanced perfectly under re-split, a plan fitted to them
 stops where they are and hedges nothing more; `scenarios` adds the same windows with their
@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.errors import EplbError
+from eplb.serving.resplit_local import score_local, slot_flows
 from eplb.serving.resplit_score import (
     even_split,
     fixed_loads,
@@ -50,16 +51,27 @@ resplit`'s warm-up plan); a decision of the online policy makes `resplit_rounds`
 STEPS = 4
 """Search steps per pass: each keeps at most one change per layer."""
 
-SWEEPS = 6
-"""Water-filling sweeps of the placement in force, from the even split, before a step."""
+SWEEPS = 9
+"""Water-filling sweeps from the even split that score a layer's map in full."""
 
-WARM_SWEEPS = 3
-"""Further sweeps that score each candidate (and the placement in force, for a fair comparison)."""
+LOCAL = ((96, (32, 2, 8, 4)), (320, (24, 1, 6, 4)), (None, (8, 0, 4, 1)))
+"""(most slots per layer or None, (SCREEN, HOPS, SWEEPS, VERIFY)): the search's settings for a
+layer, from the first tier its slots fit (the work of a step grows with the slots). The SCREEN
+best candidates per layer and step by a quick screen are scored locally, the experts HOPS steps
+of shared GPUs from the changed GPUs pouring SWEEPS times (around a hot expert on many GPUs a
+wide layer's neighbourhood covers most of it), and the VERIFY best of those in full."""
 
-WIDTHS = ((3, 4, 16, 4, 3, 8), (8, 32, 64, 8, 4, 16), (1 << 30, 0, 256, 16, 8, 64))
-"""Candidates of a step, per layer, (HOT, COLD, SWAPS, SPARES, TARGETS, MIXED): swaps between the HOT
-busiest GPUs of the worst scenario and the COLD least loaded GPUs (the SWAPS most promising, at
-most MIXED of them moving a replicated expert: those start from the even split), and the
+SCREEN_SWEEPS = 2
+"""Sweeps of the quick screen (over the experts on the two changed GPUs only)."""
+
+SCREEN_SCENARIOS = 8
+"""Scenarios of the quick screen: each layer's busiest under the placement in force."""
+"""Sweeps of the quick screen (over the experts on the two changed GPUs only)."""
+
+
+WIDTHS = ((3, 4, 16, 4, 3), (8, 32, 64, 8, 4), (1 << 30, 0, 256, 16, 8))
+"""Candidates of a step, per layer, (HOT, COLD, SWAPS, SPARES, TARGETS): swaps between the HOT
+busiest GPUs of the worst scenario and the COLD least loaded GPUs (the SWAPS most promising), and the
 SPARES least needed spare replicas rewritten to each of the TARGETS heaviest experts of the
 busiest GPUs (HOT >= G: swaps between any two GPUs, the more loaded one's expert the heavier,
 and any spare replica to any of the TARGETS heaviest experts). A layer starts with the first
@@ -68,9 +80,6 @@ where a layer has more than EVERY_SLOTS slots: the widest search grows as P**2).
 
 EVERY_SLOTS = 96
 """Most slots per layer for which the widest search runs."""
-
-CHUNK = 1 << 22
-"""Most (scenario x candidate x GPU) entries scored at once (memory)."""
 
 
 def scenarios(windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | None = None,
@@ -89,22 +98,6 @@ def _cost(hi_MC: np.ndarray, w_M: np.ndarray) -> np.ndarray:
     return 0.5 * (w_M @ hi_MC) / w_M.sum() + 0.5 * hi_MC.max(axis=0)
 
 
-def _score_cold(new_CP, layer_C, load_MLE, G, w_M) -> np.ndarray:
-    """Cost of candidate maps new_CP [C, P] (rows of layers layer_C) from the even split, [C]."""
-    M, _, E = load_MLE.shape
-    out = np.empty(len(new_CP))
-    step = max(1, CHUNK // max(1, M * G * 8))
-    for i in range(0, len(new_CP), step):
-        sl = slice(i, i + step)
-        load = load_MLE[:, layer_C[sl]]
-        lay = layout(new_CP[sl], G)
-        fixed, flex = fixed_loads(lay, load), flexible_loads(lay, load)
-        gpu, flow = even_split(lay, fixed, flex)
-        water_fill(lay.gpu_BRX, flex, gpu, flow, SWEEPS + WARM_SWEEPS)
-        out[sl] = _cost(_ratio(gpu[:, :, :G].max(axis=2), load, G), w_M)
-    return out
-
-
 def _ratio(busiest_MC, load_MCE, G):
     """Busiest / mean GPU, 1 for idle rows."""
     mean = load_MCE.sum(axis=2) / G
@@ -113,16 +106,19 @@ def _ratio(busiest_MC, load_MCE, G):
 
 def _candidates(cur_LP, layers, width_L, gpu_MLG, hi_ML, load_MLE, w_M, G):
     """Candidate changes of the active layers: (layer [C], slot a [C], slot b [C], -1 for a
-    rewrite of slot a to expert x [C], x [C], warm [C]: a swap of two single-replica experts)."""
+    rewrite of slot a to expert x [C], x [C]). None puts an expert twice on one GPU (a wasted slot
+    under re-split)."""
     L, P = cur_LP.shape
     S = P // G
     E = load_MLE.shape[2]
     gpu_P = np.arange(P) // S
     out = []
     for l in layers:
-        HOT, COLD, SWAPS, SPARES, TARGETS, MIXED = WIDTHS[width_L[l]]
+        HOT, COLD, SWAPS, SPARES, TARGETS = WIDTHS[width_L[l]]
         phy = cur_LP[l]
         r_E = np.bincount(phy, minlength=E)
+        on_EG = np.zeros((E, G), dtype=bool)
+        on_EG[phy, gpu_P] = True
         worst = int(np.argmax(hi_ML[:, l]))
         mean_E = (w_M @ load_MLE[:, l]) / w_M.sum()
         press_G = 0.5 * (w_M @ gpu_MLG[:, l]) / w_M.sum() + 0.5 * gpu_MLG[worst, l]
@@ -138,16 +134,14 @@ def _candidates(cur_LP, layers, width_L, gpu_MLG, hi_ML, load_MLE, w_M, G):
         A, Bq = A.ravel(), Bq.ravel()
         d = x_P[A] - x_P[Bq]
         gain = np.minimum(d, press_G[gpu_P[A]] - press_G[gpu_P[Bq]] - d)
-        ok = (phy[A] != phy[Bq]) & ((gain > 0) | (width_L[l] > 0) & (d > 0))
+        ok = (gain > 0) | (width_L[l] > 0) & (d > 0)
         if every:
-            ok = (phy[A] != phy[Bq]) & (press_G[gpu_P[A]] > press_G[gpu_P[Bq]])
+            ok = press_G[gpu_P[A]] > press_G[gpu_P[Bq]]
+        ok &= (phy[A] != phy[Bq]) & ~on_EG[phy[A], gpu_P[Bq]] & ~on_EG[phy[Bq], gpu_P[A]]
         A, Bq, gain = A[ok], Bq[ok], gain[ok]
         top = np.argsort(-gain, kind="stable")[:SWAPS]
         A, Bq = A[top], Bq[top]
-        warm = (r_E[phy[A]] == 1) & (r_E[phy[Bq]] == 1)
-        mixed = np.flatnonzero(~warm)[MIXED:]
-        A, Bq, warm = np.delete(A, mixed), np.delete(Bq, mixed), np.delete(warm, mixed)
-        out.append(np.stack([np.full(len(A), l), A, Bq, np.full(len(A), -1), warm], axis=1))
+        out.append(np.stack([np.full(len(A), l), A, Bq, np.full(len(A), -1)], axis=1))
         # Rewrites: a spare replica (its expert has another) of a cold-ish GPU to a heavy hot expert.
         spare = np.flatnonzero((r_E[phy] >= 2) & (every | ~np.isin(gpu_P, hot)))
         spare = spare[np.argsort(x_P[spare], kind="stable")[:SPARES]]
@@ -156,46 +150,48 @@ def _candidates(cur_LP, layers, width_L, gpu_MLG, hi_ML, load_MLE, w_M, G):
         heavy = heavy[np.sort(np.unique(heavy, return_index=True)[1])][:TARGETS]
         Q, T = np.meshgrid(spare, heavy, indexing="ij")
         Q, T = Q.ravel(), T.ravel()
-        ok = phy[Q] != T
-        out.append(np.stack([np.full(ok.sum(), l), Q[ok], np.full(ok.sum(), -1), T[ok], np.zeros(ok.sum(), int)],
-                            axis=1))
-    return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 5), np.int64)
+        ok = ~on_EG[T, gpu_P[Q]]
+        out.append(np.stack([np.full(ok.sum(), l), Q[ok], np.full(ok.sum(), -1), T[ok]], axis=1))
+    return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 4), np.int64)
 
 
 def _score(cur_LP, load_MLE, G, w_M):
-    """The placement's state after SWEEPS sweeps (for warm candidates) and its cost after
-    WARM_SWEEPS more: (layout, fixed, flex, gpu, flow, gpu after, busiest / mean after [M, L], cost [L])."""
+    """The placement's split after SWEEPS sweeps from the even split: (split per slot [M, L, P + S],
+    GPU loads [M, L, G + 1], busiest / mean GPU [M, L], cost [L])."""
     lay = layout(cur_LP, G)
     fixed, flex = fixed_loads(lay, load_MLE), flexible_loads(lay, load_MLE)
     gpu, flow = even_split(lay, fixed, flex)
     water_fill(lay.gpu_BRX, flex, gpu, flow, SWEEPS)
-    gpu2, flow2 = gpu.copy(), flow.copy()
-    water_fill(lay.gpu_BRX, flex, gpu2, flow2, WARM_SWEEPS)
-    hi_ML = _ratio(gpu2[:, :, :G].max(axis=2), load_MLE, G)
-    return lay, fixed, flex, gpu, flow, gpu2, hi_ML, _cost(hi_ML, w_M)
+    hi_ML = _ratio(gpu[:, :, :G].max(axis=2), load_MLE, G)
+    return [slot_flows(lay, flow, load_MLE, cur_LP), gpu, hi_ML, _cost(hi_ML, w_M)]
 
 
-def _score_warm(cand, state, load_MLE, G, w_M) -> np.ndarray:
-    """Cost of swaps of two single-replica experts [C] (rows of `_candidates`), from the
-    placement's own split (its replicated experts are unchanged)."""
-    lay, fixed, flex, gpu, flow = state[:5]
-    cur_LP = state[-1]
-    S = cur_LP.shape[1] // G
-    M = load_MLE.shape[0]
-    out = np.empty(len(cand))
-    step = max(1, CHUNK // max(1, M * G * 8))
-    for i in range(0, len(cand), step):
-        c = cand[i:i + step]
-        l, a, b = c[:, 0], c[:, 1], c[:, 2]
-        g, h = a // S, b // S
-        rows = np.arange(len(c))
-        d_MC = load_MLE[:, l, cur_LP[l, b]] - load_MLE[:, l, cur_LP[l, a]]     # g gains d, h loses it
-        gpu_c, flow_c = gpu[:, l].copy(), flow[:, l].copy()
-        gpu_c[:, rows, g] += d_MC
-        gpu_c[:, rows, h] -= d_MC
-        water_fill(lay.gpu_BRX[l], flex[:, l], gpu_c, flow_c, WARM_SWEEPS)
-        out[i:i + step] = _cost(_ratio(gpu_c[:, :, :G].max(axis=2), load_MLE[:, l], G), w_M)
-    return out
+def _screen(cand, cur_LP, state, load_MLE, G) -> np.ndarray:
+    """A quick cost of each candidate [C], to rank them: on each layer's SCREEN_SCENARIOS busiest
+    scenarios, the experts on the two changed GPUs pour SCREEN_SWEEPS times."""
+    k = min(SCREEN_SCENARIOS, len(load_MLE))
+    pick_KL = np.argsort(-state[2], axis=0, kind="stable")[:k]
+    take = [np.take_along_axis(x, pick_KL[:, :, None], axis=0) for x in (state[0], state[1], load_MLE)]
+    busiest_KC = score_local(cand, cur_LP, take[0], take[1], take[2], G, 0, SCREEN_SWEEPS)
+    ratio_KC = _ratio(busiest_KC, take[2][:, cand[:, 0]], G)
+    return 0.5 * ratio_KC.mean(axis=0) + 0.5 * ratio_KC.max(axis=0)
+
+
+def _best_per_layer(layer_C, gain_C, k):
+    """Indices of the k highest gains of each layer, [n]."""
+    order = np.lexsort((-gain_C, layer_C))
+    start = np.r_[True, layer_C[order[1:]] != layer_C[order[:-1]]] if len(order) else np.zeros(0, bool)
+    rank = np.arange(len(order)) - np.maximum.accumulate(np.where(start, np.arange(len(order)), 0))
+    return order[rank < k]
+
+
+def _apply(cur_LP, cand_C4):
+    """The candidates' changes made on cur_LP, in place (one per layer)."""
+    for l, a, b, x in cand_C4:
+        if b >= 0:
+            cur_LP[l, a], cur_LP[l, b] = cur_LP[l, b], cur_LP[l, a]
+        else:
+            cur_LP[l, a] = x
 
 
 def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, weights_M: np.ndarray | None = None,
@@ -206,10 +202,11 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
 
     The cost of a layer is half the weighted mean, half the worst scenario of busiest / mean GPU
     under re-split (`scenarios` of the windows with `spread`), each scenario scored by a feasible
-    split (SWEEPS + WARM_SWEEPS sweeps of water-filling: an upper bound within a few 1e-3 of the
-    optimum, `eplb.serving.resplit_score`). `rounds` passes of STEPS steps; each step keeps, per
-    layer, the best candidate (module docstring) when it lowers the cost by more than `price` per
-    move (a swap moves two replicas, a rewrite one). A layer balanced in every scenario is left.
+    split (SWEEPS sweeps of water-filling from the even split: an upper bound within a few 1e-3 of
+    the optimum, `eplb.serving.resplit_score`). `rounds` passes of STEPS steps; each step ranks
+    the candidates (module docstring) by local scores (`eplb.serving.resplit_local`) and keeps, per
+    layer, the best one where its full score lowers the cost by more than `price` per move (a swap
+    moves two replicas, a rewrite one). A layer balanced in every scenario is left.
     """
     old_LP = np.asarray(old_LP, dtype=np.int64)
     L, P = old_LP.shape
@@ -219,48 +216,48 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
     load_MLE, w_M = scenarios(windows_MLE, G, weights_M, spread)
     cur = old_LP.copy()
     state = _score(cur, load_MLE, G, w_M)
-    before = cost = state[-1]
-    active = cost > 1.0 + 1e-9
+    before = state[3].copy()
+    active = before > 1.0 + 1e-9
     width_L = np.zeros(L, dtype=np.int64)
     widths = len(WIDTHS) if P <= EVERY_SLOTS else len(WIDTHS) - 1
+    screen, hops, sweeps, verify = next(t for most, t in LOCAL if most is None or P <= most)
     for _ in range(int(rounds) * STEPS):
         layers = np.flatnonzero(active)
         if not layers.size:
             break
-        cand = _candidates(cur, layers, width_L, state[5][:, :, :G], state[6], load_MLE, w_M, G)
-        c_C = np.empty(len(cand))
-        warm = cand[:, 4] == 1
-        c_C[warm] = _score_warm(cand[warm], state[:5] + (cur,), load_MLE, G, w_M)
-        new_CP = cur[cand[~warm, 0]].copy()
-        rows = np.arange(len(new_CP))
-        a, b, x = cand[~warm, 1], cand[~warm, 2], cand[~warm, 3]
-        swap = b >= 0
-        new_CP[rows[swap], a[swap]], new_CP[rows[swap], b[swap]] = cur[cand[~warm, 0][swap], b[swap]], \
-            cur[cand[~warm, 0][swap], a[swap]]
-        new_CP[rows[~swap], a[~swap]] = x[~swap]
-        c_C[~warm] = _score_cold(new_CP, cand[~warm, 0], load_MLE, G, w_M)
-        # Step: each layer's best candidate, kept where it pays for its moves.
-        gain_C = cost[cand[:, 0]] - c_C - price * np.where(cand[:, 2] >= 0, 2, 1)
-        order = np.lexsort((-gain_C, cand[:, 0]))
-        first = order[np.r_[True, cand[order[1:], 0] != cand[order[:-1], 0]]] if len(cand) else order
-        keep = first[gain_C[first] > 1e-12]
-        # Layers that found nothing widen their search, or stop at the widest.
+        cost = state[3]
+        cand = _candidates(cur, layers, width_L, state[1][:, :, :G], state[2], load_MLE, w_M, G)
+        # Step 1: every candidate screened by the experts on its two GPUs, a few sweeps; the
+        # SCREEN best of each layer scored locally, the VERIFY best of those where they pay.
+        pick = _best_per_layer(cand[:, 0], -_screen(cand, cur, state, load_MLE, G), screen)
+        cand, load_C = cand[pick], load_MLE[:, cand[pick, 0]]
+        c_C = _cost(_ratio(score_local(cand, cur, state[0], state[1], load_MLE, G, hops, sweeps), load_C, G), w_M)
+        moves_C = np.where(cand[:, 2] >= 0, 2, 1)
+        gain_C = cost[cand[:, 0]] - c_C - price * moves_C
+        top = _best_per_layer(cand[:, 0], gain_C, verify)
+        top = top[gain_C[top] > 1e-12]
+        # Step 2: those scored in full; each layer keeps its best that pays there.
+        rows = np.zeros(0, dtype=np.int64)
+        if top.size:
+            new_NP = cur[cand[top, 0]].copy()
+            _apply(new_NP, np.c_[np.arange(len(top)), cand[top, 1:]])
+            full = _score(new_NP, load_MLE[:, cand[top, 0]], G, w_M)
+            gain_N = cost[cand[top, 0]] - full[3] - price * moves_C[top]
+            best = _best_per_layer(cand[top, 0], gain_N, 1)
+            best = best[gain_N[best] > 1e-12]
+            rows = cand[top[best], 0]
+            cur[rows] = new_NP[best]
+            for whole, new in zip(state[:3], full[:3]):
+                whole[:, rows] = new[:, best]
+            state[3][rows] = full[3][best]
+        # Step 3: layers that found nothing widen their search, or stop at the widest.
         found = np.zeros(L, dtype=bool)
-        found[cand[keep, 0]] = True
+        found[rows] = True
         width_L[active & ~found] += 1
         active &= found | (width_L < widths)
         width_L = np.minimum(width_L, widths - 1)
-        for k in keep:
-            l, a, b, x = cand[k, :4]
-            if b >= 0:
-                cur[l, a], cur[l, b] = cur[l, b], cur[l, a]
-            else:
-                cur[l, a] = x
-        if keep.size:
-            state = _score(cur, load_MLE, G, w_M)
-            cost = state[-1]
-        active &= cost > 1.0 + 1e-9
-    return cur, np.stack([before, state[-1]], axis=1)
+        active &= state[3] > 1.0 + 1e-9
+    return cur, np.stack([before, state[3]], axis=1)
 
 
 def resplit_decision(old_LP: np.ndarray, windows_MLE: np.ndarray, weights_M: np.ndarray, num_gpus: int,

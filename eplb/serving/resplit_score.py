@@ -49,6 +49,10 @@ class Layout:
     """int [B, R, X]: their distinct GPUs, ascending (padding: the dummy GPU G)."""
     even_BRX: np.ndarray
     """[B, R, X]: the engine's even split, the share of each GPU (its replicas / the expert's)."""
+    slot_BRX: np.ndarray
+    """int [B, R, X]: the first slot of the expert on each of those GPUs (padding: P)."""
+    rigid_slot: np.ndarray
+    """int [n]: b x P + the first slot of each expert of row b that lies on one GPU only."""
     num_gpus: int
 
 
@@ -60,7 +64,8 @@ def layout(phy_BP: np.ndarray, num_gpus: int) -> Layout:
     E = int(phy_BP.max()) + 1 if phy_BP.size else 1
     # Step 1: (row, expert, GPU) triples with their replica counts, sorted.
     key = (np.arange(B)[:, None] * E + phy_BP) * G + np.arange(P)[None, :] // (P // G)
-    pair, cnt = np.unique(key.ravel(), return_counts=True)
+    pair, first_slot, cnt = np.unique(key.ravel(), return_index=True, return_counts=True)
+    first_slot %= P
     be, g = pair // G, pair % G
     first = np.r_[True, be[1:] != be[:-1]]
     start = np.flatnonzero(first)
@@ -88,7 +93,9 @@ def layout(phy_BP: np.ndarray, num_gpus: int) -> Layout:
     even_BRX = np.zeros((B, R, X))
     tot = np.bincount(idx_expert, weights=c_f)
     even_BRX[row_of[idx_expert], r_of[idx_expert], x_of] = c_f / tot[idx_expert]
-    return Layout(rigid, expert_BR, gpu_BRX, even_BRX, G)
+    slot_BRX = np.full((B, R, X), P, dtype=np.int64)
+    slot_BRX[row_of[idx_expert], r_of[idx_expert], x_of] = first_slot[flex]
+    return Layout(rigid, expert_BR, gpu_BRX, even_BRX, slot_BRX, b_one * P + first_slot[one], G)
 
 
 def fixed_loads(lay: Layout, load_MBE: np.ndarray) -> np.ndarray:
@@ -116,28 +123,83 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
     return gpu, flow
 
 
+def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
+    """The flexible experts of each row in classes that share no GPU and span about as many GPUs
+    (1, 2, 3-4, 5-8, ...): a list of int [B, K] (indices into R; padding R, an expert with no
+    GPUs), greedy colouring in expert order. The experts of one class can pour at once with the
+    same result as one after another, and a class pads its experts to few GPUs."""
+    B, R, X = gpu_BRX.shape
+    G = int(num_gpus)
+    rows = np.arange(B)[:, None]
+    used_BG = np.zeros((B, G + 1), dtype=np.uint64)
+    colour_BR = np.zeros((B, R), dtype=np.int64)
+    for r in range(R):
+        g_BX = gpu_BRX[:, r]
+        taken = np.bitwise_or.reduce(np.where(g_BX < G, used_BG[rows, g_BX], np.uint64(0)), axis=1)
+        free = ~taken & (taken + np.uint64(1))                     # lowest clear bit (0 when all 64 are taken)
+        colour = np.where(free > 0, np.log2(np.maximum(free, 1).astype(np.float64)).astype(np.int64), 64 + r)
+        colour_BR[:, r] = colour
+        bit = np.where(colour < 64, np.left_shift(np.uint64(1), np.minimum(colour, 63).astype(np.uint64)),
+                       np.uint64(0))
+        np.bitwise_or.at(used_BG, (np.broadcast_to(rows, g_BX.shape), g_BX), bit[:, None])
+    span_BR = np.maximum((gpu_BRX < G).sum(axis=2), 1)
+    key_BR = colour_BR * 64 + np.ceil(np.log2(span_BR)).astype(np.int64)
+    out = []
+    for c in np.unique(key_BR) if R else []:
+        member_BR = key_BR == c
+        K = int(member_BR.sum(axis=1).max())
+        order = np.argsort(~member_BR, axis=1, kind="stable")[:, :K]
+        out.append(np.where(np.take_along_axis(member_BR, order, axis=1), order, R))
+    return out
+
+
 def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int) -> None:
     """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
     (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
-    expert in turn pours its tokens onto its lowest GPUs, every row and window at once."""
+    expert in turn pours its tokens onto its lowest GPUs, every row and window at once, and
+    experts that share no GPU at once (`colour_classes`)."""
     B, R, X = gpu_BRX.shape
     G = gpu.shape[2] - 1
-    pad_BRX = np.where(gpu_BRX == G, np.inf, 0.0)
-    pad_BRX[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
-    ks = np.arange(1, X + 1)
+    if not R or sweeps <= 0:
+        return
+    M = flex_MBR.shape[0]
+    # The padding expert R: no GPUs, no tokens.
+    g_all = np.concatenate([gpu_BRX, np.full((B, 1, X), G)], axis=1)
+    f_all = np.concatenate([flex_MBR, np.zeros((M, B, 1))], axis=2)
+    flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
     rows = np.arange(B)[:, None]
+    gpu_flat = np.ascontiguousarray(gpu).reshape(M, B * (G + 1))
+    classes = []
+    for k_BK in colour_classes(gpu_BRX, G):
+        g_BKX = g_all[rows, k_BK]
+        Xc = max(1, int((g_BKX < G).sum(axis=2).max()))
+        g_BKX = g_BKX[:, :, :Xc]
+        pad = np.where(g_BKX == G, np.inf, 0.0)
+        pad[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
+        flat = rows[:, :, None] * (G + 1) + g_BKX
+        classes.append((k_BK, Xc, flat, pad[None], f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc],
+                        np.arange(1, Xc + 1)))
     for _ in range(sweeps):
-        for r in range(R):
-            g_BX = gpu_BRX[:, r]
-            old = flow[:, :, r]
-            base = gpu[:, rows, g_BX] - old + pad_BRX[:, r]
-            b_sorted = np.sort(base, axis=2)
-            level = (flex_MBR[:, :, r, None] + np.cumsum(b_sorted, axis=2)) / ks
-            k = (b_sorted < level).sum(axis=2, keepdims=True)
-            new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=2) - base, 0.0)
-            # An expert's GPUs are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu[:, rows, g_BX] += new - old
-            flow[:, :, r] = new
+        for _, Xc, flat, pad, load, flow_c, ks in classes:
+            base = gpu_flat[:, flat] - flow_c + pad
+            if Xc == 2:
+                # Two GPUs: the level meets both, or all tokens go to the lower one.
+                first = np.clip(0.5 * (load[..., 0] + base[..., 1] - base[..., 0]), 0.0, load[..., 0])
+                new = np.stack([first, load[..., 0] - first], axis=3)
+                gpu_flat[:, flat] += new - flow_c
+                flow_c[:] = new
+                continue
+            b_sorted = np.sort(base, axis=3)
+            level = (load + np.cumsum(b_sorted, axis=3)) / ks
+            k = (b_sorted < level).sum(axis=3, keepdims=True)
+            new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=3) - base, 0.0)
+            # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
+            gpu_flat[:, flat] += new - flow_c
+            flow_c[:] = new
+    for k_BK, Xc, _, _, _, flow_c, _ in classes:
+        flow_all[:, rows, k_BK, :Xc] = flow_c
+    flow[:] = flow_all[:, :, :R]
+    gpu[:] = gpu_flat.reshape(gpu.shape)
 
 
 def bounds(gpu_BRX: np.ndarray, fixed_MBG: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray):
