@@ -27,13 +27,13 @@ from eplb.core.progress import Notice
 from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective
 from eplb.dispatch.rules import ENGINES, DispatchRule, Resplit, engine_rule
+from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
 from eplb.evaluate.simulate import simulate
 from eplb.formats import load_history, load_placement
 from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
 from eplb.planning import front_door as planning
-from eplb.dispatch.sglang_lp import SglangLp
 from eplb.serving.resplit_plan import plan_for_resplit, re_splits, window_scores
 from eplb.serving.resplit_score import resplit_imbalance
 from eplb.stats.loads import AGGREGATIONS, Aggregation, window_balancedness

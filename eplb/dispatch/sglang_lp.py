@@ -207,7 +207,6 @@ class SglangLp:
             free_LE = (c.nearest_HEG < 0).sum(axis=2).astype(np.float64)
         free_LP = np.take_along_axis(free_LE, placement.phy2log_LP, axis=1) / G
         R = prog.rep_LR.shape[1]
-        Q = prog.slot_LQ.shape[1]
         rows = np.arange(L)[:, None]
 
         def shares(counts_LE):

@@ -28,8 +28,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from eplb.core.placement import Placement
 from eplb.core.files import MAX_INPUT_ENV, format_size, max_input_bytes
+from eplb.core.placement import Placement
 from eplb.dispatch.rules import OptimalSplit, Resplit
 from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
@@ -60,8 +60,8 @@ def check_resplit_size(phy2log_LP: np.ndarray, num_windows: int, num_gpus: int) 
     need = BYTES_PER_ENTRY * 2 * num_windows * L * (R * X + num_gpus + 1)
     limit = max_input_bytes()
     if need > limit:
-        raise EplbError(f"the re-split score of {num_windows} windows x {L} layers on {num_gpus} GPUs ({R} experts of a "
-                        f"layer spanning up to {X} GPUs) would take {format_size(need)}, more than the limit of "
+        raise EplbError(f"the re-split score of {num_windows} windows x {L} layers on {num_gpus} GPUs ({R} experts "
+                        f"of a layer spanning up to {X} GPUs) would take {format_size(need)}, more than the limit of "
                         f"{format_size(limit)} ({MAX_INPUT_ENV}): plan on fewer windows (--aggregate window "
                         f"--window K, or a shorter trace), or raise {MAX_INPUT_ENV}")
 
