@@ -293,6 +293,9 @@ def run(args) -> int:
     _check_flags(args)
     objective = objective_from_args(args)
     rule, engine = engine_of(args)
+    if re_splits(rule) and objective != "tokens":  # before the planner runs
+        raise EplbError(f"--dispatch {args.dispatch} plans for a per-batch re-split of token counts: drop "
+                        f"--objective time, or plan for an even split")
     args.format = args.format or (engine if engine and args.output else "eplb")
     if args.planner is None:
         args.planner = "rule-aware" if rule is not None and planning.layout_dependent(rule) else "robust"
