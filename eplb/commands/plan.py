@@ -59,7 +59,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     # Under an engine rule whose shares depend on the layout (SGLang's), rule-aware is the default.
     p.add_argument("--planner", "-p", default=None, choices=planner_names(),
                    help="algorithm (default robust: plans against every window of the history; "
-                        "rule-aware with --engine sglang)")
+                        "rule-aware with --engine sglang, except under --dispatch lp)")
     p.add_argument("--engine", "-e", choices=list(ENGINES),
                    help="engine that serves the plan: the report scores it under that engine's dispatch rule "
                         "(docs/engines.md); default the engine of --format")
