@@ -300,6 +300,11 @@ def run(args) -> int:
     if args.planner is None:
         args.planner = "rule-aware" if rule is not None and planning.layout_dependent(rule) else "robust"
     trace, hidden, notes = _layers(args, load_history(args.traces))
+    if isinstance(rule, SglangLp) and rule.path == "startup" and args.output:
+        notes.append("SGLang serves an --init-expert-location map under lp with each rank's lists cut to its nearest "
+                     "replica (same GPU, else same node), so most ranks skip the LP (the 'served by' rows); a map its "
+                     "rebalance installs (python -m eplb.integrations.sglang, --enable-eplb) is split by the LP on "
+                     "every rank")
     if args.window is not None and args.window > trace.num_windows:
         raise EplbError(f"--window {args.window} asks for more windows than the trace holds ({trace.num_windows}): "
                         f"use --window {trace.num_windows} or less (or --aggregate sum for all of them)")
