@@ -26,13 +26,16 @@ from eplb.core.placement import contiguous_placement
 from eplb.core.progress import Notice
 from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective
-from eplb.dispatch.rules import ENGINES, DispatchRule, engine_rule
+from eplb.dispatch.rules import ENGINES, DispatchRule, Resplit, engine_rule
+from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
 from eplb.evaluate.simulate import simulate
 from eplb.formats import load_history, load_placement
 from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
 from eplb.planning import front_door as planning
+from eplb.serving.resplit_plan import plan_for_resplit, re_splits, window_scores
+from eplb.serving.resplit_score import resplit_imbalance
 from eplb.stats.loads import AGGREGATIONS, Aggregation, window_balancedness
 from planners.api import planner_names, planner_settings, setting_value
 
@@ -56,12 +59,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     # Under an engine rule whose shares depend on the layout (SGLang's), rule-aware is the default.
     p.add_argument("--planner", "-p", default=None, choices=planner_names(),
                    help="algorithm (default robust: plans against every window of the history; "
-                        "rule-aware with --engine sglang)")
+                        "rule-aware with --engine sglang, except under --dispatch lp)")
     p.add_argument("--engine", "-e", choices=list(ENGINES),
                    help="engine that serves the plan: the report scores it under that engine's dispatch rule "
                         "(docs/engines.md); default the engine of --format")
     p.add_argument("--dispatch", metavar="MODE",
-                   help="the engine's dispatch mode (sglang: static (default) or dynamic; vllm, trtllm: even)")
+                   help="the engine's dispatch mode (sglang: static (default), dynamic or lp; vllm, trtllm: even); "
+                        "without --engine: resplit, eplb's runtime re-splitting each batch. Under lp or resplit the "
+                        "plan is searched for the per-batch re-split (docs/dispatch.md)")
     p.add_argument("--aggregate", default="sum", choices=AGGREGATIONS,
                    help="how windows become the planning load (default sum)")
     p.add_argument("--window", type=positive_int, help="with --aggregate window: newest windows to sum")
@@ -150,7 +155,10 @@ def engine_of(args) -> tuple[DispatchRule | None, str | None]:
         raise EplbError(f"--engine {engine} does not read --format {args.format} files: use --format {engine} "
                         f"(or --format eplb)")
     if args.dispatch is not None and engine is None:
-        raise EplbError(f"--dispatch {args.dispatch} is a mode of an engine: add --engine ({', '.join(ENGINES)})")
+        if args.dispatch == "resplit":  # eplb's own runtime, re-splitting every batch
+            return Resplit(), None
+        raise EplbError(f"--dispatch {args.dispatch} is a mode of an engine: add --engine ({', '.join(ENGINES)}); "
+                        f"without --engine only --dispatch resplit (eplb's runtime re-splitting each batch)")
     if engine is None:
         return None, None
     return engine_rule(engine, args.dispatch), engine
@@ -285,17 +293,25 @@ def run(args) -> int:
     _check_flags(args)
     objective = objective_from_args(args)
     rule, engine = engine_of(args)
+    if re_splits(rule) and objective != "tokens":  # before the planner runs
+        raise EplbError(f"--dispatch {args.dispatch} plans for a per-batch re-split of token counts: drop "
+                        f"--objective time, or plan for an even split")
     args.format = args.format or (engine if engine and args.output else "eplb")
     if args.planner is None:
         args.planner = "rule-aware" if rule is not None and planning.layout_dependent(rule) else "robust"
     trace, hidden, notes = _layers(args, load_history(args.traces))
+    if isinstance(rule, SglangLp) and rule.path == "startup" and args.output:
+        notes.append("SGLang serves an --init-expert-location map under lp with each rank's lists cut to its nearest "
+                     "replica (same GPU, else same node), so most ranks skip the LP (the 'served by' rows); a map its "
+                     "rebalance installs (python -m eplb.integrations.sglang, --enable-eplb) is split by the LP on "
+                     "every rank")
     if args.window is not None and args.window > trace.num_windows:
         raise EplbError(f"--window {args.window} asks for more windows than the trace holds ({trace.num_windows}): "
                         f"use --window {trace.num_windows} or less (or --aggregate sum for all of them)")
     settings = parse_settings(args.set)
     if (args.quiet or args.json) and "quiet" in planner_settings(args.planner):
         settings.setdefault("quiet", True)  # no progress bar when asked for silence
-    if rule is not None:
+    if engine is not None:
         ilp_for_engine(args, settings, rule, engine)
     budget = _budget(args, trace)
     previous = load_placement(args.previous) if args.previous else None
@@ -312,6 +328,12 @@ def run(args) -> int:
             num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
             objective=objective, dispatch=rule,
         )
+        resplit = None
+        if re_splits(rule):
+            windows = _resplit_windows(args, trace)
+            even_plan = result
+            result = plan_for_resplit(result, windows, previous, budget)
+            resplit = _resplit_scores(result, even_plan, previous, windows)
     if not result.load_LE.any():  # any placement "balances" nothing: do not write one as if it did
         which = "the trace" if args.aggregate == "sum" else f"the planning load (--aggregate {args.aggregate})"
         raise EplbError(f"{which} holds no tokens (every count is zero): there is no load to balance; "
@@ -340,10 +362,50 @@ def run(args) -> int:
         out["moves"] = migration["moves"] if migration else None
         out["bytes_moved"] = migration["bytes"] if migration else None
         out["notes"] = notes
+        out["resplit"] = resplit
         print_json(out)
     elif not args.quiet:
         _print_report(args, trace, result, previous, capacity, window_bal, modeled, engine)
+        if resplit:
+            _print_resplit(resplit)
     return 0
+
+
+def _resplit_windows(args, trace: Trace) -> np.ndarray:
+    """The windows a plan for a re-split rule is searched and scored on, [M, L, E]: the trace's
+    (the newest --window of them with --aggregate window, the last with --aggregate last)."""
+    counts = trace.counts_TLE.astype(np.float64)
+    if args.aggregate == "window":
+        return counts[-args.window:] if args.window else counts
+    return counts[-1:] if args.aggregate == "last" else counts
+
+
+def _resplit_scores(result, even_plan, previous, windows) -> dict:
+    """Exact re-split score (busiest / mean GPU under the best split, per window and layer) of the
+    plan, of the planner's even-split plan it was searched from, and of --previous; under SGLang's
+    lp also the score that rule serves (`window_scores`)."""
+    G, rule = result.topology.num_gpus, result.dispatch
+    scored = [("plan", result.solution.phy2log_LP), ("even-split plan", even_plan.solution.phy2log_LP)]
+    scored += [("previous", previous.phy2log_LP)] if previous is not None else []
+    out = {"windows": int(len(windows)), "dispatch": rule.name}
+
+    def summary(imb):
+        return {"median": float(np.median(imb)), "p95": float(np.percentile(imb, 95)), "max": float(imb.max())}
+
+    for name, phy in scored:
+        out[name] = summary(resplit_imbalance(phy, windows, G))
+    if isinstance(rule, SglangLp):
+        for name, phy in scored:
+            out[f"{name}, served by {rule.name} ({rule.path})"] = summary(
+                window_scores(rule, phy, windows, result.topology, result.layer_ids))
+    return out
+
+
+def _print_resplit(resplit: dict) -> None:
+    rows = [[name, v["median"], v["p95"], v["max"]] for name, v in resplit.items() if isinstance(v, dict)]
+    print(f"re-split score: busiest / mean GPU of each of the {resplit['windows']} window(s) x layer under the best "
+          f"per-batch split (exact), or as {resplit['dispatch']} serves it:")
+    print(format_table(["placement", "median", "p95", "max"], rows))
 
 
 def _print_report(args, trace, result, previous, capacity, window_bal, modeled, engine) -> None:
@@ -375,7 +437,8 @@ def _print_report(args, trace, result, previous, capacity, window_bal, modeled, 
     # Per window (window_bal: contiguous, previous, plan) under each placement's own weights.
     per_window = list(window_bal.values()) if window_bal else [None] * len(reports)
     if result.served is not None:
-        reports.append((f"{result.planner}, served by {engine} ({result.dispatch.name})", result.served))
+        by = engine or "eplb's runtime"
+        reports.append((f"{result.planner}, served by {by} ({result.dispatch.name})", result.served))
         per_window.append(None)
     for (name, rep), wb in zip(reports, per_window):
         imb, br = rep.imbalance_L, rep.bound_ratio_L

@@ -44,6 +44,7 @@ import numpy as np
 
 from eplb.core.placement import Placement
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
+from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
 
 
@@ -331,7 +332,7 @@ def _need_counts(rule, counts_LE):
 
 
 RULES: dict[str, type] = {"even": EvenSplit, "plan": PlanWeights, "resplit": Resplit, "optimal": OptimalSplit,
-                          "sglang-static": SglangStatic, "sglang-dynamic": SglangDynamic}
+                          "sglang-static": SglangStatic, "sglang-dynamic": SglangDynamic, "sglang-lp": SglangLp}
 """Dispatch rules by name (`get_rule` reads this table; engine rules are in `ENGINES`)."""
 
 # Engines ----------------------------------------------------------------------------------------
@@ -340,9 +341,10 @@ RULES: dict[str, type] = {"even": EvenSplit, "plan": PlanWeights, "resplit": Res
 #   (`eplb_map_to_physical_and_record`): an even split.
 # - TensorRT-LLM: round-robin over the replicas in arrival order (`moeComputeRouteKernel`): even.
 # - SGLang 0.5.23: `--ep-dispatch-algorithm static` (its default with `--init-expert-location`
-#   and an all-to-all backend) or `dynamic`; see eplb.dispatch.sglang.
+#   and an all-to-all backend) or `dynamic`, see eplb.dispatch.sglang; or `lp`, a per-batch LP
+#   over each replicated expert's slots, solved in five affine-scaling steps (eplb.dispatch.sglang_lp).
 ENGINES: dict[str, dict[str, Callable[[], DispatchRule]]] = {
-    "sglang": {"static": SglangStatic, "dynamic": SglangDynamic},
+    "sglang": {"static": SglangStatic, "dynamic": SglangDynamic, "lp": SglangLp},
     "vllm": {"even": EvenSplit},
     "trtllm": {"even": EvenSplit},
 }
@@ -357,8 +359,12 @@ def engine_rule(engine: str, mode: str | None = None) -> DispatchRule:
     if mode is None:
         mode = next(iter(modes))
     if mode not in modes:
+        if mode in ("resplit", "lp", "optimal"):
+            raise EplbError(f"engine {engine!r} has no dispatch mode {mode!r}: it splits each expert's tokens evenly "
+                            f"(modes: {', '.join(modes)}); to plan for a per-batch re-split serve with --engine sglang "
+                            f"--dispatch lp, or drop --engine for eplb's own runtime (--dispatch resplit)")
         raise EplbError(f"engine {engine!r} has no dispatch mode {mode!r}: its modes are {', '.join(modes)}; give one "
-                        f"of them (planning for a per-batch re-split: eplb replay --plan-for resplit)")
+                        f"of them")
     return modes[mode]()
 
 

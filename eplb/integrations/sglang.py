@@ -26,10 +26,15 @@ would not reach them; SGLang loads `sglang.srt.plugins` entry points in every pr
 `EPLB_SGLANG_PLANNER` is set, which the launcher does. Installing eplb changes nothing else.
 
 The algorithm plans with `eplb.plan(..., dispatch=...)` for the rule SGLang applies after a
-rebalance: `static` (SglangStatic(path="rebalance")) or `dynamic` (an even split), from
-`--ep-dispatch-algorithm` or SGLang's default for the MoE backend. It plans against the
-recorder's windows, keeps the replicas SGLang serves now in place (plus a move budget), and
-returns the candidate lists in slot order, the order the dispatch model assumes. Rows with no
+rebalance: `static` (SglangStatic(path="rebalance")), `dynamic` (an even split) or `lp`
+(SglangLp(path="rebalance"): a per-batch LP over every replica), from `--ep-dispatch-algorithm`
+or SGLang's default for the MoE backend. It plans against the recorder's windows, keeps the
+replicas SGLang serves now in place (plus a move budget), and returns the candidate lists in
+slot order, the order the dispatch model assumes. Under `lp` the plan (robust by default: the
+rule-aware planner packs for static rules) is then searched for the per-batch re-split
+(eplb.serving.resplit_plan: `resplit_repair` of the served placement and of the plan over the
+recorder's windows, a move priced at --move-cost, capped by --max-moves; --resplit-rounds passes,
+default RESPLIT_ROUNDS, since SGLang's rebalance stalls serving while it plans). Rows with no
 tokens (dense layers) get SGLang's trivial row `p % E`.
 """
 
@@ -51,11 +56,13 @@ from eplb.core.placement import Placement
 from eplb.core.trace import Trace, default_meta
 from eplb.dispatch.rules import EvenSplit
 from eplb.dispatch.sglang import SglangStatic
+from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError, reason
 from eplb.formats.deepseek import to_deepseek
 from eplb.integrations import check_version, parse_spec, prime
 from eplb.migration import Budget
 from eplb.planning.front_door import plan
+from eplb.serving.resplit_plan import plan_for_resplit
 from planners.api import planner_names, planner_settings
 
 ENV_PLANNER = "EPLB_SGLANG_PLANNER"
@@ -64,6 +71,9 @@ ENV_DISPATCH = "EPLB_SGLANG_DISPATCH"
 ENV_ANY_VERSION = "EPLB_SGLANG_ANY_VERSION"
 SUPPORTED_VERSIONS = ("0.5.23",)
 BUDGET_KEYS = ("max_moves", "max_moves_per_gpu", "move_cost")
+RESPLIT_ROUNDS = 2
+"""Passes of the re-split search per rebalance under `lp` (PLAN_ROUNDS, 8, from scratch takes
+minutes at 32 GPUs on two cores; SGLang serves nothing while its rebalance plans)."""
 ALGORITHM = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
 INITIAL = "sglang.srt.eplb.expert_location.compute_initial_expert_location_metadata"
 
@@ -154,7 +164,7 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
     from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
     from sglang.srt.runtime_context import get_exec
 
-    prime(*_configured())
+    prime(*_primed())
     # The plan from the served map imports the assignment solver on first use (about 0.5 s).
     threading.Thread(target=importlib.import_module, args=("scipy.optimize",), daemon=True).start()
     moe = get_exec().moe
@@ -169,6 +179,12 @@ def _checked_initial_location(original, model_config, *args, **kwargs):
 def _configured() -> tuple[str, dict]:
     """(planner, settings) that EPLB_SGLANG_PLANNER names (the launcher sets it; default rule-aware)."""
     return parse_spec(os.environ.get(ENV_PLANNER, DEFAULT_PLANNER), ENV_PLANNER)
+
+
+def _primed() -> tuple[str, dict]:
+    """(planner, its own settings): the configuration without the budget and search keys, for `prime`."""
+    planner, settings = _configured()
+    return planner, {k: v for k, v in settings.items() if k not in BUDGET_KEYS + ("resplit_rounds",)}
 
 
 def _current_map():
@@ -200,11 +216,13 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
     G = num_physical_experts // num_local_physical_experts
     P = num_physical_experts
     budget = {k: settings.pop(k) for k in BUDGET_KEYS if k in settings}
+    rounds = int(settings.pop("resplit_rounds", RESPLIT_ROUNDS))
     moe = np.flatnonzero(counts.sum(axis=(0, 2)) > 0)
     full_HP = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))
     if moe.size:
         mode = os.environ.get(ENV_DISPATCH, "static")
-        rule = SglangStatic(path="rebalance", num_hidden_layers=H) if mode == "static" else EvenSplit()
+        rule = {"static": SglangStatic(path="rebalance", num_hidden_layers=H),
+                "lp": SglangLp(path="rebalance")}.get(mode, EvenSplit())
         current = _current_map()
         previous = None
         if current is not None and current.shape == (H, P):
@@ -214,9 +232,12 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
                 previous = None  # a map with an expert missing in some layer: plan from scratch
         groups = num_groups if num_groups and E % num_groups == 0 else None
         trace = Trace(np.rint(counts[:, moe]).astype(np.int64), moe, default_meta(H, E))
+        budget = Budget(**budget) if previous is not None else None
         result = plan(trace, num_gpus=G, num_nodes=num_nodes, slots_per_gpu=num_local_physical_experts,
                       planner=planner, settings=settings, num_expert_groups=groups, previous=previous,
-                      budget=Budget(**budget) if previous is not None else None, dispatch=rule)
+                      budget=budget, dispatch=rule)
+        if mode == "lp":
+            result = plan_for_resplit(result, trace.counts_TLE, previous, budget, rounds=rounds)
         # The map alone: `result.placement` would score the plan and the contiguous baseline
         # under the rule (two more binds), time SGLang's rebalance stalls on for a report nobody reads.
         full_HP[moe] = result.solution.phy2log_LP
@@ -234,11 +255,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example:\n  python -m eplb.integrations.sglang --planner rule-aware -- --model-path "
                "deepseek-ai/DeepSeek-V3 --tp-size 32 --ep-size 32 --enable-eplb --ep-num-redundant-experts 32",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--planner", default=DEFAULT_PLANNER, help=f"eplb planner (default {DEFAULT_PLANNER})")
+    p.add_argument("--planner", help=f"eplb planner (default {DEFAULT_PLANNER}; robust under "
+                                     f"--ep-dispatch-algorithm lp)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="planner setting (repeatable)")
     p.add_argument("--max-moves", type=int, help="copy at most K experts per rebalance")
     p.add_argument("--max-moves-per-gpu", type=int, help="at most K copies onto any GPU per rebalance")
     p.add_argument("--move-cost", type=float, help="a copy must lower its layer's busiest GPU by C x mean load")
+    p.add_argument("--resplit-rounds", type=int, help=f"under --ep-dispatch-algorithm lp: passes of the re-split "
+                                                      f"search per rebalance (default {RESPLIT_ROUNDS})")
     return p
 
 
@@ -260,25 +284,36 @@ def prepare(argv: list[str]) -> list[str]:
     cut = argv.index("--")
     args = _parser().parse_args(argv[:cut])
     sglang_args = argv[cut + 1:]
+    settings = [s for s in args.set]
+    check_sglang_version()
+    srv = _server_options(sglang_args)
+    mode = srv.ep_dispatch_algorithm or ("dynamic" if srv.moe_a2a_backend == "none" else "static")
+    if mode == "lp" and srv.moe_a2a_backend == "none":
+        raise EplbError("--ep-dispatch-algorithm lp needs an all-to-all MoE backend (SGLang refuses it with "
+                        "--moe-a2a-backend none): add --moe-a2a-backend deepep, or use --ep-dispatch-algorithm dynamic")
+    if mode == "lp" and args.planner == "rule-aware":
+        raise EplbError("--planner rule-aware plans for SGLang's static rules, not --ep-dispatch-algorithm lp: "
+                        "drop --planner (robust), or give greedy / robust")
+    if args.resplit_rounds is not None and (mode != "lp" or args.resplit_rounds < 1):
+        raise EplbError(f"--resplit-rounds {args.resplit_rounds} sets the re-split search under "
+                        f"--ep-dispatch-algorithm lp: give a whole number >= 1 with lp, or drop it")
+    args.planner = args.planner or ("robust" if mode == "lp" else DEFAULT_PLANNER)
     if args.planner not in planner_names():
         raise EplbError(f"unknown planner {args.planner!r}: choose one of {', '.join(planner_names())}")
-    settings = [s for s in args.set]
     for item in settings:
         key = item.partition("=")[0].strip()
         if "=" not in item or key not in planner_settings(args.planner):
             raise EplbError(f"--set {item}: planner {args.planner!r} takes KEY=VALUE with KEY one of "
                             f"{', '.join(planner_settings(args.planner)) or 'none'}")
-    check_sglang_version()
-    srv = _server_options(sglang_args)
     shape = model_shape(srv.model_path) if srv.model_path else None
     if shape is not None and srv.init_expert_location != "trivial":
         layers, experts = shape
         check_expert_location(read_expert_location(srv.init_expert_location), num_layers=layers,
                               num_logical_experts=experts,
                               num_physical_experts=experts + srv.ep_num_redundant_experts)
-    mode = srv.ep_dispatch_algorithm or ("dynamic" if srv.moe_a2a_backend == "none" else "static")
     budget = [f"{k}={v}" for k, v in (("max_moves", args.max_moves), ("max_moves_per_gpu", args.max_moves_per_gpu),
-                                      ("move_cost", args.move_cost)) if v is not None]
+                                      ("move_cost", args.move_cost), ("resplit_rounds", args.resplit_rounds))
+              if v is not None]
     os.environ[ENV_PLANNER] = ",".join([args.planner] + settings + budget)
     os.environ[ENV_DISPATCH] = mode
     allowed = os.environ.get("SGLANG_PLUGINS")
@@ -293,7 +328,7 @@ def prepare(argv: list[str]) -> list[str]:
 def launch_server(sglang_args: list[str]) -> None:
     """Prime the planner's kernels (eplb.integrations.prime: SGLang plans synchronously in every
     scheduler's rebalance), then run `python -m sglang.launch_server <args>` in this process."""
-    prime(*_configured())
+    prime(*_primed())
     sys.argv = ["sglang.launch_server"] + list(sglang_args)
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

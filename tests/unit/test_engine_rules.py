@@ -12,6 +12,7 @@ from eplb.core.placement import Placement
 from eplb.core.trace import Trace, default_meta
 from eplb.dispatch.rules import ENGINES, EvenSplit, engine_rule, get_rule
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic, static_dispatch_maps
+from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
 from eplb.formats import save_trace
 from eplb.formats.deepseek import from_deepseek, replica_ranks, to_deepseek
@@ -100,8 +101,11 @@ def test_engine_table_and_errors():
     assert get_rule("sglang-static") == SglangStatic()
     with pytest.raises(EplbError, match="unknown engine 'tgi'.*sglang, vllm, trtllm"):
         engine_rule("tgi")
-    with pytest.raises(EplbError, match="no dispatch mode 'lp'.*static, dynamic"):
-        engine_rule("sglang", "lp")
+    assert isinstance(engine_rule("sglang", "lp"), SglangLp) and get_rule("sglang-lp") == SglangLp()
+    with pytest.raises(EplbError, match="no dispatch mode 'fast'.*static, dynamic, lp"):
+        engine_rule("sglang", "fast")
+    with pytest.raises(EplbError, match="no dispatch mode 'lp': it splits each expert's tokens evenly"):
+        engine_rule("vllm", "lp")
     with pytest.raises(EplbError, match="unknown SGLang map path"):
         SglangStatic(path="later")
     assert set(ENGINES) == {"sglang", "vllm", "trtllm"}
@@ -190,7 +194,13 @@ def test_cli_plan_reports_what_the_engine_serves(trace_file, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--engine", "tgi"], "invalid choice: 'tgi'"),
-    (["--engine", "sglang", "--dispatch", "lp"], "no dispatch mode 'lp': its modes are static, dynamic"),
+    (["--engine", "sglang", "--dispatch", "fast"], "no dispatch mode 'fast': its modes are static, dynamic, lp"),
+    (["--engine", "vllm", "--dispatch", "resplit"], "engine 'vllm' has no dispatch mode 'resplit': it splits each "
+                                                     "expert's tokens evenly (modes: even); to plan for a per-batch "
+                                                     "re-split serve with --engine sglang --dispatch lp"),
+    (["--engine", "trtllm", "--dispatch", "lp"], "engine 'trtllm' has no dispatch mode 'lp'"),
+    (["--dispatch", "lp"], "--dispatch lp is a mode of an engine: add --engine (sglang, vllm, trtllm); without "
+                           "--engine only --dispatch resplit"),
     (["--dispatch", "static"], "--dispatch static is a mode of an engine: add --engine"),
     (["--engine", "vllm", "--format", "sglang", "-o", "x.json"], "--engine vllm does not read --format sglang"),
     (["--engine", "sglang", "-p", "ilp"], "--planner ilp models a weighted or an even split"),
