@@ -25,7 +25,10 @@ from eplb.core.files import MAX_INPUT_ENV, max_input_bytes
 from eplb.core.topology import Topology
 from eplb.errors import EplbError, is_whole, number_array, readonly, whole_array, whole_number
 
-FORMAT_NAME = "eplb.core.placement"
+FORMAT_NAME = "eplb.placement"
+"""The "format" a placement file names. It is the file's, not the module's: a package move
+must not change it (eplb 2026-12-06..07 wrote "eplb.core.placement" by mistake; it is read too)."""
+FORMAT_NAMES_READ = (FORMAT_NAME, "eplb.core.placement")
 FORMAT_VERSION = 1
 
 
@@ -259,7 +262,7 @@ class Placement:
             raise EplbError(f"{source}: expected a JSON object, got {type(d).__name__}")
         # A file of another kind or a newer layout is refused, not read by guesswork.
         fmt, version = d.get("format", FORMAT_NAME), d.get("version", FORMAT_VERSION)
-        if fmt != FORMAT_NAME:
+        if not isinstance(fmt, str) or fmt not in FORMAT_NAMES_READ:
             raise EplbError(f"{source}: format is {fmt!r}, not {FORMAT_NAME!r}: not an eplb placement file")
         if not is_whole(version) or not 1 <= version <= FORMAT_VERSION:
             raise EplbError(f"{source}: placement format version {version!r} is not one this eplb reads "

@@ -143,7 +143,7 @@ def test_an_npy_export_says_what_it_assumed_and_takes_the_models_layers(tmp_path
 @pytest.mark.parametrize("change, message", [
     ({"version": 2}, "version 2 is not one this eplb reads"),
     ({"version": "1"}, "version '1' is not one"),
-    ({"format": "other.tool"}, "format is 'other.tool', not 'eplb.core.placement'"),
+    ({"format": "other.tool"}, "format is 'other.tool', not 'eplb.placement'"),
     ({"metrics": [1, 2, 3]}, "metrics must be a JSON object"),  # not "cannot convert dictionary update sequence"
     ({"planner": ["greedy"]}, "planner must be a name"),
     ({"physical_to_logical_map": [[True, 1, 2, 3]]}, "must be numbers, not true/false"),

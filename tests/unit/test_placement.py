@@ -98,6 +98,18 @@ def test_json_round_trip(tmp_path):
     assert Placement(PHY, 3, 4) != Placement(PHY, 3, 4, num_nodes=3)
 
 
+def test_the_file_format_name_outlives_package_moves():
+    """Files say "eplb.placement" as every version before the 2026-12-06 package move wrote; the
+    two days that wrote "eplb.core.placement" (the module's new path) are read too."""
+    d = Placement(PHY, 3, 4).to_dict()
+    assert d["format"] == "eplb.placement"
+    for name in ("eplb.placement", "eplb.core.placement"):
+        assert Placement.from_dict({**d, "format": name}) == Placement(PHY, 3, 4)
+    for bad in ("eplb.core.trace", ["eplb.placement"]):
+        with pytest.raises(EplbError, match="not an eplb placement file"):
+            Placement.from_dict({**d, "format": bad})
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(EplbError, match="does not exist"):
         load_placement(tmp_path / "missing.json")
