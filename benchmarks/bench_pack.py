@@ -109,7 +109,7 @@ def main() -> int:
     one = (np.ones((1, 2)), np.ones((1, 2), dtype=np.int64), np.zeros((1, 2), dtype=np.int64), 2, 1)
     kernel.refine(kernel.pack(*one), np.ones((1, 2)), 2, 4, True, 0.0)  # load (and compile) before timing
     rounds_only(*one)
-    with results_page("pack", "greedy's packing: LPT vs rounds", args.write_docs, sys.argv):
+    with results_page("pack", "greedy's packing: LPT vs rounds", args.write_docs, sys.argv[1:]):
         return run(args)
 
 
