@@ -1,0 +1,338 @@
+"""One iteration of the budgeted search, for every active layer at once, in whole-array numpy.
+
+Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots,
+A = layers still being improved, C = partner (lightest) GPUs per swap, Q = C x S partner slots,
+D = donor slots, K = expert groups, N = nodes. Slot p lives on GPU p // S.
+
+`SearchSteps` works in place on a `SearchState` (eplb.migration.search): `loads` gathers what
+both kinds of change read, `swap_prices` and `replication_prices` price every candidate of
+every active layer exactly (even dispatch among replicas, the loads of every GPU the change
+touches recomputed), `pick` takes each layer's best by gain per move, and `apply_best` makes
+the changes the budget pays for, best gain per move first. Ties go to the first candidate in
+flat order (numpy's argmax), and GPU loads are summed slot by slot, so a run is deterministic
+and tests/oracles/search.py (the same search in scalar loops) reproduces it slot by slot.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+
+def pick(gain, cost, need_A):
+    """Per layer (axis 0), the flat index and key of the best change by gain per move: keys
+    below the move's threshold are -inf, and a free change (cost <= 0) counts as a quarter
+    move so it is preferred but still ranked by its gain (first maximum on ties)."""
+    A = gain.shape[0]
+    need = need_A.reshape((-1,) + (1,) * (gain.ndim - 1))
+    key = np.where(gain >= need * np.maximum(cost, 1), gain / np.maximum(cost, 0.25), -np.inf)
+    i = key.reshape(A, -1).argmax(axis=1)
+    return i, key.reshape(A, -1)[np.arange(A), i]
+
+
+def _first_smallest(v_AP, D):
+    """The first D of a stable sort of each row, [A, D]: the D smallest values, ties by
+    index (a partition and a sort of D, not a sort of P)."""
+    A = v_AP.shape[0]
+    kth = np.partition(v_AP, D - 1, axis=1)[:, D - 1:D]
+    below, tie = v_AP < kth, v_AP == kth
+    take = below | (tie & (np.cumsum(tie, axis=1) <= D - below.sum(axis=1, keepdims=True)))
+    q_AD = np.flatnonzero(take).reshape(A, D) % v_AP.shape[1]
+    return np.take_along_axis(q_AD, np.argsort(np.take_along_axis(v_AP, q_AD, axis=1), axis=1, kind="stable"), axis=1)
+
+
+class SearchSteps:
+    """The search's steps on a SearchState (its arrays are updated in place)."""
+
+    def __init__(self, st):
+        self.st = st
+        self.phy, self.load_LE, self.cnt_LEG, self.old_LEG = st.phy2log_LP, st.load_LE, st.cnt_LEG, st.old_LEG
+        self.r_LE, self.in_G = st.r_LE, st.in_G
+        self.G, self.S, self.C, self.D = st.num_gpus, st.slots_per_gpu, st.partners, st.donors
+        self.cap_total, self.cap_gpu, self.min_gain_L = st.cap_total, st.cap_gpu, st.min_gain_L
+        self.span, self.grp_E, self.node_G, self.gn_LKN = st.span_price, st.grp_E, st.node_G, st.gn_LKN
+        self.P = self.G * self.S
+        self.gpu_P = np.arange(self.P) // self.S
+
+    # Budget ----------------------------------------------------------------------------------
+
+    def fits(self, g_list, d_list) -> bool:
+        """Can every change of a batch be paid for, in any order? (positive parts only)"""
+        pos = [np.maximum(d, 0) for d in d_list]
+        if sum(int(p.sum()) for p in pos) > self.cap_total - self.st.total:
+            return False
+        if np.isfinite(self.cap_gpu):
+            need = np.zeros(self.G, dtype=np.int64)
+            for g, p in zip(g_list, pos):
+                np.add.at(need, g, p)
+            return bool((self.in_G + need <= self.cap_gpu).all())
+        return True
+
+    def _charge(self, ok, g_list, d_list) -> None:
+        """Count the moves of a batch onto in_G and the total: all of them when they fit in any
+        order, else one at a time in batch order (best first), refusing (ok False) what no
+        longer fits."""
+        if self.fits(g_list, d_list):
+            for g, d in zip(g_list, d_list):
+                np.add.at(self.in_G, g, d)
+                self.st.total += int(d.sum())
+            return
+        for k in range(ok.size):
+            t = self.st.total + sum(int(d[k]) for d in d_list)
+            if t > self.cap_total or any(self.in_G[g[k]] + d[k] > self.cap_gpu for g, d in zip(g_list, d_list)):
+                ok[k] = False
+                continue
+            for g, d in zip(g_list, d_list):
+                self.in_G[g[k]] += d[k]
+            self.st.total = int(t)
+
+    def _moves(self, l, x, b, g):
+        """Moves onto GPU g when expert x lands there in place of b (layers l): +1 for x new to
+        g in the old placement, -1 for b leaving g where it was moved (its only copy there)."""
+        old_LEG, cnt_LEG = self.old_LEG, self.cnt_LEG
+        return (~old_LEG[l, x, g]).astype(np.int64) - ((~old_LEG[l, b, g]) & (cnt_LEG[l, b, g] == 1))
+
+    def apply_swaps(self, l, a_slot, q):
+        """Swap slot a_slot with slot q in layers l (distinct layers); False where the budget refused."""
+        phy, cnt_LEG = self.phy, self.cnt_LEG
+        hh, g = self.gpu_P[a_slot], self.gpu_P[q]
+        ea, eb = phy[l, a_slot], phy[l, q]
+        ok = np.ones(l.size, dtype=bool)
+        self._charge(ok, (g, hh), (self._moves(l, ea, eb, g), self._moves(l, eb, ea, hh)))
+        l, a_slot, q, hh, g, ea, eb = (x[ok] for x in (l, a_slot, q, hh, g, ea, eb))
+        phy[l, a_slot], phy[l, q] = eb, ea
+        cnt_LEG[l, ea, hh] -= 1
+        cnt_LEG[l, eb, hh] += 1
+        cnt_LEG[l, eb, g] -= 1
+        cnt_LEG[l, ea, g] += 1
+        if self.span > 0:
+            gn, grp, node = self.gn_LKN, self.grp_E, self.node_G
+            gn[l, grp[eb], node[g]] -= 1
+            gn[l, grp[ea], node[g]] += 1
+            gn[l, grp[ea], node[hh]] -= 1
+            gn[l, grp[eb], node[hh]] += 1
+        return ok
+
+    def apply_reps(self, l, a_slot, q):
+        """Copy the expert of slot a_slot over donor slot q in layers l (distinct layers)."""
+        phy, cnt_LEG, r_LE = self.phy, self.cnt_LEG, self.r_LE
+        g = self.gpu_P[q]
+        x, b = phy[l, a_slot], phy[l, q]
+        ok = np.ones(l.size, dtype=bool)
+        self._charge(ok, (g,), (self._moves(l, x, b, g),))
+        l, q, g, x, b = (v[ok] for v in (l, q, g, x, b))
+        phy[l, q] = x
+        cnt_LEG[l, b, g] -= 1
+        cnt_LEG[l, x, g] += 1
+        r_LE[l, b] -= 1
+        r_LE[l, x] += 1
+        if self.span > 0:
+            gn, grp, node = self.gn_LKN, self.grp_E, self.node_G
+            gn[l, grp[b], node[g]] -= 1
+            gn[l, grp[x], node[g]] += 1
+        return ok
+
+    # Prices ----------------------------------------------------------------------------------
+
+    def loads(self, active):
+        """What both kinds of change read, for the active layers: a namespace of [A, ...] arrays."""
+        G, S = self.G, self.S
+        A = active.size
+        ph = self.phy[active]                                     # [A, P]
+        ld = self.load_LE[active]                                 # [A, E]
+        r = self.r_LE[active]
+        w_AP = np.take_along_axis(ld / r, ph, axis=1)             # load of each replica
+        # Summed slot by slot (not .sum, whose pairwise order depends on S): the scalar
+        # reference reproduces the same float64 loads exactly.
+        w_AGS = w_AP.reshape(A, G, S)
+        gl_AG = w_AGS[:, :, 0].copy()
+        for s in range(1, S):
+            gl_AG += w_AGS[:, :, s]
+        srt = np.argsort(-gl_AG, axis=1, kind="stable")
+        h = srt[:, 0]                                             # busiest GPU (the first of equals)
+        hs_AS = h[:, None] * S + np.arange(S)                     # its slots
+        ea_AS = np.take_along_axis(ph, hs_AS, axis=1)
+        la2 = active[:, None]
+        return SimpleNamespace(
+            A=A, ph=ph, ld=ld, r=r, w_AP=w_AP, gl_AG=gl_AG, srt=srt, h=h, Lh=gl_AG[np.arange(A), h], hs_AS=hs_AS,
+            ea_AS=ea_AS, room_G=self.cap_gpu - self.in_G, room_tot=self.cap_total - self.st.total, la2=la2,
+            need_A=self.min_gain_L[active],
+            # Counts of each busy-GPU expert on every GPU, gathered once: [A, S, G].
+            cnt_x_ASG=self.cnt_LEG[la2, ea_AS], old_x_ASG=self.old_LEG[la2, ea_AS])
+
+    def _price(self, cost, span_delta):
+        """A change's price in moves: its moves, plus Budget.span_cost for each (group, node)
+        pair it adds to its layer, net of those it clears (span_delta, computed only when priced)."""
+        return cost + self.span * span_delta() if self.span > 0 else cost
+
+    def swap_prices(self, v):
+        """Swap: slot a on the busiest GPU h <-> slot q on one of the C lightest GPUs (heavier
+        partners seldom help and would cost G / C times the work). Returns (gain, price) [A, S, Q]
+        (gain -inf where refused) and the partner slots q_AQ."""
+        S, C = self.S, self.C
+        cnt_LEG, old_LEG, gpu_P = self.cnt_LEG, self.old_LEG, self.gpu_P
+        A, ph, w_AP, gl_AG, srt, h, la2 = v.A, v.ph, v.w_AP, v.gl_AG, v.srt, v.h, v.la2
+        ea_AS, cnt_x_ASG, old_x_ASG, room_G, room_tot = v.ea_AS, v.cnt_x_ASG, v.old_x_ASG, v.room_G, v.room_tot
+        wa_AS = np.take_along_axis(w_AP, v.hs_AS, axis=1)
+        light_AC = srt[:, ::-1][:, :C]
+        q_AQ = (light_AC[:, :, None] * S + np.arange(S)).reshape(A, C * S)
+        g_AQ = gpu_P[q_AQ]
+        eb_AQ = np.take_along_axis(ph, q_AQ, axis=1)
+        w_AQ = np.take_along_axis(w_AP, q_AQ, axis=1)
+        gl_AQ = np.take_along_axis(gl_AG, g_AQ, axis=1)
+        delta = wa_AS[..., None] - w_AQ[:, None, :]               # [A, S, Q] load leaving h
+        # Gains are local: how far the busy GPU drops while the GPUs the change touches
+        # stay below its old load. The global maximum never rises, and a layer with several
+        # near-busiest GPUs still sees each step as progress.
+        Lh3 = v.Lh[:, None, None]
+        swap_gain = Lh3 - np.maximum(Lh3 - delta, gl_AQ[:, None, :] + delta)
+        # Per partner GPU, then repeated over its S slots (S times fewer gathers).
+        light3 = np.broadcast_to(light_AC[:, None, :], (A, S, C))
+        cn_g_ea = np.repeat(np.take_along_axis(cnt_x_ASG, light3, axis=2), S, axis=2)
+        ol_g_ea = np.repeat(np.take_along_axis(old_x_ASG, light3, axis=2), S, axis=2)
+        h2 = h[:, None]
+        cn_h_eb = cnt_LEG[la2, eb_AQ, h2]                         # [A, Q]
+        ol_h_eb = old_LEG[la2, eb_AQ, h2]
+        cn_h_ea = np.take_along_axis(cnt_x_ASG, h[:, None, None], axis=2)[..., 0]    # [A, S]
+        ol_h_ea = np.take_along_axis(old_x_ASG, h[:, None, None], axis=2)[..., 0]
+        cn_g_eb = cnt_LEG[la2, eb_AQ, g_AQ]                       # [A, Q]
+        # Moves against the old placement: an expert landing on a GPU that did not hold it
+        # costs 1; one leaving a GPU it was moved onto (its only copy there) refunds 1.
+        d_g = (~ol_g_ea).astype(np.int64) - ((~old_LEG[la2, eb_AQ, g_AQ]) & (cn_g_eb == 1))[:, None, :]
+        d_h = (~ol_h_eb).astype(np.int64)[:, None, :] - ((~ol_h_ea) & (cn_h_ea == 1))[..., None]
+        swap_cost = d_g + d_h
+        bad = (cn_g_ea > 0) | (cn_h_eb > 0)[:, None, :] | (ea_AS[..., None] == eb_AQ[:, None, :])
+        bad |= (g_AQ == h2)[:, None, :]
+        bad |= (d_g > room_G[g_AQ][:, None, :]) | (d_h > room_G[h][:, None, None]) | (swap_cost > room_tot)
+        swap_gain[bad] = -np.inf
+        return swap_gain, self._price(swap_cost, lambda: self._span_swap(v, ea_AS, eb_AQ, g_AQ)), q_AQ
+
+    def _span_swap(self, v, ea_AS, eb_AQ, g_AQ):
+        """(group, node) pairs a swap adds minus those it clears, [A, S, Q]: group A's replica
+        moves from h's node to g's, group B's back."""
+        grp, node, gn = self.grp_E, self.node_G, self.gn_LKN
+        la3 = v.la2[:, :, None]
+        A_, B_ = grp[ea_AS][..., None], grp[eb_AQ][:, None, :]
+        nh, ng = node[v.h][:, None, None], node[g_AQ][:, None, :]
+        new = (gn[la3, A_, ng] == 0).astype(np.int64) + (gn[la3, B_, nh] == 0)
+        gone = (gn[la3, B_, ng] == 1).astype(np.int64) + (gn[la3, A_, nh] == 1)
+        return np.where((A_ == B_) | (nh == ng), 0, new - gone)
+
+    def replication_prices(self, v):
+        """Replicate (busiest GPU only): expert x on h gets one more replica in donor slot q
+        (expert b, r_b >= 2), donors ranked by how little losing them hurts (light GPU, light
+        expert). Returns (gain, price) [A, S, D] (gain -inf where refused), q_AD and gq_AD."""
+        D, P = self.D, self.P
+        cnt_LEG, old_LEG, gpu_P, gpu_G = self.cnt_LEG, self.old_LEG, self.gpu_P, np.arange(self.G)
+        A, ph, ld, r, w_AP, gl_AG, Lh, la2 = v.A, v.ph, v.ld, v.r, v.w_AP, v.gl_AG, v.Lh, v.la2
+        ea_AS, cnt_x_ASG, old_x_ASG, room_G, room_tot = v.ea_AS, v.cnt_x_ASG, v.old_x_ASG, v.room_G, v.room_tot
+        h2 = v.h[:, None]
+        rb_AP = np.take_along_axis(r, ph, axis=1)
+        Wb_AP = np.take_along_axis(ld, ph, axis=1)
+        harm = gl_AG[:, gpu_P] + Wb_AP / np.maximum(rb_AP - 1, 1)
+        harm[(rb_AP < 2) | (gpu_P[None, :] == h2)] = np.inf
+        q_AD = _first_smallest(harm, D) if D < P else np.tile(np.arange(P), (A, 1))
+        q_ok_AD = np.isfinite(np.take_along_axis(harm, q_AD, axis=1))
+        b_AD = np.take_along_axis(ph, q_AD, axis=1)
+        gq_AD = gpu_P[q_AD]
+        rb = np.take_along_axis(rb_AP, q_AD, axis=1).astype(np.float64)
+        Wb = np.take_along_axis(Wb_AP, q_AD, axis=1)
+        wb_q = np.take_along_axis(w_AP, q_AD, axis=1)
+        db = np.where(rb >= 2, Wb / np.maximum(rb - 1, 1) - wb_q, 0.0)           # [A, D] rise per b replica
+        rx = np.take_along_axis(r, ea_AS, axis=1).astype(np.float64)              # [A, S]
+        Wx = np.take_along_axis(ld, ea_AS, axis=1)
+        dx = Wx / rx - Wx / (rx + 1)                                              # fall per x replica
+        cnt_b_ADG = cnt_LEG[la2, b_AD]                                            # [A, D, G]
+        # New load of GPU g after the change: (gl - cnt_x * dx) + cnt_b * db, for the GPUs
+        # the change touches (holding x or b) except g_q, the donor slot's GPU, priced apart.
+        # The busiest touched GPU is the larger of two max-plus reductions, over GPUs holding x
+        # (any b) and over GPUs holding b (any x): two [A, S, D, G] passes instead of a
+        # masked [A, S, D, G] array built, gathered, scattered and reduced (same values).
+        gq3 = gq_AD[:, None, :]
+        y_ASG = gl_AG[:, None, :] - cnt_x_ASG * dx[:, :, None]
+        cbdb_ADG = cnt_b_ADG * db[:, :, None]
+        not_gq_ADG = gpu_G[None, None, :] != gq_AD[:, :, None]
+        xm_ASG = np.where(cnt_x_ASG > 0, y_ASG, -np.inf)
+        bm_ADG = np.where((cnt_b_ADG > 0) & not_gq_ADG, cbdb_ADG, -np.inf)
+        # GPUs on axis 1 ([A, G, S, D]): the reduction then runs over whole [S, D] planes,
+        # faster than over a short last axis.
+        t = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1))  # noqa: E731
+        buf = np.add(t(xm_ASG)[:, :, :, None], t(cbdb_ADG)[:, :, None, :])
+        top_ASD = buf.max(axis=1)
+        np.add(t(y_ASG)[:, :, :, None], t(bm_ADG)[:, :, None, :], out=buf)
+        np.maximum(top_ASD, buf.max(axis=1), out=top_ASD)
+        # GPU g_q of the donor slot gains x's new replica and loses b's old one.
+        cn_gx = np.take_along_axis(cnt_x_ASG, gq3, axis=2)                        # [A, S, D]
+        cb_gq_AD = np.take_along_axis(cnt_b_ADG, gq_AD[:, :, None], axis=2)[:, :, 0]
+        gl_gq_AD = np.take_along_axis(gl_AG, gq_AD, axis=1)
+        at_g = (((gl_gq_AD[:, None, :] - cn_gx * dx[:, :, None]) + (cb_gq_AD * db)[:, None, :])
+                + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :])
+        rep_gain = Lh[:, None, None] - np.maximum(top_ASD, at_g)
+        rep_cost = ((~np.take_along_axis(old_x_ASG, gq3, axis=2)).astype(np.int64)
+                    - ((~old_LEG[la2, b_AD, gq_AD]) & (cb_gq_AD == 1))[:, None, :])
+        rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == ea_AS[:, :, None])
+        rbad |= (rep_cost > room_G[gq_AD][:, None, :]) | (rep_cost > room_tot)
+        rep_gain[rbad] = -np.inf
+        return rep_gain, self._price(rep_cost, lambda: self._span_copy(v, ea_AS, b_AD, gq_AD)), q_AD, gq_AD
+
+    def _span_copy(self, v, ea_AS, b_AD, gq_AD):
+        """(group, node) pairs a replication adds minus those it clears, [A, S, D]: a replica of
+        group X overwrites one of group B on the donor slot's node."""
+        grp, node, gn = self.grp_E, self.node_G, self.gn_LKN
+        la3 = v.la2[:, :, None]
+        X, B = grp[ea_AS][..., None], grp[b_AD][:, None, :]
+        ng = node[gq_AD][:, None, :]
+        return np.where(X == B, 0, (gn[la3, X, ng] == 0).astype(np.int64) - (gn[la3, B, ng] == 1))
+
+    # Changes ---------------------------------------------------------------------------------
+
+    def apply_best(self, active, order, use_rep, h, si, ri, q_AQ, q_AD, gq_AD):
+        """Apply the layers' changes in `order` (best gain per move first), re-checking budgets
+        (layers share them); returns which were applied, bool [A]."""
+        S, C, D, gpu_P = self.S, self.C, self.D, self.gpu_P
+        applied = np.zeros(active.size, dtype=bool)
+        rep_k = order[use_rep[order]]
+        sw_k = order[~use_rep[order]]
+        s_rp, d_rp = np.divmod(ri, D)
+        s_sw, q_sw = np.divmod(si, C * S)
+        # Upper bounds (1 per replication, 1 onto each GPU of a swap): if even they fit, the
+        # order does not matter and every layer's change is applied at once.
+        one_r, one_s = np.ones(rep_k.size, np.int64), np.ones(sw_k.size, np.int64)
+        if not self.fits((gq_AD[rep_k, d_rp[rep_k]], gpu_P[q_AQ[sw_k, q_sw[sw_k]]], h[sw_k]), (one_r, one_s, one_s)):
+            # The budget may bind: apply strictly best first over both kinds, one at a time.
+            for k in order:
+                kk = np.array([k])
+                if use_rep[k]:
+                    applied[k] = self.apply_reps(active[kk], h[kk] * S + s_rp[kk], q_AD[kk, d_rp[kk]])[0]
+                else:
+                    applied[k] = self.apply_swaps(active[kk], h[kk] * S + s_sw[kk], q_AQ[kk, q_sw[kk]])[0]
+            return applied
+        if rep_k.size:
+            applied[rep_k] = self.apply_reps(active[rep_k], h[rep_k] * S + s_rp[rep_k], q_AD[rep_k, d_rp[rep_k]])
+        if sw_k.size:
+            applied[sw_k] = self.apply_swaps(active[sw_k], h[sw_k] * S + s_sw[sw_k], q_AQ[sw_k, q_sw[sw_k]])
+        return applied
+
+    def run(self) -> None:
+        """Iterate until no active layer has a change that passes its threshold and fits the
+        budget, or the iteration limit (per layer)."""
+        active = self.st.active_A
+        for _ in range(self.st.iters):
+            if active.size == 0:
+                break
+            v = self.loads(active)
+            swap_gain, swap_price, q_AQ = self.swap_prices(v)
+            rep_gain, rep_price, q_AD, gq_AD = self.replication_prices(v)
+            si, skey = pick(swap_gain, swap_price, v.need_A)
+            ri, rkey = pick(rep_gain, rep_price, v.need_A)
+            use_rep = rkey > skey
+            best = np.maximum(skey, rkey)
+            order = np.argsort(-best, kind="stable")
+            order = order[np.isfinite(best[order])]
+            if order.size == 0:
+                break
+            applied = self.apply_best(active, order, use_rep, v.h, si, ri, q_AQ, q_AD, gq_AD)
+            if not applied.any():
+                break
+            active = active[applied]
