@@ -42,6 +42,14 @@ def _first_smallest(v_AP, D):
     return np.take_along_axis(q_AD, np.argsort(np.take_along_axis(v_AP, q_AD, axis=1), axis=1, kind="stable"), axis=1)
 
 
+def _holders(mask_XYG):
+    """Where mask holds, per row: GPU indices [X, Y, k] (k: the most in any row; padded with
+    GPUs where it does not) and whether it holds there."""
+    k = max(int(mask_XYG.sum(axis=2).max(initial=0)), 1)
+    idx = np.argsort(~mask_XYG, axis=2, kind="stable")[:, :, :k]
+    return idx, np.take_along_axis(mask_XYG, idx, axis=2)
+
+
 class SearchSteps:
     """The search's steps on a SearchState (its arrays are updated in place)."""
 
@@ -142,7 +150,8 @@ class SearchSteps:
         ph = self.phy[active]                                     # [A, P]
         ld = self.load_LE[active]                                 # [A, E]
         r = self.r_LE[active]
-        w_AP = np.take_along_axis(ld / r, ph, axis=1)             # load of each replica
+        ar2 = np.arange(A)[:, None]
+        w_AP = (ld / r)[ar2, ph]                                  # load of each replica
         # Summed slot by slot (not .sum, whose pairwise order depends on S): the scalar
         # reference reproduces the same float64 loads exactly.
         w_AGS = w_AP.reshape(A, G, S)
@@ -152,11 +161,11 @@ class SearchSteps:
         srt = np.argsort(-gl_AG, axis=1, kind="stable")
         h = srt[:, 0]                                             # busiest GPU (the first of equals)
         hs_AS = h[:, None] * S + np.arange(S)                     # its slots
-        ea_AS = np.take_along_axis(ph, hs_AS, axis=1)
+        ea_AS = ph[ar2, hs_AS]
         la2 = active[:, None]
         return SimpleNamespace(
-            A=A, ph=ph, ld=ld, r=r, w_AP=w_AP, gl_AG=gl_AG, srt=srt, h=h, Lh=gl_AG[np.arange(A), h], hs_AS=hs_AS,
-            ea_AS=ea_AS, room_G=self.cap_gpu - self.in_G, room_tot=self.cap_total - self.st.total, la2=la2,
+            A=A, ar2=ar2, ph=ph, ld=ld, r=r, w_AP=w_AP, gl_AG=gl_AG, srt=srt, h=h, Lh=gl_AG[ar2[:, 0], h],
+            hs_AS=hs_AS, ea_AS=ea_AS, room_G=self.cap_gpu - self.in_G, room_tot=self.cap_total - self.st.total, la2=la2,
             need_A=self.min_gain_L[active],
             # Counts of each busy-GPU expert on every GPU, gathered once: [A, S, G].
             cnt_x_ASG=self.cnt_LEG[la2, ea_AS], old_x_ASG=self.old_LEG[la2, ea_AS])
@@ -174,13 +183,12 @@ class SearchSteps:
         cnt_LEG, old_LEG, gpu_P = self.cnt_LEG, self.old_LEG, self.gpu_P
         A, ph, w_AP, gl_AG, srt, h, la2 = v.A, v.ph, v.w_AP, v.gl_AG, v.srt, v.h, v.la2
         ea_AS, cnt_x_ASG, old_x_ASG, room_G, room_tot = v.ea_AS, v.cnt_x_ASG, v.old_x_ASG, v.room_G, v.room_tot
-        wa_AS = np.take_along_axis(w_AP, v.hs_AS, axis=1)
+        ar2 = v.ar2
+        wa_AS = w_AP[ar2, v.hs_AS]
         light_AC = srt[:, ::-1][:, :C]
         q_AQ = (light_AC[:, :, None] * S + np.arange(S)).reshape(A, C * S)
         g_AQ = gpu_P[q_AQ]
-        eb_AQ = np.take_along_axis(ph, q_AQ, axis=1)
-        w_AQ = np.take_along_axis(w_AP, q_AQ, axis=1)
-        gl_AQ = np.take_along_axis(gl_AG, g_AQ, axis=1)
+        eb_AQ, w_AQ, gl_AQ = ph[ar2, q_AQ], w_AP[ar2, q_AQ], gl_AG[ar2, g_AQ]
         delta = wa_AS[..., None] - w_AQ[:, None, :]               # [A, S, Q] load leaving h
         # Gains are local: how far the busy GPU drops while the GPUs the change touches
         # stay below its old load. The global maximum never rises, and a layer with several
@@ -188,14 +196,15 @@ class SearchSteps:
         Lh3 = v.Lh[:, None, None]
         swap_gain = Lh3 - np.maximum(Lh3 - delta, gl_AQ[:, None, :] + delta)
         # Per partner GPU, then repeated over its S slots (S times fewer gathers).
-        light3 = np.broadcast_to(light_AC[:, None, :], (A, S, C))
-        cn_g_ea = np.repeat(np.take_along_axis(cnt_x_ASG, light3, axis=2), S, axis=2)
-        ol_g_ea = np.repeat(np.take_along_axis(old_x_ASG, light3, axis=2), S, axis=2)
+        ar3, s3 = ar2[:, :, None], np.arange(S)[None, :, None]
+        light3 = light_AC[:, None, :]
+        cn_g_ea = np.repeat(cnt_x_ASG[ar3, s3, light3], S, axis=2)
+        ol_g_ea = np.repeat(old_x_ASG[ar3, s3, light3], S, axis=2)
         h2 = h[:, None]
         cn_h_eb = cnt_LEG[la2, eb_AQ, h2]                         # [A, Q]
         ol_h_eb = old_LEG[la2, eb_AQ, h2]
-        cn_h_ea = np.take_along_axis(cnt_x_ASG, h[:, None, None], axis=2)[..., 0]    # [A, S]
-        ol_h_ea = np.take_along_axis(old_x_ASG, h[:, None, None], axis=2)[..., 0]
+        s2 = np.arange(S)[None, :]
+        cn_h_ea, ol_h_ea = cnt_x_ASG[ar2, s2, h2], old_x_ASG[ar2, s2, h2]       # [A, S]
         cn_g_eb = cnt_LEG[la2, eb_AQ, g_AQ]                       # [A, Q]
         # Moves against the old placement: an expert landing on a GPU that did not hold it
         # costs 1; one leaving a GPU it was moved onto (its only copy there) refunds 1.
@@ -228,48 +237,42 @@ class SearchSteps:
         A, ph, ld, r, w_AP, gl_AG, Lh, la2 = v.A, v.ph, v.ld, v.r, v.w_AP, v.gl_AG, v.Lh, v.la2
         ea_AS, cnt_x_ASG, old_x_ASG, room_G, room_tot = v.ea_AS, v.cnt_x_ASG, v.old_x_ASG, v.room_G, v.room_tot
         h2 = v.h[:, None]
-        rb_AP = np.take_along_axis(r, ph, axis=1)
-        Wb_AP = np.take_along_axis(ld, ph, axis=1)
+        ar2 = v.ar2
+        rb_AP, Wb_AP = r[ar2, ph], ld[ar2, ph]
         harm = gl_AG[:, gpu_P] + Wb_AP / np.maximum(rb_AP - 1, 1)
         harm[(rb_AP < 2) | (gpu_P[None, :] == h2)] = np.inf
         q_AD = _first_smallest(harm, D) if D < P else np.tile(np.arange(P), (A, 1))
-        q_ok_AD = np.isfinite(np.take_along_axis(harm, q_AD, axis=1))
-        b_AD = np.take_along_axis(ph, q_AD, axis=1)
+        q_ok_AD = np.isfinite(harm[ar2, q_AD])
+        b_AD = ph[ar2, q_AD]
         gq_AD = gpu_P[q_AD]
-        rb = np.take_along_axis(rb_AP, q_AD, axis=1).astype(np.float64)
-        Wb = np.take_along_axis(Wb_AP, q_AD, axis=1)
-        wb_q = np.take_along_axis(w_AP, q_AD, axis=1)
+        rb, Wb, wb_q = rb_AP[ar2, q_AD].astype(np.float64), Wb_AP[ar2, q_AD], w_AP[ar2, q_AD]
         db = np.where(rb >= 2, Wb / np.maximum(rb - 1, 1) - wb_q, 0.0)           # [A, D] rise per b replica
-        rx = np.take_along_axis(r, ea_AS, axis=1).astype(np.float64)              # [A, S]
-        Wx = np.take_along_axis(ld, ea_AS, axis=1)
+        rx, Wx = r[ar2, ea_AS].astype(np.float64), ld[ar2, ea_AS]                # [A, S]
         dx = Wx / rx - Wx / (rx + 1)                                              # fall per x replica
         cnt_b_ADG = cnt_LEG[la2, b_AD]                                            # [A, D, G]
         # New load of GPU g after the change: (gl - cnt_x * dx) + cnt_b * db, for the GPUs
         # the change touches (holding x or b) except g_q, the donor slot's GPU, priced apart.
-        # The busiest touched GPU is the larger of two max-plus reductions, over GPUs holding x
-        # (any b) and over GPUs holding b (any x): two [A, S, D, G] passes instead of a
-        # masked [A, S, D, G] array built, gathered, scattered and reduced (same values).
+        # A GPU holding x but not b keeps y = gl - cnt_x * dx whatever the donor; one holding b
+        # (other than g_q) gets y + cnt_b * db >= y. So the busiest touched GPU is the larger of
+        # x's busiest y and a max over b's few GPUs, [A, S, D, k], not over all G (a candidate
+        # with x on g_q is refused below, whatever this gives it).
         gq3 = gq_AD[:, None, :]
         y_ASG = gl_AG[:, None, :] - cnt_x_ASG * dx[:, :, None]
-        cbdb_ADG = cnt_b_ADG * db[:, :, None]
-        not_gq_ADG = gpu_G[None, None, :] != gq_AD[:, :, None]
-        xm_ASG = np.where(cnt_x_ASG > 0, y_ASG, -np.inf)
-        bm_ADG = np.where((cnt_b_ADG > 0) & not_gq_ADG, cbdb_ADG, -np.inf)
-        # GPUs on axis 1 ([A, G, S, D]): the reduction then runs over whole [S, D] planes,
-        # faster than over a short last axis.
-        t = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1))  # noqa: E731
-        buf = np.add(t(xm_ASG)[:, :, :, None], t(cbdb_ADG)[:, :, None, :])
-        top_ASD = buf.max(axis=1)
-        np.add(t(y_ASG)[:, :, :, None], t(bm_ADG)[:, :, None, :], out=buf)
-        np.maximum(top_ASD, buf.max(axis=1), out=top_ASD)
+        top_AS = np.where(cnt_x_ASG > 0, y_ASG, -np.inf).max(axis=2)
+        b_ADk, b_ok = _holders((cnt_b_ADG > 0) & (gpu_G[None, None, :] != gq_AD[:, :, None]))
+        ar3 = ar2[:, :, None]
+        cbdb_ADk = np.where(b_ok, cnt_b_ADG[ar3, np.arange(D)[None, :, None], b_ADk] * db[:, :, None], -np.inf)
+        y_ASDk = y_ASG[ar3[..., None], np.arange(self.S)[None, :, None, None], b_ADk[:, None, :, :]]
+        top_ASD = np.maximum(top_AS[:, :, None], (y_ASDk + cbdb_ADk[:, None, :, :]).max(axis=3))
         # GPU g_q of the donor slot gains x's new replica and loses b's old one.
-        cn_gx = np.take_along_axis(cnt_x_ASG, gq3, axis=2)                        # [A, S, D]
-        cb_gq_AD = np.take_along_axis(cnt_b_ADG, gq_AD[:, :, None], axis=2)[:, :, 0]
-        gl_gq_AD = np.take_along_axis(gl_AG, gq_AD, axis=1)
+        s3 = np.arange(self.S)[None, :, None]
+        cn_gx = cnt_x_ASG[ar3, s3, gq3]                                           # [A, S, D]
+        cb_gq_AD = cnt_b_ADG[ar2, np.arange(D)[None, :], gq_AD]
+        gl_gq_AD = gl_AG[ar2, gq_AD]
         at_g = (((gl_gq_AD[:, None, :] - cn_gx * dx[:, :, None]) + (cb_gq_AD * db)[:, None, :])
                 + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :])
         rep_gain = Lh[:, None, None] - np.maximum(top_ASD, at_g)
-        rep_cost = ((~np.take_along_axis(old_x_ASG, gq3, axis=2)).astype(np.int64)
+        rep_cost = ((~old_x_ASG[ar3, s3, gq3]).astype(np.int64)
                     - ((~old_LEG[la2, b_AD, gq_AD]) & (cb_gq_AD == 1))[:, None, :])
         rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == ea_AS[:, :, None])
         rbad |= (rep_cost > room_G[gq_AD][:, None, :]) | (rep_cost > room_tot)
