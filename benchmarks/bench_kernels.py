@@ -8,7 +8,7 @@ A kernel stays only where it pays on a serving path. Each case times one serving
 kernel and with the numpy version patched in, medians of --repeats calls in one run (the two
 interleaved per case, so other jobs on the machine touch both columns alike), and says whether
 the two give the same result. The numpy versions are tests/oracles/ (greedy.py, repair.py,
-migration.py), which the tests check against the kernels. Workload: the DeepSeek-V3 shape of
+search.py, migration.py), which the tests check against the kernels. Workload: the DeepSeek-V3 shape of
 traces/deepseek.npz (58 x 256), served = the greedy plan of the trace's first half, load (or the
 windows the policy observes) = its second half; 32 GPUs on 4 nodes, 9 slots per GPU, unless a
 row names another shape.
@@ -16,6 +16,10 @@ row names another shape.
   (eplb/serving/_policy_kernel.py, _swaps_kernel.py: the repair and the window scores);
 - `greedy`: `eplb.plan(planner="greedy")`, the target of the policy=None decision and of the
   adaptive policy's replan (planners/_greedy_kernel.py, _pack_kernel.py), whole and per step;
+- `search`: the policy=None decision, `eplb.plan(previous=, budget=)` (eplb/migration/_search_kernel.py,
+  _price_kernel.py: the move-budgeted search), at 32-256 GPUs, on the Rebalancer's budget when
+  given none ("default": move_cost=0.001), with DeepSeek-V3's 8 expert groups passed ("8
+  groups": group span priced), and on a capped budget ("capped": max_moves 464, move_cost 0.05);
 - `moves`: the move counting kernels (eplb/migration/_moves_kernel.py), one call each.
 """
 
@@ -92,23 +96,10 @@ def _patched(targets, fn):
     return run
 
 
-def _kernel_search(load_LE, old_LP, num_gpus, budget, **kw):
-    """budgeted_search through the numba kernels (eplb/migration/_search_kernel.py, _price_kernel.py)."""
-    from eplb.migration import _search_kernel
-    from eplb.migration.search import prepare_search
-
-    s = prepare_search(load_LE, old_LP, num_gpus, budget, **kw)
-    if s.num_gpus >= 2:
-        s.total = _search_kernel.search(
-            s.load_LE, s.phy2log_LP, s.r_LE, s.cnt_LEG, s.old_LEG, s.in_G, s.total, s.cap_total, s.cap_gpu,
-            s.min_gain_L, s.active_A, s.num_gpus, s.slots_per_gpu, s.partners, s.donors, s.iters, s.span_price,
-            s.grp_E, s.node_G, s.gn_LKN)
-    return s.phy2log_LP
-
-
 def _search_rows(repeats):
     from eplb.migration import adapt
     from eplb.serving.rebalance import DEFAULT_BUDGET
+    from tests.oracles import search as numpy_search
 
     rows = []
     for G, S, N in SHAPES:
@@ -118,9 +109,11 @@ def _search_rows(repeats):
             def decide(load=load, served=served, topo=topo, groups=groups, budget=budget):
                 return _decide(load, served, topo, groups, budget).solution.phy2log_LP
 
-            tk, tn, a, b = _pair(_patched([(adapt, "budgeted_search", _kernel_search)], decide), decide, repeats)
+            tk, tn, a, b = _pair(decide, _patched([(adapt, "budgeted_search", numpy_search.budgeted_search)], decide),
+                                 repeats)
             rows.append(("search + price (eplb/migration/_search_kernel.py, _price_kernel.py)",
-                         f"policy=None, {G} GPUs x {S} slots, {N} nodes, {what}", tk, tn, np.array_equal(a, b)))
+                         f"policy=None decision, {G} GPUs x {S} slots, {N} nodes, {what}", tk, tn,
+                         np.array_equal(a, b)))
     return rows
 
 
@@ -213,8 +206,8 @@ def _moves_rows(repeats):
 
 
 REMOVED = """\
-Removed kernels (their rows were measured by this script at the commit named, where it still
-ran both; the numpy version is now the one implementation):
+Removed kernels (the row was measured by this script at the commit named, where it still ran
+both; the numpy version is now the one implementation):
 
 | kernel | serving call | with kernel (ms) | with numpy (ms) | numpy / kernel | same plan |
 |---|---|---:|---:|---:|---|
@@ -231,17 +224,17 @@ What stays and what went:
   loop waits on every window.
 - Kept: greedy's `_greedy_kernel` + `_pack_kernel`. greedy is the planner behind the policy=None
   decision, the adaptive policy's replan, failed-rank plans and `eplb plan -p greedy`; numpy is
-  20-130x slower on the whole plan (refine, one swap per step, most of it) and would put the
+  20-180x slower on the whole plan (refine, one swap per step, most of it) and would put the
   greedy target (>= 25x faster than SGLang's plan, docs/results/speed.md) out of reach.
-- Kept: `_moves_kernel` (5-11x per call, called more than once per decision) and the schedule's
+- Kept: `_moves_kernel` (5-12x per call, called more than once per decision) and the schedule's
   six (33 ms vs 265 ms, a 1.2 ms vs 75 ms stall of the serving thread: docs/results/speed.md).
-- Removed: `_search_kernel` + `_price_kernel` (573 lines). They sit on the policy=None decision
-  only (the Rebalancer's default decides through the policy above; the SGLang rule's search is
-  noise beside its 5 s repair), where numpy costs 1.5-2.7x of the decision (+6 to +70 ms, the
-  same plans, group span priced alike), with no longer stall of a serving thread measured
-  (a 0.5 ms sleeper beside 10 decisions: longest gap 4-6 ms either way) and no compile at first
-  use. `eplb.migration.search_steps` is the one implementation; the kernels' loops live on as
-  the scalar test reference (tests/oracles/search.py).
+- Kept: the search's `_search_kernel` + `_price_kernel`. They sit on the policy=None decision
+  (min_improvement, failed ranks; the Rebalancer's default decides through the policy above,
+  and under the SGLang rule the search is noise beside the 5 s repair), where numpy takes
+  about 4x the decision's time on the Rebalancer's default budget at 32-128 GPUs and 2.5x at
+  256 (1.3-2.2x on the capped budget): more than a serving decision may lose. Removing them
+  (573 lines) is the one way found to bring the kernels under 15% of the package, a trade
+  measured here, not made (commit d85b369 makes it).
 - Removed earlier: `_repair_kernel` (0.99x, the row above).
 """
 

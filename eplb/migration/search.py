@@ -4,8 +4,8 @@ Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G 
 A = layers still being improved, K = expert groups, N = nodes. Slot p lives on GPU p // S.
 
 `budgeted_search` runs in three stages: `_search_settings` checks the input, `prepare_search`
-builds the counts the prices read (a `SearchState`), and `SearchSteps` (eplb.migration.search_steps,
-whole-array numpy over the active layers) applies the changes in place. The scalar reference
+builds the counts the prices read (a `SearchState`), and the numba kernel
+(`_search_kernel.search`) applies the changes in place. The numpy reference of the kernel
 (tests/oracles/search.py) starts from the same `SearchState`.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.errors import EplbError, finite_number, is_whole, shown
+from eplb.migration import _search_kernel
 from eplb.migration.checks import check_count, check_load_and_maps, check_nodes
-from eplb.migration.search_steps import SearchSteps
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def span_priced(num_nodes: int, num_expert_groups: int | None, budget: Budget) -
 
 @dataclass
 class SearchState:
-    """Working state of one budgeted search (not a value: `SearchSteps` updates the arrays in place)."""
+    """Working state of one budgeted search (not a value: the kernel updates the arrays in place)."""
 
     load_LE: np.ndarray
     """Load of each expert, float64 [L, E], C-ordered."""
@@ -148,7 +148,7 @@ def prepare_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=
     L, P = phy.shape
     E = load_LE.shape[1]
     G, S = num_gpus, P // num_gpus
-    cnt_LEG = holdings_LEG(phy, G, E)                        # phy is old_LP: one count serves both
+    cnt_LEG = _search_kernel.holdings_LEG(phy, G, E)          # phy is old_LP: one count serves both
     old_LEG = cnt_LEG > 0
     r_LE = cnt_LEG.sum(axis=2).astype(np.int64)
     if (r_LE == 0).any():
@@ -162,7 +162,7 @@ def prepare_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=
         gn_LKN = np.zeros((L, num_expert_groups, num_nodes), dtype=np.int64)     # no empty slots here
         np.add.at(gn_LKN, (np.arange(L)[:, None], grp_E[phy], node_G[np.arange(P) // S][None, :]), 1)
     else:
-        # One row per layer even unpriced (the scalar reference takes gn_LKN[l] before it asks).
+        # One row per layer even unpriced: the kernel takes gn_LKN[l] before it knows span is off.
         grp_E, node_G, gn_LKN = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((L, 1, 1), np.int64)
     return SearchState(
         load_LE=np.array(load_LE, order="C"), phy2log_LP=phy, cnt_LEG=cnt_LEG, old_LEG=old_LEG, r_LE=r_LE,
@@ -173,7 +173,7 @@ def prepare_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=
         min_gain_L=np.maximum(budget.move_cost, 1e-9) * mean_L,
         active_A=np.flatnonzero(mean_L > 0).astype(np.int64), slots_per_gpu=S,
         partners=min(partners, G - 1), donors=min(donors, P),
-        iters=min(max_iters, 2**62) if max_iters is not None else 4 * P,
+        iters=min(max_iters, 2**62) if max_iters is not None else 4 * P,     # an int64 in the kernel
         span_price=float(budget.span_cost) if span else 0.0, grp_E=grp_E, node_G=node_G, gn_LKN=gn_LKN)
 
 
@@ -202,17 +202,11 @@ def budgeted_search(load_LE: np.ndarray, old_LP: np.ndarray, num_gpus: int, budg
     state = prepare_search(load_LE, old_LP, num_gpus, budget, num_nodes=num_nodes,
                            num_expert_groups=num_expert_groups, donors=donors, partners=partners,
                            max_iters=max_iters)
-    if state.num_gpus >= 2:
-        SearchSteps(state).run()
-    return state.phy2log_LP
-
-
-def holdings_LEG(phy2log_LP: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
-    """Replicas of each expert on each GPU in the search's layout, int16 [L, E, G] (slots < 0 skipped)."""
-    L, P = phy2log_LP.shape
-    G, E = int(num_gpus), int(num_experts)
-    l_LP = np.broadcast_to(np.arange(L)[:, None], (L, P))
-    g_LP = np.broadcast_to(np.arange(P)[None, :] // (P // G), (L, P))
-    held = phy2log_LP >= 0
-    flat = (l_LP[held] * E + phy2log_LP[held]) * G + g_LP[held]
-    return np.bincount(flat, minlength=L * E * G).astype(np.int16).reshape(L, E, G)
+    if state.num_gpus < 2:
+        return state.phy2log_LP
+    s = state
+    s.total = _search_kernel.search(
+        s.load_LE, s.phy2log_LP, s.r_LE, s.cnt_LEG, s.old_LEG, s.in_G, s.total, s.cap_total, s.cap_gpu,
+        s.min_gain_L, s.active_A, s.num_gpus, s.slots_per_gpu, s.partners, s.donors, s.iters, s.span_price,
+        s.grp_E, s.node_G, s.gn_LKN)
+    return s.phy2log_LP

@@ -3,13 +3,12 @@
 Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots,
 R = L x G rows of S slots.
 
-Each function computes what `eplb.migration` computes (a numba kernel, or for the search its
-numpy steps), written another way (whole-array numpy, scipy's matchings, dicts and sets,
-scalar loops), and the tests compare them:
+Each function computes what a numba kernel of `eplb.migration` computes, written the obvious
+way (whole-array numpy, scipy's matchings, dicts and sets), and the tests compare them:
 - `count_moves`, `keep_counts`, `keep_slots`: equal outputs;
 - `gpu_assignment` (scipy's linear_sum_assignment): the same kept totals (ties may differ);
-- `budgeted_search` (tests/oracles/search.py, re-exported here): the search in scalar loops,
-  identical placements (same float64 arithmetic in the same order, same first-maximum
+- `budgeted_search` (tests/oracles/search.py, re-exported here): the search in whole-array
+  numpy, identical placements (same float64 arithmetic in the same order, same first-maximum
   tie-breaking), from the same `SearchState`, group span priced alike;
 - `schedule`: both schedules pass the same replay (their rounds can differ: the kernel gives
   the link matching to the ranks with the most copies left first, this one takes scipy's).

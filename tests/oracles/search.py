@@ -1,24 +1,25 @@
-"""The budgeted search in scalar loops: the reference `eplb.migration.budgeted_search` is checked against.
+"""The budgeted search in whole-array numpy: the reference the compiled search is checked and timed against.
 
 Legend: L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S slots,
 A = layers still being improved, C = partner (lightest) GPUs per swap, Q = C x S partner slots,
-D = donor slots, K = expert groups, N = nodes. Arrays of one layer: ld (load per expert, [E]),
-r (replicas per expert, [E]), ph (expert in each slot, [P]), cnt (replicas of each expert on
-each GPU, [E, G]), old (held in the old placement, bool [E, G]).
+D = donor slots, K = expert groups, N = nodes. Slot p lives on GPU p // S.
 
-This was the search's numba kernel (eplb/migration/_search_kernel.py and _price_kernel.py until
-the numpy search replaced it: it cut a policy=None decision by 1.5-2.7x only, docs/results/kernels.md),
-kept as plain Python: one layer and one candidate at a time, loads kept incrementally, early
-exits where an exact bound shows a candidate cannot win. It prices the same candidates with the
-same float64 arithmetic in the same order and the same first-maximum tie-breaking as the numpy
-search (eplb.migration.search_steps), group span included, so the tests compare placements slot
-by slot. Per iteration `search` prices each active layer's best change (`price_layer`: loads,
-swaps, replications) and applies the changes the budget can pay for, best gain per move first;
-without a move cap the layers share nothing and each runs all its iterations in turn.
-Scratch comes from two buffers `search` allocates once (fw: float64, iw: int64).
+`budgeted_search` runs `eplb.migration.budgeted_search` from the same checked `SearchState`
+(`prepare_search`), with every active layer's candidates priced at once per iteration:
+`SearchSteps.loads` gathers what both kinds of change read, `swap_prices` and
+`replication_prices` price every candidate exactly (even dispatch among replicas, the loads of
+every GPU the change touches recomputed), group span included, `pick` takes each layer's best by
+gain per move, and `apply_best` makes the changes the budget pays for, best gain per move
+first. Ties go to the first candidate in flat order (numpy's argmax) and GPU loads are summed
+slot by slot, so the kernel (eplb/migration/_search_kernel.py, _price_kernel.py: one layer and
+one candidate at a time, early exits where an exact bound shows a candidate cannot win) makes
+the same choices: the tests compare placements slot by slot. benchmarks/bench_kernels.py times
+the two on the policy=None decision (the kernel: 2.4-4.4x faster on the Rebalancer's default budget).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -27,512 +28,331 @@ from eplb.migration.search import Budget, prepare_search
 
 def budgeted_search(load_LE, old_LP, num_gpus: int, budget: Budget, *, num_nodes=1, num_expert_groups=None,
                     donors=8, partners=8, max_iters=None) -> np.ndarray:
-    """`eplb.migration.budgeted_search`, from the same checked `SearchState`, in scalar loops."""
-    s = prepare_search(load_LE, old_LP, num_gpus, budget, num_nodes=num_nodes, num_expert_groups=num_expert_groups,
-                       donors=donors, partners=partners, max_iters=max_iters)
-    if s.num_gpus >= 2:
-        with np.errstate(all="ignore"):
-            s.total = search(s.load_LE, s.phy2log_LP, s.r_LE, s.cnt_LEG, s.old_LEG, s.in_G, s.total, s.cap_total,
-                             s.cap_gpu, s.min_gain_L, s.active_A, s.num_gpus, s.slots_per_gpu, s.partners, s.donors,
-                             s.iters, s.span_price, s.grp_E, s.node_G, s.gn_LKN)
-    return s.phy2log_LP
+    """`eplb.migration.budgeted_search` in whole-array numpy, from the same checked `SearchState`."""
+    state = prepare_search(load_LE, old_LP, num_gpus, budget, num_nodes=num_nodes,
+                           num_expert_groups=num_expert_groups, donors=donors, partners=partners,
+                           max_iters=max_iters)
+    if state.num_gpus >= 2:
+        SearchSteps(state).run()
+    return state.phy2log_LP
 
 
-# Pricing: the best change of one layer ------------------------------------------------------------
-
-def _carve(buf, o, n):
-    """The next n entries of scratch buf from offset o, and the offset after them."""
-    return buf[o:o + n], o + n
-
-
-def _keep_smallest(values, i, out, n, k):
-    """Insert index i into out[:n], the indices of the (at most k) smallest values seen so far
-    in increasing order, earlier insertions first among ties (a stable sort's first k, in one
-    pass: a full sort per layer and iteration costs more than the pricing). Returns the new n."""
-    v = values[i]
-    if n == k and not v < values[out[k - 1]]:
-        return n
-    j = n if n < k else k - 1
-    while j > 0 and v < values[out[j - 1]]:
-        out[j] = out[j - 1]
-        j -= 1
-    out[j] = i
-    return n + 1 if n < k else n
+def pick(gain, cost, need_A):
+    """Per layer (axis 0), the flat index and key of the best change by gain per move: keys
+    below the move's threshold are -inf, and a free change (cost <= 0) counts as a quarter
+    move so it is preferred but still ranked by its gain (first maximum on ties)."""
+    A = gain.shape[0]
+    need = need_A.reshape((-1,) + (1,) * (gain.ndim - 1))
+    key = np.where(gain >= need * np.maximum(cost, 1), gain / np.maximum(cost, 0.25), -np.inf)
+    i = key.reshape(A, -1).argmax(axis=1)
+    return i, key.reshape(A, -1)[np.arange(A), i]
 
 
-def _span_delta_swap(A, B, nh, ng, gn_KN):
-    """(group, node) pairs added minus removed when group A's replica moves from node nh to ng
-    and group B's from ng to nh."""
-    if A == B or nh == ng:
-        return 0
-    new = (1 if gn_KN[A, ng] == 0 else 0) + (1 if gn_KN[B, nh] == 0 else 0)
-    gone = (1 if gn_KN[B, ng] == 1 else 0) + (1 if gn_KN[A, nh] == 1 else 0)
-    return new - gone
+def _first_smallest(v_AP, D):
+    """The first D of a stable sort of each row, [A, D]: the D smallest values, ties by
+    index (a partition and a sort of D, not a sort of P)."""
+    A = v_AP.shape[0]
+    kth = np.partition(v_AP, D - 1, axis=1)[:, D - 1:D]
+    below, tie = v_AP < kth, v_AP == kth
+    take = below | (tie & (np.cumsum(tie, axis=1) <= D - below.sum(axis=1, keepdims=True)))
+    q_AD = np.flatnonzero(take).reshape(A, D) % v_AP.shape[1]
+    return np.take_along_axis(q_AD, np.argsort(np.take_along_axis(v_AP, q_AD, axis=1), axis=1, kind="stable"), axis=1)
 
 
-def _span_delta_copy(X, B, ng, gn_KN):
-    """(group, node) pairs added minus removed when a replica of group X overwrites one of
-    group B on node ng."""
-    if X == B:
-        return 0
-    return (1 if gn_KN[X, ng] == 0 else 0) - (1 if gn_KN[B, ng] == 1 else 0)
+def _holders(mask_XYG):
+    """Where mask holds, per row: GPU indices [X, Y, k] (k: the most in any row; padded with
+    GPUs where it does not) and whether it holds there."""
+    k = max(int(mask_XYG.sum(axis=2).max(initial=0)), 1)
+    idx = np.argsort(~mask_XYG, axis=2, kind="stable")[:, :, :k]
+    return idx, np.take_along_axis(mask_XYG, idx, axis=2)
 
 
-def _layer_loads(ld, r, ph, G, S, C, wE, w, gl, light):
-    """Fill w (load of each slot, [P]) and gl (of each GPU, [G], summed slot by slot as the
-    numpy search does) and light (the C lightest GPUs, lightest first); returns the busiest GPU h.
-    wE: scratch [E]."""
-    E = ld.shape[0]
-    P = G * S
-    for e in range(E):
-        wE[e] = ld[e] / r[e]
-    for p in range(P):
-        w[p] = wE[ph[p]]
-    for g in range(G):
-        acc = w[g * S]
-        for s in range(1, S):
-            acc = acc + w[g * S + s]
-        gl[g] = acc
-    # The numpy search sorts -gl stably: h is the first busiest GPU, and the C lightest are the
-    # last C of that order reversed (lightest first, the higher index first among ties).
-    h = 0
-    for g in range(1, G):
-        if gl[g] > gl[h]:
-            h = g
-    n = 0
-    for g in range(G - 1, -1, -1):
-        n = _keep_smallest(gl, g, light, n, C)
-    return h
+class SearchSteps:
+    """The search's steps on a SearchState (its arrays are updated in place)."""
 
+    def __init__(self, st):
+        self.st = st
+        self.phy, self.load_LE, self.cnt_LEG, self.old_LEG = st.phy2log_LP, st.load_LE, st.cnt_LEG, st.old_LEG
+        self.r_LE, self.in_G = st.r_LE, st.in_G
+        self.G, self.S, self.C, self.D = st.num_gpus, st.slots_per_gpu, st.partners, st.donors
+        self.cap_total, self.cap_gpu, self.min_gain_L = st.cap_total, st.cap_gpu, st.min_gain_L
+        self.span, self.grp_E, self.node_G, self.gn_LKN = st.span_price, st.grp_E, st.node_G, st.gn_LKN
+        self.P = self.G * self.S
+        self.gpu_P = np.arange(self.P) // self.S
 
-def _price_swaps(ph, cnt, old, w, gl, h, light, room_G, room_tot, need, S, span, grp_E, node_G, gn_KN, fw, iw):
-    """Best swap of slot a on the busiest GPU h with slot q on one of the lightest GPUs
-    `light`: (key, flat index s * Q + qi), key -inf when none passes the threshold."""
-    C = light.shape[0]
-    Q = C * S
-    Lh = gl[h]
-    wq_Q, _ = _carve(fw, 0, Q)
-    o = 0
-    eb_Q, o = _carve(iw, o, Q)
-    ok_Q, o = _carve(iw, o, Q)  # eb not on h, g != h
-    dh_in_Q, o = _carve(iw, o, Q)  # 1 if eb lands on h where it was not before
-    out_g_Q, o = _carve(iw, o, Q)  # 1 if eb leaves g, its only copy moved there
-    # Everything that depends on q alone is gathered once (Q values), not per (s, q).
-    for qi in range(Q):
-        g = light[qi // S]
-        q = g * S + qi % S
-        eb = ph[q]
-        eb_Q[qi] = eb
-        wq_Q[qi] = w[q]
-        ok_Q[qi] = 1 if (cnt[eb, h] == 0 and g != h) else 0
-        dh_in_Q[qi] = 0 if old[eb, h] else 1
-        out_g_Q[qi] = 1 if ((not old[eb, g]) and cnt[eb, g] == 1) else 0
-    # Starting from -inf and replacing only on a strictly larger key picks the same index as
-    # the numpy search's first maximum (index 0 when every key is -inf).
-    skey = -np.inf
-    s_i = 0
-    for s in range(S):
-        a = h * S + s
-        ea = ph[a]
-        wa = w[a]
-        out_h = 1 if ((not old[ea, h]) and cnt[ea, h] == 1) else 0
-        for c in range(C):
-            g = light[c]
-            if cnt[ea, g] != 0:
+    # Budget ----------------------------------------------------------------------------------
+
+    def fits(self, g_list, d_list) -> bool:
+        """Can every change of a batch be paid for, in any order? (positive parts only)"""
+        pos = [np.maximum(d, 0) for d in d_list]
+        if sum(int(p.sum()) for p in pos) > self.cap_total - self.st.total:
+            return False
+        if np.isfinite(self.cap_gpu):
+            need = np.zeros(self.G, dtype=np.int64)
+            for g, p in zip(g_list, pos):
+                np.add.at(need, g, p)
+            return bool((self.in_G + need <= self.cap_gpu).all())
+        return True
+
+    def _charge(self, ok, g_list, d_list) -> None:
+        """Count the moves of a batch onto in_G and the total: all of them when they fit in any
+        order, else one at a time in batch order (best first), refusing (ok False) what no
+        longer fits."""
+        if self.fits(g_list, d_list):
+            for g, d in zip(g_list, d_list):
+                np.add.at(self.in_G, g, d)
+                self.st.total += int(d.sum())
+            return
+        for k in range(ok.size):
+            t = self.st.total + sum(int(d[k]) for d in d_list)
+            if t > self.cap_total or any(self.in_G[g[k]] + d[k] > self.cap_gpu for g, d in zip(g_list, d_list)):
+                ok[k] = False
                 continue
-            in_g = 0 if old[ea, g] else 1
-            glg = gl[g]
-            rg = room_G[g]
-            for qi in range(c * S, (c + 1) * S):
-                eb = eb_Q[qi]
-                if ok_Q[qi] == 0 or ea == eb:
-                    continue
-                d_g = in_g - out_g_Q[qi]
-                d_h = dh_in_Q[qi] - out_h
-                cost = d_g + d_h
-                if d_g > rg or d_h > room_G[h] or cost > room_tot:
-                    continue
-                delta = wa - wq_Q[qi]
-                gain = Lh - max(Lh - delta, glg + delta)
-                # Exact bounds first (the price is >= 0.25 in the key and >= 1 in the
-                # threshold): most candidates stop here, before the span lookups.
-                if gain < need or gain * 4.0 <= skey:
-                    continue
-                price = float(cost)
-                if span > 0.0:
-                    dsp = _span_delta_swap(grp_E[ea], grp_E[eb], node_G[h], node_G[g], gn_KN)
-                    if dsp > 0 and span == np.inf:
-                        continue
-                    price += span * dsp
-                if gain >= need * max(price, 1.0):
-                    key = gain / max(price, 0.25)
-                    if key > skey:
-                        skey = key
-                        s_i = s * Q + qi
-    return skey, s_i
+            for g, d in zip(g_list, d_list):
+                self.in_G[g[k]] += d[k]
+            self.st.total = int(t)
 
+    def _moves(self, l, x, b, g):
+        """Moves onto GPU g when expert x lands there in place of b (layers l): +1 for x new to
+        g in the old placement, -1 for b leaving g where it was moved (its only copy there)."""
+        old_LEG, cnt_LEG = self.old_LEG, self.cnt_LEG
+        return (~old_LEG[l, x, g]).astype(np.int64) - ((~old_LEG[l, b, g]) & (cnt_LEG[l, b, g] == 1))
 
-def _donors(ld, r, ph, cnt, old, w, gl, h, S, hE, harm, q_D, b_D, gq_D, db_D, wdb_D, cb_D, out_D, nb):
-    """Choose the D donor slots of a replication (harm: how little losing a replica hurts,
-    light GPU and light expert first; slots on h and of single-replica experts are inf) and
-    gather what their prices need: expert b_D, GPU gq_D, load rise per remaining replica of
-    b db_D, wdb_D = w[q] + db (as the numpy search adds them), cb_D = cnt[b, gq], out_D (1 if b
-    leaves gq where it was moved) and nb = -1 (GPUs holding b not listed yet)."""
-    E = ld.shape[0]
-    P = ph.shape[0]
-    D = q_D.shape[0]
-    for e in range(E):
-        hE[e] = ld[e] / max(r[e] - 1, 1) if r[e] >= 2 else np.inf
-    for p in range(P):
-        gp = p // S
-        harm[p] = gl[gp] + hE[ph[p]] if gp != h else np.inf
-    if D < P:
-        # The first D of a stable sort of harm (D smallest, ties by slot index).
-        n = 0
-        for p in range(P):
-            n = _keep_smallest(harm, p, q_D, n, D)
-    else:
-        for d in range(D):
-            q_D[d] = d
-    for d in range(D):
-        q = q_D[d]
-        b = ph[q]
-        gq = q // S
-        rb = float(r[b])
-        wb_q = w[q]
-        db = ld[b] / max(rb - 1, 1) - wb_q if rb >= 2 else 0.0
-        b_D[d] = b
-        gq_D[d] = gq
-        db_D[d] = db
-        wdb_D[d] = wb_q + db
-        cb_D[d] = cnt[b, gq]
-        out_D[d] = 1 if ((not old[b, gq]) and cnt[b, gq] == 1) else 0
-        nb[d] = -1
-
-
-def _touched_max(cnt, gl, x, b, gq, dx, db, gx, nx, gb, nb):
-    """Busiest GPU a replication of x over b touches other than gq: the max over GPUs holding x
-    (gx[:nx], any b) and over GPUs holding b (gb[:nb], any x), as the numpy search's two passes.
-    Only GPUs holding x or b can be finite in either pass, so only they are visited."""
-    top = -np.inf
-    for k in range(nx):
-        g = gx[k]
-        y = gl[g] - cnt[x, g] * dx
-        v1 = y + cnt[b, g] * db
-        if v1 > top:
-            top = v1
-    for k in range(nb):
-        g = gb[k]
-        if g != gq:
-            y = gl[g] - cnt[x, g] * dx
-            v2 = y + cnt[b, g] * db
-            if v2 > top:
-                top = v2
-    return top
-
-
-def _price_replications(ld, r, ph, cnt, old, w, gl, h, room_G, room_tot, need, S, D, span, grp_E, node_G, gn_KN,
-                        fw, iw):
-    """Best replication: expert x on the busiest GPU h gets one more replica in donor slot q
-    (expert b, r_b >= 2): (key, flat index s * D + d, q_D the donor slots, a view into iw)."""
-    E, G, P = ld.shape[0], gl.shape[0], ph.shape[0]
-    Lh = gl[h]
-    o = 0
-    hE, o = _carve(fw, o, E)
-    harm, o = _carve(fw, o, P)
-    db_D, o = _carve(fw, o, D)
-    wdb_D, o = _carve(fw, o, D)
-    o = 0
-    q_D, o = _carve(iw, o, D)
-    nb, o = _carve(iw, o, D)  # GPUs holding donor d's expert (-1: not listed yet)
-    b_D, o = _carve(iw, o, D)
-    gq_D, o = _carve(iw, o, D)
-    cb_D, o = _carve(iw, o, D)
-    out_D, o = _carve(iw, o, D)  # 1 if b leaves gq, its only copy moved there
-    gb, o = _carve(iw, o, D * G)
-    gx, o = _carve(iw, o, G)
-    _donors(ld, r, ph, cnt, old, w, gl, h, S, hE, harm, q_D, b_D, gq_D, db_D, wdb_D, cb_D, out_D, nb)
-    rkey = -np.inf
-    r_i = 0
-    for s in range(S):
-        x = ph[h * S + s]
-        rx = float(r[x])
-        Wx = ld[x]
-        wx1 = Wx / (rx + 1)
-        dx = Wx / rx - wx1
-        nx = -1                               # GPUs holding x, listed on first use
-        for d in range(D):
-            q = q_D[d]
-            if not np.isfinite(harm[q]):
-                continue
-            b = b_D[d]
-            gq = gq_D[d]
-            cn_gx = cnt[x, gq]
-            cost = (0 if old[x, gq] else 1) - out_D[d]
-            if cn_gx > 0 or b == x or cost > room_G[gq] or cost > room_tot:
-                continue
-            db = db_D[d]
-            at_g = (((gl[gq] - cn_gx * dx) + cb_D[d] * db) + wx1) - wdb_D[d]
-            # gain = Lh - max(top, at_g) <= Lh - at_g (rounding is monotone): skip the
-            # candidate when even that bound fails the threshold or cannot beat the best,
-            # first at the most favourable price (0.25 in the key, 1 in the threshold).
-            ub = Lh - at_g
-            if not ub >= need or not ub * 4.0 > rkey:
-                continue
-            price = float(cost)
-            if span > 0.0:
-                dsp = _span_delta_copy(grp_E[x], grp_E[b], node_G[gq], gn_KN)
-                if dsp > 0 and span == np.inf:
-                    continue
-                price += span * dsp
-            if not ub >= need * max(price, 1.0) or not ub / max(price, 0.25) > rkey:
-                continue
-            if nx < 0:
-                nx = 0
-                for g in range(G):
-                    if cnt[x, g] > 0:
-                        gx[nx] = g
-                        nx += 1
-            if nb[d] < 0:
-                m = 0
-                for g in range(G):
-                    if cnt[b, g] > 0:
-                        gb[d * G + m] = g
-                        m += 1
-                nb[d] = m
-            top = _touched_max(cnt, gl, x, b, gq, dx, db, gx, nx, gb[d * G:(d + 1) * G], nb[d])
-            gain = Lh - max(top, at_g)
-            if gain >= need * max(price, 1.0):
-                key = gain / max(price, 0.25)
-                if key > rkey:
-                    rkey = key
-                    r_i = s * D + d
-    return rkey, r_i, q_D
-
-
-def price_layer(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
-                span, grp_E, node_G, gn_KN):
-    """Best swap and best replication of layer l: (skey, s_i, rkey, r_i, h, light_C, q_D).
-
-    Keys are gain per move (-inf: no candidate passes the threshold `need` x moves); s_i and
-    r_i are flat indices into the swap (s * C * S + qi) and replication (s * D + d) candidates
-    of the busiest GPU h's slot s. fw, iw: float64 and int64 scratch allocated once by
-    `search` (light_C and q_D are views into iw, valid until the next call).
-    span > 0: every (group, node) pair a change adds to the layer (an expert group on a node
-    where it had no replica), net of pairs it clears, costs `span` moves in its price (not
-    in the budget); span = inf refuses such changes (grp_E: group of each expert, node_G:
-    node of each GPU, gn_KN: replicas of each group on each node in this layer).
-    """
-    P = G * S
-    E = load_LE.shape[1]
-    ld = load_LE[l]
-    r = r_LE[l]
-    ph = phy[l]
-    cnt = cnt_LEG[l]
-    old = old_LEG[l]
-    o = 0
-    wE, o = _carve(fw, o, E)
-    w, o = _carve(fw, o, P)
-    gl, o = _carve(fw, o, G)
-    light, oi = _carve(iw, 0, C)
-    h = _layer_loads(ld, r, ph, G, S, C, wE, w, gl, light)
-    skey, s_i = _price_swaps(ph, cnt, old, w, gl, h, light, room_G, room_tot, need, S, span, grp_E, node_G, gn_KN,
-                             fw[o:], iw[oi:])
-    rkey, r_i, q_D = _price_replications(ld, r, ph, cnt, old, w, gl, h, room_G, room_tot, need, S, D, span, grp_E,
-                                         node_G, gn_KN, fw[o:], iw[oi:])
-    return skey, s_i, rkey, r_i, h, light, q_D
-
-
-# The search loop ----------------------------------------------------------------------------------
-
-def _move_deltas(l, a, q, S, phy, cnt_LEG, old_LEG):
-    """Moves a change of layer l adds onto slot q's GPU (dg) and, for a swap, onto slot a's GPU
-    (dh): +1 for an expert landing on a GPU that did not hold it in the old placement, -1 for
-    one leaving a GPU it was moved onto (its only copy there)."""
-    g = q // S
-    hh = a // S
-    ea = phy[l, a]
-    eb = phy[l, q]
-    dg = (0 if old_LEG[l, ea, g] else 1) - (1 if ((not old_LEG[l, eb, g]) and cnt_LEG[l, eb, g] == 1) else 0)
-    dh = (0 if old_LEG[l, eb, hh] else 1) - (1 if ((not old_LEG[l, ea, hh]) and cnt_LEG[l, ea, hh] == 1) else 0)
-    return dg, dh
-
-
-def _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN):
-    """Apply one change to layer l (copy slot a's expert over slot q, or swap a and q); returns its moves."""
-    g = q // S
-    hh = a // S
-    ea = phy[l, a]
-    eb = phy[l, q]
-    dg, dh = _move_deltas(l, a, q, S, phy, cnt_LEG, old_LEG)
-    if span > 0.0:
-        gn_LKN[l, grp_E[eb], node_G[g]] -= 1
-        gn_LKN[l, grp_E[ea], node_G[g]] += 1
-        if not replicate:
-            gn_LKN[l, grp_E[ea], node_G[hh]] -= 1
-            gn_LKN[l, grp_E[eb], node_G[hh]] += 1
-    if replicate:
-        in_G[g] += dg
-        phy[l, q] = ea
+    def apply_swaps(self, l, a_slot, q):
+        """Swap slot a_slot with slot q in layers l (distinct layers); False where the budget refused."""
+        phy, cnt_LEG = self.phy, self.cnt_LEG
+        hh, g = self.gpu_P[a_slot], self.gpu_P[q]
+        ea, eb = phy[l, a_slot], phy[l, q]
+        ok = np.ones(l.size, dtype=bool)
+        self._charge(ok, (g, hh), (self._moves(l, ea, eb, g), self._moves(l, eb, ea, hh)))
+        l, a_slot, q, hh, g, ea, eb = (x[ok] for x in (l, a_slot, q, hh, g, ea, eb))
+        phy[l, a_slot], phy[l, q] = eb, ea
+        cnt_LEG[l, ea, hh] -= 1
+        cnt_LEG[l, eb, hh] += 1
         cnt_LEG[l, eb, g] -= 1
         cnt_LEG[l, ea, g] += 1
-        r_LE[l, eb] -= 1
-        r_LE[l, ea] += 1
-        return dg
-    in_G[g] += dg
-    in_G[hh] += dh
-    phy[l, a] = eb
-    phy[l, q] = ea
-    cnt_LEG[l, ea, hh] -= 1
-    cnt_LEG[l, eb, hh] += 1
-    cnt_LEG[l, eb, g] -= 1
-    cnt_LEG[l, ea, g] += 1
-    return dg + dh
+        if self.span > 0:
+            gn, grp, node = self.gn_LKN, self.grp_E, self.node_G
+            gn[l, grp[eb], node[g]] -= 1
+            gn[l, grp[ea], node[g]] += 1
+            gn[l, grp[ea], node[hh]] -= 1
+            gn[l, grp[eb], node[hh]] += 1
+        return ok
 
+    def apply_reps(self, l, a_slot, q):
+        """Copy the expert of slot a_slot over donor slot q in layers l (distinct layers)."""
+        phy, cnt_LEG, r_LE = self.phy, self.cnt_LEG, self.r_LE
+        g = self.gpu_P[q]
+        x, b = phy[l, a_slot], phy[l, q]
+        ok = np.ones(l.size, dtype=bool)
+        self._charge(ok, (g,), (self._moves(l, x, b, g),))
+        l, q, g, x, b = (v[ok] for v in (l, q, g, x, b))
+        phy[l, q] = x
+        cnt_LEG[l, b, g] -= 1
+        cnt_LEG[l, x, g] += 1
+        r_LE[l, b] -= 1
+        r_LE[l, x] += 1
+        if self.span > 0:
+            gn, grp, node = self.gn_LKN, self.grp_E, self.node_G
+            gn[l, grp[b], node[g]] -= 1
+            gn[l, grp[x], node[g]] += 1
+        return ok
 
-def _best_change(l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
-                 span, grp_E, node_G, gn_LKN):
-    """Layer l's best change: (key, replicate?, slot a on the busiest GPU, slot q it goes to);
-    key -inf when no change passes the threshold."""
-    skey, s_i, rkey, r_i, h, light, q_D = price_layer(
-        l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, need, G, S, C, D, fw, iw,
-        span, grp_E, node_G, gn_LKN[l])
-    if rkey > skey:
-        return rkey, True, h * S + r_i // D, q_D[r_i % D]
-    qi = s_i % (C * S)
-    return skey, False, h * S + s_i // (C * S), light[qi // S] * S + qi % S
+    # Prices ----------------------------------------------------------------------------------
 
-
-def _search_uncapped(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, min_gain_L, active, G, S, C, D, iters,
-                     span, grp_E, node_G, gn_LKN, fw, iw):
-    """No move cap: no change is ever refused and layers share nothing, so each layer runs all
-    its iterations in turn (the same changes as iteration by iteration, and its arrays stay in
-    cache). The iteration limit still counts per layer. Returns the move total."""
-    room_G = np.full(G, np.inf)
-    for ai in range(active.size):
-        l = active[ai]
-        for _ in range(iters):
-            key, replicate, a, q = _best_change(
-                l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, np.inf, min_gain_L[l], G, S, C, D, fw, iw,
-                span, grp_E, node_G, gn_LKN)
-            if not np.isfinite(key):
-                break
-            total += _apply(l, replicate, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN)
-    return total
-
-
-def _price_active(load_LE, phy, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L, active, G, S, C, D,
-                  span, grp_E, node_G, gn_LKN, fw, iw, kind, slot_a, slot_q):
-    """Best change of every active layer l into kind[l] (1 replicate, 0 swap), slot_a[l],
-    slot_q[l]; returns the layers with a change, best key first (ties by active order)."""
-    A = active.size
-    best_A = np.empty(A)
-    for ai in range(A):
-        l = active[ai]
-        key, replicate, a, q = _best_change(
-            l, phy, load_LE, r_LE, cnt_LEG, old_LEG, room_G, room_tot, min_gain_L[l], G, S, C, D, fw, iw,
-            span, grp_E, node_G, gn_LKN)
-        kind[l] = 1 if replicate else 0
-        slot_a[l] = a
-        slot_q[l] = q
-        best_A[ai] = key
-    order_all = np.argsort(-best_A, kind="mergesort")
-    n = 0
-    for k in range(A):
-        if np.isfinite(best_A[order_all[k]]):
-            n += 1
-    order = np.empty(n, dtype=np.int64)
-    n = 0
-    for k in range(A):
-        if np.isfinite(best_A[order_all[k]]):
-            order[n] = active[order_all[k]]
-            n += 1
-    return order
-
-
-def _apply_in_order(order, kind, slot_a, slot_q, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
-                    G, S, span, grp_E, node_G, gn_LKN):
-    """Apply the changes of the layers in `order` that the budget can pay for; returns
-    (move total, applied bool [n]). Upper bounds first (1 per replication, 1 onto each GPU of
-    a swap): if they fit, every change is applied; otherwise best first, each re-checked
-    with its signed moves."""
-    n = order.size
-    need_G = np.zeros(G, dtype=np.int64)
-    up = 0
-    for k in range(n):
-        l = order[k]
-        need_G[slot_q[l] // S] += 1
-        up += 1
-        if kind[l] == 0:
-            need_G[slot_a[l] // S] += 1
-            up += 1
-    fit = up <= cap_total - total
-    if fit and np.isfinite(cap_gpu):
-        for g in range(G):
-            if in_G[g] + need_G[g] > cap_gpu:
-                fit = False
-    applied = np.zeros(n, dtype=np.bool_)
-    for k in range(n):
-        l = order[k]
-        a = slot_a[l]
-        q = slot_q[l]
-        g = q // S
-        hh = a // S
-        dg, dh = _move_deltas(l, a, q, S, phy, cnt_LEG, old_LEG)
-        if kind[l] == 1:
-            if not fit and (total + dg > cap_total or in_G[g] + dg > cap_gpu):
-                continue
-        elif not fit and (total + dg + dh > cap_total or in_G[g] + dg > cap_gpu or in_G[hh] + dh > cap_gpu):
-            continue
-        total += _apply(l, kind[l] == 1, a, q, phy, r_LE, cnt_LEG, old_LEG, in_G, S, span, grp_E, node_G, gn_LKN)
-        applied[k] = True
-    return total, applied
-
-
-def search(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, cap_total, cap_gpu,
-           min_gain_L, active, G, S, C, D, iters, span, grp_E, node_G, gn_LKN):
-    """Run the budgeted search in place on phy, r_LE, cnt_LEG, in_G (and gn_LKN when span > 0);
-    returns the move total. Arguments: the fields of `eplb.migration.search.SearchState`."""
-    P = G * S
-    L = phy.shape[0]
-    # Scratch of price_layer: the loads, then the larger of the swap and replication stages.
-    fw = np.empty(2 * load_LE.shape[1] + 2 * P + G + C * S + 2 * D)
-    iw = np.empty(C + 4 * C * S + 6 * D + D * G + 2 * G, dtype=np.int64)
-    if not (np.isfinite(cap_total) or np.isfinite(cap_gpu)):
-        return _search_uncapped(load_LE, phy, r_LE, cnt_LEG, old_LEG, in_G, total, min_gain_L, active, G, S, C, D,
-                                iters, span, grp_E, node_G, gn_LKN, fw, iw)
-    kind = np.zeros(L, dtype=np.int64)          # 1 replicate, 0 swap
-    slot_a = np.zeros(L, dtype=np.int64)
-    slot_q = np.zeros(L, dtype=np.int64)
-    room_G = np.empty(G)
-    for _ in range(iters):
+    def loads(self, active):
+        """What both kinds of change read, for the active layers: a namespace of [A, ...] arrays."""
+        G, S = self.G, self.S
         A = active.size
-        if A == 0:
-            break
-        for g in range(G):
-            room_G[g] = cap_gpu - in_G[g]
-        order = _price_active(load_LE, phy, r_LE, cnt_LEG, old_LEG, room_G, cap_total - total, min_gain_L, active,
-                              G, S, C, D, span, grp_E, node_G, gn_LKN, fw, iw, kind, slot_a, slot_q)
-        if order.size == 0:
-            break
-        total, applied = _apply_in_order(order, kind, slot_a, slot_q, phy, r_LE, cnt_LEG, old_LEG, in_G, total,
-                                         cap_total, cap_gpu, G, S, span, grp_E, node_G, gn_LKN)
-        m = 0
-        for k in range(order.size):
-            if applied[k]:
-                m += 1
-        if m == 0:
-            break
-        # Keep the numpy search's layer order for the next iteration (ascending, as active[applied]).
-        keep = np.zeros(L, dtype=np.bool_)
-        for k in range(order.size):
-            if applied[k]:
-                keep[order[k]] = True
-        nxt = np.empty(m, dtype=np.int64)
-        m = 0
-        for ai in range(A):
-            if keep[active[ai]]:
-                nxt[m] = active[ai]
-                m += 1
-        active = nxt
-    return total
+        ph = self.phy[active]                                     # [A, P]
+        ld = self.load_LE[active]                                 # [A, E]
+        r = self.r_LE[active]
+        ar2 = np.arange(A)[:, None]
+        w_AP = (ld / r)[ar2, ph]                                  # load of each replica
+        # Summed slot by slot (not .sum, whose pairwise order depends on S): the scalar
+        # reference reproduces the same float64 loads exactly.
+        w_AGS = w_AP.reshape(A, G, S)
+        gl_AG = w_AGS[:, :, 0].copy()
+        for s in range(1, S):
+            gl_AG += w_AGS[:, :, s]
+        srt = np.argsort(-gl_AG, axis=1, kind="stable")
+        h = srt[:, 0]                                             # busiest GPU (the first of equals)
+        hs_AS = h[:, None] * S + np.arange(S)                     # its slots
+        ea_AS = ph[ar2, hs_AS]
+        la2 = active[:, None]
+        return SimpleNamespace(
+            A=A, ar2=ar2, ph=ph, ld=ld, r=r, w_AP=w_AP, gl_AG=gl_AG, srt=srt, h=h, Lh=gl_AG[ar2[:, 0], h],
+            hs_AS=hs_AS, ea_AS=ea_AS, room_G=self.cap_gpu - self.in_G, room_tot=self.cap_total - self.st.total, la2=la2,
+            need_A=self.min_gain_L[active],
+            # Counts of each busy-GPU expert on every GPU, gathered once: [A, S, G].
+            cnt_x_ASG=self.cnt_LEG[la2, ea_AS], old_x_ASG=self.old_LEG[la2, ea_AS])
+
+    def _price(self, cost, span_delta):
+        """A change's price in moves: its moves, plus Budget.span_cost for each (group, node)
+        pair it adds to its layer, net of those it clears (span_delta, computed only when priced)."""
+        return cost + self.span * span_delta() if self.span > 0 else cost
+
+    def swap_prices(self, v):
+        """Swap: slot a on the busiest GPU h <-> slot q on one of the C lightest GPUs (heavier
+        partners seldom help and would cost G / C times the work). Returns (gain, price) [A, S, Q]
+        (gain -inf where refused) and the partner slots q_AQ."""
+        S, C = self.S, self.C
+        cnt_LEG, old_LEG, gpu_P = self.cnt_LEG, self.old_LEG, self.gpu_P
+        A, ph, w_AP, gl_AG, srt, h, la2 = v.A, v.ph, v.w_AP, v.gl_AG, v.srt, v.h, v.la2
+        ea_AS, cnt_x_ASG, old_x_ASG, room_G, room_tot = v.ea_AS, v.cnt_x_ASG, v.old_x_ASG, v.room_G, v.room_tot
+        ar2 = v.ar2
+        wa_AS = w_AP[ar2, v.hs_AS]
+        light_AC = srt[:, ::-1][:, :C]
+        q_AQ = (light_AC[:, :, None] * S + np.arange(S)).reshape(A, C * S)
+        g_AQ = gpu_P[q_AQ]
+        eb_AQ, w_AQ, gl_AQ = ph[ar2, q_AQ], w_AP[ar2, q_AQ], gl_AG[ar2, g_AQ]
+        delta = wa_AS[..., None] - w_AQ[:, None, :]               # [A, S, Q] load leaving h
+        # Gains are local: how far the busy GPU drops while the GPUs the change touches
+        # stay below its old load. The global maximum never rises, and a layer with several
+        # near-busiest GPUs still sees each step as progress.
+        Lh3 = v.Lh[:, None, None]
+        swap_gain = Lh3 - np.maximum(Lh3 - delta, gl_AQ[:, None, :] + delta)
+        # Per partner GPU, then repeated over its S slots (S times fewer gathers).
+        ar3, s3 = ar2[:, :, None], np.arange(S)[None, :, None]
+        light3 = light_AC[:, None, :]
+        cn_g_ea = np.repeat(cnt_x_ASG[ar3, s3, light3], S, axis=2)
+        ol_g_ea = np.repeat(old_x_ASG[ar3, s3, light3], S, axis=2)
+        h2 = h[:, None]
+        cn_h_eb = cnt_LEG[la2, eb_AQ, h2]                         # [A, Q]
+        ol_h_eb = old_LEG[la2, eb_AQ, h2]
+        s2 = np.arange(S)[None, :]
+        cn_h_ea, ol_h_ea = cnt_x_ASG[ar2, s2, h2], old_x_ASG[ar2, s2, h2]       # [A, S]
+        cn_g_eb = cnt_LEG[la2, eb_AQ, g_AQ]                       # [A, Q]
+        # Moves against the old placement: an expert landing on a GPU that did not hold it
+        # costs 1; one leaving a GPU it was moved onto (its only copy there) refunds 1.
+        d_g = (~ol_g_ea).astype(np.int64) - ((~old_LEG[la2, eb_AQ, g_AQ]) & (cn_g_eb == 1))[:, None, :]
+        d_h = (~ol_h_eb).astype(np.int64)[:, None, :] - ((~ol_h_ea) & (cn_h_ea == 1))[..., None]
+        swap_cost = d_g + d_h
+        bad = (cn_g_ea > 0) | (cn_h_eb > 0)[:, None, :] | (ea_AS[..., None] == eb_AQ[:, None, :])
+        bad |= (g_AQ == h2)[:, None, :]
+        bad |= (d_g > room_G[g_AQ][:, None, :]) | (d_h > room_G[h][:, None, None]) | (swap_cost > room_tot)
+        swap_gain[bad] = -np.inf
+        return swap_gain, self._price(swap_cost, lambda: self._span_swap(v, ea_AS, eb_AQ, g_AQ)), q_AQ
+
+    def _span_swap(self, v, ea_AS, eb_AQ, g_AQ):
+        """(group, node) pairs a swap adds minus those it clears, [A, S, Q]: group A's replica
+        moves from h's node to g's, group B's back."""
+        grp, node, gn = self.grp_E, self.node_G, self.gn_LKN
+        la3 = v.la2[:, :, None]
+        A_, B_ = grp[ea_AS][..., None], grp[eb_AQ][:, None, :]
+        nh, ng = node[v.h][:, None, None], node[g_AQ][:, None, :]
+        new = (gn[la3, A_, ng] == 0).astype(np.int64) + (gn[la3, B_, nh] == 0)
+        gone = (gn[la3, B_, ng] == 1).astype(np.int64) + (gn[la3, A_, nh] == 1)
+        return np.where((A_ == B_) | (nh == ng), 0, new - gone)
+
+    def replication_prices(self, v):
+        """Replicate (busiest GPU only): expert x on h gets one more replica in donor slot q
+        (expert b, r_b >= 2), donors ranked by how little losing them hurts (light GPU, light
+        expert). Returns (gain, price) [A, S, D] (gain -inf where refused), q_AD and gq_AD."""
+        D, P = self.D, self.P
+        cnt_LEG, old_LEG, gpu_P, gpu_G = self.cnt_LEG, self.old_LEG, self.gpu_P, np.arange(self.G)
+        A, ph, ld, r, w_AP, gl_AG, Lh, la2 = v.A, v.ph, v.ld, v.r, v.w_AP, v.gl_AG, v.Lh, v.la2
+        ea_AS, cnt_x_ASG, old_x_ASG, room_G, room_tot = v.ea_AS, v.cnt_x_ASG, v.old_x_ASG, v.room_G, v.room_tot
+        h2 = v.h[:, None]
+        ar2 = v.ar2
+        rb_AP, Wb_AP = r[ar2, ph], ld[ar2, ph]
+        harm = gl_AG[:, gpu_P] + Wb_AP / np.maximum(rb_AP - 1, 1)
+        harm[(rb_AP < 2) | (gpu_P[None, :] == h2)] = np.inf
+        q_AD = _first_smallest(harm, D) if D < P else np.tile(np.arange(P), (A, 1))
+        q_ok_AD = np.isfinite(harm[ar2, q_AD])
+        b_AD = ph[ar2, q_AD]
+        gq_AD = gpu_P[q_AD]
+        rb, Wb, wb_q = rb_AP[ar2, q_AD].astype(np.float64), Wb_AP[ar2, q_AD], w_AP[ar2, q_AD]
+        db = np.where(rb >= 2, Wb / np.maximum(rb - 1, 1) - wb_q, 0.0)           # [A, D] rise per b replica
+        rx, Wx = r[ar2, ea_AS].astype(np.float64), ld[ar2, ea_AS]                # [A, S]
+        dx = Wx / rx - Wx / (rx + 1)                                              # fall per x replica
+        cnt_b_ADG = cnt_LEG[la2, b_AD]                                            # [A, D, G]
+        # New load of GPU g after the change: (gl - cnt_x * dx) + cnt_b * db, for the GPUs
+        # the change touches (holding x or b) except g_q, the donor slot's GPU, priced apart.
+        # A GPU holding x but not b keeps y = gl - cnt_x * dx whatever the donor; one holding b
+        # (other than g_q) gets y + cnt_b * db >= y. So the busiest touched GPU is the larger of
+        # x's busiest y and a max over b's few GPUs, [A, S, D, k], not over all G (a candidate
+        # with x on g_q is refused below, whatever this gives it).
+        gq3 = gq_AD[:, None, :]
+        y_ASG = gl_AG[:, None, :] - cnt_x_ASG * dx[:, :, None]
+        top_AS = np.where(cnt_x_ASG > 0, y_ASG, -np.inf).max(axis=2)
+        b_ADk, b_ok = _holders((cnt_b_ADG > 0) & (gpu_G[None, None, :] != gq_AD[:, :, None]))
+        ar3 = ar2[:, :, None]
+        cbdb_ADk = np.where(b_ok, cnt_b_ADG[ar3, np.arange(D)[None, :, None], b_ADk] * db[:, :, None], -np.inf)
+        y_ASDk = y_ASG[ar3[..., None], np.arange(self.S)[None, :, None, None], b_ADk[:, None, :, :]]
+        top_ASD = np.maximum(top_AS[:, :, None], (y_ASDk + cbdb_ADk[:, None, :, :]).max(axis=3))
+        # GPU g_q of the donor slot gains x's new replica and loses b's old one.
+        s3 = np.arange(self.S)[None, :, None]
+        cn_gx = cnt_x_ASG[ar3, s3, gq3]                                           # [A, S, D]
+        cb_gq_AD = cnt_b_ADG[ar2, np.arange(D)[None, :], gq_AD]
+        gl_gq_AD = gl_AG[ar2, gq_AD]
+        at_g = (((gl_gq_AD[:, None, :] - cn_gx * dx[:, :, None]) + (cb_gq_AD * db)[:, None, :])
+                + (Wx / (rx + 1))[:, :, None] - (wb_q + db)[:, None, :])
+        rep_gain = Lh[:, None, None] - np.maximum(top_ASD, at_g)
+        rep_cost = ((~old_x_ASG[ar3, s3, gq3]).astype(np.int64)
+                    - ((~old_LEG[la2, b_AD, gq_AD]) & (cb_gq_AD == 1))[:, None, :])
+        rbad = (~q_ok_AD[:, None, :]) | (cn_gx > 0) | (b_AD[:, None, :] == ea_AS[:, :, None])
+        rbad |= (rep_cost > room_G[gq_AD][:, None, :]) | (rep_cost > room_tot)
+        rep_gain[rbad] = -np.inf
+        return rep_gain, self._price(rep_cost, lambda: self._span_copy(v, ea_AS, b_AD, gq_AD)), q_AD, gq_AD
+
+    def _span_copy(self, v, ea_AS, b_AD, gq_AD):
+        """(group, node) pairs a replication adds minus those it clears, [A, S, D]: a replica of
+        group X overwrites one of group B on the donor slot's node."""
+        grp, node, gn = self.grp_E, self.node_G, self.gn_LKN
+        la3 = v.la2[:, :, None]
+        X, B = grp[ea_AS][..., None], grp[b_AD][:, None, :]
+        ng = node[gq_AD][:, None, :]
+        return np.where(X == B, 0, (gn[la3, X, ng] == 0).astype(np.int64) - (gn[la3, B, ng] == 1))
+
+    # Changes ---------------------------------------------------------------------------------
+
+    def apply_best(self, active, order, use_rep, h, si, ri, q_AQ, q_AD, gq_AD):
+        """Apply the layers' changes in `order` (best gain per move first), re-checking budgets
+        (layers share them); returns which were applied, bool [A]."""
+        S, C, D, gpu_P = self.S, self.C, self.D, self.gpu_P
+        applied = np.zeros(active.size, dtype=bool)
+        rep_k = order[use_rep[order]]
+        sw_k = order[~use_rep[order]]
+        s_rp, d_rp = np.divmod(ri, D)
+        s_sw, q_sw = np.divmod(si, C * S)
+        # Upper bounds (1 per replication, 1 onto each GPU of a swap): if even they fit, the
+        # order does not matter and every layer's change is applied at once.
+        one_r, one_s = np.ones(rep_k.size, np.int64), np.ones(sw_k.size, np.int64)
+        if not self.fits((gq_AD[rep_k, d_rp[rep_k]], gpu_P[q_AQ[sw_k, q_sw[sw_k]]], h[sw_k]), (one_r, one_s, one_s)):
+            # The budget may bind: apply strictly best first over both kinds, one at a time.
+            for k in order:
+                kk = np.array([k])
+                if use_rep[k]:
+                    applied[k] = self.apply_reps(active[kk], h[kk] * S + s_rp[kk], q_AD[kk, d_rp[kk]])[0]
+                else:
+                    applied[k] = self.apply_swaps(active[kk], h[kk] * S + s_sw[kk], q_AQ[kk, q_sw[kk]])[0]
+            return applied
+        if rep_k.size:
+            applied[rep_k] = self.apply_reps(active[rep_k], h[rep_k] * S + s_rp[rep_k], q_AD[rep_k, d_rp[rep_k]])
+        if sw_k.size:
+            applied[sw_k] = self.apply_swaps(active[sw_k], h[sw_k] * S + s_sw[sw_k], q_AQ[sw_k, q_sw[sw_k]])
+        return applied
+
+    def run(self) -> None:
+        """Iterate until no active layer has a change that passes its threshold and fits the
+        budget, or the iteration limit (per layer)."""
+        active = self.st.active_A
+        for _ in range(self.st.iters):
+            if active.size == 0:
+                break
+            v = self.loads(active)
+            swap_gain, swap_price, q_AQ = self.swap_prices(v)
+            rep_gain, rep_price, q_AD, gq_AD = self.replication_prices(v)
+            si, skey = pick(swap_gain, swap_price, v.need_A)
+            ri, rkey = pick(rep_gain, rep_price, v.need_A)
+            use_rep = rkey > skey
+            best = np.maximum(skey, rkey)
+            order = np.argsort(-best, kind="stable")
+            order = order[np.isfinite(best[order])]
+            if order.size == 0:
+                break
+            applied = self.apply_best(active, order, use_rep, v.h, si, ri, q_AQ, q_AD, gq_AD)
+            if not applied.any():
+                break
+            active = active[applied]

@@ -157,9 +157,10 @@ def test_compiled_keep_slots_and_count_moves_match_the_numpy_reference(seed):
     np.testing.assert_array_equal(mg.count_moves(old, new, G, E + 1),
                                   oracle.count_moves(old, new, G, E + 1))
     np.testing.assert_array_equal(_keep_counts(old, new, G, E + 1), oracle.keep_counts(old, new, G, E + 1))
-    from eplb.migration.search import holdings_LEG
+    from eplb.migration import _search_kernel
 
-    np.testing.assert_array_equal(holdings_LEG(new, G, E + 1), mg.holdings(new, G, E + 1).transpose(0, 2, 1))
+    np.testing.assert_array_equal(_search_kernel.holdings_LEG(new, G, E + 1),
+                                  mg.holdings(new, G, E + 1).transpose(0, 2, 1))
 
 
 BUDGETS = [mg.Budget(), mg.Budget(move_cost=0.001), mg.Budget(max_moves=9), mg.Budget(max_moves_per_gpu=2),
@@ -168,8 +169,8 @@ BUDGETS = [mg.Budget(), mg.Budget(move_cost=0.001), mg.Budget(max_moves=9), mg.B
 
 @pytest.mark.parametrize("shape", [(4, 16, 4, 5), (3, 64, 8, 9), (2, 256, 32, 9)])
 @pytest.mark.parametrize("integer_loads", [False, True])
-def test_search_matches_the_scalar_reference(shape, integer_loads):
-    """The numpy search must make exactly the scalar reference's choices, ties included (integer
+def test_compiled_search_matches_the_numpy_reference(shape, integer_loads):
+    """The numba kernel must make exactly the reference's choices, ties included (integer
     loads tie often), for every kind of budget; (2, 256, 32, 9) is two DeepSeek-V3 layers."""
     L, E, G, S = shape
     rng = np.random.default_rng(E + integer_loads)
@@ -187,7 +188,7 @@ def test_search_matches_the_scalar_reference(shape, integer_loads):
     assert changed >= 4                          # the searches did make changes to compare
 
 
-def test_search_matches_the_reference_on_a_deepseek_plan():
+def test_compiled_search_matches_the_reference_on_a_deepseek_plan():
     """DeepSeek-shaped: start from a greedy plan of other loads, unlimited and capped budgets."""
     rng = np.random.default_rng(7)
     L, E, G, R = 3, 256, 32, 32
@@ -377,7 +378,7 @@ def test_real_calls_reach_the_kernels_with_one_argument_type_list():
     """Read-only Placement arrays, int32 maps, float32 and non-contiguous loads all reach the
     kernels as one type list each: one cache entry, and no first call with new types (which
     would run as Python until it compiled, eplb.core.jit) after the first decision."""
-    from eplb.migration import _moves_kernel
+    from eplb.migration import _moves_kernel, _search_kernel
     from eplb.migration.schedule import _rounds_kernel
     from eplb.serving.rebalance import Rebalancer
 
@@ -392,8 +393,9 @@ def test_real_calls_reach_the_kernels_with_one_argument_type_list():
     mg.budgeted_search(np.asfortranarray(load.astype(np.float32)), pl.phy2log_LP.astype(np.int32), 8,
                        mg.Budget(max_moves=5))
     mg.relabel(pl.phy2log_LP.astype(np.int32), pl.phy2log_LP[:, ::-1], 8, 64)
-    kernels = [_moves_kernel.keep_slots, _moves_kernel.count_moves, _moves_kernel.keep_counts,
-               _moves_kernel.gpu_assignment, _rounds_kernel.schedule, _rounds_kernel.schedule_relay]
+    kernels = [_search_kernel.search, _search_kernel.holdings_LEG, _moves_kernel.keep_slots,
+               _moves_kernel.count_moves, _moves_kernel.keep_counts, _moves_kernel.gpu_assignment,
+               _rounds_kernel.schedule, _rounds_kernel.schedule_relay]
     assert {k.name: len(k._state) for k in kernels} == {k.name: 1 for k in kernels}
 
 
@@ -465,6 +467,7 @@ def test_span_cost_reaches_the_search_through_plan_and_rebalancer():
         mg.Budget(span_cost=-1.0)
     with pytest.raises(EplbError, match="num_expert_groups"):
         Rebalancer(prev, num_expert_groups=7)
+    # The numpy reference prices group span as the kernel does, to the slot.
     for budget in (mg.Budget(move_cost=0.001), mg.Budget(max_moves=9, span_cost=4.0)):
         np.testing.assert_array_equal(
             mg.budgeted_search(load, prev.phy2log_LP, G, budget, num_nodes=N, num_expert_groups=K),

@@ -8,7 +8,7 @@ from eplb import migration as mg
 from tests.oracles import migration as oracle
 from tests.unit.test_migration import relay_schedule
 
-# Each entry point beside its reference (tests/oracles/migration.py).
+# Each compiled entry point beside its reference (tests/oracles/migration.py).
 SEARCHES = (mg.budgeted_search, oracle.budgeted_search)
 SCHEDULERS = (mg.schedule, relay_schedule, oracle.schedule)
 
@@ -75,8 +75,8 @@ def test_budgeted_search_refuses_empty_slots():
     (dict(num_nodes=2, num_expert_groups=1.5), "num_expert_groups"), (dict(num_nodes=0), "num_nodes"),
 ])
 def test_budgeted_search_names_bad_settings(kw, match):
-    """donors=0 / partners=0 made the scalar search's top-k insertion write index -1 of an empty
-    view (into the next scratch array) while the numpy one raised ValueError: both are refused."""
+    """donors=0 / partners=0 made the kernel's top-k insertion write index -1 of an empty
+    view (into the next scratch array) while the numpy version raised ValueError."""
     for search in SEARCHES:
         with pytest.raises(EplbError, match=match):
             search(_LOAD, _OLD, 2, mg.Budget(move_cost=0.001), **kw)
@@ -226,21 +226,20 @@ def _node_cases(count=40):
                                     mg.Budget(max_moves_per_gpu=1, span_cost=2.0),
                                     mg.Budget(max_moves=20, max_moves_per_gpu=2, move_cost=0.002, span_cost=1.0)])
 def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, budget):
-    """After the search ran: its (group, node) counts, replica counts and moves per GPU equal
+    """After the kernel ran: its (group, node) counts, replica counts and moves per GPU equal
     the ones recomputed from the map it returns (the prices of the next change read them)."""
-    from eplb.migration import search_steps
+    from eplb.migration import _search_kernel
     from eplb.stats.loads import group_span
 
     seen = {}
-    real = search_steps.SearchSteps.run
+    real = _search_kernel.search
 
-    def spy(self):
-        real(self)
-        st = self.st
-        seen.update(phy=st.phy2log_LP, r_LE=st.r_LE, cnt_LEG=st.cnt_LEG, in_G=st.in_G, total=st.total,
-                    gn_LKN=st.gn_LKN)
+    def spy(*args):
+        total = real(*args)
+        seen.update(phy=args[1], r_LE=args[2], cnt_LEG=args[3], in_G=args[5], total=total, gn_LKN=args[-1])
+        return total
 
-    monkeypatch.setattr(search_steps.SearchSteps, "run", spy)
+    monkeypatch.setattr(_search_kernel, "search", spy)
     checked = 0
     for num_nodes, groups, G, E, old, load in _node_cases():
         out = mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups)
@@ -258,6 +257,15 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
         assert (group_span(out, G, num_nodes, groups, E) >= 1).all()
         checked += 1
     assert checked >= 20
+
+
+@pytest.mark.parametrize("budget", [mg.Budget(move_cost=0.001, span_cost=0.5), mg.Budget(max_moves=6, span_cost=1.0),
+                                    mg.Budget(max_moves=20, max_moves_per_gpu=2, move_cost=0.002, span_cost=1.0)])
+def test_search_prices_group_span_as_the_numpy_reference(budget):
+    for num_nodes, groups, G, _, old, load in _node_cases(20):
+        np.testing.assert_array_equal(
+            mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups),
+            oracle.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups))
 
 
 def test_prohibitive_span_cost_never_adds_a_group_node_pair():
