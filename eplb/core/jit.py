@@ -127,7 +127,8 @@ class Kernel:
         sig = self._signature(args)
         with self._lock:
             if how == "wait":
-                _compile_here(d, sig)
+                if sig not in d.overloads:  # another thread may have compiled it while this one waited
+                    _compile_here(d, sig)
                 self._run = d
                 self._state[sig] = "loaded"
                 _touched(self)

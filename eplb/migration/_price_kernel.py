@@ -8,7 +8,7 @@ ph (expert in each slot, [P]), cnt (replicas of each expert on each GPU, [E, G])
 
 `price_layer` runs three stages: `_layer_loads` (per-slot and per-GPU loads, the busiest GPU
 h and the C lightest), `_price_swaps` and `_price_replications`. They price exactly the
-candidates of the numpy reference (tests/oracles/migration.py) with the same arithmetic in
+candidates of the numpy reference (tests/oracles/search.py) with the same arithmetic in
 the same order (so the same float64 values) and the same first-maximum tie-breaking;
 a candidate is skipped early only when an exact bound shows it cannot win. Scratch comes
 from two buffers `search` allocates once (fw: float64, iw: int64): `price_layer` carves the

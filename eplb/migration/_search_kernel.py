@@ -9,10 +9,10 @@ K = expert groups, N = nodes.
   applies the changes the budget can pay for, best gain per move first. Without a move cap
   the layers share nothing and each runs all its iterations in turn (`_search_uncapped`);
   with one, they take turns iteration by iteration (`_price_active`, `_apply_in_order`).
-The numpy reference (tests/oracles/migration.py) makes the same choices from the same state
-(the tests compare placements slot by slot); the node-locality price (`span`) exists only
-here. Every kernel trusts its input (`eplb.migration.search` checks it) and releases the GIL,
-so a serving thread keeps running while a side thread plans.
+The numpy reference (tests/oracles/search.py) makes the same choices from the same state,
+group span included (the tests compare placements slot by slot). Every kernel trusts its
+input (`eplb.migration.search` checks it) and releases the GIL, so a serving thread keeps
+running while a side thread plans.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A = layers still being improved, K = expert groups, N = nodes. Slot p lives on G
 `budgeted_search` runs in three stages: `_search_settings` checks the input, `prepare_search`
 builds the counts the prices read (a `SearchState`), and the numba kernel
 (`_search_kernel.search`) applies the changes in place. The numpy reference of the kernel
-(tests/oracles/migration.py) starts from the same `SearchState`.
+(tests/oracles/search.py) starts from the same `SearchState`.
 """
 
 from __future__ import annotations

@@ -262,6 +262,15 @@ def test_search_keeps_its_group_node_counts_and_move_counts_exact(monkeypatch, b
     assert checked >= 20
 
 
+@pytest.mark.parametrize("budget", [mg.Budget(move_cost=0.001, span_cost=0.5), mg.Budget(max_moves=6, span_cost=1.0),
+                                    mg.Budget(max_moves=20, max_moves_per_gpu=2, move_cost=0.002, span_cost=1.0)])
+def test_search_prices_group_span_as_the_numpy_reference(budget):
+    for num_nodes, groups, G, _, old, load in _node_cases(20):
+        np.testing.assert_array_equal(
+            mg.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups),
+            oracle.budgeted_search(load, old, G, budget, num_nodes=num_nodes, num_expert_groups=groups))
+
+
 def test_prohibitive_span_cost_never_adds_a_group_node_pair():
     from eplb.stats.loads import group_span
 
