@@ -127,8 +127,7 @@ class Kernel:
         sig = self._signature(args)
         with self._lock:
             if how == "wait":
-                if sig not in d.overloads:  # another thread may have compiled it while this one waited
-                    _compile_here(d, sig)
+                _compile_here(d, sig)   # returns the overload another thread made meanwhile, if any
                 self._run = d
                 self._state[sig] = "loaded"
                 _touched(self)
