@@ -26,6 +26,7 @@ from eplb.core.placement import contiguous_placement
 from eplb.core.progress import Notice
 from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective
+from eplb.dispatch.resplit_score import resplit_imbalance
 from eplb.dispatch.rules import ENGINES, DispatchRule, Resplit, engine_rule
 from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
@@ -34,8 +35,7 @@ from eplb.formats import load_history, load_placement
 from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
 from eplb.planning import front_door as planning
-from eplb.serving.resplit_plan import plan_for_resplit, re_splits, window_scores
-from eplb.serving.resplit_score import resplit_imbalance
+from eplb.planning.resplit_plan import plan_for_resplit, re_splits, window_scores
 from eplb.stats.loads import AGGREGATIONS, Aggregation, window_balancedness
 from planners.api import planner_names, planner_settings, setting_value
 

@@ -1,5 +1,5 @@
 """Planning for an engine that re-splits every batch: `eplb plan --dispatch resplit` and
-`--engine sglang --dispatch lp` (eplb.serving.resplit_plan), SGLang's lp rule as eplb models it
+`--engine sglang --dispatch lp` (eplb.planning.resplit_plan), SGLang's lp rule as eplb models it
 (eplb.dispatch.sglang_lp), and their refusals. The lp model against SGLang's own solver is in
 tests/engines/test_sglang_lp.py."""
 
@@ -11,13 +11,13 @@ import pytest
 from eplb.cli import main
 from eplb.core.placement import Placement
 from eplb.core.trace import Trace, default_meta
+from eplb.dispatch.resplit_score import resplit_imbalance
 from eplb.dispatch.rules import optimal_weights
 from eplb.dispatch.sglang_lp import SglangLp, affine_scaling, lp_fits
 from eplb.formats import load_placement, save_trace
 from eplb.migration import Budget, count_moves
 from eplb.planning.front_door import plan
-from eplb.serving.resplit_plan import plan_for_resplit
-from eplb.serving.resplit_score import resplit_imbalance
+from eplb.planning.resplit_plan import plan_for_resplit
 
 T, L, E, G = 6, 4, 32, 8
 

@@ -1,5 +1,5 @@
 """A plan for an engine that re-splits every batch: the front door's plan, searched under the
-re-split score (eplb.serving.resplit_repair), on the planning trace's own windows.
+re-split score (eplb.planning.resplit_repair), on the planning trace's own windows.
 
 Legend: M = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
@@ -30,13 +30,13 @@ import numpy as np
 
 from eplb.core.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.core.placement import Placement
+from eplb.dispatch.resplit_score import layout, resplit_imbalance
 from eplb.dispatch.rules import OptimalSplit, Resplit
 from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
 from eplb.migration import Budget, count_moves
 from eplb.planning.front_door import PlanResult
-from eplb.serving.resplit_repair import PLAN_ROUNDS, resplit_repair
-from eplb.serving.resplit_score import layout, resplit_imbalance
+from eplb.planning.resplit_repair import PLAN_ROUNDS, resplit_repair
 
 RESPLIT_RULES = (Resplit, OptimalSplit, SglangLp)
 """Rules that split each batch by its own counts over an expert's replicas."""
