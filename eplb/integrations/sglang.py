@@ -62,7 +62,6 @@ from eplb.formats.deepseek import to_deepseek
 from eplb.integrations import check_version, parse_spec, prime
 from eplb.migration import Budget
 from eplb.planning.front_door import plan
-from eplb.planning.resplit_plan import plan_for_resplit
 from planners.api import planner_names, planner_settings
 
 ENV_PLANNER = "EPLB_SGLANG_PLANNER"
@@ -235,9 +234,7 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
         budget = Budget(**budget) if previous is not None else None
         result = plan(trace, num_gpus=G, num_nodes=num_nodes, slots_per_gpu=num_local_physical_experts,
                       planner=planner, settings=settings, num_expert_groups=groups, previous=previous,
-                      budget=budget, dispatch=rule)
-        if mode == "lp":
-            result = plan_for_resplit(result, trace.counts_TLE, previous, budget, rounds=rounds)
+                      budget=budget, dispatch=rule, resplit_rounds=rounds)
         # The map alone: `result.placement` would score the plan and the contiguous baseline
         # under the rule (two more binds), time SGLang's rebalance stalls on for a report nobody reads.
         full_HP[moe] = result.solution.phy2log_LP
