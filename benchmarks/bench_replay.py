@@ -13,7 +13,7 @@ rebalance), window N (plan on the sum of the newest N windows with greedy at eve
 migration-aware, move_cost 0.001: the Rebalancer's window=N rule), adaptive (the default), and
 hindsight (greedy planned on the served window itself); on v2 also the static and adaptive
 runs planned for re-split (`plan_for="resplit"`: the warm-up plan and the policy searched under
-re-split scores, eplb.serving.resplit_repair), whose re-split column is what that engine serves.
+re-split scores, eplb.planning.resplit_repair), whose re-split column is what that engine serves.
 Scores: busiest / mean GPU over every
 (served window, layer), median and p95, under an even split and under per-batch re-split
 (`resplit` on the window's own counts); moves are experts copied, summed over layers, per
@@ -44,7 +44,7 @@ Static floors (issue 15, `--floors`, on by default, v2 only): even-split scores 
 across them (planned on the even-numbered scored windows, scored on the odd ones and the other
 way round), on the first half of v2 (10 windows of history, 11 scored: the selection data the
 policy's settings were chosen on) and on the reported split. The same under per-batch re-split
-(exact, `eplb.serving.resplit_repair`): the history's robust plan, that plan searched for re-split on
+(exact, `eplb.planning.resplit_repair`): the history's robust plan, that plan searched for re-split on
 the history (a past-only plan), and the search on the scored windows (in sample) and across them.
 
 Time in the loop (issue 14, `--time`, on by default): v2 and v3 replayed again with the
@@ -283,10 +283,10 @@ def static_floors(counts: np.ndarray, topo: Topology) -> list[str]:
 def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
     """What a static plan can reach on v2 when the engine re-splits every batch (see the module
     docstring): the history's robust plan, the same plan searched for re-split on the history
-    (`eplb.serving.resplit_repair`, the windows alone and with their deviations widened 1.5x), and the
+    (`eplb.planning.resplit_repair`, the windows alone and with their deviations widened 1.5x), and the
     search on the scored windows themselves (in sample) and across them."""
     from eplb.planning.front_door import plan
-    from eplb.serving.resplit_repair import resplit_imbalance, resplit_repair
+    from eplb.planning.resplit_repair import resplit_imbalance, resplit_repair
 
     T = counts.shape[0]
     G = topo.num_gpus
@@ -320,10 +320,10 @@ def resplit_floors(counts: np.ndarray, topo: Topology) -> list[str]:
         lines.append(f"\n{label}: {len(hist)} windows of history, {len(served)} scored; per-batch re-split (exact: "
                      f"the best split of each window), busiest / mean GPU median (p95) over (scored window, layer)")
         lines.append("```\n" + format_table(["plan", "re-split median (p95)", "changed / search time"], rows) + "\n```")
-    lines.append("searched: eplb.serving.resplit_repair from the robust plan (slot swaps and rewritten spare replicas, "
-                 "no move "
-                 "price, 8 passes) under re-split scores; spread 1.5: the windows and their deviations from the "
-                 "mean widened 1.5x; in sample / even -> odd: searched from the robust plan of those windows")
+    lines.append("searched: eplb.planning.resplit_repair from the robust plan (slot swaps and rewritten spare "
+                 "replicas, no move price, 8 passes) under re-split scores; spread 1.5: the windows and their "
+                 "deviations from the mean widened 1.5x; in sample / even -> odd: searched from the robust plan of "
+                 "those windows")
     return lines
 
 

@@ -9,9 +9,9 @@ Legend: T = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical
 Each trace is replayed as benchmarks/bench_replay.py does (first half history, second half served,
 delay 1) with the adaptive policy twice, side by side in one run: planned for the even split (the
 reference, `plan_for="even"`) and planned for re-split (`plan_for="resplit"`: the warm-up plan and
-every decision searched under re-split scores, eplb.serving.resplit_repair). Every served window
+every decision searched under re-split scores, eplb.planning.resplit_repair). Every served window
 is scored by the exact re-split optimum of the placement that served it
-(eplb.serving.resplit_score.resplit_imbalance: water-filling bounds swept until they meet within
+(eplb.dispatch.resplit_score.resplit_imbalance: water-filling bounds swept until they meet within
 1e-6), busiest / mean GPU over (served window, layer): what an engine that solves the LP per batch
 serves. Policies know only the windows before the one served.
 
@@ -41,8 +41,8 @@ from bench_replay import load_traces  # noqa: E402
 
 from eplb.commands.common import format_table  # noqa: E402
 from eplb.core.topology import Topology  # noqa: E402
+from eplb.dispatch.resplit_score import resplit_imbalance  # noqa: E402
 from eplb.evaluate.replay import replay  # noqa: E402
-from eplb.serving.resplit_score import resplit_imbalance  # noqa: E402
 
 TARGETS = {"v3": (1.015, 1.06, 120.0), "v2": (1.008, 1.11, 30.0)}
 """Trace -> (re-split median, p95, replay seconds) targets of issue 36."""

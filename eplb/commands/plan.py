@@ -26,6 +26,7 @@ from eplb.core.placement import contiguous_placement
 from eplb.core.progress import Notice
 from eplb.core.trace import Trace
 from eplb.dispatch.cost import TimeObjective
+from eplb.dispatch.resplit_score import resplit_imbalance
 from eplb.dispatch.rules import ENGINES, DispatchRule, Resplit, engine_rule
 from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
@@ -34,8 +35,8 @@ from eplb.formats import load_history, load_placement
 from eplb.formats.export import EXTENSIONS, FORMATS, formats_for_name, write_placement
 from eplb.migration import Budget
 from eplb.planning import front_door as planning
-from eplb.serving.resplit_plan import plan_for_resplit, re_splits, window_scores
-from eplb.serving.resplit_score import resplit_imbalance
+from eplb.planning.front_door import plan_for_resplit, resplit_windows
+from eplb.planning.resplit_plan import re_splits, window_scores
 from eplb.stats.loads import AGGREGATIONS, Aggregation, window_balancedness
 from planners.api import planner_names, planner_settings, setting_value
 
@@ -293,9 +294,6 @@ def run(args) -> int:
     _check_flags(args)
     objective = objective_from_args(args)
     rule, engine = engine_of(args)
-    if re_splits(rule) and objective != "tokens":  # before the planner runs
-        raise EplbError(f"--dispatch {args.dispatch} plans for a per-batch re-split of token counts: drop "
-                        f"--objective time, or plan for an even split")
     args.format = args.format or (engine if engine and args.output else "eplb")
     if args.planner is None:
         args.planner = "rule-aware" if rule is not None and planning.layout_dependent(rule) else "robust"
@@ -326,11 +324,11 @@ def run(args) -> int:
             trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
             planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
             num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
-            objective=objective, dispatch=rule,
+            objective=objective, dispatch=rule, resplit_rounds=0,
         )
         resplit = None
-        if re_splits(rule):
-            windows = _resplit_windows(args, trace)
+        if re_splits(rule):  # the search as eplb.plan runs it, on the planner's plan kept for the report
+            windows = resplit_windows(trace.counts_TLE, Aggregation(args.aggregate, args.window, args.alpha))
             even_plan = result
             result = plan_for_resplit(result, windows, previous, budget)
             resplit = _resplit_scores(result, even_plan, previous, windows)
@@ -369,15 +367,6 @@ def run(args) -> int:
         if resplit:
             _print_resplit(resplit)
     return 0
-
-
-def _resplit_windows(args, trace: Trace) -> np.ndarray:
-    """The windows a plan for a re-split rule is searched and scored on, [M, L, E]: the trace's
-    (the newest --window of them with --aggregate window, the last with --aggregate last)."""
-    counts = trace.counts_TLE.astype(np.float64)
-    if args.aggregate == "window":
-        return counts[-args.window:] if args.window else counts
-    return counts[-1:] if args.aggregate == "last" else counts
 
 
 def _resplit_scores(result, even_plan, previous, windows) -> dict:

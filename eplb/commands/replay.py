@@ -46,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="dispatch rule to score, repeatable (eplb.dispatch rules; default even and resplit)")
     p.add_argument("--plan-for", choices=("even", "resplit"), default="even",
                    help="dispatch rule the engine serves, which the warm-up plan and the policy plan for (default "
-                        "even; resplit: searched under per-batch re-split scores, eplb.serving.resplit_repair)")
+                        "even; resplit: searched under per-batch re-split scores, eplb.planning.resplit_repair)")
     p.add_argument("-o", "--output", help="write the served windows' placements, shares, counts and metrics (.npz)")
     add_time_scoring_arguments(p, "what the initial plan, the policy and hindsight balance: token loads (default) "
                                   "or modeled per-GPU time (needs --model and --hardware); with --hardware every "

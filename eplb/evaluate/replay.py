@@ -44,8 +44,8 @@ from eplb.evaluate.replay_result import ReplayResult, RunScores
 from eplb.evaluate.simulate import check_batches, time_window, window_batches
 from eplb.migration import Budget, count_moves, schedule
 from eplb.planning.front_door import as_history, plan, size_topology
+from eplb.planning.resplit_repair import PLAN_ROUNDS, resplit_repair
 from eplb.serving.policy import Policy, get_policy, takes_budget
-from eplb.serving.resplit_repair import PLAN_ROUNDS, resplit_repair
 
 REFERENCES = ("static", "hindsight")
 """Reference runs scored beside the policy."""

@@ -32,7 +32,7 @@ or SGLang's default for the MoE backend. It plans against the recorder's windows
 replicas SGLang serves now in place (plus a move budget), and returns the candidate lists in
 slot order, the order the dispatch model assumes. Under `lp` the plan (robust by default: the
 rule-aware planner packs for static rules) is then searched for the per-batch re-split
-(eplb.serving.resplit_plan: `resplit_repair` of the served placement and of the plan over the
+(eplb.planning.resplit_plan: `resplit_repair` of the served placement and of the plan over the
 recorder's windows, a move priced at --move-cost, capped by --max-moves; --resplit-rounds passes,
 default RESPLIT_ROUNDS, since SGLang's rebalance stalls serving while it plans). Rows with no
 tokens (dense layers) get SGLang's trivial row `p % E`.
@@ -62,7 +62,6 @@ from eplb.formats.deepseek import to_deepseek
 from eplb.integrations import check_version, parse_spec, prime
 from eplb.migration import Budget
 from eplb.planning.front_door import plan
-from eplb.serving.resplit_plan import plan_for_resplit
 from planners.api import planner_names, planner_settings
 
 ENV_PLANNER = "EPLB_SGLANG_PLANNER"
@@ -235,9 +234,7 @@ def rebalance_experts(tokens_per_expert, num_physical_experts: int, num_local_ph
         budget = Budget(**budget) if previous is not None else None
         result = plan(trace, num_gpus=G, num_nodes=num_nodes, slots_per_gpu=num_local_physical_experts,
                       planner=planner, settings=settings, num_expert_groups=groups, previous=previous,
-                      budget=budget, dispatch=rule)
-        if mode == "lp":
-            result = plan_for_resplit(result, trace.counts_TLE, previous, budget, rounds=rounds)
+                      budget=budget, dispatch=rule, resplit_rounds=rounds)
         # The map alone: `result.placement` would score the plan and the contiguous baseline
         # under the rule (two more binds), time SGLang's rebalance stalls on for a report nobody reads.
         full_HP[moe] = result.solution.phy2log_LP

@@ -6,6 +6,8 @@ from eplb.planning.front_door import (
     even_split,
     lower_bound,
     plan,
+    plan_for_resplit,
+    resplit_windows,
     score,
     size_topology,
 )
@@ -16,6 +18,8 @@ __all__ = [
     "even_split",
     "lower_bound",
     "plan",
+    "plan_for_resplit",
+    "resplit_windows",
     "score",
     "size_topology",
 ]

@@ -30,6 +30,8 @@ from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.dispatch.rules import DispatchRule, EvenSplit, PlanWeights, get_rule
 from eplb.errors import EplbError, number_array, whole_number
 from eplb.migration import Budget, layout_dependent
+from eplb.planning.resplit_plan import re_splits, search_solution
+from eplb.planning.resplit_repair import PLAN_ROUNDS
 from eplb.stats.loads import Aggregation
 from planners.api import STATUSES, PlanRequest, Solution, get_planner
 
@@ -315,6 +317,7 @@ def plan(
     budget: Budget | None = None,
     dispatch: str | DispatchRule | None = None,
     objective: str | TimeObjective = "tokens",
+    resplit_rounds: int = PLAN_ROUNDS,
 ) -> PlanResult:
     """Plan an expert placement: the one front door for the API and the CLI.
 
@@ -342,6 +345,9 @@ def plan(
     per-GPU time: planners, and the migration step, see each expert's expected seconds per step
     on one replica instead of its tokens); the result is still scored in tokens, and
     info["objective"] says what was planned for.
+    Under a rule that re-splits every batch over an expert's replicas (`resplit`, `optimal`,
+    SGLang's `lp`) the plan is then searched under the re-split score on the planning windows
+    (`plan_for_resplit`, `resplit_rounds` passes; 0: the planner's plan, scored only).
     """
     if settings is not None and not isinstance(settings, Mapping):
         raise EplbError(f"settings must be a dict of planner settings (e.g. {{'quantile': 0.9}}), "
@@ -350,6 +356,10 @@ def plan(
         num_expert_groups = whole_number("num_expert_groups", num_expert_groups, 1)
     rule = get_rule("plan" if dispatch is None else dispatch)
     objective = check_objective(objective)
+    resplit_rounds = whole_number("resplit_rounds", resplit_rounds, 0)
+    if re_splits(rule) and objective != "tokens":  # before the planner runs
+        raise EplbError(f"dispatch {rule.name!r} re-splits the token counts of every batch: plan for tokens "
+                        f"(drop --objective time), or plan for an even split")
     agg = stats.as_aggregation(aggregate)
     history_TLE, layer_ids, meta = as_history(loads)
     load_LE = agg(history_TLE)
@@ -384,5 +394,35 @@ def plan(
     if objective != "tokens":
         sol = replace(sol, info={**sol.info, "objective": objective.describe(topo.num_gpus)})
     # Scored on the token load, whatever the planner balanced.
-    return PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids, objective)
+    result = PlanResult(sol, planner, seconds, load_LE, topo, rule, layer_ids, objective)
+    if re_splits(rule) and resplit_rounds:
+        result = plan_for_resplit(result, resplit_windows(history_TLE, agg), previous, budget, resplit_rounds)
+    return result
+
+
+def resplit_windows(history_TLE: np.ndarray, aggregation: Aggregation) -> np.ndarray:
+    """The windows a plan for a re-split rule is searched and scored on, float64 [M, L, E]: the
+    history's (the newest `window` of them for "window", the newest for "last"): the windows the
+    planning load was made of, each served by its own split."""
+    counts = np.asarray(history_TLE, dtype=np.float64)
+    if aggregation.how == "window":
+        return counts[-aggregation.window:] if aggregation.window else counts
+    return counts[-1:] if aggregation.how == "last" else counts
+
+
+def plan_for_resplit(result: PlanResult, history_TLE, previous: Placement | None = None,
+                     budget: Budget | None = None, rounds: int = PLAN_ROUNDS) -> PlanResult:
+    """`result` (a plan for a rule that re-splits every batch) searched under the re-split score
+    on the windows history_TLE [M, L, E] (eplb.planning.resplit_plan); info["resplit"] says
+    what it did. `plan` calls it; `eplb plan --dispatch resplit` calls it on the planner's plan
+    to report both."""
+    if not re_splits(result.dispatch):
+        raise EplbError(f"dispatch {result.dispatch.name!r} does not re-split each batch: plan for "
+                        f"'resplit', 'optimal' or SGLang's 'lp', or keep the plan as it is")
+    if result.objective != "tokens":
+        raise EplbError("planning for a re-split rule balances token counts: drop the time objective "
+                        "(--objective time), or plan for an even split")
+    sol = search_solution(result.solution, result.topology, result.dispatch, result.layer_ids, history_TLE,
+                          previous, budget, rounds)
+    return replace(result, solution=sol)
 

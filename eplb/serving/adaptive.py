@@ -19,12 +19,13 @@ from eplb.dispatch.cost import TimeObjective, check_objective
 from eplb.errors import EplbError, finite_number, positive_number, whole_number
 from eplb.migration import Budget, count_moves
 from eplb.migration.search import span_priced
+from eplb.planning.resplit_repair import PLAN_ROUNDS
 from eplb.serving.horizons import DriftTest, HorizonChooser, horizon_windows, parse_horizons
 from eplb.serving.load_estimate import ChangeDetector, WindowMemory, true_or_false
 from eplb.serving.policy_types import NO_BUDGET, Decision
 from eplb.serving.repair import group_pairs, repair, window_imbalance, within_caps
 from eplb.serving.replan import replan
-from eplb.serving.resplit_repair import PLAN_ROUNDS, resplit_decision
+from eplb.serving.resplit_decision import resplit_decision
 
 
 class AdaptivePolicy:
@@ -59,7 +60,7 @@ class AdaptivePolicy:
     "off" (or 0) plans on the memory always.
     rule: the dispatch rule the engine serves, "even" or "resplit" (any GPU count): a decision
     then searches the placement in force under per-batch re-split scores on the memory's
-    windows and on their deviations widened `spread` times (`eplb.serving.resplit_repair`), for
+    windows and on their deviations widened `spread` times (`eplb.planning.resplit_repair`), for
     `resplit_rounds` passes, a layer changing where its gain beats `resplit_move_cost` / P per move
     (layers the change detector flagged: PLAN_ROUNDS passes at `move_cost` / P, and a fresh greedy
     plan of the memory, renamed and searched the same way, where its net gain is higher).
@@ -237,7 +238,7 @@ class AdaptivePolicy:
         return conclude(new_LP, cost_L2, moves_LG)
 
     def _decide_resplit(self, placement, windows, flag_L, budget, num_expert_groups):
-        """The decision for an engine that re-splits every batch (`eplb.serving.resplit_repair`): the
+        """The decision for an engine that re-splits every batch (`eplb.planning.resplit_repair`): the
         placement in force searched under re-split scores on the memory's windows (weighted as
         the even rule's are) and their widened deviations, kept per layer where it pays."""
         if budget.max_moves is not None or budget.max_moves_per_gpu is not None \

@@ -21,12 +21,12 @@ from sglang.srt.eplb.lplb_solver import LPLBSolver  # noqa: E402
 from sglang.test.kernels.lplb import solve_ipm_torch_reference  # noqa: E402
 
 from eplb.core.placement import Placement  # noqa: E402
+from eplb.dispatch.resplit_score import resplit_imbalance  # noqa: E402
 from eplb.dispatch.sglang_lp import SglangLp  # noqa: E402
 from eplb.errors import EplbError  # noqa: E402
 from eplb.integrations import sglang as launcher  # noqa: E402
 from eplb.planning.front_door import plan  # noqa: E402
-from eplb.serving.resplit_plan import window_scores  # noqa: E402
-from eplb.serving.resplit_score import resplit_imbalance  # noqa: E402
+from eplb.planning.resplit_plan import window_scores  # noqa: E402
 
 G, N, E = 8, 2, 32
 

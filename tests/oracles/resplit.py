@@ -1,4 +1,4 @@
-"""Reference for the re-split scores (eplb/serving/resplit_score.py), kept as a test oracle: Hall's
+"""Reference for the re-split scores (eplb/dispatch/resplit_score.py), kept as a test oracle: Hall's
 bound over all 2**G GPU sets, which the serving path enumerated (a compiled kernel) while it
 planned for at most 12 GPUs.
 

@@ -1,4 +1,4 @@
-"""The search's local scores (eplb.serving.resplit_local): each is the busiest GPU of a feasible
+"""The search's local scores (eplb.planning.resplit_local): each is the busiest GPU of a feasible
 split of the changed map, so never below its exact re-split optimum, and the colour-class
 water-filling reaches the same optimum as the oracle."""
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb.serving import resplit_repair as rr
-from eplb.serving.resplit_local import score_local
-from eplb.serving.resplit_score import TOL, colour_classes, layout, resplit_imbalance
+from eplb.dispatch.resplit_score import TOL, colour_classes, layout, resplit_imbalance
+from eplb.planning import resplit_repair as rr
+from eplb.planning.resplit_local import score_local
 from tests.oracles.resplit import hall_busiest
 
 

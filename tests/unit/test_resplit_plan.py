@@ -1,5 +1,5 @@
 """Planning for an engine that re-splits every batch: `eplb plan --dispatch resplit` and
-`--engine sglang --dispatch lp` (eplb.serving.resplit_plan), SGLang's lp rule as eplb models it
+`--engine sglang --dispatch lp` (eplb.planning.resplit_plan), SGLang's lp rule as eplb models it
 (eplb.dispatch.sglang_lp), and their refusals. The lp model against SGLang's own solver is in
 tests/engines/test_sglang_lp.py."""
 
@@ -11,13 +11,14 @@ import pytest
 from eplb.cli import main
 from eplb.core.placement import Placement
 from eplb.core.trace import Trace, default_meta
+from eplb.dispatch.cost import TimeObjective, cost_model
+from eplb.dispatch.resplit_score import resplit_imbalance
 from eplb.dispatch.rules import optimal_weights
 from eplb.dispatch.sglang_lp import SglangLp, affine_scaling, lp_fits
+from eplb.errors import EplbError
 from eplb.formats import load_placement, save_trace
 from eplb.migration import Budget, count_moves
-from eplb.planning.front_door import plan
-from eplb.serving.resplit_plan import plan_for_resplit
-from eplb.serving.resplit_score import resplit_imbalance
+from eplb.planning.front_door import plan, plan_for_resplit
 
 T, L, E, G = 6, 4, 32, 8
 
@@ -72,7 +73,7 @@ def test_plan_with_previous_keeps_the_budget():
     old = plan(win[:2], num_gpus=G, planner="greedy").placement
     for cap in (0, 3):
         r = plan(win, num_gpus=G, planner="robust", previous=old, budget=Budget(max_moves=cap), dispatch="resplit")
-        r = plan_for_resplit(r, win, old, Budget(max_moves=cap))
+        assert r.info["resplit"]["start"] == "previous"
         moves = count_moves(old.phy2log_LP, r.solution.phy2log_LP, G, E).sum()
         assert moves <= cap and r.info["migration"]["moves"] == moves
     # Keeping is a candidate: the result never serves the windows worse than the served map.
@@ -120,3 +121,25 @@ def test_lp_refusals(skewed, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "the re-split score of 6 windows x 4 layers on 8 GPUs" in err and "EPLB_MAX_INPUT_BYTES" in err
     assert err.count("\n") == 1
+
+
+def test_front_door_searches_for_a_resplit_rule():
+    # eplb.plan(dispatch="resplit") runs the search the CLI runs, on the planning windows.
+    win = _windows(3).astype(float)
+    even = plan(win, num_gpus=G, planner="greedy", dispatch="resplit", resplit_rounds=0)
+    assert "resplit" not in even.info
+    searched = plan(win, num_gpus=G, planner="greedy", dispatch="resplit")
+    assert searched.info["resplit"]["windows"] == T and searched.dispatch.name == "resplit"
+    again = plan_for_resplit(even, win)
+    np.testing.assert_array_equal(searched.solution.phy2log_LP, again.solution.phy2log_LP)
+    mine = _cost(resplit_imbalance(searched.solution.phy2log_LP, win, G))
+    assert (mine <= _cost(resplit_imbalance(even.solution.phy2log_LP, win, G)) + 1e-12).all()
+    # aggregate="last": searched (and scored) on the newest window only.
+    assert plan(win, num_gpus=G, planner="greedy", dispatch="resplit", aggregate="last").info["resplit"]["windows"] == 1
+    with pytest.raises(EplbError, match="plan for tokens"):
+        plan(win, num_gpus=G, dispatch="resplit",
+             objective=TimeObjective(cost_model("deepseek-v2-lite", "h100")))
+    with pytest.raises(EplbError, match="does not re-split"):
+        plan_for_resplit(plan(win, num_gpus=G, planner="greedy"), win)
+    with pytest.raises(EplbError, match="resplit_rounds must be"):
+        plan(win, num_gpus=G, dispatch="resplit", resplit_rounds=-1)

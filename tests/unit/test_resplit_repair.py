@@ -1,4 +1,4 @@
-"""Placements for the re-split rule (eplb.serving.resplit_repair, eplb.serving.resplit_score):
+"""Placements for the re-split rule (eplb.planning.resplit_repair, eplb.dispatch.resplit_score):
 scores certified against the exact optimum, and the local search."""
 
 import numpy as np
@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 
 from eplb import EplbError
 from eplb.core.placement import Placement
+from eplb.dispatch.resplit_score import TOL, resplit_bounds
 from eplb.dispatch.rules import Resplitter, optimal_weights
 from eplb.migration import Budget
+from eplb.planning.resplit_repair import resplit_imbalance, resplit_repair, scenarios
 from eplb.serving.policy import AdaptivePolicy
-from eplb.serving.resplit_repair import resplit_decision, resplit_imbalance, resplit_repair, scenarios
-from eplb.serving.resplit_score import TOL, resplit_bounds
+from eplb.serving.resplit_decision import resplit_decision
 from eplb.stats.loads import imbalance
 from tests.oracles.resplit import hall_busiest
 

@@ -1,5 +1,5 @@
 """Placements for an engine that re-splits every batch: re-split scores and a local search under
-them, at any GPU count (numpy; the scores are eplb.serving.resplit_score's).
+them, at any GPU count (numpy; the scores are eplb.dispatch.resplit_score's).
 
 Legend: M = windows (scenarios), L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU,
 P = G x S physical slots, C = candidate maps of one search step.
@@ -16,8 +16,8 @@ only where it buys more than its price in moves.
 Each step builds, for every layer at once, a few dozen candidates aimed at the layer's busiest
 GPUs in its worst scenario (`_candidates`), ranks them by local scores (each starts from the
 placement's own split and re-pours only the experts on the two GPUs it changes:
-`eplb.serving.resplit_local`), and keeps each layer's best one if the layer's full score (SWEEPS
-sweeps of water-filling from the even split, the upper bound of `eplb.serving.resplit_score`)
+`eplb.planning.resplit_local`), and keeps each layer's best one if the layer's full score (SWEEPS
+sweeps of water-filling from the even split, the upper bound of `eplb.dispatch.resplit_score`)
 confirms that it pays.
 
 Because a few dozen windows can all be balanced perfectly under re-split, a plan fitted to them
@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.errors import EplbError
-from eplb.serving.resplit_local import score_local, slot_flows
-from eplb.serving.resplit_score import (
+from eplb.dispatch.resplit_score import (
     even_split,
     fixed_loads,
     flexible_loads,
@@ -40,9 +38,11 @@ from eplb.serving.resplit_score import (
     resplit_imbalance,
     water_fill,
 )
+from eplb.errors import EplbError
+from eplb.planning.resplit_local import score_local, slot_flows
 from planners.robust import normalise_windows
 
-__all__ = ["PLAN_ROUNDS", "resplit_decision", "resplit_imbalance", "resplit_repair", "scenarios"]
+__all__ = ["PLAN_ROUNDS", "resplit_imbalance", "resplit_repair", "scenarios"]
 
 PLAN_ROUNDS = 8
 """Passes of the search when a plan is made for the rule from scratch (`eplb replay --plan-for
@@ -203,8 +203,8 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
     The cost of a layer is half the weighted mean, half the worst scenario of busiest / mean GPU
     under re-split (`scenarios` of the windows with `spread`), each scenario scored by a feasible
     split (SWEEPS sweeps of water-filling from the even split: an upper bound within a few 1e-3 of
-    the optimum, `eplb.serving.resplit_score`). `rounds` passes of STEPS steps; each step ranks
-    the candidates (module docstring) by local scores (`eplb.serving.resplit_local`) and keeps, per
+    the optimum, `eplb.dispatch.resplit_score`). `rounds` passes of STEPS steps; each step ranks
+    the candidates (module docstring) by local scores (`eplb.planning.resplit_local`) and keeps, per
     layer, the best one where its full score lowers the cost by more than `price` per move (a swap
     moves two replicas, a rewrite one). A layer balanced in every scenario is left.
     """
@@ -258,37 +258,3 @@ def resplit_repair(old_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, w
         width_L = np.minimum(width_L, widths - 1)
         active &= state[3] > 1.0 + 1e-9
     return cur, np.stack([before, state[3]], axis=1)
-
-
-def resplit_decision(old_LP: np.ndarray, windows_MLE: np.ndarray, weights_M: np.ndarray, num_gpus: int,
-                     num_logical_experts: int, price: float, spread: tuple[float, ...],
-                     rounds: int, fresh: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The adaptive policy's decision for the re-split rule: `resplit_repair` of the placement in
-    force on the windows, kept per layer where its gain pays for its moves (gain > price x moves,
-    moves counted as `eplb.migration.count_moves` does). With `fresh` (layers the change detector
-    flagged: a shift a few swaps may not follow), a greedy plan of the windows' weighted sum,
-    renamed to keep the most replicas in place and searched the same way, replaces the repair
-    where its net gain is higher. Returns (new map [L, P] with unchanged rows where nothing pays,
-    the layers that change bool [L], their gain [L])."""
-    from eplb.migration import count_moves
-    from eplb.serving.repair import renamed
-    from planners.greedy import plan_greedy
-
-    G, E = num_gpus, num_logical_experts
-    new_LP, cost_L2 = resplit_repair(old_LP, windows_MLE, G, weights_M, spread, price, rounds)
-    moves_L = count_moves(old_LP, new_LP, G, E).sum(axis=1)
-    gain_L = cost_L2[:, 0] - cost_L2[:, 1]
-    if fresh and len(old_LP):
-        # Step 1: the fresh plan, renamed onto the placement in force, then searched.
-        w_M = np.ones(len(windows_MLE)) if weights_M is None else np.asarray(weights_M, dtype=np.float64)
-        total_LE = np.tensordot(w_M, normalise_windows(windows_MLE, G), axes=1)
-        start_LP = renamed(old_LP, plan_greedy(total_LE, G, old_LP.shape[1] // G), G, E)
-        alt_LP, alt_L2 = resplit_repair(start_LP, windows_MLE, G, weights_M, spread, price, rounds)
-        alt_moves_L = count_moves(old_LP, alt_LP, G, E).sum(axis=1)
-        # Step 2: per layer, the start whose gain net of its moves is higher.
-        alt_gain_L = cost_L2[:, 0] - alt_L2[:, 1]
-        better = alt_gain_L - price * alt_moves_L > gain_L - price * moves_L
-        new_LP = np.where(better[:, None], alt_LP, new_LP)
-        moves_L, gain_L = np.where(better, alt_moves_L, moves_L), np.where(better, alt_gain_L, gain_L)
-    pays_L = (moves_L > 0) & (gain_L > price * moves_L)
-    return np.where(pays_L[:, None], new_LP, old_LP), pays_L, np.where(pays_L, gain_L, 0.0)

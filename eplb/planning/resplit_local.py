@@ -1,4 +1,4 @@
-"""Local scores of one-change candidates for the re-split search (numpy; eplb.serving.resplit_repair).
+"""Local scores of one-change candidates for the re-split search (numpy; eplb.planning.resplit_repair).
 
 Legend: M = scenarios, L = MoE layers, E = logical experts, G = GPUs, S = slots per GPU, P = G x S
 slots, C = candidates, K = experts a candidate re-pours, X = most GPUs one of them spans.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.serving.resplit_score import Layout, water_fill
+from eplb.dispatch.resplit_score import Layout, water_fill
 
 LOCAL_SWEEPS = 8
 """Sweeps of water-filling over the experts on the changed GPUs that score a candidate."""

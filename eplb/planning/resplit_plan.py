@@ -1,12 +1,13 @@
 """A plan for an engine that re-splits every batch: the front door's plan, searched under the
-re-split score (eplb.serving.resplit_repair), on the planning trace's own windows.
+re-split score (eplb.planning.resplit_repair), on the planning trace's own windows.
 
 Legend: M = windows, L = MoE layers, E = logical experts, G = GPUs, P = physical slots.
 
 Rules that re-split each batch (`RESPLIT_RULES`: eplb's `resplit`, the exact `optimal`, SGLang's
 `lp`) serve a window as well as the best flow of each expert's tokens onto its replicas' GPUs
 allows, so what a plan for them must balance is that optimum (`resplit_imbalance`), not the even
-split the planners pack for. `plan_for_resplit` takes the front door's PlanResult and:
+split the planners pack for. `search_solution` takes the planner's Solution (the front door's
+`plan` calls it, through `eplb.planning.plan_for_resplit`, for every re-split rule) and:
 1. from scratch: searches the planner's plan (`resplit_repair`, PLAN_ROUNDS passes, the windows
    and their widened deviations as scenarios);
    with a placement in force: searches both it and the planner's plan (relabelled onto it by the
@@ -30,13 +31,14 @@ import numpy as np
 
 from eplb.core.files import MAX_INPUT_ENV, format_size, max_input_bytes
 from eplb.core.placement import Placement
+from eplb.core.topology import Topology
+from eplb.dispatch.resplit_score import layout, resplit_imbalance
 from eplb.dispatch.rules import OptimalSplit, Resplit
 from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
 from eplb.migration import Budget, count_moves
-from eplb.planning.front_door import PlanResult
-from eplb.serving.resplit_repair import PLAN_ROUNDS, resplit_repair
-from eplb.serving.resplit_score import layout, resplit_imbalance
+from eplb.planning.resplit_repair import PLAN_ROUNDS, resplit_repair
+from planners.api import Solution
 
 RESPLIT_RULES = (Resplit, OptimalSplit, SglangLp)
 """Rules that split each batch by its own counts over an expert's replicas."""
@@ -106,19 +108,17 @@ def _capped(old_LP, new_LP, gain_L, G, E, budget: Budget) -> np.ndarray:
     return out
 
 
-def plan_for_resplit(result: PlanResult, history_TLE, previous=None, budget: Budget | None = None,
-                     rounds: int = PLAN_ROUNDS) -> PlanResult:
-    """`result` (eplb.plan's, for a rule of RESPLIT_RULES) with its map searched for the re-split
-    rule on the windows history_TLE [M, L, E] (module docstring); info["resplit"] says what it did."""
-    if result.objective != "tokens":
-        raise EplbError("planning for a re-split rule balances token counts: drop the time objective "
-                        "(--objective time), or plan for an even split")
+def search_solution(sol: Solution, topology: Topology, rule, layer_ids, history_TLE, previous=None,
+                    budget: Budget | None = None, rounds: int = PLAN_ROUNDS) -> Solution:
+    """`sol` (a plan for `rule`, one of RESPLIT_RULES, already adapted to `previous`) with its map
+    searched for the re-split rule on the windows history_TLE [M, L, E] (module docstring);
+    info["resplit"] says what it did. `eplb.planning.plan_for_resplit` is the PlanResult form."""
     windows = np.asarray(history_TLE, dtype=np.float64)
-    topo = result.topology
-    G, E = topo.num_gpus, result.load_LE.shape[1]
-    plan_LP = np.asarray(result.solution.phy2log_LP, dtype=np.int64)
+    topo = topology
+    G, E = topo.num_gpus, windows.shape[2]
+    plan_LP = np.asarray(sol.phy2log_LP, dtype=np.int64)
     check_resplit_size(plan_LP, len(windows), G)
-    rule, ids = result.dispatch, result.layer_ids
+    ids = layer_ids
 
     def cost(phy_LP):
         return _cost(window_scores(rule, phy_LP, windows, topo, ids))
@@ -147,13 +147,13 @@ def plan_for_resplit(result: PlanResult, history_TLE, previous=None, budget: Bud
     better_L = new_L + price * moves_L < start_L - 1e-12
     out_LP = np.where(better_L[:, None], new_LP, start_LP)
     final_L = np.where(better_L, new_L, start_L)
-    info = {**result.solution.info, "resplit": {
+    info = {**sol.info, "resplit": {
         "rounds": int(rounds), "windows": int(len(windows)), "layers_changed": int(better_L.sum()),
         "start": "previous" if previous is not None else "plan", "price": price,
         "score_start": float(np.median(start_L)), "score": float(np.median(final_L))}}
-    message = (result.solution.message + "; " if result.solution.message else "") + \
+    message = (sol.message + "; " if sol.message else "") + \
         f"searched for the re-split rule on {len(windows)} window(s), {int(better_L.sum())} layer(s) changed"
-    sol = replace(result.solution, phy2log_LP=out_LP, dispatch_weights_LP=None, info=info, message=message)
+    sol = replace(sol, phy2log_LP=out_LP, dispatch_weights_LP=None, info=info, message=message)
     if previous is not None:
         moves_LG = count_moves(previous.phy2log_LP, out_LP, G, E)
         mig = dict(sol.info.get("migration") or {})
@@ -162,4 +162,4 @@ def plan_for_resplit(result: PlanResult, history_TLE, previous=None, budget: Bud
         if mig.get("bytes") is not None and budget.bytes_per_expert is not None:
             mig["bytes"] = int(moves_LG.sum()) * int(budget.bytes_per_expert)
         sol = replace(sol, info={**sol.info, "migration": mig})
-    return replace(result, solution=sol)
+    return sol
