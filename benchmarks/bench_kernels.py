@@ -216,6 +216,7 @@ def _drifted_policy(G, S, N):
 
 
 def _moves_rows(repeats):
+    from eplb.migration import moves
     from eplb.serving.adaptive import AdaptivePolicy
     from eplb.serving.rebalance import DEFAULT_BUDGET
 
@@ -246,6 +247,13 @@ def _moves_rows(repeats):
                 (lambda old=old, new=new, G=G: np.take_along_axis(new, eplb.migration.keep_slots(old, new, G), axis=1),
                  ("keep_slots",)),
         }
+        # The replan's renaming is reached only where a fresh plan beats the repair by its gap
+        # and the bound on its moves: none of the decisions above; timed here on every layer.
+        fresh = eplb.plan(load, topology=topo, planner="greedy").placement.phy2log_LP
+        calls["one call, every layer: fewest_moves"] = (
+            lambda old=old, fresh=fresh, G=G: moves.fewest_moves(old, fresh, G, 256), ("fewest_moves",))
+        calls["one call, every layer: rename_gpus"] = (
+            lambda old=old, fresh=fresh, G=G: moves.rename_gpus(old, fresh, G, 256), ("rename_gpus",))
         for what, (fn, uses) in calls.items():
             # Every function the call uses in numpy, then each alone (the others compiled).
             for numpy_names in (uses, *((u,) for u in uses)) if len(uses) > 1 else (uses,):
@@ -277,16 +285,22 @@ What stays and what went:
   decision, the adaptive policy's replan, failed-rank plans and `eplb plan -p greedy`; numpy is
   20-180x slower on the whole plan (refine, one swap per step, most of it) and would put the
   greedy target (>= 25x faster than SGLang's plan, docs/results/speed.md) out of reach.
-- Kept: `_moves_kernel`, every function of it (the `moves` rows: the fastest numpy found,
-  tests/oracles/moves_numpy.py, on each serving call, all of it and each function alone). On the
-  Rebalancer's default decision its numpy twins are within noise (count_moves runs once, the
-  bound and the renaming only on layers offered a fresh plan), but the policy=None decision runs
-  count_moves 3-5 times, keep_slots twice and relabel once, each 4-30x slower in numpy (a
-  millisecond or more per call at 256 GPUs, relabel's per-block matchings more): it loses about
-  10-100% at 32 GPUs and 5-50% at 256, the sum above noise on every shape; vLLM's slot keeping is
-  4-7x slower; and the renaming bound and greedy renaming of a drifted decision lose 5-10 ms
-  each. Removing the whole module (437 lines) would have brought the kernels to 14.9% of the
-  package.
+- Kept: `_moves_kernel`, every function of it (the `moves` rows: the fastest numpy / scipy
+  found, tests/oracles/moves_numpy.py, on each serving call that uses the module, all of it and
+  each function alone in numpy). Per call numpy is 5-22x slower: count_moves about 0.3 ms more
+  at 32 GPUs and 1 ms at 256, keep_slots 1-4 ms, relabel's per-block scipy matchings 8 ms at 32
+  GPUs. On the Rebalancer's default decision count_moves runs once and the bound only on the
+  layers offered a fresh plan: a millisecond or less, about the noise of these rows. The
+  policy=None decision runs count_moves 3-5 times, keep_slots twice and relabel once: 25-200%
+  slower with all of them in numpy, up to 70% with count_moves or keep_slots alone and 15-140% with
+  relabel alone at 32 and 256 GPUs on 32 nodes (on one node at 256 GPUs relabel's matching is
+  scipy's either way and only keep_pairs differs, about 3 ms of a 25 ms relabel); vLLM's slot
+  keeping is 4-15x slower. The bound (`fewest_moves`) and the greedy renaming (`rename_gpus`)
+  serve only the replan: 7-22x and 14-22x slower per call on every layer, and the renaming is
+  reached by no decision here (the bound stops every fresh plan first). The bound is the one
+  near the line: 0.1 ms more on the default decision, 0.4-1.1 ms on drifted traffic (15-19
+  layers bounded), over the 1 ms allowed at 256 GPUs, for 33 kernel lines. Removing the whole
+  module (437 lines) would have brought the kernels to 14.9% of the package.
 - Kept: the schedule's six (33 ms vs 265 ms, a 1.2 ms vs 75 ms stall of the serving thread:
   docs/results/speed.md).
 - Kept: the search's `_search_kernel` + `_price_kernel`. They sit on the policy=None decision

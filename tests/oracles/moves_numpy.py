@@ -114,7 +114,7 @@ def _holder_join(old_LP: np.ndarray, new_LP: np.ndarray, G: int, E: int, distinc
     start = np.cumsum(count) - count
     kn = (layer_LP * E + new_LP)[keep_n]
     lo, reps = start[kn], count[kn]
-    # Ragged ranges lo:hi, concatenated.
+    # The ragged ranges lo:lo + reps, concatenated.
     at = np.repeat(lo - np.cumsum(reps) + reps, reps) + np.arange(reps.sum())
     return np.repeat(layer_LP[keep_n], reps), np.repeat(gpu_LP[keep_n], reps), bo[at]
 
@@ -153,10 +153,11 @@ def keep_counts(old_LP: np.ndarray, new_LP: np.ndarray, G: int, E: int) -> np.nd
 
 
 def _max_matching(block_M, row_M, col_M, w_M):
-    """A maximum-weight matching of every block at once (scipy's LAPJVsp on the block-diagonal
-    graph): pairs (row, col) of weight w > 0 in block block_M; returns whether each pair is
-    matched. Each row also gets a dummy column of its own and every weight is raised by 1, so a
-    full matching exists and its optimum is the same (every row is matched once)."""
+    """A maximum-weight matching of the blocks given (scipy's LAPJVsp on their block-diagonal
+    graph: best for a few small blocks, its work grows with the square of the graph): pairs
+    (row, col) of weight w > 0 in block block_M; returns whether each pair is matched. Each
+    row also gets a dummy column of its own and every weight is raised by 1, so a full matching
+    exists and its optimum is the same (every row is matched once)."""
     from scipy.sparse import csr_matrix
     from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
