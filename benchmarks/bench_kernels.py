@@ -20,7 +20,9 @@ row names another shape.
   _price_kernel.py: the move-budgeted search), at 32-256 GPUs, on the Rebalancer's budget when
   given none ("default": move_cost=0.001), with DeepSeek-V3's 8 expert groups passed ("8
   groups": group span priced), and on a capped budget ("capped": max_moves 464, move_cost 0.05);
-- `moves`: the move counting kernels (eplb/migration/_moves_kernel.py), one call each.
+- `moves`: the move counting and GPU matching (eplb/migration/_moves_kernel.py) on the serving
+  calls that use them: the Rebalancer's default decision (also on drifted traffic, where it
+  bounds and renames fresh plans), the policy=None decision and vLLM's slot keeping.
 """
 
 from __future__ import annotations
@@ -183,25 +185,82 @@ def _np_refine(numpy_greedy, packed, per, G, P):
     return phy
 
 
-MOVES = ("count_moves", "keep_counts", "keep_slots")
-"""The move counting kernels (`_moves_kernel`) beside tests/oracles/migration.py, per call."""
+MOVES = {"count_moves": ("count_moves",), "keep_slots": ("keep_slots",),
+         "relabel": ("keep_counts", "gpu_assignment", "keep_pairs"), "fewest_moves": ("fewest_moves",),
+         "rename_gpus": ("rename_gpus", "match_gpus")}
+"""The kernels of eplb/migration/_moves_kernel.py by the public function of eplb.migration.moves
+they serve; their numpy twins are tests/oracles/moves_numpy.py (same arguments)."""
+
+
+def _with_numpy_moves(fn, uses):
+    """fn run with the move kernels of the functions `uses` replaced by their numpy twins."""
+    from eplb.migration import _moves_kernel
+    from tests.oracles import moves_numpy
+
+    return _patched([(_moves_kernel, k, getattr(moves_numpy, k)) for u in uses for k in MOVES[u]], fn)
+
+
+def _drifted_policy(G, S, N):
+    """An AdaptivePolicy that has observed the second half of the trace while serving a plan of the
+    first half with its experts renamed (a shift every layer sees), and that served placement:
+    its decision offers fresh plans, so it bounds (fewest_moves) and renames them too."""
+    from eplb.serving.adaptive import AdaptivePolicy
+
+    counts, half = _trace()
+    topo = eplb.Topology(num_gpus=G, slots_per_gpu=S, num_nodes=N)
+    served = eplb.plan(np.roll(counts[:half].sum(axis=0), 97, axis=1), topology=topo, planner="greedy").placement
+    pol = AdaptivePolicy()
+    for w in counts[half:]:
+        pol.observe(w, served)
+    return pol, served
 
 
 def _moves_rows(repeats):
     from eplb.migration import moves
-    from tests.oracles import migration as oracle
+    from eplb.serving.adaptive import AdaptivePolicy
+    from eplb.serving.rebalance import DEFAULT_BUDGET
 
-    load, served, topo = _workload()
-    new = _decide(load, served, topo).solution.phy2log_LP
-    old, G, E = served.phy2log_LP, topo.num_gpus, load.shape[1]
-    calls = {"count_moves": (lambda: moves.count_moves(old, new, G, E), lambda: oracle.count_moves(old, new, G, E)),
-             "keep_counts": (lambda: moves._keep_counts(old, new, G, E), lambda: oracle.keep_counts(old, new, G, E)),
-             "keep_slots": (lambda: moves.keep_slots(old, new, G), lambda: oracle.keep_slots(old, new, G))}
+    counts, half = _trace()
     rows = []
-    for name in MOVES:
-        tk, tn, a, b = _pair(*calls[name], repeats)
-        rows.append((f"moves: {name} (eplb/migration/_moves_kernel.py)", "one call, [L, P] maps", tk, tn,
-                     bool(np.array_equal(a, b))))
+    for G, S, N in ((32, 9, 4), (256, 2, 32), (256, 2, 1)):
+        load, served, topo = _workload(G, S, N)
+        pol = AdaptivePolicy()
+        for w in counts[half:]:
+            pol.observe(w, served)
+        drift, drift_served = _drifted_policy(G, S, N)
+        new = _decide(load, served, topo).solution.phy2log_LP
+        old = served.phy2log_LP
+        drift_uses = ("count_moves", "fewest_moves", "relabel" if N > 1 else "rename_gpus")
+        calls = {
+            "Rebalancer default decision (AdaptivePolicy.decide, 16 windows)":
+                (lambda pol=pol, served=served: copy.deepcopy(pol).decide(served).phy2log_LP, drift_uses),
+            "the same on drifted traffic (fresh plans bounded and renamed)":
+                (lambda pol=drift, served=drift_served: copy.deepcopy(pol).decide(served).phy2log_LP, drift_uses),
+            "policy=None decision, default budget":
+                (lambda load=load, served=served, topo=topo: _decide(load, served, topo, None,
+                                                                     DEFAULT_BUDGET).solution.phy2log_LP,
+                 ("count_moves", "keep_slots", "relabel")),
+            "policy=None decision, capped budget":
+                (lambda load=load, served=served, topo=topo: _decide(load, served, topo).solution.phy2log_LP,
+                 ("count_moves", "keep_slots", "relabel")),
+            "vLLM preserve_intragpu_slots":
+                (lambda old=old, new=new, G=G: np.take_along_axis(new, eplb.migration.keep_slots(old, new, G), axis=1),
+                 ("keep_slots",)),
+        }
+        # The replan's renaming is reached only where a fresh plan beats the repair by its gap
+        # and the bound on its moves: none of the decisions above; timed here on every layer.
+        fresh = eplb.plan(load, topology=topo, planner="greedy").placement.phy2log_LP
+        calls["one call, every layer: fewest_moves"] = (
+            lambda old=old, fresh=fresh, G=G: moves.fewest_moves(old, fresh, G, 256), ("fewest_moves",))
+        calls["one call, every layer: rename_gpus"] = (
+            lambda old=old, fresh=fresh, G=G: moves.rename_gpus(old, fresh, G, 256), ("rename_gpus",))
+        for what, (fn, uses) in calls.items():
+            # Every function the call uses in numpy, then each alone (the others compiled).
+            for numpy_names in (uses, *((u,) for u in uses)) if len(uses) > 1 else (uses,):
+                tk, tn, a, b = _pair(fn, _with_numpy_moves(fn, numpy_names), repeats)
+                label = "all" if len(numpy_names) > 1 else numpy_names[0]
+                rows.append((f"moves: {label} (eplb/migration/_moves_kernel.py)",
+                             f"{what}, {G} GPUs x {S} slots, {N} nodes", tk, tn, bool(np.array_equal(a, b))))
     return rows
 
 
@@ -226,8 +285,24 @@ What stays and what went:
   decision, the adaptive policy's replan, failed-rank plans and `eplb plan -p greedy`; numpy is
   20-180x slower on the whole plan (refine, one swap per step, most of it) and would put the
   greedy target (>= 25x faster than SGLang's plan, docs/results/speed.md) out of reach.
-- Kept: `_moves_kernel` (5-12x per call, called more than once per decision) and the schedule's
-  six (33 ms vs 265 ms, a 1.2 ms vs 75 ms stall of the serving thread: docs/results/speed.md).
+- Kept: `_moves_kernel`, every function of it (the `moves` rows: the fastest numpy / scipy
+  found, tests/oracles/moves_numpy.py, on each serving call that uses the module, all of it and
+  each function alone in numpy). Per call numpy is 5-22x slower: count_moves about 0.3 ms more
+  at 32 GPUs and 1 ms at 256, keep_slots 1-4 ms, relabel's per-block scipy matchings 8 ms at 32
+  GPUs. On the Rebalancer's default decision count_moves runs once and the bound only on the
+  layers offered a fresh plan: a millisecond or less, about the noise of these rows. The
+  policy=None decision runs count_moves 3-5 times, keep_slots twice and relabel once: 25-200%
+  slower with all of them in numpy, up to 70% with count_moves or keep_slots alone and 15-140% with
+  relabel alone at 32 and 256 GPUs on 32 nodes (on one node at 256 GPUs relabel's matching is
+  scipy's either way and only keep_pairs differs, about 3 ms of a 25 ms relabel); vLLM's slot
+  keeping is 4-15x slower. The bound (`fewest_moves`) and the greedy renaming (`rename_gpus`)
+  serve only the replan: 7-22x and 14-22x slower per call on every layer, and the renaming is
+  reached by no decision here (the bound stops every fresh plan first). The bound is the one
+  near the line: 0.1 ms more on the default decision, 0.4-1.1 ms on drifted traffic (15-19
+  layers bounded), over the 1 ms allowed at 256 GPUs, for 33 kernel lines. Removing the whole
+  module (437 lines) would have brought the kernels to 14.9% of the package.
+- Kept: the schedule's six (33 ms vs 265 ms, a 1.2 ms vs 75 ms stall of the serving thread:
+  docs/results/speed.md).
 - Kept: the search's `_search_kernel` + `_price_kernel`. They sit on the policy=None decision
   (min_improvement, failed ranks; the Rebalancer's default decides through the policy above,
   and under the SGLang rule the search is noise beside the 5 s repair), where numpy takes
@@ -243,9 +318,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--only", choices=("policy", "greedy", "search", "moves"), action="append")
     a = ap.parse_args(argv)
     started = _machine()
-    rows = _policy_rows(a.repeats) + _greedy_rows(a.repeats) + _search_rows(a.repeats) + _moves_rows(a.repeats)
+    groups = {"policy": _policy_rows, "greedy": _greedy_rows, "search": _search_rows, "moves": _moves_rows}
+    rows = [r for name, f in groups.items() if not a.only or name in a.only for r in f(a.repeats)]
     lines = ["| kernel | serving call | with kernel (ms) | with numpy (ms) | numpy / kernel | same result |",
              "|---|---|---:|---:|---:|---|"]
     for name, path, k, n, same in rows:

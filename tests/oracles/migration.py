@@ -13,7 +13,8 @@ way (whole-array numpy, scipy's matchings, dicts and sets), and the tests compar
 - `schedule`: both schedules pass the same replay (their rounds can differ: the kernel gives
   the link matching to the ranks with the most copies left first, this one takes scipy's).
 Benchmarks import `schedule` to time the compiled schedule against it (it lives in
-migration_schedule.py and is re-exported here).
+migration_schedule.py and is re-exported here). The fastest whole-array twins of the move
+kernels, argument for argument (the renaming and its bound included), are moves_numpy.py.
 """
 
 from __future__ import annotations
