@@ -295,19 +295,22 @@ def gpu_assignment(keep_LGG, num_nodes):
 @kernel(inline=True, error_model="numpy")
 def _holders(old_LP, l, S, start_E, at_P, fill_E):
     """The old GPUs holding each expert of layer l, as compressed rows: expert e's are
-    at_P[start_E[e]:start_E[e + 1]], in slot order (a GPU's entries adjacent). fill_E: scratch."""
+    at_P[start_E[e]:start_E[e + 1]], in slot order (a GPU's entries adjacent); empty slots are
+    skipped (with no bounds checks, a -1 would index another expert's row). fill_E: scratch."""
     P = old_LP.shape[1]
     E = fill_E.shape[0]
     start_E[:] = 0
     for p in range(P):
-        start_E[old_LP[l, p] + 1] += 1
+        if old_LP[l, p] >= 0:                 # an empty slot (-1) holds nothing
+            start_E[old_LP[l, p] + 1] += 1
     for e in range(E):
         start_E[e + 1] += start_E[e]
     fill_E[:] = start_E[:E]
     for p in range(P):
         e = old_LP[l, p]
-        at_P[fill_E[e]] = p // S
-        fill_E[e] += 1
+        if e >= 0:
+            at_P[fill_E[e]] = p // S
+            fill_E[e] += 1
 
 
 @kernel(error_model="numpy")
@@ -339,6 +342,8 @@ def match_gpus(old_LP, new_LP, num_gpus, num_logical_experts):
         for p in range(P):
             h = p // S
             e = new_LP[l, p]
+            if e < 0:
+                continue
             for i in range(start_E[e], start_E[e + 1]):
                 g = at_P[i]
                 if overlap_GG[h, g] == 0:

@@ -57,3 +57,26 @@ def test_matching_twins_equal_the_kernels(seed):
     assert (np.sort(got, axis=1) == np.arange(G)).all()
     n_ = G // N
     assert (got.reshape(L, N, n_) // n_ == (got.reshape(L, N, n_) // n_)[:, :, :1]).all()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matching_skips_empty_slots(seed):
+    """Maps with empty slots (-1), which the public moves.fewest_moves / rename_gpus accept: the
+    bound holds for every renaming, and the renaming only permutes whole GPUs."""
+    from itertools import permutations
+
+    G, S, N, E, old, new = _maps(seed, empties=True)
+    G = min(G, 5)
+    old, new = np.ascontiguousarray(old[:, :G * S]), np.ascontiguousarray(new[:, :G * S])
+    L = len(old)
+    bound = kernel.fewest_moves(old, new, G, E)
+    np.testing.assert_array_equal(bound, twin.fewest_moves(old, new, G, E))
+    o = old.reshape(-1, S)
+    for perm in permutations(range(G)):
+        renamed = new.reshape(L, G, S)[:, list(perm)].reshape(-1, S)
+        assert (kernel.count_moves(o, renamed).reshape(L, G).sum(axis=1) >= bound).all()
+    out = np.empty_like(new)
+    kernel.rename_gpus(old, new, G, E, out)
+    np.testing.assert_array_equal(kernel.match_gpus(old, new, G, E), twin.match_gpus(old, new, G, E))
+    rows = lambda m: np.sort(np.sort(m.reshape(L, G, S), axis=2).reshape(L, G * S), axis=1)  # noqa: E731
+    np.testing.assert_array_equal(rows(out), rows(new))
