@@ -56,7 +56,13 @@ class AdaptivePolicy:
     traffic that drifts, or has just shifted topic. Then the newest h carry `drift_weight` of
     the planning mean (every kept window still hedged as the worst), or, where they win by more
     than `drift_strong`, are planned on alone; a move is priced `drift_move_cost` instead of
-    `move_cost`. Traffic around a fixed mean (V2-Lite) never sets it off.
+    `move_cost`. Traffic around a fixed mean (V2-Lite) never sets it off. drift_swap_price: under
+    drift, the share of that price per move each of the repair's swaps must buy on its own,
+    in the smooth maximum it lowers (`repair`'s swap_price; 1: a swap pays for its two moves at
+    the layer's price; 0, the default: a swap need only lower it, the layer's whole change
+    paying for all of its moves). Planned on the newest windows alone, a swap's drop is
+    measured on two or four windows and small ones are mostly their noise; on topic shifts 1
+    halves the moves for +0.3% of even-split median (docs/results/replay-history.md).
     "off" (or 0) plans on the memory always.
     rule: the dispatch rule the engine serves, "even" or "resplit" (any GPU count): a decision
     then searches the placement in force under per-batch re-split scores on the memory's
@@ -80,7 +86,8 @@ class AdaptivePolicy:
                  horizon_samples: int = 8, horizon_margin: float = 0.1, horizon_moves: float = 1.0,
                  horizon_per_layer: bool = False, drift_horizons: int | str | tuple | None = None,
                  drift_reference: int = 8, drift_margin: float = 0.05, drift_strong: float = 0.5,
-                 drift_weight: float = 0.9, drift_move_cost: float = 0.2, rule: str = "even", spread: float = 1.5,
+                 drift_weight: float = 0.9, drift_move_cost: float = 0.2, drift_swap_price: float = 0.0,
+                 rule: str = "even", spread: float = 1.5,
                  resplit_rounds: int = 1,
                  resplit_move_cost: float = 1.0, objective: str | TimeObjective = "tokens"):
         self.memory = whole_number("memory (windows)", memory, 1)
@@ -107,6 +114,7 @@ class AdaptivePolicy:
                                finite_number("drift_strong", drift_strong, 0.0),
                                finite_number("drift_weight", drift_weight, 0.0))
         self.drift_move_cost = finite_number("drift_move_cost", drift_move_cost, 0.0)
+        self.drift_swap_price = finite_number("drift_swap_price", drift_swap_price, 0.0)
         self.drift_horizon: int | None = None
         """The short horizon the newest decision planned on (DriftTest), None: the whole memory."""
         if rule not in ("even", "resplit"):
@@ -177,7 +185,6 @@ class AdaptivePolicy:
         if self.rule == "resplit":
             return self._decide_resplit(placement, windows, flag_L, budget, num_expert_groups)
         rounds_L = np.where(flag_L, self.urgent_swaps, self.swaps)
-        kw = dict(beta=self.beta, partners=self.partners)
         # A layer changes only where the predicted gain pays for every replica it moves: a
         # share moves / P of the price of moving all of the layer's slots, plus the budget's.
         # A fresh plan is considered where the detector saw a shift, or everywhere while it
@@ -188,6 +195,8 @@ class AdaptivePolicy:
         horizon_L, win_H = self._horizon_windows(windows)
         move_cost = self.move_cost if self.drift_horizon is None else self.drift_move_cost
         price = move_cost / P + budget.move_cost
+        kw = dict(beta=self.beta, partners=self.partners,
+                  swap_price=0.0 if self.drift_horizon is None else self.drift_swap_price * price)
         check_L = flag_L if self.detector.kappa > 0 and len(self._mem) >= self.detector.MIN_WINDOWS \
             else np.ones_like(flag_L)
         parts = [(slice(None), *win_H[0])]

@@ -51,7 +51,7 @@ _SWAP_FLOOR = 1e-9     # a swap must lower the smooth maximum by this share of i
 def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, rounds_L: np.ndarray,
            beta: float = 50.0, blends=(0.0, 1.0), partners: int = 8, swap_fills: int = 1, worst_weight: float = 0.5,
            max_moves: float = np.inf, max_moves_G: np.ndarray | None = None,
-           weights_M: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           weights_M: np.ndarray | None = None, swap_price: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """The placement in force, changed a little to balance every window (compiled, per layer).
 
     Step 1: target replica counts, as the `robust` planner sets them (demand blending each
@@ -63,7 +63,10 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
             cost most, and swapping from both fills bought nothing measurable), at most
             rounds_L[l] replica swaps in layer l between one of the two GPUs with the heaviest
             worst window and one of the `partners` with the lightest, each lowering the smooth
-            maximum of GPU loads over all windows (sharpness `beta`) the most.
+            maximum of GPU loads over all windows (sharpness `beta`) the most, and lowering it by
+            at least the price of the two replicas a swap moves (2 x `swap_price`, in units of
+            the mean GPU load; 0: any drop): the layer's gain rule prices a bundle of moves, so
+            without it swaps that buy less than their moves ride along with a fill that pays.
     Per layer, the result with the lightest worst window is kept (the layer stays as it was
     unless one beats it). Moves stay within `max_moves` per layer and `max_moves_G[g]`
     onto GPU g. windows_MLE: loads per window (normalised inside, see `window_imbalance`);
@@ -80,7 +83,10 @@ def repair(phy2log_LP: np.ndarray, windows_MLE: np.ndarray, num_gpus: int, *, ro
     cap_G = np.full(G, np.inf) if max_moves_G is None else kernel_floats(max_moves_G)
     w_M = np.ones(np.shape(windows_MLE)[0]) if weights_M is None else kernel_floats(weights_M)
     windows, blends, rounds_L = kernel_floats(windows_MLE), kernel_floats(blends), kernel_ints(rounds_L)
-    how = (float(beta), int(partners), _SOURCES, _SWAP_FLOOR)
+    # The swaps compare drops of Z = sum exp(beta x load): lowering the smooth maximum by d
+    # lowers Z by the share 1 - exp(-beta d).
+    floor = max(_SWAP_FLOOR, float(-np.expm1(-float(beta) * 2.0 * float(swap_price))))
+    how = (float(beta), int(partners), _SOURCES, floor)
 
     def repair_block(first: int, stop: int) -> None:
         # The caps are per layer: blocks of layers on the planners' threads give the same map.

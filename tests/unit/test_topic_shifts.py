@@ -51,3 +51,30 @@ def test_cli_topic_shape(tmp_path):
     assert main(["synth", "-o", str(out), "--topic-shape", "gradual", "--windows", "12", "--experts", "16",
                  "--top-k", "2", "--hidden-layers", "4", "--first-moe-layer", "1", "--tokens", "256", "--quiet"]) == 0
     assert out.is_file()
+
+
+def test_swap_price_keeps_only_swaps_that_pay_for_their_moves():
+    """A swap must lower the smooth maximum by the price of its two moves: a price above any
+    swap's drop leaves the fills alone, and no price lowers the moves of drifting decisions."""
+    from eplb.core.topology import Topology
+    from eplb.evaluate.replay import replay
+    from eplb.migration import count_moves
+    from eplb.serving.repair import repair
+
+    rng = np.random.default_rng(1)
+    G, E, S = 4, 16, 5
+    start_LP = np.concatenate([np.arange(E), rng.integers(0, E, G * S - E)])[None]
+    win_MLE = rng.gamma(0.5, size=(3, 1, E)) * 100
+    rounds_L = np.array([8])
+    free, _ = repair(start_LP, win_MLE, G, rounds_L=rounds_L)
+    fills, _ = repair(start_LP, win_MLE, G, rounds_L=np.array([0]))
+    priced, _ = repair(start_LP, win_MLE, G, rounds_L=rounds_L, swap_price=10.0)
+    assert (priced == fills).all() and not (free == fills).all()
+    trace = generate(shaped_settings("abrupt", **{**SMALL, "num_windows": 20}, seed=2)).counts_TLE
+    topo = Topology(4, 5)
+    moves = [replay(trace, topology=topo, settings={"drift_swap_price": p}, references=()).summary()
+             ["moves_per_window_share_of_slots"] for p in (0.0, 1.0)]
+    assert moves[1] <= moves[0]
+    with pytest.raises(EplbError, match="drift_swap_price"):
+        replay(trace, topology=topo, settings={"drift_swap_price": -1.0}, references=())
+    assert count_moves(start_LP, priced, G, E).sum() <= count_moves(start_LP, free, G, E).sum()
