@@ -241,7 +241,7 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
         if not every:
             e_AGT = np.where(keep_A1T, e_AGT, 0.0)
         sum_AG = e_AGT.sum(axis=2)
-        ua_AQT = np.take_along_axis(v_APT, a_slot_AQ[:, :, None], axis=1)
+        ua_AQT = v_APT[ar[:, None], a_slot_AQ]
         x_AQT = np.repeat(e_AGT[ar[:, None], src_AK], S, axis=1) / ua_AQT                # ea / ua
         y_APT = (e_AGT[:, :, None, :] / v_APT.reshape(A, G, S, T)).reshape(A, P, T)     # eb / vb
         base_AKP, bad_AKSG = _allowed_sums(sum_AG, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G,
@@ -278,9 +278,8 @@ def _allowed_sums(sum_AG, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit
     base_AKGS = np.repeat((sum_AG[ar[:, None], src_AK][:, :, None] + sum_AG[:, None, :])[:, :, :, None], S, axis=3)
     base_AKGS[ar[:, None], np.arange(K), src_AK, :] = -np.inf
     base_AKP = base_AKGS.reshape(A, K, P)
-    base_AKP[np.take_along_axis(holds_LEG[active[:, None], :, src_AK], np.broadcast_to(
-        phy2log_AP[:, None, :], (A, K, P)), axis=2)] = -np.inf
-    ea_AKS = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1).reshape(A, K, S)
+    base_AKP[holds_LEG[active[:, None, None], phy2log_AP[:, None, :], src_AK[:, :, None]]] = -np.inf
+    ea_AKS = phy2log_AP[ar[:, None], a_slot_AQ].reshape(A, K, S)
     bad_AKSG = holds_LEG[active[:, None, None], ea_AKS]
     if bound_AP is not None:
         ba_AKS = np.take_along_axis(bound_AP, a_slot_AQ, axis=1).reshape(A, K, S)

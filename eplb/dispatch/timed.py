@@ -25,10 +25,11 @@ model, so it is not in `eplb.dispatch.RULES` (whose rules take no arguments):
 `TimeDispatch(cost_model("deepseek-v3", "h200"))` is a DispatchRule like the others.
 The steps run in numpy, every layer of a colour at once: the rule scores offline traces
 (backtest, replay, simulate, calibration), so no compiled twin pays for itself. A batch of 58
-layers takes about half a millisecond because each step touches only what it changes: Step 2
-writes a replica's rows only where they land, Step 3 scores the rule's split and the even
-split in one `eplb.dispatch.cost.expected_layer_seconds` call on the expert time Step 2 has
-already summed (tests/oracles/timed.py does it all the plain way; the shares are the same).
+layers takes about 0.6 ms (docs/results/time.md, Part 4) because each step touches only what
+it changes: Step 2 writes a replica's rows only where they land, Step 3 scores the rule's
+split and the even split in one `eplb.dispatch.cost.expected_layer_seconds` call on the
+expert time Step 2 has already summed (tests/oracles/timed.py does it all the plain way; the
+shares are the same).
 """
 
 from __future__ import annotations
