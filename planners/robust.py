@@ -90,17 +90,23 @@ def pack_vector(share_TLE: np.ndarray, count_LE: np.ndarray, topology: Topology)
     phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
     load_LGT = np.zeros((L, G, T))
     holds_LGE = np.zeros((L, G, E), dtype=bool)
-    for l in range(L):
-        for k in range(S):
-            items_I = rep_LP[l, k * G:(k + 1) * G]
-            w_IT = w_LET[l, items_I]                                            # [I, T]
-            cost_IG = (load_LGT[l][None, :, :] + w_IT[:, None, :]).max(axis=2)  # worst window after
-            cost_IG = np.where(holds_LGE[l][:, items_I].T, _FORBIDDEN, cost_IG)
-            rows_I, gpu_I = linear_sum_assignment(cost_IG)
-            assert cost_IG[rows_I, gpu_I].max() < _FORBIDDEN, "packing round had no feasible pairing"
-            phy2log_LGS[l, gpu_I, k] = items_I[rows_I]
-            load_LGT[l, gpu_I] += w_IT[rows_I]
-            holds_LGE[l, gpu_I, items_I[rows_I]] = True
+    rows_L1 = np.arange(L)[:, None]
+    gpu_LI = np.empty((L, G), dtype=np.int64)
+    for k in range(S):
+        # Every layer's costs at once; the assignments, one per layer, are scipy's.
+        items_LI = rep_LP[:, k * G:(k + 1) * G]
+        w_LIT = w_LET[rows_L1, items_LI]                                                # [L, I, T]
+        cost_LIG = load_LGT[:, None, :, 0] + w_LIT[:, :, None, 0]                       # worst window after:
+        for t in range(1, T):                                                           # a loop over T beats
+            np.maximum(cost_LIG, load_LGT[:, None, :, t] + w_LIT[:, :, None, t], out=cost_LIG)  # .max(axis=3)
+        cost_LIG[holds_LGE[rows_L1, :, items_LI]] = _FORBIDDEN
+        for l in range(L):
+            gpu_LI[l] = linear_sum_assignment(cost_LIG[l])[1]            # rows come back as 0 .. I - 1
+        assert np.take_along_axis(cost_LIG, gpu_LI[:, :, None], axis=2).max() < _FORBIDDEN, \
+            "packing round had no feasible pairing"
+        phy2log_LGS[rows_L1, gpu_LI, k] = items_LI
+        load_LGT[rows_L1, gpu_LI] += w_LIT
+        holds_LGE[rows_L1, gpu_LI, items_LI] = True
     return phy2log_LGS.reshape(L, P)
 
 
@@ -206,6 +212,7 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
     holds_LEG[np.arange(L)[:, None], phy2log_LP, np.arange(P) // S] = True
     load_LGT = _gpu_loads(slot_load_LPT, G)                      # rows of swapped GPUs redone
     active = np.arange(L)
+    every = _kept_count(quantile, T) >= T                       # no window left out
     for _ in range(max_rounds):
         if active.size == 0:
             break
@@ -215,9 +222,11 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
             phy2log_AP, v_APT, load_AGT = phy2log_LP, v_LPT, load_LGT
         else:
             phy2log_AP, v_APT, load_AGT = phy2log_LP[active], v_LPT[active], load_LGT[active]
-        keep_AT = kept_windows(load_AGT, quantile)
-        keep_A1T = keep_AT[:, None, :]
-        gpu_peak_AG = np.where(keep_A1T, load_AGT, -np.inf).max(axis=2)
+        if every:
+            gpu_peak_AG = _max_last(load_AGT)
+        else:
+            keep_A1T = kept_windows(load_AGT, quantile)[:, None, :]
+            gpu_peak_AG = _max_last(np.where(keep_A1T, load_AGT, -np.inf))
         peak_A = gpu_peak_AG.max(axis=1)
         # Candidate GPUs to unload: the top_gpus GPUs by their worst kept-window load.
         src_AK = _first_largest(gpu_peak_AG, top_gpus)
@@ -228,23 +237,16 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
         # The exponentials of wa and wb factor apart, so the sum over windows of all
         # Q x P swaps is two batched matrix products instead of a [Q, P, T] tensor. The
         # exponentials of the loads are a GPU's, shared by its slots: [A, G, T].
-        e_AGT = np.where(keep_A1T, np.exp(beta * (load_AGT - peak_A[:, None, None])), 0.0)
+        e_AGT = np.exp(beta * (load_AGT - peak_A[:, None, None]))
+        if not every:
+            e_AGT = np.where(keep_A1T, e_AGT, 0.0)
         sum_AG = e_AGT.sum(axis=2)
-        ua_AQT = np.take_along_axis(v_APT, a_slot_AQ[:, :, None], axis=1)
+        ua_AQT = v_APT[ar[:, None], a_slot_AQ]
         x_AQT = np.repeat(e_AGT[ar[:, None], src_AK], S, axis=1) / ua_AQT                # ea / ua
         y_APT = (e_AGT[:, :, None, :] / v_APT.reshape(A, G, S, T)).reshape(A, P, T)     # eb / vb
-        gain_AQP = (np.repeat(sum_AG[ar[:, None], src_AK], S, axis=1)[:, :, None]
-                    + np.repeat(sum_AG, S, axis=1)[:, None, :])
-        if T == 1:  # a product of one term each: the matrix products' own values
-            gain_AQP -= x_AQT * v_APT[:, None, :, 0]
-            gain_AQP -= ua_AQT * y_APT[:, None, :, 0]
-        else:
-            gain_AQP -= np.matmul(x_AQT, np.swapaxes(v_APT, 1, 2))
-            gain_AQP -= np.matmul(ua_AQT, np.swapaxes(y_APT, 1, 2))
-        _forbid(gain_AQP, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G,
-                None if bound_LP is None else bound_LP[active])
-        flat = gain_AQP.reshape(A, -1).argmax(axis=1)
-        best = gain_AQP.reshape(A, -1)[ar, flat]
+        base_AKP, bad_AKSG = _allowed_sums(sum_AG, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G,
+                                           None if bound_LP is None else bound_LP[active])
+        flat, best = _best_swaps(base_AKP, bad_AKSG, x_AQT, ua_AQT, v_APT, y_APT)
         improve = best > 1e-9 * e_AGT.sum(axis=(1, 2))
         if not improve.any():
             break
@@ -263,28 +265,70 @@ def smooth_max_swaps(phy2log_LP: np.ndarray, slot_load_LPT: np.ndarray, num_gpus
         active = layers
 
 
-def _forbid(gain_AQP, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G, bound_AP) -> None:
-    """Set the gain of every forbidden swap (a, b) to -inf, in place: b on A's GPU; e_b already
-    on A's GPU (the same expert included); e_a already on B's GPU; a bound slot to another
-    unit. The masks broadcast over the gains as [A, K, S_a, G_b, S_b]."""
+def _allowed_sums(sum_AG, phy2log_AP, holds_LEG, active, src_AK, a_slot_AQ, unit_G, bound_AP):
+    """Where the gain of a swap (a, b) starts, and which swaps are forbidden. base_AKP [A, K, P]:
+    the sum of exponentials of a's GPU (source k) plus that of b's GPU, -inf where b sits on A's
+    GPU, e_b is already on A's GPU or a bound b would leave its unit; bad_AKSG [A, K, S_a, G_b]:
+    e_a already on B's GPU (the same expert included) or a bound a would leave its unit."""
     A, K = src_AK.shape
     P = phy2log_AP.shape[1]
     G = unit_G.shape[0]
     S = P // G
     ar = np.arange(A)
-    gain_AKSGS = gain_AQP.reshape(A, K, S, G, S)
-    gain_AKSGS[ar[:, None], np.arange(K), :, src_AK, :] = -np.inf
-    ea_AKS = np.take_along_axis(phy2log_AP, a_slot_AQ, axis=1).reshape(A, K, S)
-    eb_on_a_AKP = np.take_along_axis(holds_LEG[active[:, None], :, src_AK], np.broadcast_to(
-        phy2log_AP[:, None, :], (A, K, P)), axis=2)
-    ea_on_b_AKSG = holds_LEG[active[:, None, None], ea_AKS]
-    np.copyto(gain_AKSGS, -np.inf, where=eb_on_a_AKP.reshape(A, K, 1, G, S))
-    np.copyto(gain_AKSGS, -np.inf, where=ea_on_b_AKSG[:, :, :, :, None])
+    base_AKGS = np.repeat((sum_AG[ar[:, None], src_AK][:, :, None] + sum_AG[:, None, :])[:, :, :, None], S, axis=3)
+    base_AKGS[ar[:, None], np.arange(K), src_AK, :] = -np.inf
+    base_AKP = base_AKGS.reshape(A, K, P)
+    base_AKP[holds_LEG[active[:, None, None], phy2log_AP[:, None, :], src_AK[:, :, None]]] = -np.inf
+    ea_AKS = phy2log_AP[ar[:, None], a_slot_AQ].reshape(A, K, S)
+    bad_AKSG = holds_LEG[active[:, None, None], ea_AKS]
     if bound_AP is not None:
         ba_AKS = np.take_along_axis(bound_AP, a_slot_AQ, axis=1).reshape(A, K, S)
         other_AKG = unit_G != unit_G[src_AK][:, :, None]
-        np.copyto(gain_AKSGS, -np.inf, where=(ba_AKS[:, :, :, None] & other_AKG[:, :, None, :])[..., None])
-        np.copyto(gain_AKSGS, -np.inf, where=bound_AP.reshape(A, 1, 1, G, S) & other_AKG[:, :, None, :, None])
+        bad_AKSG |= ba_AKS[:, :, :, None] & other_AKG[:, :, None, :]
+        base_AKGS[bound_AP.reshape(A, 1, G, S) & other_AKG[:, :, :, None]] = -np.inf
+    return base_AKP, bad_AKSG
+
+
+_CHUNK = 1 << 16
+"""Gains scored at a time, about: a few layers' [Q, P] gains, so that the gains and the product
+they subtract stay in the core's cache (the whole [A, Q, P] is megabytes)."""
+
+
+def _best_swaps(base_AKP, bad_AKSG, x_AQT, ua_AQT, v_APT, y_APT) -> tuple[np.ndarray, np.ndarray]:
+    """Index (q P + b) and gain of the best swap of each layer, int [A] and float [A], a few
+    layers at a time: gain = base - sum_t x_qt v_bt - sum_t ua_qt y_bt over the Q = K x S source
+    slots and all P slots, subtracted in that order; -inf where base is or bad_AKSG says so."""
+    A, K, S, G = bad_AKSG.shape
+    P, T, Q = base_AKP.shape[2], v_APT.shape[2], K * S
+    step = max(1, _CHUNK // (Q * P))
+    gain_BQP, prod_BQP = np.empty((min(step, A), Q, P)), np.empty((min(step, A), Q, P))
+    flat_A, best_A = np.empty(A, dtype=np.int64), np.empty(A)
+    for c in range(0, A, step):
+        n = min(step, A - c)
+        gain, prod = gain_BQP[:n], prod_BQP[:n]
+        if T == 1:  # a product of one term each: the matrix products' own values
+            np.multiply(x_AQT[c:c + n], v_APT[c:c + n, None, :, 0], out=gain)
+            np.multiply(ua_AQT[c:c + n], y_APT[c:c + n, None, :, 0], out=prod)
+        else:
+            np.matmul(x_AQT[c:c + n], np.swapaxes(v_APT[c:c + n], 1, 2), out=gain)
+            np.matmul(ua_AQT[c:c + n], np.swapaxes(y_APT[c:c + n], 1, 2), out=prod)
+        gain_BKSP = gain.reshape(n, K, S, P)
+        np.subtract(base_AKP[c:c + n, :, None, :], gain_BKSP, out=gain_BKSP)
+        gain -= prod
+        # e_a on B's GPU is rare (a few GPUs per source slot): set those rows of S_b only.
+        gain.reshape(n, K, S, G, S)[np.nonzero(bad_AKSG[c:c + n])] = -np.inf
+        flat_A[c:c + n] = gain.reshape(n, -1).argmax(axis=1)
+        best_A[c:c + n] = gain.reshape(n, -1)[np.arange(n), flat_A[c:c + n]]
+    return flat_A, best_A
+
+
+def _max_last(x_ABT: np.ndarray) -> np.ndarray:
+    """x_ABT.max(axis=2), [A, B]: a loop over the few windows, several times faster than numpy's
+    reduction over a short last axis (and a maximum is exact in any order)."""
+    out_AB = x_ABT[:, :, 0].copy()
+    for t in range(1, x_ABT.shape[2]):
+        np.maximum(out_AB, x_ABT[:, :, t], out=out_AB)
+    return out_AB
 
 
 def _gpu_loads(slot_load_LPT: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -262,28 +262,34 @@ def step_cost(cost: CostModel, placement: Placement, rows_LP: np.ndarray, batch_
     compute_LG = cost.replica_seconds(rows_LP).reshape(L, G, S).sum(axis=2)
     rows_LG = rows_LP.reshape(L, G, S).sum(axis=2)
     active_LG = (rows_LP > 0).reshape(L, G, S).sum(axis=2)
-    if pair_slot_BLK is None:
-        hits = _expected_hits(rows_LP, G, batch_tokens)
-        traffic = _traffic_from_hits(hits, G, N, batch_tokens)
-    else:
-        traffic = _traffic_from_pairs(pair_slot_BLK, S, G, N)
-    out_intra, in_intra, out_inter, in_inter = traffic          # tokens per GPU, [L, G] each
-    hw = cost.hardware
-    D = cost.model.hidden_size
+    traffic = (_traffic_from_hits(_expected_hits(rows_LP, G, batch_tokens), G, N, batch_tokens)
+               if pair_slot_BLK is None else _traffic_from_pairs(pair_slot_BLK, S, G, N))
+    dispatch_LG, combine_LG, layer_L = _layer_seconds(cost, compute_LG, traffic)
+    per_token = cost.model.hidden_size * (_bytes(cost.dispatch_dtype) + _bytes(cost.combine_dtype))
+    per_token /= max(batch_tokens, 1)
+    return StepCost(compute_LG, dispatch_LG, combine_LG, layer_L, traffic[0].sum(axis=1) * per_token,
+                    traffic[2].sum(axis=1) * per_token, rows_LG, active_LG, int(batch_tokens))
 
-    def phase(dtype: str) -> np.ndarray:
-        b = D * _bytes(dtype)
-        t = np.maximum(np.maximum(out_intra, in_intra) * b / hw.nvlink_bytes_per_s,
-                       np.maximum(out_inter, in_inter) * b / hw.internode_bytes_per_s)
-        return hw.a2a_latency_s + t
 
-    dispatch_LG, combine_LG = phase(cost.dispatch_dtype), phase(cost.combine_dtype)
-    comm_L = dispatch_LG.max(axis=1) + combine_LG.max(axis=1)
-    comp_L = compute_LG.max(axis=1)
-    layer_L = np.maximum(comp_L, comm_L) if cost.overlap else comp_L + comm_L
-    per_token = D * (_bytes(cost.dispatch_dtype) + _bytes(cost.combine_dtype)) / max(batch_tokens, 1)
-    return StepCost(compute_LG, dispatch_LG, combine_LG, layer_L, out_intra.sum(axis=1) * per_token,
-                    out_inter.sum(axis=1) * per_token, rows_LG, active_LG, int(batch_tokens))
+def expected_layer_seconds(cost: CostModel, placement: Placement, rows_LP: np.ndarray, batch_tokens: int,
+                           compute_LG: np.ndarray) -> np.ndarray:
+    """`step_cost(...).layer_s_L` alone, [L], for a rule that has summed each GPU's expert seconds
+    (compute_LG [L, G]); rows [L, P] may stack several splits of one batch (2L rows for two)."""
+    G, N = placement.num_gpus, placement.num_nodes
+    traffic = _traffic_from_hits(_expected_hits(rows_LP, G, batch_tokens), G, N, batch_tokens)
+    return _layer_seconds(cost, compute_LG, traffic)[2]
+
+
+def _layer_seconds(cost: CostModel, compute_LG: np.ndarray, traffic):
+    """Dispatch and combine seconds [L, G] from the tokens each GPU sends and receives (intra-
+    and inter-node), and each layer's time [L]: a barrier, or communication under the experts."""
+    hw, D = cost.hardware, cost.model.hidden_size
+    intra_LG, inter_LG = np.maximum(traffic[0], traffic[1]), np.maximum(traffic[2], traffic[3])
+    dispatch_LG, combine_LG = (hw.a2a_latency_s + np.maximum(intra_LG * (D * _bytes(d)) / hw.nvlink_bytes_per_s,
+                                                             inter_LG * (D * _bytes(d)) / hw.internode_bytes_per_s)
+                               for d in (cost.dispatch_dtype, cost.combine_dtype))
+    comm_L, comp_L = dispatch_LG.max(axis=1) + combine_LG.max(axis=1), compute_LG.max(axis=1)
+    return dispatch_LG, combine_LG, np.maximum(comp_L, comm_L) if cost.overlap else comp_L + comm_L
 
 
 def ideal_layer_seconds(cost: CostModel, counts_LE, step: StepCost) -> np.ndarray:
@@ -301,9 +307,9 @@ def _expected_hits(rows_LP: np.ndarray, num_gpus: int, batch_tokens: int) -> np.
     """P(a token sends to GPU g), [L, G], if its picks are independent: 1 - prod over g's
     slots of (1 - rows / B) (a token takes one row of an expert at most)."""
     L, P = rows_LP.shape
-    q_LP = np.clip(rows_LP / max(batch_tokens, 1), 0.0, 1.0)
-    log_miss = np.log1p(-np.minimum(q_LP, 1.0 - 1e-12)).reshape(L, num_gpus, -1).sum(axis=2)
-    return -np.expm1(log_miss)
+    log_miss_LGS = np.log1p(np.clip(rows_LP / -max(batch_tokens, 1), -(1.0 - 1e-12), 0.0)).reshape(L, num_gpus, -1)
+    # A product with ones sums the short slot axis several times faster than .sum(axis=2).
+    return -np.expm1(log_miss_LGS @ np.ones(P // num_gpus))
 
 
 def _traffic_from_hits(hit_LG: np.ndarray, G: int, N: int, B: int):

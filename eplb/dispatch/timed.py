@@ -24,8 +24,12 @@ in decode it keeps each expert's few rows on one replica. The rule is built with
 model, so it is not in `eplb.dispatch.RULES` (whose rules take no arguments):
 `TimeDispatch(cost_model("deepseek-v3", "h200"))` is a DispatchRule like the others.
 The steps run in numpy, every layer of a colour at once: the rule scores offline traces
-(backtest, replay, simulate, calibration), where a batch costs milliseconds, so no compiled
-twin pays for itself.
+(backtest, replay, simulate, calibration), so no compiled twin pays for itself. A batch of 58
+layers takes about 0.6 ms (docs/results/time.md, Part 4) because each step touches only what
+it changes: Step 2 writes a replica's rows only where they land, Step 3 scores the rule's
+split and the even split in one `eplb.dispatch.cost.expected_layer_seconds` call on the
+expert time Step 2 has already summed (tests/oracles/timed.py does it all the plain way; the
+shares are the same).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.dispatch.cost import CostModel, first_copy_LP, step_cost
+from eplb.dispatch.cost import CostModel, expected_layer_seconds, first_copy_LP
 from eplb.errors import EplbError
 
 
@@ -108,7 +112,9 @@ class TimeSolver:
         self.num_colours, self.X = C, X
         # Step 1 and the shares as flat gathers: home slot of every expert, expert of every slot.
         self._home_flat = (np.arange(L)[:, None] * (P + 1) + self.home_LE).ravel()
-        self._home_gpu_flat = (np.arange(L)[:, None] * G + gpu_P[self.home_LE]).ravel()
+        home_gpu_flat = (np.arange(L)[:, None] * G + gpu_P[self.home_LE]).ravel()
+        self._single_flat = np.flatnonzero(~self.multi_LE.ravel())
+        self._single_home, self._single_gpu = self._home_flat[self._single_flat], home_gpu_flat[self._single_flat]
         self._phy_flat = (np.arange(L)[:, None] * E + placement.phy2log_LP).ravel()
         self._even_LP = 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
         # The even split, for Step 3: replicas of each slot's expert, the slot's rank among them
@@ -120,12 +126,14 @@ class TimeSolver:
         rank_flat[(np.arange(L)[:, None, None] * P + log2phy_LEX)[valid]] = rank_LEX[valid]
         self._rank_LP = rank_flat.reshape(L, P)
         self._first_flat = first_copy_LP(placement).ravel()
+        self._second_copies = not np.array_equal(self._first_flat, np.arange(L * P))
         hw = cost.hardware
         self._overhead = hw.expert_overhead_s
         self._stream = cost.weight_bytes / hw.hbm_bytes_per_s
         self._slope_mem = cost.row_bytes / hw.hbm_bytes_per_s
         self._slope_cmp = cost.flops_per_row / hw.flops(cost.expert_dtype)
         self._knee = cost.knee_rows()
+        self._ones_S = np.ones(placement.slots_per_gpu)
 
     def _numpy_tables(self, gslot_LEX, ggpu_LEX, use_LEX, expert_LCK, valid_LCK) -> None:
         """Per colour, only its real rows: flat indices into the [L, E] counts, the [L, P + 1]
@@ -150,8 +158,12 @@ class TimeSolver:
 
     def _seconds(self, n):
         """cost.replica_seconds without its checks (the roofline of one replica)."""
-        busy = self._overhead + np.maximum(n * self._slope_cmp, self._stream + n * self._slope_mem)
-        return np.where(n > 0, busy, 0.0)
+        busy = n * self._slope_mem                                  # in place: this runs ~15 times a batch
+        busy += self._stream
+        np.maximum(busy, n * self._slope_cmp, out=busy)
+        busy += self._overhead
+        busy *= n > 0
+        return busy
 
     def _checked(self, counts_LE) -> np.ndarray:
         p = self.placement
@@ -170,7 +182,7 @@ class TimeSolver:
 
     def __call__(self, counts_LE) -> np.ndarray:
         """Shares [L, P] (per expert they sum to 1) for this batch's counts [L, E], colour by
-        colour over every layer at once, Step 3 through `eplb.dispatch.cost.step_cost`."""
+        colour over every layer at once, Step 3 through `eplb.dispatch.cost.expected_layer_seconds`."""
         p = self.placement
         L, P = p.phy2log_LP.shape
         G = p.num_gpus
@@ -178,61 +190,77 @@ class TimeSolver:
         whole = bool(np.array_equal(counts, np.floor(counts)))
         flat_counts = counts.reshape(-1)
         # Step 1: experts on one GPU keep their rows there (one home slot each: no two share one).
-        fixed = np.where(self.multi_LE.reshape(-1), 0.0, flat_counts)
-        rows = np.bincount(self._home_flat, weights=fixed, minlength=L * (P + 1))
+        n_single = flat_counts[self._single_flat]
+        rows = np.zeros(L * (P + 1))
+        rows[self._single_home] = n_single
         busy = np.full((L, G + 1), np.inf)
-        busy[:, :G] = np.bincount(self._home_gpu_flat, weights=self._seconds(fixed), minlength=L * G).reshape(L, G)
+        busy[:, :G] = np.bincount(self._single_gpu, weights=self._seconds(n_single), minlength=L * G).reshape(L, G)
         busy = busy.reshape(-1)
         # Step 2: one colour at a time, every layer at once.
         with np.errstate(invalid="ignore"):                         # padding replicas are +inf busy
-            for (count_R, slot_RX, gpu_RX, layer_R), ks in zip(self._colours, self._ks):
-                n_R = flat_counts[count_R]
-                base_RX = busy[gpu_RX]
-                R = len(n_R)
-                # All rows on the least busy replica is the least work; where that leaves the
-                # layer's busiest GPU as it is, it is the choice, and nothing needs sorting.
-                first_R = base_RX.argmin(axis=1)
-                one_R = self._seconds(n_R)
-                layer_max_R = busy.reshape(L, G + 1)[:, :G].max(axis=1)[layer_R]
-                hard = np.flatnonzero(base_RX[np.arange(R), first_R] + one_R > layer_max_R)
-                take_RX = np.zeros_like(base_RX)
-                take_RX[np.arange(R), first_R] = n_R
-                if hard.size:
-                    sub_RX = base_RX[hard]
-                    order_RX = np.argsort(sub_RX, axis=1, kind="stable")
-                    ar = np.arange(hard.size)[:, None]
-                    amount_RX = np.empty_like(sub_RX)
-                    amount_RX[ar, order_RX] = self._options(n_R[hard], sub_RX[ar, order_RX], layer_max_R[hard],
-                                                            whole, ks)
-                    take_RX[hard] = amount_RX
-                # Experts of one colour use distinct GPUs: the fancy-index updates do not collide
-                # (only the padding slot and GPU repeat, and they only ever get 0).
-                rows[slot_RX] += take_RX
-                busy[gpu_RX] += self._seconds(take_RX)
+            for colour, ks in zip(self._colours, self._ks):
+                self._colour_step(colour, ks, flat_counts, rows, busy, whole)
         count_LP = flat_counts[self._phy_flat].reshape(L, P)
         rows_LP = rows.reshape(L, P + 1)[:, :P]
-        shares_LP = np.where(count_LP > 0, rows_LP / np.where(count_LP > 0, count_LP, 1.0), self._even_LP)
+        shares_LP = np.divide(rows_LP, count_LP, out=self._even_LP.copy(), where=count_LP > 0)
         # Step 3: keep the even split in layers where it is modeled faster (a greedy choice can
         # lose to it between the regimes), so the rule is never worse than the even split.
         even_LP = self._even_rows(count_LP, whole)
-        even_LG = self._seconds(even_LP).reshape(L, G, -1).sum(axis=2)
-        worse_L = busy.reshape(L, G + 1)[:, :G].max(axis=1) > even_LG.max(axis=1) * (1 + 1e-12)
+        even_LG = self._seconds(even_LP).reshape(L, G, -1) @ self._ones_S   # BLAS: fast over a short axis
+        busy_LG = busy.reshape(L, G + 1)[:, :G]
+        worse_L = busy_LG.max(axis=1) > even_LG.max(axis=1) * (1 + 1e-12)
         # Rows gathered on fewer replicas also gather the all-to-all onto fewer GPUs: a layer
         # whose modeled step (expert compute and all-to-all, picks taken as independent) is
-        # slower than the even split's keeps the even split too.
-        tokens = self._tokens(counts)
-        worse_L |= (step_cost(self.cost, p, rows_LP, tokens).layer_s_L
-                    > step_cost(self.cost, p, even_LP, tokens).layer_s_L * (1 + 1e-12))
-        return np.where(worse_L[:, None], self._even_LP, shares_LP)
+        # slower than the even split's keeps the even split too. Both splits in one call.
+        layer_L = expected_layer_seconds(self.cost, p, np.concatenate([rows_LP, even_LP]), self._tokens(counts),
+                                         np.concatenate([busy_LG, even_LG]))
+        worse_L |= layer_L[:L] > layer_L[L:] * (1 + 1e-12)
+        shares_LP[worse_L] = self._even_LP[worse_L]
+        return shares_LP
+
+    def _colour_step(self, colour, ks, flat_counts, rows, busy, whole: bool) -> None:
+        """Step 2 for the experts of one colour, every layer at once: their rows into `rows`
+        (flat [L, P + 1]) and their modeled seconds onto `busy` (flat [L, G + 1]), in place."""
+        count_R, slot_RX, gpu_RX, layer_R = colour
+        L, G = self.placement.num_layers, self.placement.num_gpus
+        n_R = flat_counts[count_R]
+        base_RX = busy[gpu_RX]
+        ar_R = np.arange(len(n_R))
+        # All rows on the least busy replica is the least work; where that leaves the layer's
+        # busiest GPU as it is, it is the choice, and nothing needs sorting.
+        first_R = base_RX.argmin(axis=1)
+        one_R = self._seconds(n_R)
+        layer_max_R = busy.reshape(L, G + 1)[:, :G].max(axis=1)[layer_R]
+        hard_R = base_RX[ar_R, first_R] + one_R > layer_max_R
+        # Each slot belongs to one expert, seen once, so its rows are set, not added. Experts of
+        # one colour use distinct GPUs: the fancy-index updates do not collide (only the padding
+        # slot and GPU repeat, and they only ever get 0).
+        rows[slot_RX[ar_R, first_R]] = n_R
+        easy = ~hard_R
+        busy[gpu_RX[ar_R[easy], first_R[easy]]] += one_R[easy]
+        hard = np.flatnonzero(hard_R)
+        if hard.size:
+            sub_RX = base_RX[hard]
+            order_RX = np.argsort(sub_RX, axis=1, kind="stable")
+            ar = np.arange(hard.size)[:, None]
+            amount_RX = np.empty_like(sub_RX)
+            amount_RX[ar, order_RX] = self._options(n_R[hard], sub_RX[ar, order_RX], layer_max_R[hard], whole, ks)
+            rows[slot_RX[hard]] = amount_RX
+            busy[gpu_RX[hard]] += self._seconds(amount_RX)
 
     def _even_rows(self, count_LP: np.ndarray, whole: bool) -> np.ndarray:
         """Rows of every slot under the even split (whole rows round-robin in slot order, as
         `eplb.dispatch.cost.slot_rows` deals them), copies on one GPU counted with the first, [L, P]."""
         if whole:
-            base_LP = np.floor(count_LP / self._count_LP)
-            rows_LP = base_LP + (self._rank_LP < count_LP - base_LP * self._count_LP)
+            # The replica of rank k takes the rows k, k + r, k + 2r, ... of the expert's n.
+            rows_LP = count_LP - self._rank_LP
+            rows_LP /= self._count_LP
+            np.ceil(rows_LP, out=rows_LP)
+            np.maximum(rows_LP, 0.0, out=rows_LP)
         else:
             rows_LP = count_LP / self._count_LP
+        if not self._second_copies:
+            return rows_LP
         L, P = rows_LP.shape
         return np.bincount(self._first_flat, weights=rows_LP.ravel(), minlength=L * P).reshape(L, P)
 

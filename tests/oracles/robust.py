@@ -6,10 +6,14 @@ K = source GPUs a round unloads, Q = K x S source slots.
 
 - `pack_one_window`: `planners.robust.pack_vector`'s one-window rounds, one layer and one item
   at a time (planners.robust packs every layer in lock-step);
+- `pack_windows`: `pack_vector`'s many-window rounds, one layer and one round at a time, each
+  an assignment (scipy's linear_sum_assignment) on costs built for that layer alone
+  (planners.robust builds every layer's costs of a round at once);
 - `smooth_max_swaps`: the swap search with every quantity recomputed each round from the slot
-  loads ([A, Q, P] gains, per-slot exponentials, the holds table rebuilt); planners.robust
-  keeps loads, exponentials and holds up to date and masks the gains by broadcasting. Both
-  make the same float64 operations on the same values, so the swaps are the same.
+  loads ([A, Q, P] gains, per-slot exponentials, the holds table rebuilt, forbidden swaps
+  masked afterwards); planners.robust keeps loads, exponentials and holds up to date, starts
+  forbidden swaps at -inf and scores a few layers at a time. Both make the same float64
+  operations on the same values, so the swaps are the same.
 """
 
 from __future__ import annotations
@@ -38,6 +42,33 @@ def pack_one_window(rep_LP: np.ndarray, order_LSG: np.ndarray, num_gpus: int, sl
                 holds_GE[fits[0], e] = True
                 phy2log_LGS[l, fits[0], k] = e
     return phy2log_LGS.reshape(L, P)
+
+
+def pack_windows(share_TLE: np.ndarray, count_LE: np.ndarray, rep_LP: np.ndarray, num_gpus: int,
+                 slots_per_gpu: int) -> np.ndarray:
+    """phy2log_LP: round k pairs the items rep_LP[l, kG:(k + 1)G] with the GPUs so as to minimise
+    the sum of the GPUs' worst-window loads after the round, never two replicas of one expert on
+    one GPU (1e9 stands for forbidden)."""
+    from scipy.optimize import linear_sum_assignment
+
+    T, L, E = share_TLE.shape
+    G, S = num_gpus, slots_per_gpu
+    w_LET = np.moveaxis(share_TLE / count_LE[None], 0, 2)
+    phy2log_LGS = np.empty((L, G, S), dtype=np.int64)
+    for l in range(L):
+        load_GT = np.zeros((G, T))
+        holds_GE = np.zeros((G, E), dtype=bool)
+        for k in range(S):
+            items_I = rep_LP[l, k * G:(k + 1) * G]
+            w_IT = w_LET[l, items_I]
+            cost_IG = (load_GT[None, :, :] + w_IT[:, None, :]).max(axis=2)
+            cost_IG = np.where(holds_GE[:, items_I].T, 1e9, cost_IG)
+            rows_I, gpu_I = linear_sum_assignment(cost_IG)
+            assert cost_IG[rows_I, gpu_I].max() < 1e9, "packing round had no feasible pairing"
+            phy2log_LGS[l, gpu_I, k] = items_I[rows_I]
+            load_GT[gpu_I] += w_IT[rows_I]
+            holds_GE[gpu_I, items_I[rows_I]] = True
+    return phy2log_LGS.reshape(L, G * S)
 
 
 def smooth_max_swaps(phy2log_LP, slot_load_LPT, num_gpus: int, *, beta: float, max_rounds: int,

@@ -50,12 +50,14 @@ def test_packing_is_valid_and_one_window_rounds_pair_in_the_seeded_order(seed, T
     share, count = _packed(seed, T, L, E, G, S)
     phy = pack_vector(share, count, Topology(G, S))
     _is_valid(phy, count, G, S)
-    if T == 1:
-        # The packing order (heaviest replica first), then each round in the seeded GPU order.
-        w_LE = share[0] / count
-        order_LE = np.argsort(-(w_LE + 1e-12 * w_LE), axis=1, kind="stable")
-        rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count, order_LE, 1).ravel()).reshape(L, G * S)
+    # The packing order (heaviest replica first, in its worst window, then in total).
+    w_TLE = share / count[None]
+    order_LE = np.argsort(-(w_TLE.max(axis=0) + 1e-12 * w_TLE.sum(axis=0)), axis=1, kind="stable")
+    rep_LP = np.repeat(order_LE.ravel(), np.take_along_axis(count, order_LE, 1).ravel()).reshape(L, G * S)
+    if T == 1:  # each round in the seeded GPU order
         np.testing.assert_array_equal(phy, oracle.pack_one_window(rep_LP, one_window_orders(L, S, G), G, S))
+    else:       # each round the assignment of its layer's own costs
+        np.testing.assert_array_equal(phy, oracle.pack_windows(share, count, rep_LP, G, S))
 
 
 @pytest.mark.parametrize("seed,T,L,E,G,S", CASES)
@@ -82,6 +84,27 @@ def test_swaps_are_the_reference_swaps(seed, T, L, E, G, S, quantile, units):
             for e in np.unique(phy[l][bound[l]]):
                 assert sorted(unit_P[(phy[l] == e) & bound[l]]) == sorted(unit_P[(p1[l] == e) & b1[l]])
     _is_valid(p1, count, G, S)
+
+
+@pytest.mark.parametrize("units", [1, 2])
+def test_swaps_scored_a_few_layers_at_a_time_are_the_reference_swaps(monkeypatch, units):
+    """Gains scored in chunks of 1, 2 or 3 layers (the last chunk short) give the same swaps."""
+    import planners.robust as robust
+
+    share, count = _packed(11, 5, 7, 32, 8, 5)
+    phy = pack_vector(share, count, Topology(8, 5))
+    w_LPT = _slot_loads(share, count, phy)
+    bound = np.random.default_rng(11).random(phy.shape) < 0.3 if units > 1 else None
+    p0, w0 = phy.copy(), w_LPT.copy()
+    oracle.smooth_max_swaps(p0, w0, 8, beta=50.0, max_rounds=100, num_units=units,
+                            bound_LP=None if bound is None else bound.copy())
+    for layers in (1, 2, 3):
+        monkeypatch.setattr(robust, "_CHUNK", layers * 2 * 5 * 40)         # Q x P = 2 x 5 x 40 a layer
+        p1, w1 = phy.copy(), w_LPT.copy()
+        smooth_max_swaps(p1, w1, 8, beta=50.0, max_rounds=100, num_units=units,
+                         bound_LP=None if bound is None else bound.copy())
+        np.testing.assert_array_equal(p1, p0)
+        np.testing.assert_array_equal(w1, w0)
 
 
 def test_search_works_in_place_on_other_dtypes_and_orders():

@@ -192,3 +192,26 @@ def test_a_second_copy_on_one_gpu_does_not_hide_the_expert_on_another():
     p = Placement(np.array([[0, 0, 1, 2, 0, 3]]), 2, 4)
     w = TimeDispatch(COST).bind(p)(np.array([[1.0, 200.0, 0.0, 0.0]]))
     assert w[0].tolist() == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shares_are_the_plain_references(seed):
+    """TimeSolver's per-batch steps give tests/oracles/timed.py's shares, bit for bit: planned and
+    shuffled placements (second copies on one GPU), one to four nodes, barrier and overlap, whole
+    and fractional counts from 1-token to prefill batches."""
+    from eplb.dispatch.timed import TimeSolver
+    from tests.oracles.timed import ReferenceTimeSolver
+
+    rng = np.random.default_rng(seed)
+    cost = cost_model("deepseek-v3", "h200", overlap=bool(seed % 2))
+    if seed % 3 == 0:
+        p = _shuffled_placement(seed, nodes=2)
+        load = rng.gamma(0.3, 1.0, (3, 64)) + 0.01
+    else:
+        p, load = _placement(seed, L=4, G=16, redundant=16 * (seed % 3), nodes=[1, 2, 4][seed % 3])
+    fast, ref = TimeSolver(p, cost), ReferenceTimeSolver(p, cost)
+    for B in (1, 3, 16, 64, 512, 4096):
+        for counts in _batches(load, B, 2, seed=seed + B):
+            for c in (counts, counts * 0.37):
+                np.testing.assert_array_equal(fast(c), ref(c))
+    np.testing.assert_array_equal(fast(np.zeros_like(load)), ref(np.zeros_like(load)))
