@@ -105,19 +105,18 @@ def _spans(phy_CP, on_CG, G):
     return act, np.where(np.take_along_axis(hold_CKG, gpus, axis=2), gpus, G)
 
 
-def _flows(phy_CP, flow_MCQ, act_CK, gpus_CKX, E, G):
+def _flows(phy_CP, flow_MCQ, act_CK, gpus_CKX, G):
     """Tokens of each expert act_CK on each of its GPUs gpus_CKX, [M, C, K, X]: the sum over its
-    slots there of the split per slot flow_MCQ."""
+    slots there of the split per slot flow_MCQ (at most one of them holds tokens: `slot_flows`,
+    `_changed`, so the order of the sum does not matter)."""
     C, P = phy_CP.shape
-    M = flow_MCQ.shape[0]
-    key = ((np.arange(C)[:, None] * E + phy_CP) * (G + 1) + np.arange(P) // (P // G)).ravel()
-    order = np.argsort(key, kind="stable")
-    ukey, start = np.unique(key[order], return_index=True)
-    sum_MU = np.add.reduceat(flow_MCQ[:, :, :P].reshape(M, C * P)[:, order], start, axis=1)
-    want = ((np.arange(C)[:, None, None] * E + np.maximum(act_CK, 0)[:, :, None]) * (G + 1) + gpus_CKX)
-    idx = np.minimum(np.searchsorted(ukey, want), len(ukey) - 1)
-    found = (ukey[idx] == want) & (gpus_CKX < G) & (act_CK[:, :, None] >= 0)
-    return np.where(found, sum_MU[:, idx], 0.0)
+    M, S = flow_MCQ.shape[0], P // G
+    slot_CKXS = gpus_CKX[..., None] * S + np.arange(S)             # the dummy GPU G: padding slots P..P + S - 1
+    phy_CQ = np.concatenate([phy_CP, np.full((C, S), -1)], axis=1)
+    rows = np.arange(C)[:, None, None, None]
+    mine = (phy_CQ[rows, slot_CKXS] == act_CK[:, :, None, None]) & (act_CK[:, :, None, None] >= 0)
+    took = flow_MCQ.reshape(M, C * (P + S))[:, rows * (P + S) + slot_CKXS]
+    return np.where(mine, took, 0.0).sum(axis=4)
 
 
 def score_local(cand: np.ndarray, cur_LP: np.ndarray, flow_MLQ: np.ndarray, gpu_MLG: np.ndarray,
@@ -143,6 +142,6 @@ def score_local(cand: np.ndarray, cur_LP: np.ndarray, flow_MLQ: np.ndarray, gpu_
         act, gpus = _spans(phy, on_CG[:, :G], G)
         load_MCK = np.take_along_axis(load_MLE[:, c[:, 0]], np.broadcast_to(np.maximum(act, 0), (M,) + act.shape),
                                       axis=2) * (act >= 0)
-        water_fill(gpus, load_MCK, gpu, _flows(phy, flow, act, gpus, E, G), sweeps)
+        water_fill(gpus, load_MCK, gpu, _flows(phy, flow, act, gpus, G), sweeps)
         out[:, i:i + step] = gpu[:, :, :G].max(axis=2)
     return out

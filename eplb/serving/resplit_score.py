@@ -114,12 +114,16 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
     """The engine's even split as a water-filling state: (GPU loads [M, B, G + 1], the last the
     dummy GPU; tokens of each flexible expert on each of its GPUs [M, B, R, X])."""
     M, B, G = fixed_MBG.shape
-    gpu = np.concatenate([fixed_MBG, np.zeros((M, B, 1))], axis=2)
     flow = flex_MBR[..., None] * lay.even_BRX[None]
-    rows = np.arange(B)[:, None]
-    for r in range(lay.gpu_BRX.shape[1]):
-        np.add.at(gpu, (slice(None), rows, lay.gpu_BRX[:, r]), flow[:, :, r])
-    gpu[:, :, G] = 0.0
+    # One bincount over the fixed loads, then the flows in expert order: each GPU's sum is added
+    # in the same order as expert by expert, so the split is the same to the last bit.
+    real_BRX = lay.gpu_BRX < G
+    cell_BRX = np.arange(B)[:, None, None] * (G + 1) + lay.gpu_BRX
+    cell_MN = np.arange(M)[:, None] * (B * (G + 1)) + cell_BRX[real_BRX][None]
+    cell_MBG = (np.arange(M * B)[:, None] * (G + 1) + np.arange(G)).reshape(M, B, G)
+    gpu = np.bincount(np.concatenate([cell_MBG.ravel(), cell_MN.ravel()]),
+                      weights=np.concatenate([fixed_MBG.ravel(), flow[:, real_BRX].ravel()]),
+                      minlength=M * B * (G + 1)).reshape(M, B, G + 1)
     return gpu, flow
 
 
