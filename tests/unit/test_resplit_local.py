@@ -2,6 +2,8 @@
 split of the changed map, so never below its exact re-split optimum, and the colour-class
 water-filling reaches the same optimum as the oracle."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,8 +11,19 @@ from hypothesis import strategies as st
 
 from eplb.serving import resplit_repair as rr
 from eplb.serving.resplit_local import score_local
-from eplb.serving.resplit_score import TOL, colour_classes, layout, resplit_imbalance
-from tests.oracles.resplit import hall_busiest
+from eplb.serving.resplit_score import (
+    NETWORK_GPUS,
+    TOL,
+    _network,
+    colour_classes,
+    even_split,
+    fixed_loads,
+    flexible_loads,
+    layout,
+    resplit_imbalance,
+    water_fill,
+)
+from tests.oracles.resplit import hall_busiest, water_fill_reference
 
 
 def _case(rng, L, E, G, S, M=4):
@@ -68,3 +81,33 @@ def test_colour_classes_share_no_gpu_and_cover_every_expert(g, s, seed):
     assert (seen == 1).all()
     load = rng.gamma(0.5, 1.0, (2, 3, e))
     np.testing.assert_allclose(resplit_imbalance(phy, load, g), hall_busiest(phy, load, g), atol=TOL)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_water_fill_pours_exactly_as_one_expert_at_a_time(g, s, sweeps, seed):
+    """The vectorised pour (sorting networks, windows last) gives the flows and GPU loads of the
+    plain-Python pour to the last bit, from the even split and from a warm split."""
+    rng = np.random.default_rng(seed)
+    e = max(1, g * s - int(rng.integers(0, g * s)))
+    phy = np.stack([rng.permutation(np.r_[np.arange(e), rng.integers(0, e, g * s - e)]) for _ in range(3)])
+    load = rng.gamma(0.7, 1.0, (2, 3, e)) * 100
+    lay = layout(phy, g)
+    fixed, flex = fixed_loads(lay, load), flexible_loads(lay, load)
+    gpu, flow = even_split(lay, fixed, flex)
+    water_fill(lay.gpu_BRX, flex, gpu, flow, 1)                   # a warm start for the second pass
+    for _ in range(2):
+        want_gpu, want_flow = gpu.copy(), flow.copy()
+        water_fill_reference(lay.gpu_BRX, flex, want_gpu, want_flow, sweeps, colour_classes(lay.gpu_BRX, g))
+        water_fill(lay.gpu_BRX, flex, gpu, flow, sweeps)
+        assert np.array_equal(gpu[:, :, :g], want_gpu[:, :, :g]) and np.array_equal(flow, want_flow)
+
+
+@pytest.mark.parametrize("n", range(1, NETWORK_GPUS + 1))
+def test_sorting_networks_sort_every_zero_one_input(n):
+    """A comparator network that sorts every 0/1 input sorts every input (the 0-1 principle)."""
+    for bits in itertools.product((0.0, 1.0), repeat=n):
+        got = list(np.array(bits)[:, None])
+        for i, j in _network(n):
+            got[i], got[j] = np.minimum(got[i], got[j]), np.maximum(got[i], got[j])
+        assert [float(v[0]) for v in got] == sorted(bits)
