@@ -209,9 +209,7 @@ def _pour(base_XNM: np.ndarray, load_NM: np.ndarray) -> np.ndarray:
         total = total + low[x]
         level.append((load_NM + total) / (x + 1))
         k += low[x] < level[x]
-    top = level[0]
-    for x in range(1, X):
-        top = np.where(k - 1 == x, level[x], top)
+    top = np.choose(np.maximum(k - 1, 0), level)
     return np.maximum(top[None] - base_XNM, 0.0)
 
 
@@ -243,14 +241,20 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         took = np.where(real_BK[None, :, :, None], flow[:, rows, k_BK, :Xc], 0.0)
         flow_c = np.ascontiguousarray(np.moveaxis(took, (3, 0), (0, 3))).reshape(Xc, -1, M)
         load = np.ascontiguousarray(np.moveaxis(flex_MBR[:, rows, k_BK] * real_BK, 0, 2)).reshape(-1, M)
-        classes.append((real_BK, k_BK, flat, pad[:, :, None], load, flow_c))
+        # Only a real expert on fewer GPUs than its class needs the +inf levels: a padding
+        # expert has no tokens, so it pours 0 whatever its levels.
+        short = (pad == np.inf) & real_BK.ravel()
+        if (g_XN < G).any():
+            classes.append([real_BK, k_BK, flat, pad[:, :, None] if short.any() else None, load, flow_c])
     for _ in range(sweeps):
-        for _, _, flat, pad, load, flow_c in classes:
-            base = gpu_QM[flat] - flow_c + pad
-            new = _pour(base, load)
+        for c in classes:
+            _, _, flat, pad, load, flow_c = c
+            # g + (pad - flow) is (g - flow) + pad to the bit: pad is 0 or +inf.
+            g = gpu_QM[flat]
+            new = _pour(g - flow_c if pad is None else g + (pad - flow_c), load)
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu_QM[flat] += new - flow_c
-            flow_c[:] = new
+            gpu_QM[flat] = g + (new - flow_c)
+            c[5] = new
     for real_BK, k_BK, _, _, _, flow_c in classes:
         b, k = np.nonzero(real_BK)
         Xc = flow_c.shape[0]
