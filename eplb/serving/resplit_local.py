@@ -83,26 +83,38 @@ def _changed(cand, cur_LP, flow_MLQ, gpu_MLG, S):
     return phy, flow, gpu, h
 
 
+def _first_true(mask_NY: np.ndarray, Y: int, fill: int) -> np.ndarray:
+    """The indices of the first Y true entries of each row of mask_NY [..., Z], ascending, [..., Y]
+    (padding `fill`): what a stable argsort of ~mask keeps of them, without the sort."""
+    lead, Z = mask_NY.shape[:-1], mask_NY.shape[-1]
+    row, col = np.nonzero(mask_NY.reshape(-1, Z))
+    rank = np.arange(len(row)) - np.searchsorted(row, row)       # place among its row's true entries
+    keep = rank < Y
+    out = np.full((int(np.prod(lead)), Y), fill, dtype=np.int64)
+    out[row[keep], rank[keep]] = col[keep]
+    return out.reshape(lead + (Y,))
+
+
 def _spans(phy_CP, on_CG, G):
     """The experts with a replica on the GPUs on_CG [C, G] that span two GPUs or more: (their ids
     [C, K] (padding -1), their GPUs [C, K, X] (padding G))."""
     C, P = phy_CP.shape
     S = P // G
-    rows = np.arange(C)[:, None]
     mask_CP = np.repeat(on_CG, S, axis=1)
-    slots = np.argsort(~mask_CP, axis=1, kind="stable")[:, :max(1, int(mask_CP.sum(axis=1).max()))]
-    act = np.sort(np.where(np.take_along_axis(mask_CP, slots, axis=1), phy_CP[rows, slots], -1), axis=1)
+    slots = _first_true(mask_CP, max(1, int(mask_CP.sum(axis=1).max())), P)
+    act = np.sort(np.where(slots < P, np.take_along_axis(phy_CP, np.minimum(slots, P - 1), axis=1), -1), axis=1)
     act[:, 1:][act[:, 1:] == act[:, :-1]] = -1
-    hold_CKG = (phy_CP[:, None, :] == act[:, :, None]).reshape(C, -1, G, S).any(axis=3)
+    same_CKGS = (phy_CP[:, None, :] == act[:, :, None]).reshape(C, -1, G, S)
+    hold_CKG = same_CKGS[..., 0].copy()
+    for s in range(1, S):
+        hold_CKG |= same_CKGS[..., s]
     span_CK = hold_CKG.sum(axis=2)
     # Keep the experts that can move tokens (two GPUs or more), first.
     order = np.argsort(span_CK < 2, axis=1, kind="stable")[:, :max(1, int((span_CK >= 2).sum(axis=1).max()))]
     live_CK = np.take_along_axis(span_CK, order, axis=1) >= 2
     act = np.where(live_CK, np.take_along_axis(act, order, axis=1), -1)
     hold_CKG = np.take_along_axis(hold_CKG, order[:, :, None], axis=1) & live_CK[:, :, None]
-    X = max(1, int(hold_CKG.sum(axis=2).max()))
-    gpus = np.argsort(~hold_CKG, axis=2, kind="stable")[:, :, :X]
-    return act, np.where(np.take_along_axis(hold_CKG, gpus, axis=2), gpus, G)
+    return act, _first_true(hold_CKG, max(1, int(hold_CKG.sum(axis=2).max())), G)
 
 
 def _flows(phy_CP, flow_MCQ, act_CK, gpus_CKX, G):

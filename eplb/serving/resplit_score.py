@@ -199,8 +199,13 @@ def _pour(base_XNM: np.ndarray, load_NM: np.ndarray) -> np.ndarray:
     X = base_XNM.shape[0]
     if X == 2:
         # Two GPUs: the level meets both, or all tokens go to the lower one.
-        first = np.clip(0.5 * (load_NM + base_XNM[1] - base_XNM[0]), 0.0, load_NM)
-        return np.stack([first, load_NM - first])
+        new = np.empty_like(base_XNM)
+        first = np.add(load_NM, base_XNM[1], out=new[0])
+        np.subtract(first, base_XNM[0], out=first)
+        np.multiply(first, 0.5, out=first)
+        np.clip(first, 0.0, load_NM, out=first)
+        np.subtract(load_NM, first, out=new[1])
+        return new
     low = _sorted(base_XNM)
     total = low[0]
     level = [load_NM + total]
@@ -253,7 +258,8 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
             g = gpu_QM[flat]
             new = _pour(g - flow_c if pad is None else g + (pad - flow_c), load)
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu_QM[flat] = g + (new - flow_c)
+            delta = np.subtract(new, flow_c, out=flow_c)            # the old flows are done with
+            gpu_QM[flat] = np.add(g, delta, out=g)
             c[5] = new
     for real_BK, k_BK, _, _, _, flow_c in classes:
         b, k = np.nonzero(real_BK)
