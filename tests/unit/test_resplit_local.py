@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb.serving import resplit_repair as rr
-from eplb.serving.resplit_local import score_local
+from eplb.serving.resplit_local import _first_true, score_local
 from eplb.serving.resplit_score import (
     NETWORK_GPUS,
     TOL,
@@ -111,3 +111,14 @@ def test_sorting_networks_sort_every_zero_one_input(n):
         for i, j in _network(n):
             got[i], got[j] = np.minimum(got[i], got[j]), np.maximum(got[i], got[j])
         assert [float(v[0]) for v in got] == sorted(bits)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 40), st.integers(0, 2**31 - 1))
+def test_first_true_keeps_what_a_stable_argsort_keeps(n, z, seed):
+    rng = np.random.default_rng(seed)
+    mask = rng.random((n, 3, z)) < rng.random()
+    y = max(1, int(mask.sum(axis=2).max()) - int(rng.integers(0, 2)))
+    order = np.argsort(~mask, axis=2, kind="stable")[:, :, :y]
+    want = np.where(np.take_along_axis(mask, order, axis=2), order, -7)
+    assert np.array_equal(_first_true(mask, y, -7), want)
