@@ -229,9 +229,6 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         return
     M = flex_MBR.shape[0]
     rows = np.arange(B)[:, None]
-    # Windows last: a class gathers and scatters whole rows of M loads, and each of its GPUs'
-    # slices (GPUs first, then row and expert) is one contiguous array.
-    gpu_QM = np.ascontiguousarray(np.moveaxis(gpu, 0, 2)).reshape(B * (G + 1), M)
     classes = []
     for k_BK in colour_classes(gpu_BRX, G):
         # The padding expert R: no GPUs, no tokens.
@@ -251,21 +248,31 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         short = (pad == np.inf) & real_BK.ravel()
         if (g_XN < G).any():
             classes.append([real_BK, k_BK, flat, pad[:, :, None] if short.any() else None, load, flow_c])
+    # Windows last, for the (row, GPU) cells the experts touch only (a local score's few): a class
+    # gathers and scatters whole rows of M loads, and each of its GPUs' slices (GPUs first, then
+    # row and expert) is one contiguous array.
+    gpu_MQ = gpu.reshape(M, B * (G + 1))
+    cell_U = np.unique(np.concatenate([c[2].ravel() for c in classes])) if classes else np.zeros(0, np.int64)
+    gpu_UM = np.ascontiguousarray(gpu_MQ[:, cell_U].T)
+    for c in classes:
+        c[2] = np.searchsorted(cell_U, c[2])
     for _ in range(sweeps):
         for c in classes:
             _, _, flat, pad, load, flow_c = c
             # g + (pad - flow) is (g - flow) + pad to the bit: pad is 0 or +inf.
-            g = gpu_QM[flat]
+            g = gpu_UM[flat]
             new = _pour(g - flow_c if pad is None else g + (pad - flow_c), load)
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
             delta = np.subtract(new, flow_c, out=flow_c)            # the old flows are done with
-            gpu_QM[flat] = np.add(g, delta, out=g)
+            gpu_UM[flat] = np.add(g, delta, out=g)
             c[5] = new
     for real_BK, k_BK, _, _, _, flow_c in classes:
         b, k = np.nonzero(real_BK)
         Xc = flow_c.shape[0]
         flow[:, b, k_BK[b, k], :Xc] = np.moveaxis(flow_c.reshape(Xc, B, -1, M)[:, b, k], (0, 2), (2, 0))
-    gpu[:] = np.moveaxis(gpu_QM.reshape(B, G + 1, M), 2, 0)
+    gpu_MQ[:, cell_U] = gpu_UM.T
+    if not np.shares_memory(gpu_MQ, gpu):
+        gpu[:] = gpu_MQ.reshape(gpu.shape)
 
 
 def bounds(gpu_BRX: np.ndarray, fixed_MBG: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray):
