@@ -244,7 +244,7 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         flow_c = np.ascontiguousarray(np.moveaxis(took, (3, 0), (0, 3))).reshape(Xc, -1, M)
         load = np.ascontiguousarray(np.moveaxis(flex_MBR[:, rows, k_BK] * real_BK, 0, 2)).reshape(-1, M)
         # Only a real expert on fewer GPUs than its class needs the +inf levels: a padding
-        # expert has no tokens, so it pours 0 whatever its levels.
+        # expert has no tokens and only the dummy GPU (load 0), so it pours 0 without them.
         short = (pad == np.inf) & real_BK.ravel()
         if (g_XN < G).any():
             classes.append([real_BK, k_BK, flat, pad[:, :, None] if short.any() else None, load, flow_c])
