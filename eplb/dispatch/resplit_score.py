@@ -23,6 +23,7 @@ by); `resplit_imbalance` sweeps until they meet (within `TOL`) and raises if the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,12 +115,16 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
     """The engine's even split as a water-filling state: (GPU loads [M, B, G + 1], the last the
     dummy GPU; tokens of each flexible expert on each of its GPUs [M, B, R, X])."""
     M, B, G = fixed_MBG.shape
-    gpu = np.concatenate([fixed_MBG, np.zeros((M, B, 1))], axis=2)
     flow = flex_MBR[..., None] * lay.even_BRX[None]
-    rows = np.arange(B)[:, None]
-    for r in range(lay.gpu_BRX.shape[1]):
-        np.add.at(gpu, (slice(None), rows, lay.gpu_BRX[:, r]), flow[:, :, r])
-    gpu[:, :, G] = 0.0
+    # One bincount over the fixed loads, then the flows in expert order: each GPU's sum is added
+    # in the same order as expert by expert, so the split is the same to the last bit.
+    real_BRX = lay.gpu_BRX < G
+    cell_BRX = np.arange(B)[:, None, None] * (G + 1) + lay.gpu_BRX
+    cell_MN = np.arange(M)[:, None] * (B * (G + 1)) + cell_BRX[real_BRX][None]
+    cell_MBG = (np.arange(M * B)[:, None] * (G + 1) + np.arange(G)).reshape(M, B, G)
+    gpu = np.bincount(np.concatenate([cell_MBG.ravel(), cell_MN.ravel()]),
+                      weights=np.concatenate([fixed_MBG.ravel(), flow[:, real_BRX].ravel()]),
+                      minlength=M * B * (G + 1)).reshape(M, B, G + 1)
     return gpu, flow
 
 
@@ -153,6 +158,66 @@ def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
     return out
 
 
+NETWORK_GPUS = 8
+"""Most GPUs of a class that pours through a sorting network of elementwise min / max (one pass
+per comparator over every expert of the class at once); wider classes sort with np.sort."""
+
+
+@functools.cache
+def _network(n: int) -> tuple[tuple[int, int], ...]:
+    """Comparators (i, j), i < j, of Batcher's odd-even merge sort of n values ascending (the
+    comparators of the next power of two that touch no index past n: those would hold +inf)."""
+    out, p = [], 1
+    while p < n:
+        k = p
+        while k >= 1:
+            for j in range(k % p, n - k, 2 * k):
+                for i in range(min(k, n - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        out.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(out)
+
+
+def _sorted(base_XNM: np.ndarray) -> list[np.ndarray]:
+    """The values of base_XNM sorted along X ascending, as X arrays [N, M]."""
+    X = base_XNM.shape[0]
+    if X > NETWORK_GPUS:
+        return list(np.sort(base_XNM, axis=0))
+    v = list(base_XNM)
+    for i, j in _network(X):
+        v[i], v[j] = np.minimum(v[i], v[j]), np.maximum(v[i], v[j])
+    return v
+
+
+def _pour(base_XNM: np.ndarray, load_NM: np.ndarray) -> np.ndarray:
+    """Each expert's tokens load_NM poured onto its GPUs above the levels base_XNM (+inf: no such
+    GPU): its new flows [X, N, M]. The level is (load + sum of the k lowest) / k for the most k
+    whose lowest lie below it; the sums run in the order np.cumsum adds them, so the flows are the
+    same to the last bit as pouring along a sorted axis."""
+    X = base_XNM.shape[0]
+    if X == 2:
+        # Two GPUs: the level meets both, or all tokens go to the lower one.
+        new = np.empty_like(base_XNM)
+        first = np.add(load_NM, base_XNM[1], out=new[0])
+        np.subtract(first, base_XNM[0], out=first)
+        np.multiply(first, 0.5, out=first)
+        np.clip(first, 0.0, load_NM, out=first)
+        np.subtract(load_NM, first, out=new[1])
+        return new
+    low = _sorted(base_XNM)
+    total = low[0]
+    level = [load_NM + total]
+    k = (low[0] < level[0]).astype(np.int64)
+    for x in range(1, X):
+        total = total + low[x]
+        level.append((load_NM + total) / (x + 1))
+        k += low[x] < level[x]
+    top = np.choose(np.maximum(k - 1, 0), level)
+    return np.maximum(top[None] - base_XNM, 0.0)
+
+
 def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int) -> None:
     """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
     (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
@@ -163,43 +228,51 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
     if not R or sweeps <= 0:
         return
     M = flex_MBR.shape[0]
-    # The padding expert R: no GPUs, no tokens.
-    g_all = np.concatenate([gpu_BRX, np.full((B, 1, X), G)], axis=1)
-    f_all = np.concatenate([flex_MBR, np.zeros((M, B, 1))], axis=2)
-    flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
     rows = np.arange(B)[:, None]
-    gpu_flat = np.ascontiguousarray(gpu).reshape(M, B * (G + 1))
     classes = []
     for k_BK in colour_classes(gpu_BRX, G):
-        g_BKX = g_all[rows, k_BK]
+        # The padding expert R: no GPUs, no tokens.
+        real_BK = k_BK < R
+        k_BK = np.minimum(k_BK, R - 1)
+        g_BKX = np.where(real_BK[:, :, None], gpu_BRX[rows, k_BK], G)
         Xc = max(1, int((g_BKX < G).sum(axis=2).max()))
-        g_BKX = g_BKX[:, :, :Xc]
-        pad = np.where(g_BKX == G, np.inf, 0.0)
-        pad[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
-        flat = rows[:, :, None] * (G + 1) + g_BKX
-        classes.append((k_BK, Xc, flat, pad[None], f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc],
-                        np.arange(1, Xc + 1)))
+        g_XN = np.moveaxis(g_BKX[:, :, :Xc], 2, 0).reshape(Xc, -1)
+        pad = np.where(g_XN == G, np.inf, 0.0)
+        pad[0] = 0.0                                               # padding experts: 0 tokens on the dummy GPU
+        flat = np.repeat(np.arange(B), k_BK.shape[1])[None] * (G + 1) + g_XN
+        took = np.where(real_BK[None, :, :, None], flow[:, rows, k_BK, :Xc], 0.0)
+        flow_c = np.ascontiguousarray(np.moveaxis(took, (3, 0), (0, 3))).reshape(Xc, -1, M)
+        load = np.ascontiguousarray(np.moveaxis(flex_MBR[:, rows, k_BK] * real_BK, 0, 2)).reshape(-1, M)
+        # Only a real expert on fewer GPUs than its class needs the +inf levels: a padding
+        # expert has no tokens and only the dummy GPU (load 0), so it pours 0 without them.
+        short = (pad == np.inf) & real_BK.ravel()
+        if (g_XN < G).any():
+            classes.append([real_BK, k_BK, flat, pad[:, :, None] if short.any() else None, load, flow_c])
+    # Windows last, for the (row, GPU) cells the experts touch only (a local score's few): a class
+    # gathers and scatters whole rows of M loads, and each of its GPUs' slices (GPUs first, then
+    # row and expert) is one contiguous array.
+    gpu_MQ = gpu.reshape(M, B * (G + 1))
+    cell_U = np.unique(np.concatenate([c[2].ravel() for c in classes])) if classes else np.zeros(0, np.int64)
+    gpu_UM = np.ascontiguousarray(gpu_MQ[:, cell_U].T)
+    for c in classes:
+        c[2] = np.searchsorted(cell_U, c[2])
     for _ in range(sweeps):
-        for _, Xc, flat, pad, load, flow_c, ks in classes:
-            base = gpu_flat[:, flat] - flow_c + pad
-            if Xc == 2:
-                # Two GPUs: the level meets both, or all tokens go to the lower one.
-                first = np.clip(0.5 * (load[..., 0] + base[..., 1] - base[..., 0]), 0.0, load[..., 0])
-                new = np.stack([first, load[..., 0] - first], axis=3)
-                gpu_flat[:, flat] += new - flow_c
-                flow_c[:] = new
-                continue
-            b_sorted = np.sort(base, axis=3)
-            level = (load + np.cumsum(b_sorted, axis=3)) / ks
-            k = (b_sorted < level).sum(axis=3, keepdims=True)
-            new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=3) - base, 0.0)
+        for c in classes:
+            _, _, flat, pad, load, flow_c = c
+            # g + (pad - flow) is (g - flow) + pad to the bit: pad is 0 or +inf.
+            g = gpu_UM[flat]
+            new = _pour(g - flow_c if pad is None else g + (pad - flow_c), load)
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu_flat[:, flat] += new - flow_c
-            flow_c[:] = new
-    for k_BK, Xc, _, _, _, flow_c, _ in classes:
-        flow_all[:, rows, k_BK, :Xc] = flow_c
-    flow[:] = flow_all[:, :, :R]
-    gpu[:] = gpu_flat.reshape(gpu.shape)
+            delta = np.subtract(new, flow_c, out=flow_c)            # the old flows are done with
+            gpu_UM[flat] = np.add(g, delta, out=g)
+            c[5] = new
+    for real_BK, k_BK, _, _, _, flow_c in classes:
+        b, k = np.nonzero(real_BK)
+        Xc = flow_c.shape[0]
+        flow[:, b, k_BK[b, k], :Xc] = np.moveaxis(flow_c.reshape(Xc, B, -1, M)[:, b, k], (0, 2), (2, 0))
+    gpu_MQ[:, cell_U] = gpu_UM.T
+    if not np.shares_memory(gpu_MQ, gpu):
+        gpu[:] = gpu_MQ.reshape(gpu.shape)
 
 
 def bounds(gpu_BRX: np.ndarray, fixed_MBG: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray):

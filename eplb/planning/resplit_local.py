@@ -83,41 +83,52 @@ def _changed(cand, cur_LP, flow_MLQ, gpu_MLG, S):
     return phy, flow, gpu, h
 
 
+def _first_true(mask_NY: np.ndarray, Y: int, fill: int) -> np.ndarray:
+    """The indices of the first Y true entries of each row of mask_NY [..., Z], ascending, [..., Y]
+    (padding `fill`): what a stable argsort of ~mask keeps of them, without the sort."""
+    lead, Z = mask_NY.shape[:-1], mask_NY.shape[-1]
+    row, col = np.nonzero(mask_NY.reshape(-1, Z))
+    rank = np.arange(len(row)) - np.searchsorted(row, row)       # place among its row's true entries
+    keep = rank < Y
+    out = np.full((int(np.prod(lead)), Y), fill, dtype=np.int64)
+    out[row[keep], rank[keep]] = col[keep]
+    return out.reshape(lead + (Y,))
+
+
 def _spans(phy_CP, on_CG, G):
     """The experts with a replica on the GPUs on_CG [C, G] that span two GPUs or more: (their ids
     [C, K] (padding -1), their GPUs [C, K, X] (padding G))."""
     C, P = phy_CP.shape
     S = P // G
-    rows = np.arange(C)[:, None]
     mask_CP = np.repeat(on_CG, S, axis=1)
-    slots = np.argsort(~mask_CP, axis=1, kind="stable")[:, :max(1, int(mask_CP.sum(axis=1).max()))]
-    act = np.sort(np.where(np.take_along_axis(mask_CP, slots, axis=1), phy_CP[rows, slots], -1), axis=1)
+    slots = _first_true(mask_CP, max(1, int(mask_CP.sum(axis=1).max())), P)
+    act = np.sort(np.where(slots < P, np.take_along_axis(phy_CP, np.minimum(slots, P - 1), axis=1), -1), axis=1)
     act[:, 1:][act[:, 1:] == act[:, :-1]] = -1
-    hold_CKG = (phy_CP[:, None, :] == act[:, :, None]).reshape(C, -1, G, S).any(axis=3)
+    same_CKGS = (phy_CP[:, None, :] == act[:, :, None]).reshape(C, -1, G, S)
+    hold_CKG = same_CKGS[..., 0].copy()
+    for s in range(1, S):
+        hold_CKG |= same_CKGS[..., s]
     span_CK = hold_CKG.sum(axis=2)
     # Keep the experts that can move tokens (two GPUs or more), first.
     order = np.argsort(span_CK < 2, axis=1, kind="stable")[:, :max(1, int((span_CK >= 2).sum(axis=1).max()))]
     live_CK = np.take_along_axis(span_CK, order, axis=1) >= 2
     act = np.where(live_CK, np.take_along_axis(act, order, axis=1), -1)
     hold_CKG = np.take_along_axis(hold_CKG, order[:, :, None], axis=1) & live_CK[:, :, None]
-    X = max(1, int(hold_CKG.sum(axis=2).max()))
-    gpus = np.argsort(~hold_CKG, axis=2, kind="stable")[:, :, :X]
-    return act, np.where(np.take_along_axis(hold_CKG, gpus, axis=2), gpus, G)
+    return act, _first_true(hold_CKG, max(1, int(hold_CKG.sum(axis=2).max())), G)
 
 
-def _flows(phy_CP, flow_MCQ, act_CK, gpus_CKX, E, G):
+def _flows(phy_CP, flow_MCQ, act_CK, gpus_CKX, G):
     """Tokens of each expert act_CK on each of its GPUs gpus_CKX, [M, C, K, X]: the sum over its
-    slots there of the split per slot flow_MCQ."""
+    slots there of the split per slot flow_MCQ (at most one of them holds tokens: `slot_flows`,
+    `_changed`, so the order of the sum does not matter)."""
     C, P = phy_CP.shape
-    M = flow_MCQ.shape[0]
-    key = ((np.arange(C)[:, None] * E + phy_CP) * (G + 1) + np.arange(P) // (P // G)).ravel()
-    order = np.argsort(key, kind="stable")
-    ukey, start = np.unique(key[order], return_index=True)
-    sum_MU = np.add.reduceat(flow_MCQ[:, :, :P].reshape(M, C * P)[:, order], start, axis=1)
-    want = ((np.arange(C)[:, None, None] * E + np.maximum(act_CK, 0)[:, :, None]) * (G + 1) + gpus_CKX)
-    idx = np.minimum(np.searchsorted(ukey, want), len(ukey) - 1)
-    found = (ukey[idx] == want) & (gpus_CKX < G) & (act_CK[:, :, None] >= 0)
-    return np.where(found, sum_MU[:, idx], 0.0)
+    M, S = flow_MCQ.shape[0], P // G
+    slot_CKXS = gpus_CKX[..., None] * S + np.arange(S)             # the dummy GPU G: padding slots P..P + S - 1
+    phy_CQ = np.concatenate([phy_CP, np.full((C, S), -1)], axis=1)
+    rows = np.arange(C)[:, None, None, None]
+    mine = (phy_CQ[rows, slot_CKXS] == act_CK[:, :, None, None]) & (act_CK[:, :, None, None] >= 0)
+    took = flow_MCQ.reshape(M, C * (P + S))[:, rows * (P + S) + slot_CKXS]
+    return np.where(mine, took, 0.0).sum(axis=4)
 
 
 def score_local(cand: np.ndarray, cur_LP: np.ndarray, flow_MLQ: np.ndarray, gpu_MLG: np.ndarray,
@@ -143,6 +154,6 @@ def score_local(cand: np.ndarray, cur_LP: np.ndarray, flow_MLQ: np.ndarray, gpu_
         act, gpus = _spans(phy, on_CG[:, :G], G)
         load_MCK = np.take_along_axis(load_MLE[:, c[:, 0]], np.broadcast_to(np.maximum(act, 0), (M,) + act.shape),
                                       axis=2) * (act >= 0)
-        water_fill(gpus, load_MCK, gpu, _flows(phy, flow, act, gpus, E, G), sweeps)
+        water_fill(gpus, load_MCK, gpu, _flows(phy, flow, act, gpus, G), sweeps)
         out[:, i:i + step] = gpu[:, :, :G].max(axis=2)
     return out
