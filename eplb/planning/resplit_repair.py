@@ -66,7 +66,6 @@ SCREEN_SWEEPS = 2
 
 SCREEN_SCENARIOS = 8
 """Scenarios of the quick screen: each layer's busiest under the placement in force."""
-"""Sweeps of the quick screen (over the experts on the two changed GPUs only)."""
 
 
 WIDTHS = ((3, 4, 16, 4, 3), (8, 32, 64, 8, 4), (1 << 30, 0, 256, 16, 8))
