@@ -153,22 +153,16 @@ def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
     return out
 
 
-def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int) -> None:
-    """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
-    (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
-    expert in turn pours its tokens onto its lowest GPUs, every row and window at once, and
-    experts that share no GPU at once (`colour_classes`)."""
+def fill_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[tuple]:
+    """What `water_fill` pours by, for GPUs gpu_BRX [B, R, X] (build once per layout, reuse for
+    any loads): per colour class (`colour_classes`), its experts k_BK, its GPU count Xc, the
+    flat index of each of their GPUs into the [B, G + 1] GPU loads, and the padding (+inf on
+    GPUs an expert lacks, so the level never counts them)."""
     B, R, X = gpu_BRX.shape
-    G = gpu.shape[2] - 1
-    if not R or sweeps <= 0:
-        return
-    M = flex_MBR.shape[0]
+    G = int(num_gpus)
     # The padding expert R: no GPUs, no tokens.
     g_all = np.concatenate([gpu_BRX, np.full((B, 1, X), G)], axis=1)
-    f_all = np.concatenate([flex_MBR, np.zeros((M, B, 1))], axis=2)
-    flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
     rows = np.arange(B)[:, None]
-    gpu_flat = np.ascontiguousarray(gpu).reshape(M, B * (G + 1))
     classes = []
     for k_BK in colour_classes(gpu_BRX, G):
         g_BKX = g_all[rows, k_BK]
@@ -176,11 +170,32 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         g_BKX = g_BKX[:, :, :Xc]
         pad = np.where(g_BKX == G, np.inf, 0.0)
         pad[:, :, 0] = 0.0                                         # padding experts: 0 tokens on the dummy GPU
-        flat = rows[:, :, None] * (G + 1) + g_BKX
-        classes.append((k_BK, Xc, flat, pad[None], f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc],
-                        np.arange(1, Xc + 1)))
+        classes.append((k_BK, Xc, rows[:, :, None] * (G + 1) + g_BKX, pad[None]))
+    return classes
+
+
+def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int,
+               classes: list[tuple] | None = None) -> None:
+    """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
+    (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
+    expert in turn pours its tokens onto its lowest GPUs, every row and window at once, and
+    experts that share no GPU at once (`colour_classes`). `classes`: `fill_classes(gpu_BRX, G)`,
+    when the caller keeps it for many calls on one layout."""
+    B, R, X = gpu_BRX.shape
+    G = gpu.shape[2] - 1
+    if not R or sweeps <= 0:
+        return
+    if classes is None:
+        classes = fill_classes(gpu_BRX, G)
+    M = flex_MBR.shape[0]
+    f_all = np.concatenate([flex_MBR, np.zeros((M, B, 1))], axis=2)
+    flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
+    rows = np.arange(B)[:, None]
+    gpu_flat = np.ascontiguousarray(gpu).reshape(M, B * (G + 1))
+    state = [(Xc, flat, pad, f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc], np.arange(1, Xc + 1))
+             for k_BK, Xc, flat, pad in classes]
     for _ in range(sweeps):
-        for _, Xc, flat, pad, load, flow_c, ks in classes:
+        for Xc, flat, pad, load, flow_c, ks in state:
             base = gpu_flat[:, flat] - flow_c + pad
             if Xc == 2:
                 # Two GPUs: the level meets both, or all tokens go to the lower one.
@@ -196,7 +211,7 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
             gpu_flat[:, flat] += new - flow_c
             flow_c[:] = new
-    for k_BK, Xc, _, _, _, flow_c, _ in classes:
+    for (k_BK, Xc, _, _), (_, _, _, _, flow_c, _) in zip(classes, state):
         flow_all[:, rows, k_BK, :Xc] = flow_c
     flow[:] = flow_all[:, :, :R]
     gpu[:] = gpu_flat.reshape(gpu.shape)
