@@ -123,11 +123,12 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
     return gpu, flow
 
 
-def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
+def colour_classes(gpu_BRX: np.ndarray, num_gpus: int, by_span: bool = True) -> list[np.ndarray]:
     """The flexible experts of each row in classes that share no GPU and span about as many GPUs
     (1, 2, 3-4, 5-8, ...): a list of int [B, K] (indices into R; padding R, an expert with no
     GPUs), greedy colouring in expert order. The experts of one class can pour at once with the
-    same result as one after another, and a class pads its experts to few GPUs."""
+    same result as one after another, and a class pads its experts to few GPUs. by_span=False:
+    one class per colour (fewer, wider steps: faster when there are few rows)."""
     B, R, X = gpu_BRX.shape
     G = int(num_gpus)
     rows = np.arange(B)[:, None]
@@ -143,7 +144,7 @@ def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
                        np.uint64(0))
         np.bitwise_or.at(used_BG, (np.broadcast_to(rows, g_BX.shape), g_BX), bit[:, None])
     span_BR = np.maximum((gpu_BRX < G).sum(axis=2), 1)
-    key_BR = colour_BR * 64 + np.ceil(np.log2(span_BR)).astype(np.int64)
+    key_BR = colour_BR * 64 + (np.ceil(np.log2(span_BR)).astype(np.int64) if by_span else 0)
     out = []
     for c in np.unique(key_BR) if R else []:
         member_BR = key_BR == c
@@ -153,7 +154,7 @@ def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
     return out
 
 
-def fill_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[tuple]:
+def fill_classes(gpu_BRX: np.ndarray, num_gpus: int, by_span: bool = True) -> list[tuple]:
     """What `water_fill` pours by, for GPUs gpu_BRX [B, R, X] (build once per layout, reuse for
     any loads): per colour class (`colour_classes`), its experts k_BK, its GPU count Xc, the
     flat index of each of their GPUs into the [B, G + 1] GPU loads, and the padding (+inf on
@@ -164,7 +165,7 @@ def fill_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[tuple]:
     g_all = np.concatenate([gpu_BRX, np.full((B, 1, X), G)], axis=1)
     rows = np.arange(B)[:, None]
     classes = []
-    for k_BK in colour_classes(gpu_BRX, G):
+    for k_BK in colour_classes(gpu_BRX, G, by_span):
         g_BKX = g_all[rows, k_BK]
         Xc = max(1, int((g_BKX < G).sum(axis=2).max()))
         g_BKX = g_BKX[:, :, :Xc]
@@ -192,24 +193,24 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
     flow_all = np.concatenate([flow, np.zeros((M, B, 1, X))], axis=2)
     rows = np.arange(B)[:, None]
     gpu_flat = np.ascontiguousarray(gpu).reshape(M, B * (G + 1))
-    state = [(Xc, flat, pad, f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc], np.arange(1, Xc + 1))
-             for k_BK, Xc, flat, pad in classes]
+    gpu_1d = gpu_flat.reshape(-1)                                  # a view: flat indices over windows too
+    window = (np.arange(M) * (B * (G + 1)))[:, None, None, None]
+    state = [(Xc, window + flat[None], pad, f_all[:, rows, k_BK][..., None], flow_all[:, rows, k_BK, :Xc],
+              np.arange(1, Xc + 1)) for k_BK, Xc, flat, pad in classes]
     for _ in range(sweeps):
         for Xc, flat, pad, load, flow_c, ks in state:
-            base = gpu_flat[:, flat] - flow_c + pad
+            base = gpu_1d[flat] - flow_c + pad
             if Xc == 2:
                 # Two GPUs: the level meets both, or all tokens go to the lower one.
                 first = np.clip(0.5 * (load[..., 0] + base[..., 1] - base[..., 0]), 0.0, load[..., 0])
                 new = np.stack([first, load[..., 0] - first], axis=3)
-                gpu_flat[:, flat] += new - flow_c
-                flow_c[:] = new
-                continue
-            b_sorted = np.sort(base, axis=3)
-            level = (load + np.cumsum(b_sorted, axis=3)) / ks
-            k = (b_sorted < level).sum(axis=3, keepdims=True)
-            new = np.maximum(np.take_along_axis(level, np.maximum(k - 1, 0), axis=3) - base, 0.0)
+            else:
+                # The level over the k lowest GPUs is (load + their sum) / k; the water level is
+                # the least of these (+inf entries never count).
+                level = ((load + np.cumsum(np.sort(base, axis=3), axis=3)) / ks).min(axis=3, keepdims=True)
+                new = np.maximum(level - base, 0.0)
             # The GPUs of one class are distinct (only the dummy repeats, and it only ever gets 0).
-            gpu_flat[:, flat] += new - flow_c
+            gpu_1d[flat] += new - flow_c
             flow_c[:] = new
     for (k_BK, Xc, _, _), (_, _, _, _, flow_c, _) in zip(classes, state):
         flow_all[:, rows, k_BK, :Xc] = flow_c

@@ -43,7 +43,7 @@ from typing import Protocol
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.dispatch.resplit_score import fill_classes, fixed_loads, flexible_loads, layout, water_fill
+from eplb.dispatch.resplit_score import fill_classes, layout, water_fill
 from eplb.dispatch.sglang import SglangDynamic, SglangStatic
 from eplb.dispatch.sglang_lp import SglangLp
 from eplb.errors import EplbError
@@ -137,19 +137,25 @@ class Resplitter:
         L, P = phy2log_LP.shape
         G, E = placement.num_gpus, placement.num_logical_experts
         self.layout = lay = layout(phy2log_LP, G)
-        self._classes = fill_classes(lay.gpu_BRX, G)
-        # The layout's experts: those up to the highest id held (a partial placement may hold fewer).
-        self._E = lay.rigid_BEG.shape[0] // L if L else E
+        # Many rows: classes split by GPU span (narrow steps); few rows, as in the runtime shim's
+        # one layer per call: one class per colour (fewer steps, each costs numpy's overhead).
+        self._classes = fill_classes(lay.gpu_BRX, G, by_span=L >= 8)
         # Starting point: the engine's even split (1 / replicas), so that every sweep, which
         # never raises the busiest GPU it touches, stays at or below the even split.
         self.start_LP = _even_LP(placement)
-        R, X = lay.gpu_BRX.shape[1:]
         valid_LRX = lay.gpu_BRX < G
         rows_LRX = np.broadcast_to(np.arange(L)[:, None, None], lay.gpu_BRX.shape)
         self._valid_LRX = valid_LRX
-        # Flat indices: the flexible experts' first slot per GPU into [L x P], their GPU into [L x (G + 1)].
+        # Flat indices (the tables of fixed_loads / flexible_loads, without the sparse product):
+        # each flexible expert's load in [L x E], with 0 for the padding experts ...
+        self._flex_load = np.where(valid_LRX[:, :, 0], np.arange(L)[:, None] * E + lay.expert_BR, L * E)
+        # ... the load of each expert on one GPU, then the GPU of every start term in [L x (G + 1)] ...
+        rigid_l, rigid_p = np.divmod(lay.rigid_slot, P)
+        self._rigid_load = rigid_l * E + phy2log_LP[rigid_l, rigid_p]
+        self._gpu_flat = np.r_[rigid_l * (G + 1) + rigid_p // placement.slots_per_gpu,
+                               (rows_LRX * (G + 1) + lay.gpu_BRX).ravel()]
+        # ... and the flexible experts' first slot per GPU in [L x P].
         self._flex_slot = (rows_LRX * P + lay.slot_BRX)[valid_LRX]
-        self._gpu_flat = (rows_LRX * (G + 1) + lay.gpu_BRX).ravel()
         # For warm starts: every slot of a flexible expert -> its (layer, expert, GPU) cell, so
         # that the previous shares of all its copies on one GPU add up there.
         cell_LEG = np.full((L, E, G), -1, dtype=np.int64)
@@ -169,18 +175,16 @@ class Resplitter:
         L, P = p.phy2log_LP.shape
         G = p.num_gpus
         # Step 1: the start state, the even split or the previous call's shares per GPU.
-        load_1LE = load[None, :, :self._E]
-        fixed = fixed_loads(lay, load_1LE)
-        flex = flexible_loads(lay, load_1LE)
+        load_1d = np.r_[load.ravel(), 0.0]
+        flex = load_1d[self._flex_load][None]
         if warm and self._last_LP is not None:
             share_LRX = np.bincount(self._warm_cell, weights=self._last_LP.ravel()[self._warm_slot],
                                     minlength=lay.gpu_BRX.size).astype(np.float64).reshape(lay.gpu_BRX.shape)
         else:
             share_LRX = lay.even_BRX
         flow = flex[..., None] * share_LRX[None]
-        gpu = np.bincount(self._gpu_flat, weights=flow.ravel(), minlength=L * (G + 1)).astype(np.float64)
-        gpu = gpu.reshape(1, L, G + 1)
-        gpu[0, :, :G] += fixed[0]
+        gpu = np.bincount(self._gpu_flat, weights=np.r_[load_1d[self._rigid_load], flow.ravel()],
+                          minlength=L * (G + 1)).astype(np.float64, copy=False).reshape(1, L, G + 1)
         gpu[0, :, G] = 0.0
         # Step 2: water-fill.
         water_fill(lay.gpu_BRX, flex, gpu, flow, int(sweeps), self._classes)
