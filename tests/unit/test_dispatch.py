@@ -147,9 +147,10 @@ def test_resplitter_matches_its_oracle(seed):
     from tests.oracles.resplitter import Resplitter as Old
 
     rng = np.random.default_rng(seed)
-    p, load = random_case(rng, E=24, G=6, S=5, L=4)
+    L = 4 if seed < 3 else 9                                       # 8 rows or more: classes split by span
+    p, load = random_case(rng, E=24, G=6, S=5, L=L)
     if seed % 2:
-        p = Placement(contiguous_map(24, Topology(num_gpus=6, slots_per_gpu=5), 4), 6, 24)
+        p = Placement(contiguous_map(24, Topology(num_gpus=6, slots_per_gpu=5), L), 6, 24)
         load = load * (rng.random(load.shape) > 0.2)
     # A second copy: an earlier slot of the same GPU holds the same expert, which has tokens.
     phy_LGS = p.phy2log_LP.reshape(p.num_layers, 6, 5)
