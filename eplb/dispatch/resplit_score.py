@@ -128,11 +128,12 @@ def even_split(lay: Layout, fixed_MBG: np.ndarray, flex_MBR: np.ndarray):
     return gpu, flow
 
 
-def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
+def colour_classes(gpu_BRX: np.ndarray, num_gpus: int, by_span: bool = True) -> list[np.ndarray]:
     """The flexible experts of each row in classes that share no GPU and span about as many GPUs
     (1, 2, 3-4, 5-8, ...): a list of int [B, K] (indices into R; padding R, an expert with no
     GPUs), greedy colouring in expert order. The experts of one class can pour at once with the
-    same result as one after another, and a class pads its experts to few GPUs."""
+    same result as one after another, and a class pads its experts to few GPUs. by_span=False:
+    one class per colour (fewer, wider steps: faster when there are few rows)."""
     B, R, X = gpu_BRX.shape
     G = int(num_gpus)
     rows = np.arange(B)[:, None]
@@ -148,7 +149,7 @@ def colour_classes(gpu_BRX: np.ndarray, num_gpus: int) -> list[np.ndarray]:
                        np.uint64(0))
         np.bitwise_or.at(used_BG, (np.broadcast_to(rows, g_BX.shape), g_BX), bit[:, None])
     span_BR = np.maximum((gpu_BRX < G).sum(axis=2), 1)
-    key_BR = colour_BR * 64 + np.ceil(np.log2(span_BR)).astype(np.int64)
+    key_BR = colour_BR * 64 + (np.ceil(np.log2(span_BR)).astype(np.int64) if by_span else 0)
     out = []
     for c in np.unique(key_BR) if R else []:
         member_BR = key_BR == c
@@ -218,19 +219,17 @@ def _pour(base_XNM: np.ndarray, load_NM: np.ndarray) -> np.ndarray:
     return np.maximum(top[None] - base_XNM, 0.0)
 
 
-def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int) -> None:
-    """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
-    (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
-    expert in turn pours its tokens onto its lowest GPUs, every row and window at once, and
-    experts that share no GPU at once (`colour_classes`)."""
+def fill_classes(gpu_BRX: np.ndarray, num_gpus: int, by_span: bool = True) -> tuple[np.ndarray, list[tuple]]:
+    """What `water_fill` pours by, for GPUs gpu_BRX [B, R, X] (build once per layout, reuse for any
+    loads): (cell_U: the flat (row, GPU) cells the flexible experts touch, ascending, and per colour
+    class (`colour_classes`) with a real GPU, (real_BK: which of its entries are experts, k_BK:
+    those experts (padding clipped to R - 1), at_XN: the index into cell_U of each of its GPUs,
+    GPUs first, pad [Xc, N, 1] or None: +inf on GPUs a real expert lacks))."""
     B, R, X = gpu_BRX.shape
-    G = gpu.shape[2] - 1
-    if not R or sweeps <= 0:
-        return
-    M = flex_MBR.shape[0]
+    G = int(num_gpus)
     rows = np.arange(B)[:, None]
     classes = []
-    for k_BK in colour_classes(gpu_BRX, G):
+    for k_BK in colour_classes(gpu_BRX, G, by_span):
         # The padding expert R: no GPUs, no tokens.
         real_BK = k_BK < R
         k_BK = np.minimum(k_BK, R - 1)
@@ -240,22 +239,42 @@ def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow:
         pad = np.where(g_XN == G, np.inf, 0.0)
         pad[0] = 0.0                                               # padding experts: 0 tokens on the dummy GPU
         flat = np.repeat(np.arange(B), k_BK.shape[1])[None] * (G + 1) + g_XN
-        took = np.where(real_BK[None, :, :, None], flow[:, rows, k_BK, :Xc], 0.0)
-        flow_c = np.ascontiguousarray(np.moveaxis(took, (3, 0), (0, 3))).reshape(Xc, -1, M)
-        load = np.ascontiguousarray(np.moveaxis(flex_MBR[:, rows, k_BK] * real_BK, 0, 2)).reshape(-1, M)
         # Only a real expert on fewer GPUs than its class needs the +inf levels: a padding
         # expert has no tokens and only the dummy GPU (load 0), so it pours 0 without them.
         short = (pad == np.inf) & real_BK.ravel()
         if (g_XN < G).any():
-            classes.append([real_BK, k_BK, flat, pad[:, :, None] if short.any() else None, load, flow_c])
+            classes.append((real_BK, k_BK, flat, pad[:, :, None] if short.any() else None))
+    cell_U = np.unique(np.concatenate([c[2].ravel() for c in classes])) if classes else np.zeros(0, np.int64)
+    return cell_U, [(r, k, np.searchsorted(cell_U, f), pad) for r, k, f, pad in classes]
+
+
+def water_fill(gpu_BRX: np.ndarray, flex_MBR: np.ndarray, gpu: np.ndarray, flow: np.ndarray, sweeps: int,
+               classes: tuple[np.ndarray, list[tuple]] | None = None) -> None:
+    """`sweeps` sweeps of water-filling over the flexible experts, in place on the state
+    (gpu [M, B, G + 1], flow [M, B, R, X]) for their GPUs gpu_BRX and loads flex_MBR: each
+    expert in turn pours its tokens onto its lowest GPUs, every row and window at once, and
+    experts that share no GPU at once (`colour_classes`). `classes`: `fill_classes(gpu_BRX, G)`,
+    when the caller keeps it for many calls on one layout (the per-batch `Resplitter`)."""
+    B, R, X = gpu_BRX.shape
+    G = gpu.shape[2] - 1
+    if not R or sweeps <= 0:
+        return
+    M = flex_MBR.shape[0]
+    rows = np.arange(B)[:, None]
+    cell_U, static = fill_classes(gpu_BRX, G) if classes is None else classes
+    state = []
+    for real_BK, k_BK, flat, pad in static:
+        Xc = flat.shape[0]
+        took = np.where(real_BK[None, :, :, None], flow[:, rows, k_BK, :Xc], 0.0)
+        flow_c = np.ascontiguousarray(np.moveaxis(took, (3, 0), (0, 3))).reshape(Xc, -1, M)
+        load = np.ascontiguousarray(np.moveaxis(flex_MBR[:, rows, k_BK] * real_BK, 0, 2)).reshape(-1, M)
+        state.append([real_BK, k_BK, flat, pad, load, flow_c])
+    classes = state
     # Windows last, for the (row, GPU) cells the experts touch only (a local score's few): a class
     # gathers and scatters whole rows of M loads, and each of its GPUs' slices (GPUs first, then
     # row and expert) is one contiguous array.
     gpu_MQ = gpu.reshape(M, B * (G + 1))
-    cell_U = np.unique(np.concatenate([c[2].ravel() for c in classes])) if classes else np.zeros(0, np.int64)
     gpu_UM = np.ascontiguousarray(gpu_MQ[:, cell_U].T)
-    for c in classes:
-        c[2] = np.searchsorted(cell_U, c[2])
     for _ in range(sweeps):
         for c in classes:
             _, _, flat, pad, load, flow_c = c
