@@ -315,6 +315,7 @@ def run(args) -> int:
     previous = load_placement(args.previous) if args.previous else None
     _check_previous(args, previous)
     slots, capacity = _slots(args, trace, previous)
+    aggregation = Aggregation(args.aggregate, args.window, args.alpha)
     what = f"eplb plan: {args.planner} on {trace.num_layers} layers x {trace.num_logical_experts} experts"
     # Planners with a progress bar of their own (a "quiet" setting: ilp) draw it themselves.
     own_bar = "quiet" in planner_settings(args.planner)
@@ -322,13 +323,13 @@ def run(args) -> int:
                 enabled=False if args.quiet or args.json or own_bar else None):
         result = planning.plan(
             trace, num_gpus=args.gpus, num_nodes=args.nodes, num_redundant=args.redundant, slots_per_gpu=slots,
-            planner=args.planner, aggregate=Aggregation(args.aggregate, args.window, args.alpha),
+            planner=args.planner, aggregate=aggregation,
             num_expert_groups=args.expert_groups, settings=settings, previous=previous, budget=budget,
             objective=objective, dispatch=rule, resplit_rounds=0,
         )
         resplit = None
         if re_splits(rule):  # the search as eplb.plan runs it, on the planner's plan kept for the report
-            windows = resplit_windows(trace.counts_TLE, Aggregation(args.aggregate, args.window, args.alpha))
+            windows = resplit_windows(trace.counts_TLE, aggregation)
             even_plan = result
             result = plan_for_resplit(result, windows, previous, budget)
             resplit = _resplit_scores(result, even_plan, previous, windows)
