@@ -11,37 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.placement import Placement
+from eplb.dispatch.rules import _check_load, _even_LP, _shares_to_weights
 from eplb.errors import EplbError
-
-
-def _check_load(placement: Placement, load_LE) -> np.ndarray:
-    load = np.asarray(load_LE, dtype=np.float64)
-    if load.shape != (placement.num_layers, placement.num_logical_experts):
-        raise EplbError(
-            f"loads have shape {load.shape}, but the placement needs "
-            f"{(placement.num_layers, placement.num_logical_experts)} [layers, logical experts]"
-        )
-    if not np.all(np.isfinite(load)) or (load.size and load.min() < 0):
-        raise EplbError("loads must be finite and non-negative")
-    return load
-
-
-def _even_LP(placement: Placement) -> np.ndarray:
-    return 1.0 / np.take_along_axis(placement.replica_count_LE, placement.phy2log_LP, axis=1)
-
-
-def _shares_to_weights(placement: Placement, load_LE: np.ndarray, flow_LP: np.ndarray) -> np.ndarray:
-    """Turn per-slot token amounts into shares that sum to exactly 1 per expert."""
-    L, P = flow_LP.shape
-    rows = np.arange(L)[:, None]
-    flow_LP = np.maximum(flow_LP, 0.0)
-    sums_LE = np.zeros((L, placement.num_logical_experts))
-    np.add.at(sums_LE, (np.broadcast_to(rows, (L, P)), placement.phy2log_LP), flow_LP)
-    sums_LP = np.take_along_axis(sums_LE, placement.phy2log_LP, axis=1)
-    load_LP = np.take_along_axis(load_LE, placement.phy2log_LP, axis=1)
-    # Experts with no tokens (or, defensively, no flow) keep the even split.
-    ok_LP = (load_LP > 0) & (sums_LP > 0)
-    return np.where(ok_LP, flow_LP / np.where(ok_LP, sums_LP, 1.0), _even_LP(placement))
 
 
 class Resplitter:
