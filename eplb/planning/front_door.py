@@ -357,9 +357,7 @@ def plan(
     rule = get_rule("plan" if dispatch is None else dispatch)
     objective = check_objective(objective)
     resplit_rounds = whole_number("resplit_rounds", resplit_rounds, 0)
-    if re_splits(rule) and objective != "tokens":  # before the planner runs
-        raise EplbError(f"dispatch {rule.name!r} re-splits the token counts of every batch: plan for tokens "
-                        f"(drop --objective time), or plan for an even split")
+    _check_resplit_objective(rule, objective)  # before the planner runs
     agg = stats.as_aggregation(aggregate)
     history_TLE, layer_ids, meta = as_history(loads)
     load_LE = agg(history_TLE)
@@ -400,6 +398,13 @@ def plan(
     return result
 
 
+def _check_resplit_objective(rule: DispatchRule, objective) -> None:
+    """A rule that re-splits every batch balances token counts: refuse the time objective under it."""
+    if re_splits(rule) and objective != "tokens":
+        raise EplbError(f"dispatch {rule.name!r} re-splits the token counts of every batch: plan for tokens "
+                        f"(drop --objective time), or plan for an even split")
+
+
 def resplit_windows(history_TLE: np.ndarray, aggregation: Aggregation) -> np.ndarray:
     """The windows a plan for a re-split rule is searched and scored on, float64 [M, L, E]: the
     history's (the newest `window` of them for "window", the newest for "last"): the windows the
@@ -419,9 +424,7 @@ def plan_for_resplit(result: PlanResult, history_TLE, previous: Placement | None
     if not re_splits(result.dispatch):
         raise EplbError(f"dispatch {result.dispatch.name!r} does not re-split each batch: plan for "
                         f"'resplit', 'optimal' or SGLang's 'lp', or keep the plan as it is")
-    if result.objective != "tokens":
-        raise EplbError("planning for a re-split rule balances token counts: drop the time objective "
-                        "(--objective time), or plan for an even split")
+    _check_resplit_objective(result.dispatch, result.objective)
     sol = search_solution(result.solution, result.topology, result.dispatch, result.layer_ids, history_TLE,
                           previous, budget, rounds)
     return replace(result, solution=sol)

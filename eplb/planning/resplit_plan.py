@@ -114,17 +114,15 @@ def search_solution(sol: Solution, topology: Topology, rule, layer_ids, history_
     searched for the re-split rule on the windows history_TLE [M, L, E] (module docstring);
     info["resplit"] says what it did. `eplb.planning.plan_for_resplit` is the PlanResult form."""
     windows = np.asarray(history_TLE, dtype=np.float64)
-    topo = topology
-    G, E = topo.num_gpus, windows.shape[2]
+    G, E = topology.num_gpus, windows.shape[2]
     plan_LP = np.asarray(sol.phy2log_LP, dtype=np.int64)
     check_resplit_size(plan_LP, len(windows), G)
-    ids = layer_ids
 
     def cost(phy_LP):
-        return _cost(window_scores(rule, phy_LP, windows, topo, ids))
+        return _cost(window_scores(rule, phy_LP, windows, topology, layer_ids))
 
     if isinstance(rule, SglangLp):  # SGLang may refuse the shape: say so before the search
-        rule.bind(Placement(plan_LP, G, E, topo.num_nodes, ids))
+        rule.bind(Placement(plan_LP, G, E, topology.num_nodes, layer_ids))
     if previous is None:
         start_LP, price = plan_LP, 0.0
         new_LP = resplit_repair(plan_LP, windows, G, rounds=rounds)[0]
